@@ -1,0 +1,30 @@
+# Fresh machine: `make demo` (the main job) or `make test` (all tests); both run `make setup` first.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+# CPU: the local torch 2.13.0 CPU build. On a GPU box with torch already in the image: make setup TORCH_SPEC=
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first: installing megatron-core without torch pulls a multi-GB CUDA build
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
+	touch $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+demo: setup
+	PYTHON=$(BIN)/python bash examples/run_demo.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache
