@@ -1,0 +1,100 @@
+"""Multi-rank check of the dense ring against an independent fp64 attention (run under torchrun).
+
+Every rank builds the same global q, k, v (fixed seed), shards them with the layout, runs
+``ring_attention`` forward and backward, and compares out, dQ, dK, dV of its shard with the
+matching rows of a naive fp64 causal attention computed on the whole sequence. Rank 0 prints
+one line ``RESULT {json}`` with the worst relative error of each quantity over all ranks.
+
+    torchrun --nproc-per-node 2 tests/workers/ring_check.py --layout striped --granularity 16
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.ring import ring_attention
+
+
+def naive_attention(q, k, v, scale):
+    """fp64 causal softmax attention, GQA by repeat_interleave: independent of the library."""
+    q, k, v = (t.double() for t in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    n = q.shape[1]
+    s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="striped", choices=["striped", "zigzag", "contiguous"])
+    ap.add_argument("--granularity", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--wrong-layout", default=None, help="negative control: the ring is told this layout")
+    ap.add_argument("--mismatch-rank", type=int, default=-1, help="this rank passes a shorter shard")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(1234)
+    b, s, h, hkv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    scale = d ** -0.5
+
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = naive_attention(qr, kr, vr, scale)
+    ref.backward(dout)
+
+    layout = Layout(args.layout, world, args.granularity)
+    ring_layout = Layout(args.wrong_layout, world, args.granularity) if args.wrong_layout else layout
+    ql, kl, vl, dl = (layout.shard(t, rank, 1).to(dtype).requires_grad_(True) for t in (q, k, v, dout))
+    if rank == args.mismatch_rank:
+        ql, kl, vl = (t[:, :-layout.granularity].detach().requires_grad_(True) for t in (ql, kl, vl))
+    try:
+        out = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        errs = [None] * world
+        dist.all_gather_object(errs, msg)
+        if rank == 0:
+            print("RESULT " + json.dumps({"error": errs}), flush=True)
+        dist.destroy_process_group()
+        return
+    out.backward(dl.detach())
+    res = {
+        "out": rel_err(out, layout.shard(ref.detach(), rank, 1)),
+        "dq": rel_err(ql.grad, layout.shard(qr.grad, rank, 1)),
+        "dk": rel_err(kl.grad, layout.shard(kr.grad, rank, 1)),
+        "dv": rel_err(vl.grad, layout.shard(vr.grad, rank, 1)),
+        "finite": bool(torch.isfinite(out).all() and torch.isfinite(ql.grad).all()
+                       and torch.isfinite(kl.grad).all() and torch.isfinite(vl.grad).all()),
+    }
+    allres = [None] * world
+    dist.all_gather_object(allres, res)
+    if rank == 0:
+        worst = {key: max(r[key] for r in allres) for key in ("out", "dq", "dk", "dv")}
+        worst["finite"] = all(r["finite"] for r in allres)
+        print("RESULT " + json.dumps(worst), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
