@@ -8,8 +8,8 @@ one line ``RESULT {json}`` with the worst relative error of each quantity over a
     torchrun --nproc-per-node 2 tests/workers/ring_check.py --layout striped --granularity 16
 """
 import argparse
+import itertools
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -45,11 +45,27 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--wrong-layout", default=None, help="negative control: the ring is told this layout")
     ap.add_argument("--mismatch-rank", type=int, default=-1, help="this rank passes a shorter shard")
+    ap.add_argument("--matrix", action="store_true",
+                    help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     group = dist.new_group(list(range(world))) if world > 1 else None
+    if not args.matrix:
+        check(args, group)
+    else:
+        layouts = [("striped", 1), ("striped", 16), ("striped", 64), ("zigzag", 64)]
+        for (lay, gran), (h, hkv), bsz, hd, dt in itertools.product(
+                layouts, [(4, 4), (4, 1)], [1, 2], [64, 128], ["float64", "float32"]):
+            cfg = argparse.Namespace(**{**vars(args), "layout": lay, "granularity": gran, "heads": h,
+                                        "kv_heads": hkv, "batch": bsz, "head_dim": hd, "dtype": dt})
+            check(cfg, group)
+    dist.destroy_process_group()
+
+
+def check(args, group):
+    rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(1234)
     b, s, h, hkv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
@@ -76,7 +92,6 @@ def main():
         dist.all_gather_object(errs, msg)
         if rank == 0:
             print("RESULT " + json.dumps({"error": errs}), flush=True)
-        dist.destroy_process_group()
         return
     out.backward(dl.detach())
     res = {
@@ -92,8 +107,9 @@ def main():
     if rank == 0:
         worst = {key: max(r[key] for r in allres) for key in ("out", "dq", "dk", "dv")}
         worst["finite"] = all(r["finite"] for r in allres)
+        worst["config"] = {k: getattr(args, k) for k in ("layout", "granularity", "seq", "batch", "heads",
+                                                          "kv_heads", "head_dim", "dtype", "wrong_layout")}
         print("RESULT " + json.dumps(worst), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
