@@ -24,28 +24,60 @@ from typing import Optional
 
 import torch
 
-from ..distributed import RingComm, check_consistent_across_ranks, group_size
+from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
 from ..layout import LAYOUT_KINDS, Layout
 from ..ops.merge import merge_attention
 from ..ops.reference import acc_dtype, attention_backward, attention_forward, default_softmax_scale
 
-__all__ = ["ring_attention", "RingAttentionFunc"]
+__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel"]
 
 
-def _step_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> bool:
-    """False when every key of the step lies in the future of every query (step skipped)."""
-    return (not causal) or bool(k_pos[0] <= q_pos[-1])
+class DenseStepKernel:
+    """Per-step attention of the dense ring: causal (or full) attention decided by global positions.
+
+    The ring schedule calls ``forward(q, k, v, owner)`` / ``backward(...)`` once per step with the
+    K/V of CP rank ``owner``; a step whose keys all lie in the future of every local query returns
+    ``None`` and costs nothing. Other step kernels (the sparse vertical-slash kernel) follow the
+    same protocol, so every ring variant shares one autograd.Function.
+    """
+
+    def __init__(self, layout: Layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True,
+                 device=None):
+        self.layout, self.rank, self.seq_len = layout, rank, seq_len
+        self.softmax_scale, self.causal = softmax_scale, causal
+        self.q_pos = layout.positions(rank, seq_len, device=device)
+        self._k_pos = {}
+
+    def k_pos(self, owner: int) -> torch.Tensor:
+        if owner not in self._k_pos:
+            self._k_pos[owner] = self.layout.positions(owner, self.seq_len, device=self.q_pos.device)
+        return self._k_pos[owner]
+
+    def visible(self, owner: int) -> bool:
+        return (not self.causal) or bool(self.k_pos(owner)[0] <= self.q_pos[-1])
+
+    def forward(self, q, k, v, owner: int):
+        if not self.visible(owner):
+            return None
+        return attention_forward(q, k, v, self.q_pos, self.k_pos(owner), self.softmax_scale, self.causal)
+
+    def backward(self, dout, q, k, v, lse, delta, owner: int):
+        if not self.visible(owner):
+            return None
+        return attention_backward(dout, q, k, v, lse, delta, self.q_pos, self.k_pos(owner),
+                                  self.softmax_scale, self.causal)
 
 
 class RingAttentionFunc(torch.autograd.Function):
-    """autograd.Function of the dense ring; see :func:`ring_attention`."""
+    """One autograd.Function for the flat ring; the per-step work comes from ``kernel``.
+
+    ``forward(ctx, q, k, v, kernel, group)``: ``kernel`` follows :class:`DenseStepKernel`'s protocol.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: Layout, group, softmax_scale: float, causal: bool):
+    def forward(ctx, q, k, v, kernel, group):
         comm = RingComm(group)
         cp, rank = comm.size, comm.rank
-        seq_len = q.shape[1] * cp
-        q_pos = layout.positions(rank, seq_len, device=q.device)
         acc = acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
@@ -54,27 +86,23 @@ class RingAttentionFunc(torch.autograd.Function):
             pending = None
             if step + 1 < cp:
                 pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
-            owner = (rank - step) % cp
-            k_pos = layout.positions(owner, seq_len, device=q.device)
-            if _step_visible(q_pos, k_pos, causal):
-                block_out, block_lse = attention_forward(q, kv[0], kv[1], q_pos, k_pos, softmax_scale, causal)
-                out, lse = merge_attention(out, lse, block_out, block_lse)
+            partial = kernel.forward(q, kv[0], kv[1], (rank - step) % cp)
+            if partial is not None:
+                out, lse = merge_attention(out, lse, *partial)
             if pending is not None:
                 kv = tuple(pending.wait())
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.group, ctx.softmax_scale, ctx.causal = layout, group, softmax_scale, causal
+        ctx.kernel, ctx.group = kernel, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, causal, scale = ctx.layout, ctx.causal, ctx.softmax_scale
+        kernel = ctx.kernel
         comm = RingComm(ctx.group)
         cp, rank = comm.size, comm.rank
-        seq_len = q.shape[1] * cp
         acc = acc_dtype(q.dtype)
-        q_pos = layout.positions(rank, seq_len, device=q.device)
         dout = dout.contiguous()
         delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [b, hq, sq]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -85,10 +113,9 @@ class RingAttentionFunc(torch.autograd.Function):
             kv_pending = None
             if step + 1 < cp:
                 kv_pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
-            owner = (rank - step) % cp
-            k_pos = layout.positions(owner, seq_len, device=q.device)
-            if _step_visible(q_pos, k_pos, causal):
-                dq_s, dk_s, dv_s = attention_backward(dout, q, kv[0], kv[1], lse, delta, q_pos, k_pos, scale, causal)
+            grads = kernel.backward(dout, q, kv[0], kv[1], lse, delta, (rank - step) % cp)
+            if grads is not None:
+                dq_s, dk_s, dv_s = grads
                 dq += dq_s
             else:
                 dk_s = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -105,7 +132,7 @@ class RingAttentionFunc(torch.autograd.Function):
         if dkv_pending is not None:
             dkv = dkv_pending.wait()
         dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
@@ -151,4 +178,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
             layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity, causal=bool(causal))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return RingAttentionFunc.apply(q, k, v, layout, group, scale, bool(causal))
+    kernel = DenseStepKernel(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
+    return RingAttentionFunc.apply(q, k, v, kernel, group)
