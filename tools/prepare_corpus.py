@@ -313,6 +313,7 @@ _OSIS_NOTE = re.compile(r"<note\b[^>]*>.*?</note>", re.S)
 _OSIS_TITLE = re.compile(r"<title\b[^>]*>(.*?)</title>", re.S)
 _TAG = re.compile(r"<[^>]+>")
 _SPACE = re.compile(r"\s+")
+_SPACE_BEFORE_PUNCT = re.compile(r" (?=[,.;:!?\u2019\u201d)])")
 
 
 def read_sword_ztext(module_dir: Path, testament: str) -> list[str]:
@@ -320,8 +321,8 @@ def read_sword_ztext(module_dir: Path, testament: str) -> list[str]:
 
     File layout: ``<t>.bzs`` holds 12-byte block records (offset, compressed size, size: u32 LE)
     into ``<t>.bzz`` (zlib streams); ``<t>.bzv`` holds 10-byte verse records (block u32, start
-    u32, size u16) into the decompressed block. Notes are dropped, titles become their own lines,
-    other markup is stripped; entries with no text (milestones) are skipped.
+    u32, size u16) into the decompressed block. Notes are dropped (leaving a word break), titles
+    become their own lines, other markup is stripped; entries with no text (milestones) are skipped.
 
     Args:
         module_dir: directory with the ``ot.*``/``nt.*`` files.
@@ -341,10 +342,10 @@ def read_sword_ztext(module_dir: Path, testament: str) -> list[str]:
             off, csize, _ = struct.unpack_from("<III", bzs, block * 12)
             blocks[block] = zlib.decompress(bzz[off:off + csize])
         raw = blocks[block][start:start + size].decode("utf-8", "replace")
-        raw = _OSIS_NOTE.sub("", raw)
+        raw = _OSIS_NOTE.sub(" ", raw)  # a note can sit between two words; the space is undone before punctuation
         raw = _OSIS_TITLE.sub(lambda m: "\n" + m.group(1) + "\n", raw)
         for part in _TAG.sub("", raw).split("\n"):
-            part = _SPACE.sub(" ", part).strip()
+            part = _SPACE_BEFORE_PUNCT.sub("", _SPACE.sub(" ", part)).strip()
             if part:
                 lines.append(part)
     return lines

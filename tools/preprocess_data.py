@@ -1,0 +1,264 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL corpus into Megatron-Core indexed datasets (``.bin`` + ``.idx``).
+
+Drop-in for the common use of Megatron-LM's ``tools/preprocess_data.py`` with sentencepiece:
+
+    python tools/preprocess_data.py --input data/corpus/books.jsonl --json-keys text \\
+        --output-prefix data/megatron/books --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model data/tokenizer/mistral_v1.model --append-eod --workers 2
+
+writes ``data/megatron/books_text_document.{bin,idx}`` (the prefix to pass to training is
+``data/megatron/books_text_document``). Each JSONL line becomes one document stored as a single
+sequence; ids come from ``megatron.core.tokenizers.MegatronTokenizer`` (sentencepiece library,
+``gpt`` model type), the same object training uses, and ``--append-eod`` appends its ``eod`` id
+(the model's EOS). The token dtype is ``DType.optimal_dtype(vocab_size)`` (uint16 below 65 500).
+Documents that tokenize to nothing are skipped and counted.
+
+Outputs are cached: if they are newer than both the input and the tokenizer model the tool
+prints that and exits 0; ``--force`` rebuilds. Outputs are written to ``*.partial`` files and
+renamed at the end, so an interrupted run never looks complete.
+
+Exit codes: 0 ok or up to date; 1 bad input content (malformed JSON, missing key, no documents);
+2 bad command line (missing files, unknown tokenizer type, unsupported flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+# All three names load a sentencepiece model through megatron.core.tokenizers with the GPT model
+# type: plain sentencepiece ids (no BOS), eod = the model's EOS id.
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_METADATA = {"library": "sentencepiece", "model_type": "gpt"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line interface (a subset of Megatron-LM's preprocess_data.py flags, plus --force)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", type=Path, required=True, help="JSONL file, one JSON object (document) per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys of the JSON objects to tokenize; each key gets its own output dataset")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="not supported: documents are always stored whole (one sequence per document)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES,
+                   help="tokenizer implementation; all choices use the sentencepiece model as-is")
+    g.add_argument("--tokenizer-model", type=Path, help="sentencepiece .model file (required)")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", type=Path, required=True,
+                   help="writes <prefix>_<key>_document.bin/.idx (parent directories are created)")
+    g.add_argument("--force", action="store_true", help="rebuild even if the outputs are up to date")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (1 = tokenize in this process)")
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="refresh the progress bar's throughput figures every this many documents")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject unusable arguments through ``p.error`` (exit 2) with a message naming the flag and path.
+
+    Runs before any heavy import, so mistakes are reported in well under a second.
+    """
+    if args.split_sentences:
+        p.error("--split-sentences is not supported: this tool stores each document whole, "
+                "as one sequence (GPT pretraining); drop the flag")
+    if not args.input.is_file():
+        p.error(f"--input: file not found: {args.input}")
+    if args.tokenizer_model is None:
+        p.error(f"--tokenizer-model is required for --tokenizer-type {args.tokenizer_type}")
+    if not args.tokenizer_model.is_file():
+        p.error(f"--tokenizer-model: file not found: {args.tokenizer_model} "
+                "(tools/prepare_corpus.py fetches one to data/tokenizer/mistral_v1.model)")
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    if args.log_interval < 1:
+        p.error(f"--log-interval must be >= 1, got {args.log_interval}")
+
+
+def output_paths(prefix: Path, key: str) -> tuple[Path, Path]:
+    """(``.bin``, ``.idx``) paths for one JSON key, following Megatron-LM's naming."""
+    base = f"{prefix}_{key}_document"
+    return Path(base + ".bin"), Path(base + ".idx")
+
+
+def up_to_date(outputs: list[Path], inputs: list[Path]) -> bool:
+    """True if every output exists and is at least as new as every input (mtime)."""
+    if not all(o.exists() for o in outputs):
+        return False
+    return min(o.stat().st_mtime for o in outputs) >= max(i.stat().st_mtime for i in inputs)
+
+
+def load_tokenizer(model: Path):
+    """Load the sentencepiece model as a Megatron-Core GPT tokenizer (what training uses).
+
+    Raises:
+        ValueError: the tokenizer has no end-of-document id.
+    """
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(model), metadata_path=dict(TOKENIZER_METADATA))
+    if tok.eod is None or tok.eod < 0:
+        raise ValueError(f"{model}: tokenizer has no EOS/EOD id (eod={tok.eod}); cannot --append-eod")
+    return tok
+
+
+class _Encoder:
+    """Tokenizes one JSONL line; one instance per process (the tokenizer is loaded lazily)."""
+
+    def __init__(self, model: Path, keys: list[str], append_eod: bool) -> None:
+        self.model, self.keys, self.append_eod = model, keys, append_eod
+        self.tok = None
+
+    def __call__(self, item: tuple[int, str]):
+        """Return (ids per key as int32 arrays, UTF-8 bytes of the line).
+
+        Raises:
+            ValueError: the line is not a JSON object with string values for all keys.
+        """
+        import numpy as np
+
+        if self.tok is None:
+            self.tok = load_tokenizer(self.model)
+        lineno, line = item
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {lineno}: not valid JSON ({e})") from None
+        out = {}
+        for key in self.keys:
+            text = rec.get(key) if isinstance(rec, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"line {lineno}: no string value for JSON key {key!r} (see --json-keys)")
+            ids = self.tok.tokenize(text)
+            if ids and self.append_eod:
+                ids.append(self.tok.eod)
+            out[key] = np.asarray(ids, dtype=np.int32)
+        return out, len(line.encode("utf-8"))
+
+
+_WORKER_ENCODER: _Encoder | None = None
+
+
+def _init_worker(encoder: _Encoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def _encode_in_worker(item: tuple[int, str]):
+    return _WORKER_ENCODER(item)
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Yield (1-based line number, line) for the non-blank lines of a text file."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def preprocess(args: argparse.Namespace) -> tuple[dict[str, dict[str, int]], float]:
+    """Tokenize ``args.input`` and write one indexed dataset per JSON key.
+
+    Returns:
+        (per key: ``documents`` written, ``tokens`` written (EOD included), ``skipped`` empty
+        documents; seconds spent tokenizing and writing, imports and pool start excluded).
+
+    Raises:
+        ValueError: malformed input line, or no documents at all for a key.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tqdm import tqdm
+
+    tok = load_tokenizer(args.tokenizer_model)
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    paths = {k: output_paths(args.output_prefix, k) for k in args.json_keys}
+    partial = {k: (Path(f"{b}.partial"), Path(f"{i}.partial")) for k, (b, i) in paths.items()}
+    args.output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    counts = {k: {"documents": 0, "tokens": 0, "skipped": 0} for k in args.json_keys}
+    n_lines = sum(1 for _ in _lines(args.input))
+    encoder = _Encoder(args.tokenizer_model, args.json_keys, args.append_eod)
+    print(f"{args.input}: {n_lines} documents; tokenizer {args.tokenizer_type} ({args.tokenizer_model.name}, "
+          f"vocab {tok.vocab_size}, eod {tok.eod}); dtype {dtype.__name__}; {args.workers} worker(s)", flush=True)
+
+    builders = {k: IndexedDatasetBuilder(str(partial[k][0]), dtype=dtype) for k in args.json_keys}
+    pool = None
+    try:
+        if args.workers > 1:
+            pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(encoder,))
+            chunk = max(1, min(32, n_lines // (4 * args.workers)))
+            results = pool.imap(_encode_in_worker, _lines(args.input), chunksize=chunk)
+        else:
+            results = map(encoder, _lines(args.input))
+        t0 = time.perf_counter()
+        n_bytes = n_tokens = 0
+        with tqdm(total=n_lines, unit="doc", desc="tokenizing", dynamic_ncols=True) as bar:
+            for i, (ids_by_key, nb) in enumerate(results, 1):
+                n_bytes += nb
+                for key, ids in ids_by_key.items():
+                    if ids.size == 0:
+                        counts[key]["skipped"] += 1
+                        continue
+                    builders[key].add_document(ids, [ids.size])
+                    counts[key]["documents"] += 1
+                    counts[key]["tokens"] += ids.size
+                    n_tokens += ids.size
+                bar.update(1)
+                if i % args.log_interval == 0 or i == n_lines:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(tok_per_s=f"{n_tokens / dt:,.0f}", MB_per_s=f"{n_bytes / dt / 1e6:.2f}")
+        seconds = time.perf_counter() - t0
+        for key, builder in builders.items():
+            if counts[key]["documents"] == 0:
+                raise ValueError(f"no non-empty documents for JSON key {key!r}")
+            builder.finalize(str(partial[key][1]))
+            os.replace(partial[key][0], paths[key][0])
+            os.replace(partial[key][1], paths[key][1])
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for b, i in partial.values():
+            b.unlink(missing_ok=True)
+            i.unlink(missing_ok=True)
+    return counts, seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; returns the exit code (see the module docstring)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    outputs = [path for k in args.json_keys for path in output_paths(args.output_prefix, k)]
+    if not args.force and up_to_date(outputs, [args.input, args.tokenizer_model]):
+        print(f"Up to date, nothing to do: {', '.join(map(str, outputs))} are newer than "
+              f"{args.input} and {args.tokenizer_model} (--force rebuilds).")
+        return 0
+    t0 = time.perf_counter()
+    try:
+        counts, seconds = preprocess(args)
+    except ValueError as e:
+        print(f"error: {args.input}: {e}", file=sys.stderr)
+        return 1
+    dt = time.perf_counter() - t0
+    for key, c in counts.items():
+        bin_path, idx_path = output_paths(args.output_prefix, key)
+        print(f"{key}: {c['documents']} documents, {c['tokens']:,} tokens"
+              f"{' (EOD included)' if args.append_eod else ''}, {c['skipped']} empty skipped -> "
+              f"{bin_path} ({bin_path.stat().st_size:,} B), {idx_path.name}")
+    total = sum(c["tokens"] for c in counts.values())
+    print(f"done in {dt:.1f} s, of which {seconds:.1f} s tokenizing ({total / max(seconds, 1e-9):,.0f} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
