@@ -1,0 +1,55 @@
+"""Index format shared by the sparse pattern converter, the torch reference and the Triton kernels.
+
+Global pattern (MTraining §3.2, per sample ``b`` and query head ``h``):
+    * ``slash`` diagonals at **block level**: a set ``D`` of block offsets ``d >= 0``; key block
+      ``kb`` is active for query block ``qb`` iff ``qb - kb in D`` (blocks of ``block_size`` = 64
+      tokens, global coordinates);
+    * ``vertical`` columns at **token level**: a set ``V`` of global key positions.
+    The attention mask is ``M(p, t) = (t <= p) and ((p // 64 - t // 64) in D or t in V)``.
+
+Per ring step (query rank ``r``, K/V owner ``o``), in **local** coordinates of the two shards
+(local 64-row query block ``i`` of rank ``r``, local key block / key token of owner ``o``):
+
+    block_count  [b, hq, nqb]          int32   number of active key blocks of query block i
+    block_index  [b, hq, nqb, max_nb]  int32   their local key-block indices, ascending; entries
+                                               at positions >= block_count are padding (ignored)
+    column_count [b, hq, nqb]          int32   number of vertical key columns of query block i
+                                               that are NOT inside an active block of i
+    column_index [b, hq, nqb, max_nc]  int32   their local key-token indices, ascending; padding
+                                               beyond column_count is ignored
+    causal       bool                          True iff ``o == r`` (same shard): tiles must then be
+                                               masked by local index (key local <= query local),
+                                               which equals the global causal mask because local
+                                               order is monotone in global position. For ``o != r``
+                                               the indices contain only keys strictly in the past
+                                               of the whole query block, so no mask is needed.
+
+``nqb = s_local // block_size``. The layouts must keep 64-token blocks whole: striped with
+``granularity % block_size == 0`` or zigzag with ``(seq_len / (2*cp)) % block_size == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BLOCK_SIZE", "StepIndices"]
+
+BLOCK_SIZE = 64
+
+
+@dataclass
+class StepIndices:
+    """Sparse work of one (query rank, K/V owner) pair; see the module docstring for shapes."""
+
+    block_count: torch.Tensor
+    block_index: torch.Tensor
+    column_count: torch.Tensor
+    column_index: torch.Tensor
+    causal: bool
+    block_size: int = BLOCK_SIZE
+
+    def is_empty(self) -> bool:
+        """True when no query block has any key on this step (the step is skipped)."""
+        return int(self.block_count.max()) == 0 and int(self.column_count.max()) == 0
