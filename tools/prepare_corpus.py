@@ -424,7 +424,8 @@ class _HTMLText(html.parser.HTMLParser):
 
 def html_to_text(page: str) -> str:
     """Convert an HTML page to plain text: visible text only, paragraphs separated by a blank
-    line, ``<pre>`` blocks kept verbatim, runs of blank lines squeezed."""
+    line, whitespace runs (non-breaking spaces included) collapsed to one space except inside
+    ``<pre>`` blocks, which are kept verbatim; runs of blank lines squeezed."""
     p = _HTMLText()
     p.feed(page)
     p.close()
