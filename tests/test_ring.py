@@ -51,3 +51,13 @@ def test_shape_mismatch_across_ranks_raises_instead_of_hanging():
     (r,) = _results(["--layout", "striped", "--granularity", "16", "--mismatch-rank", "1"], nproc=2, timeout=60)
     assert len(r["error"]) == 2
     assert all("ranks of the CP group disagree" in e for e in r["error"]), r
+
+
+@pytest.mark.parametrize("world,tp,dp,layout", [(4, 2, 1, "striped"), (8, 2, 2, "zigzag")])
+def test_ring_on_megatron_cp_subgroups(world, tp, dp, layout):
+    """CP groups of a TPxCP(xDP) world (strided global ranks, several CP groups at once, each with
+    its own data) must each compute their own exact attention."""
+    (r,) = _results(["--tp", str(tp), "--dp", str(dp), "--layout", layout, "--granularity", "16",
+                     "--kv-heads", "2"], nproc=world, timeout=300)
+    for key in ("out", "dq", "dk", "dv"):
+        assert r[key] <= 1e-5, (key, r)

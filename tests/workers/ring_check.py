@@ -45,13 +45,18 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--wrong-layout", default=None, help="negative control: the ring is told this layout")
     ap.add_argument("--mismatch-rank", type=int, default=-1, help="this rank passes a shorter shard")
+    ap.add_argument("--tp", type=int, default=1, help="build Megatron TPxCPxDP groups; the ring runs on the CP group")
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    group = dist.new_group(list(range(world))) if world > 1 else None
+    if args.tp > 1 or args.dp > 1:
+        group = megatron_cp_group(args.tp, args.dp)
+    else:
+        group = dist.new_group(list(range(world))) if world > 1 else None
     if not args.matrix:
         check(args, group)
     else:
@@ -64,10 +69,24 @@ def main():
     dist.destroy_process_group()
 
 
+def megatron_cp_group(tp, dp):
+    """CP sub-group of a TPxCPxDP world built by Megatron (order tp-cp-ep-dp-pp: CP ranks strided by TP)."""
+    from megatron.core import parallel_state as ps
+
+    cp = dist.get_world_size() // (tp * dp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ranks = ps.get_context_parallel_global_ranks()
+    base = dist.get_rank() % tp + (dist.get_rank() // (tp * cp)) * tp * cp
+    assert ranks == [base + i * tp for i in range(cp)], ranks
+    return ps.get_context_parallel_group()
+
+
 def check(args, group):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
     dtype = getattr(torch, args.dtype)
-    g = torch.Generator().manual_seed(1234)
+    # a different problem per CP group, so traffic crossing groups would show up as a mismatch
+    g = torch.Generator().manual_seed(1234 + (min(dist.get_process_group_ranks(group)) if group is not None else 0))
     b, s, h, hkv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
@@ -88,9 +107,9 @@ def check(args, group):
         out = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
     except ValueError as e:
         msg = str(e).splitlines()[0]
-        errs = [None] * world
+        errs = [None] * dist.get_world_size()
         dist.all_gather_object(errs, msg)
-        if rank == 0:
+        if dist.get_rank() == 0:
             print("RESULT " + json.dumps({"error": errs}), flush=True)
         return
     out.backward(dl.detach())
@@ -102,9 +121,9 @@ def check(args, group):
         "finite": bool(torch.isfinite(out).all() and torch.isfinite(ql.grad).all()
                        and torch.isfinite(kl.grad).all() and torch.isfinite(vl.grad).all()),
     }
-    allres = [None] * world
+    allres = [None] * dist.get_world_size()
     dist.all_gather_object(allres, res)
-    if rank == 0:
+    if dist.get_rank() == 0:
         worst = {key: max(r[key] for r in allres) for key in ("out", "dq", "dk", "dv")}
         worst["finite"] = all(r["finite"] for r in allres)
         worst["config"] = {k: getattr(args, k) for k in ("layout", "granularity", "seq", "batch", "heads",
