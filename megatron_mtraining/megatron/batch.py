@@ -1,0 +1,73 @@
+"""Split a GPT micro-batch across context-parallel ranks with a :class:`Layout`.
+
+Replacement for ``megatron.core.utils.get_batch_on_this_cp_rank`` (which hard-codes the zigzag
+"DualChunkSwap" split) for the layouts of :mod:`megatron_mtraining.layout`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from megatron_mtraining.layout import Layout
+
+__all__ = ["SEQ_KEYS", "get_batch_on_this_cp_rank_striped"]
+
+#: Keys of a GPTDataset sample that carry a sequence dimension (dim 1 of a batch).
+SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def get_batch_on_this_cp_rank_striped(
+    batch: Mapping[str, Optional[torch.Tensor]], layout: Layout, cp_rank: int
+) -> dict[str, Optional[torch.Tensor]]:
+    """This CP rank's part of a GPT micro-batch.
+
+    ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` (each ``[b, s]``) are sharded along
+    dim 1 with ``layout.shard`` -> ``[b, s // cp_size]`` holding global positions
+    ``layout.positions(cp_rank, s)`` in ascending order. ``labels`` must already be the shifted
+    next tokens (GPTDataset does this on the whole sequence), so label ``i`` stays paired with
+    token ``i`` after sharding. Other keys are passed through unchanged; ``None`` values stay
+    ``None``. With ``layout.cp_size == 1`` the batch is returned as is (same tensors).
+
+    Args:
+        batch: mapping of name to tensor (or ``None``).
+        layout: the CP layout (its ``cp_size`` is the CP group size).
+        cp_rank: this rank's index in the CP group.
+
+    Returns:
+        A new dict with the sharded tensors.
+
+    Raises:
+        ValueError: ``attention_mask`` is not ``None`` (a dense mask is built for the zigzag query
+            rows; use ``create_attention_mask=False``), sequence lengths differ between keys, or the
+            sequence length cannot be split by ``layout`` (message names the layout rule).
+    """
+    if batch.get("attention_mask") is not None:
+        raise ValueError(
+            "get_batch_on_this_cp_rank_striped: attention_mask must be None "
+            "(build the dataset with create_attention_mask=False / "
+            "--no-create-attention-mask-in-dataloader; causality comes from the layout's positions)"
+        )
+    out: dict[str, Optional[torch.Tensor]] = dict(batch)
+    seq_len = None
+    for key in SEQ_KEYS:
+        t = batch.get(key)
+        if t is None:
+            continue
+        if t.dim() < 2:
+            raise ValueError(f"batch[{key!r}] must be [b, s, ...], got shape {tuple(t.shape)}")
+        if seq_len is None:
+            seq_len = t.size(1)
+        elif t.size(1) != seq_len:
+            raise ValueError(f"batch[{key!r}] has sequence length {t.size(1)}, expected {seq_len}")
+    if seq_len is None:
+        return out
+    layout.check_seq_len(seq_len)
+    if layout.cp_size == 1:
+        return out
+    for key in SEQ_KEYS:
+        t = batch.get(key)
+        if t is not None:
+            out[key] = layout.shard(t, cp_rank, dim=1)
+    return out

@@ -1,0 +1,247 @@
+"""CPU shims for megatron-core 0.16.1 (torch CPU build, gloo backend).
+
+megatron-core hard-codes CUDA in a handful of places that the training path of
+``examples/pretrain_gpt.py`` (GPTModel + DistributedDataParallel + get_megatron_optimizer +
+clip-grad + OptimizerParamScheduler) runs through. Everything that a ``TransformerConfig`` flag
+can switch off is switched off by the caller instead (``use_cpu_initialization=True``, all
+fusions False; see :func:`cpu_transformer_config_kwargs`). What remains is patched here, one
+function per CUDA assumption, and only when ``torch.cuda.is_available()`` is False.
+
+Mechanism: every patch wraps the *original* megatron function with :func:`cuda_requests_on_cpu`,
+a context in which
+
+* factory calls asking for a CUDA device (``device="cuda"``, ``"cuda:N"``, an int, or
+  ``torch.cuda.current_device()``) allocate on the CPU instead,
+* ``Tensor.cuda()`` returns the tensor unchanged and ``pin_memory=True`` is dropped,
+* ``Tensor.type()`` (no argument) reports CPU tensors as ``torch.cuda.*Tensor`` (megatron checks
+  dtypes through these type strings, e.g. ``'torch.cuda.FloatTensor'``).
+
+So the wrapped function keeps its exact upstream logic; only its device requests change. The
+context is entered only around the wrapped functions, never globally.
+
+Not patched (not on our path; avoid on CPU): sequence parallelism, CUDA graphs, the distributed
+optimizer's overlapped param gather, inference KV caches, yarn/mrope embeddings, and
+``rope_utils.get_pos_emb_on_this_cp_rank`` (our :mod:`megatron_mtraining.megatron.rope` replaces
+the CP slicing of RoPE altogether).
+
+Usage::
+
+    from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches, cpu_seed
+    apply_cpu_patches()           # no-op on a CUDA machine; idempotent
+    ...initialize_model_parallel(...)
+    cpu_seed(1234)                # instead of model_parallel_cuda_manual_seed(1234) on CPU
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "apply_cpu_patches",
+    "applied_patches",
+    "cpu_seed",
+    "cuda_requests_on_cpu",
+    "cpu_transformer_config_kwargs",
+]
+
+_APPLIED: list[str] = []
+
+
+def _is_cuda_device(dev: Any) -> bool:
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return True  # a bare int means a CUDA ordinal to torch
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """TorchFunctionMode that serves CUDA device requests on the CPU (see module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str):
+            if out.startswith("torch.") and not out.startswith("torch.cuda."):
+                out = "torch.cuda." + out[len("torch."):]
+        return out
+
+
+@contextlib.contextmanager
+def cuda_requests_on_cpu() -> Iterator[None]:
+    """Context: CUDA allocations inside megatron code go to the CPU (see module docstring).
+
+    ``torch.cuda.current_device`` returns ``torch.device("cpu")`` while the context is active.
+    """
+    orig_current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    try:
+        with _CudaToCpuMode():
+            yield
+    finally:
+        torch.cuda.current_device = orig_current_device  # type: ignore[assignment]
+
+
+def _on_cpu(fn: Callable) -> Callable:
+    if getattr(fn, "_mtraining_on_cpu", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cuda_requests_on_cpu():
+            return fn(*args, **kwargs)
+
+    wrapper._mtraining_on_cpu = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_attr(owner: Any, name: str) -> None:
+    setattr(owner, name, _on_cpu(getattr(owner, name)))
+
+
+# ---------------------------------------------------------------------------------- the patches
+def _patch_rotary_get_emb() -> None:
+    """``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` on the
+    first call (fails even at CP=1). Only hit by a stock ``RotaryEmbedding``; ours (rope.py) does
+    not move anything."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+
+    _wrap_attr(rpe.RotaryEmbedding, "get_emb")
+
+
+def _patch_global_memory_buffer() -> None:
+    """``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffer on
+    ``torch.cuda.current_device()``. Only the stock ``DotProductAttention`` uses it (our tests use
+    that as the CP=1 reference)."""
+    from megatron.core import utils as mcore_utils
+
+    _wrap_attr(mcore_utils.GlobalMemoryBuffer, "get_tensor")
+
+
+def _patch_param_and_grad_buffer() -> None:
+    """``_ParamAndGradBuffer.__init__`` (DistributedDataParallel) allocates the contiguous grad
+    (and distributed-optimizer param) buffer with ``device=torch.cuda.current_device()``."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    _wrap_attr(pgb._ParamAndGradBuffer, "__init__")
+
+
+def _patch_optimizer_scalars() -> None:
+    """``FP32Optimizer.__init__`` / ``MixedPrecisionOptimizer.__init__`` create their loss-scale
+    and overflow scalars with ``device='cuda'``; ``Float16OptimizerWithFloat16Params.__init__``
+    accepts parameters only if ``param.type()`` is a ``'torch.cuda.*Tensor'`` (--bf16/--fp16);
+    ``ChainedOptimizer.get_loss_scale`` may create a scalar on ``torch.cuda.current_device()``."""
+    from megatron.core.optimizer import optimizer as opt
+
+    _wrap_attr(opt.FP32Optimizer, "__init__")
+    _wrap_attr(opt.MixedPrecisionOptimizer, "__init__")
+    _wrap_attr(opt.Float16OptimizerWithFloat16Params, "__init__")
+    _wrap_attr(opt.ChainedOptimizer, "get_loss_scale")
+
+
+def _patch_grad_scalers() -> None:
+    """``ConstantGradScaler`` / ``DynamicGradScaler`` keep their scale on ``device='cuda'``
+    (only --fp16, or --bf16 with an explicit loss scale)."""
+    from megatron.core.optimizer import grad_scaler as gs
+
+    for cls in (gs.ConstantGradScaler, gs.DynamicGradScaler):
+        _wrap_attr(cls, "__init__")
+
+
+def _patch_clip_grads() -> None:
+    """``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32`` (and the local
+    ``multi_tensor_l2norm`` fallback they call) put the norm and the overflow flag on
+    ``device='cuda'`` and assert ``param.grad.type() == 'torch.cuda.FloatTensor'``. Both names are
+    imported into ``optimizer.optimizer``, so the wrapper is installed in both modules."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as opt
+
+    for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
+        wrapped = _on_cpu(getattr(clip_grads, name))
+        setattr(clip_grads, name, wrapped)
+        if hasattr(opt, name):
+            setattr(opt, name, wrapped)
+
+
+_PATCHES: tuple[Callable[[], None], ...] = (
+    _patch_rotary_get_emb,
+    _patch_global_memory_buffer,
+    _patch_param_and_grad_buffer,
+    _patch_optimizer_scalars,
+    _patch_grad_scalers,
+    _patch_clip_grads,
+)
+
+
+def apply_cpu_patches(force: bool = False) -> list[str]:
+    """Install the CPU shims (idempotent). Does nothing when CUDA is available, unless ``force``.
+
+    Returns:
+        The names of the patches in effect (empty on a CUDA machine).
+    """
+    if _APPLIED or (torch.cuda.is_available() and not force):
+        return list(_APPLIED)
+    for patch in _PATCHES:
+        patch()
+        _APPLIED.append(patch.__name__.removeprefix("_patch_"))
+    return list(_APPLIED)
+
+
+def applied_patches() -> list[str]:
+    """Names of the CPU patches installed in this process."""
+    return list(_APPLIED)
+
+
+def cpu_seed(seed: int) -> None:
+    """Seed torch and megatron's RNG tracker without CUDA.
+
+    The stock ``model_parallel_cuda_manual_seed(seed)`` reads ``torch.cuda.get_rng_state()``.
+    With ``inference_rng_tracker=True`` the tracker's ``add()``/``fork()`` are no-ops, so code that
+    forks the "model-parallel-rng" state (dropout in the stock attention, recompute) runs on the
+    CPU generator. Per-TP-rank dropout streams are therefore not distinct (irrelevant at TP=1 or
+    with dropout 0). On a CUDA machine this calls the stock seeding.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=True, force_reset_rng=True
+        )
+
+
+def cpu_transformer_config_kwargs() -> dict[str, Any]:
+    """``TransformerConfig`` keyword arguments that keep megatron-core off CUDA-only code paths.
+
+    Safe on GPU too, except ``use_cpu_initialization`` (weights are initialized on the CPU and
+    moved by the caller), which is only set on a CPU machine.
+    """
+    kw: dict[str, Any] = dict(
+        gradient_accumulation_fusion=False,  # needs apex' fused_weight_gradient_mlp_cuda
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,  # needs Transformer Engine
+        persist_layer_norm=False,  # needs apex
+        cross_entropy_loss_fusion=False,
+    )
+    if not torch.cuda.is_available():
+        kw["use_cpu_initialization"] = True  # else weights are allocated on torch.cuda.current_device()
+    return kw

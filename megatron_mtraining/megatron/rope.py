@@ -1,0 +1,197 @@
+"""RoPE on each CP rank's true global positions for any :class:`Layout`.
+
+In megatron-core 0.16.1, ``GPTModel._preprocess`` asks ``self.rotary_pos_emb`` for the table of
+the *full* sequence (``rotary_seq_len = s_local * context_parallel_size``) and
+``RotaryEmbedding.forward`` keeps this rank's rows with ``get_pos_emb_on_this_cp_rank``, which
+hard-codes the zigzag split (chunks ``r`` and ``2*cp-1-r``). The batch ``position_ids`` are not
+used for RoPE. With the striped split the rows would be wrong, so :func:`install_layout_rope`
+replaces ``model.rotary_pos_emb`` by a :class:`LayoutRotaryEmbedding` that returns
+``emb[layout.positions(cp_rank, S)]``. It computes the table on ``inv_freq``'s device (no
+``.cuda()``, no pinned memory), so it also runs on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from torch import Tensor
+
+from megatron_mtraining.layout import Layout
+
+__all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope"]
+
+
+class LayoutRotaryEmbedding(RotaryEmbedding):
+    """``RotaryEmbedding`` whose CP slicing follows a :class:`Layout`.
+
+    Build it from an existing megatron ``RotaryEmbedding`` with :meth:`from_rotary` (keeps its
+    ``inv_freq``, including llama-3 ``rope_scaling``, interleaving and interpolation factor).
+
+    Args:
+        kv_channels, rotary_percent, rotary_interleaved, seq_len_interpolation_factor, rotary_base,
+        rope_scaling, rope_scaling_factor: as in megatron's ``RotaryEmbedding``.
+        layout: the CP layout of the batch; ``layout.cp_size`` must equal the CP group size.
+        cp_group: the CP group (``None`` = no CP).
+
+    Raises:
+        ValueError: ``layout.cp_size`` differs from the CP group size.
+    """
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        *,
+        layout: Layout,
+        cp_group: Optional[dist.ProcessGroup] = None,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: Optional[float] = None,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+    ) -> None:
+        super().__init__(
+            kv_channels=kv_channels,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=rotary_interleaved,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            rotary_base=rotary_base,
+            rope_scaling=rope_scaling,
+            rope_scaling_factor=rope_scaling_factor,
+            use_cpu_initialization=True,
+            cp_group=cp_group,
+        )
+        cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        if layout.cp_size != cp_size:
+            raise ValueError(
+                f"LayoutRotaryEmbedding: layout.cp_size={layout.cp_size} but the CP group has {cp_size} ranks"
+            )
+        self.layout = layout
+        self.cp_rank = 0 if cp_size == 1 else dist.get_rank(self.cp_group)
+        self._emb_cache: dict[tuple, Tensor] = {}
+
+    @classmethod
+    def from_rotary(
+        cls, rotary: RotaryEmbedding, layout: Layout, cp_group: Optional[dist.ProcessGroup] = None
+    ) -> "LayoutRotaryEmbedding":
+        """Same frequencies as ``rotary``, sliced with ``layout`` over ``cp_group``
+        (default: ``rotary.cp_group``)."""
+        inv_freq = rotary.inv_freq
+        new = cls(
+            kv_channels=2 * inv_freq.numel(),
+            rotary_percent=1.0,
+            layout=layout,
+            cp_group=rotary.cp_group if cp_group is None else cp_group,
+            rotary_interleaved=rotary.rotary_interleaved,
+            seq_len_interpolation_factor=rotary.seq_len_interpolation_factor,
+        )
+        new.inv_freq = inv_freq.detach().clone()
+        return new
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """Full table ``[max_seq_len, 1, 1, dim]`` (fp32) for positions ``offset ..``.
+
+        Unlike the parent it does not move ``inv_freq`` to ``torch.cuda.current_device()`` unless
+        CUDA is available (then it does, as megatron does, on the first call).
+        """
+        if torch.cuda.is_available() and self.inv_freq.device.type == "cpu":
+            self.inv_freq = self.inv_freq.to(device=torch.cuda.current_device())
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    def forward(  # type: ignore[override]
+        self,
+        max_seq_len: int,
+        offset: int = 0,
+        packed_seq: bool = False,
+        cp_group: Optional[dist.ProcessGroup] = None,
+    ) -> Tensor:
+        """This rank's RoPE table.
+
+        Args:
+            max_seq_len: the *global* sequence length ``S`` (megatron passes
+                ``s_local * context_parallel_size``).
+            offset: position offset (0 for training).
+            packed_seq: must be False.
+            cp_group: ignored unless it differs from the construction group (then an error).
+
+        Returns:
+            ``[S // cp_size, 1, 1, dim]`` fp32: rows ``layout.positions(cp_rank, S)`` of the table.
+
+        Raises:
+            NotImplementedError: ``packed_seq`` (THD).
+            ValueError: ``S`` cannot be split by the layout, or a different ``cp_group`` is passed.
+        """
+        if packed_seq:
+            raise NotImplementedError("LayoutRotaryEmbedding does not support packed sequences (THD)")
+        if cp_group is not None and cp_group is not self.cp_group:
+            raise ValueError("LayoutRotaryEmbedding was built for a different CP group")
+        key = (int(max_seq_len), int(offset), self.inv_freq.device)
+        emb = self._emb_cache.get(key)
+        if emb is None:
+            emb = self.get_emb(max_seq_len, offset)
+            if self.layout.cp_size > 1:
+                idx = self.layout.positions(self.cp_rank, max_seq_len, device=emb.device)
+                emb = emb.index_select(0, idx)
+            else:
+                self.layout.check_seq_len(max_seq_len)
+            if len(self._emb_cache) >= 32:
+                self._emb_cache.clear()
+            self._emb_cache[key] = emb
+        return emb
+
+
+#: The striped layout is the MTraining default; the class handles every layout kind.
+StripedRotaryEmbedding = LayoutRotaryEmbedding
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def install_layout_rope(
+    model: torch.nn.Module, layout: Layout, cp_group: Optional[dist.ProcessGroup] = None
+) -> int:
+    """Replace every ``rotary_pos_emb`` (a megatron ``RotaryEmbedding``) inside ``model`` by a
+    :class:`LayoutRotaryEmbedding` for ``layout``. Call before the first forward.
+
+    Works through wrappers (DDP, ``Float16Module``). Models without RoPE (``learned_absolute``:
+    positions come from the sharded ``position_ids``; ``none``) are left alone.
+
+    Args:
+        model: a ``GPTModel`` or a wrapper of one.
+        layout: the CP layout used to split the batch.
+        cp_group: the CP group (default: the one the model's ``RotaryEmbedding`` was built with).
+
+    Returns:
+        The number of embeddings replaced.
+
+    Raises:
+        NotImplementedError: YaRN or multimodal RoPE (their CP slicing is zigzag-specific).
+        ValueError: ``layout.cp_size`` differs from the CP group size.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    replaced = 0
+    for module in list(_unwrap(model).modules()):
+        rot = getattr(module, "rotary_pos_emb", None)
+        if rot is None or isinstance(rot, LayoutRotaryEmbedding):
+            continue
+        if isinstance(rot, (YarnRotaryEmbedding, MultimodalRotaryEmbedding)):
+            raise NotImplementedError(
+                f"install_layout_rope: {type(rot).__name__} is not supported (use position_embedding_type='rope')"
+            )
+        if isinstance(rot, RotaryEmbedding):
+            module.rotary_pos_emb = LayoutRotaryEmbedding.from_rotary(rot, layout, cp_group)
+            replaced += 1
+    return replaced

@@ -1,0 +1,102 @@
+"""GPT layer specs whose core attention is :class:`MTrainingAttention`.
+
+Only ``submodules.self_attention.submodules.core_attention`` is swapped; everything else (QKV
+projection, RoPE application, norms, MLP, bias-dropout-add) stays megatron-core's, from the
+Transformer Engine spec when TE imports and from the local (pure megatron-core) spec otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_mtraining.megatron.attention import MTrainingAttention, MTrainingAttentionConfig
+
+__all__ = [
+    "te_available",
+    "get_gpt_layer_spec_with_mtraining",
+    "replace_core_attention",
+]
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports.
+
+    Catches every exception, not only ``ImportError``: a partial TE install raises
+    ``RuntimeError``/``OSError`` at import (see docs/cpu_feasibility.md).
+    """
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _mtraining_core_attention(mtraining_config: Optional[MTrainingAttentionConfig]) -> ModuleSpec:
+    return ModuleSpec(
+        module=MTrainingAttention,
+        params={"mtraining_config": mtraining_config or MTrainingAttentionConfig()},
+    )
+
+
+def replace_core_attention(
+    spec: Any, mtraining_config: Optional[MTrainingAttentionConfig] = None
+) -> Any:
+    """Return a copy of ``spec`` with every self-attention ``core_attention`` set to
+    :class:`MTrainingAttention`.
+
+    Args:
+        spec: a transformer-layer ``ModuleSpec`` or a ``TransformerBlockSubmodules`` (its
+            ``layer_specs`` are all rewritten).
+        mtraining_config: layout options forwarded through ``ModuleSpec.params``.
+
+    Raises:
+        ValueError: ``spec`` has no ``submodules.self_attention.submodules.core_attention``.
+    """
+    spec = copy.deepcopy(spec)
+    layer_specs = getattr(spec, "layer_specs", None)
+    for layer_spec in layer_specs if layer_specs is not None else [spec]:
+        attn = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+        attn_sub = getattr(attn, "submodules", None)
+        if attn_sub is None or not hasattr(attn_sub, "core_attention"):
+            raise ValueError(
+                "spec has no submodules.self_attention.submodules.core_attention to replace "
+                f"(got {type(layer_spec).__name__})"
+            )
+        attn_sub.core_attention = _mtraining_core_attention(mtraining_config)
+    return spec
+
+
+def get_gpt_layer_spec_with_mtraining(
+    use_te: Optional[bool] = None,
+    mtraining_config: Optional[MTrainingAttentionConfig] = None,
+    normalization: str = "LayerNorm",
+    **kwargs: Any,
+) -> ModuleSpec:
+    """GPT transformer-layer spec with :class:`MTrainingAttention` as core attention.
+
+    Args:
+        use_te: ``True``: Transformer Engine spec (``get_gpt_layer_with_transformer_engine_spec``);
+            ``False``: local spec (``get_gpt_layer_local_spec``); ``None``: TE if it imports.
+        mtraining_config: layout options for the attention (default striped, granularity 64).
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``; passed to the local spec (the TE spec
+            reads ``TransformerConfig.normalization`` itself).
+        **kwargs: forwarded to the megatron-core spec function (e.g. ``qk_layernorm``).
+
+    Raises:
+        ImportError: ``use_te=True`` but Transformer Engine does not import.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        if not te_available():
+            raise ImportError("use_te=True needs Transformer Engine (transformer_engine.pytorch), which does not import")
+        base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    else:
+        base = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, **kwargs)
+    return replace_core_attention(base, mtraining_config)

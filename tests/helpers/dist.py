@@ -1,0 +1,146 @@
+"""Launch multi-rank CPU (gloo) runs as ``python -m torch.distributed.run`` subprocesses.
+
+Usable by any test::
+
+    from tests.helpers.dist import run_torchrun, run_python
+
+    res = run_torchrun("tests/helpers/gpt_cp_worker.py", ["--cp", "2"], nproc=2, timeout=180)
+    assert res.returncode == 0, res.tail()
+
+Every run gets a free TCP port, ``OMP_NUM_THREADS=1`` (2-core CI machines: 4 ranks with default
+thread pools thrash), the repository root on ``PYTHONPATH`` (so workers can
+``import tests.helpers...`` and ``megatron_mtraining``), and a hard timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+__all__ = ["REPO_ROOT", "RunResult", "free_port", "worker_env", "run_torchrun", "run_python"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """An unused localhost TCP port (racy by nature; :func:`run_torchrun` retries once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunResult:
+    """Outcome of a subprocess run: ``returncode`` (``None`` on timeout), ``stdout``, ``stderr``, ``cmd``."""
+
+    cmd: list[str]
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+    def tail(self, n: int = 4000) -> str:
+        """Last ``n`` characters of stdout and stderr, for assertion messages."""
+        return (
+            f"$ {' '.join(self.cmd)}\nrc={self.returncode} timed_out={self.timed_out}\n"
+            f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
+        )
+
+
+def worker_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Environment for worker processes (see module docstring)."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONWARNINGS"] = "ignore"
+    pp = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pp))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], timeout: float, env: Mapping[str, str], cwd: Path) -> RunResult:
+    # own session so that a timeout kills torchrun *and* its worker processes
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env),
+        cwd=str(cwd), start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return RunResult(cmd, p.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return RunResult(cmd, None, out or "", err or "", timed_out=True)
+
+
+def run_torchrun(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    timeout: float = 300.0,
+    env: Optional[Mapping[str, str]] = None,
+    module: bool = False,
+    cwd: Optional[str | os.PathLike] = None,
+) -> RunResult:
+    """Run ``python -m torch.distributed.run --nproc-per-node nproc script *args``.
+
+    Args:
+        script: path of a script (relative paths are relative to the repository root), or a
+            module name if ``module=True``.
+        args: arguments for the script.
+        nproc: number of ranks (1 is fine: a 1-rank torchrun world).
+        timeout: seconds before the whole process tree is killed (``RunResult.timed_out``).
+        env: extra environment variables.
+        module: run ``script`` as ``-m module``.
+        cwd: working directory (default: repository root).
+
+    Returns:
+        :class:`RunResult` (never raises on a non-zero exit; check ``returncode``).
+    """
+    cwd = Path(cwd) if cwd is not None else REPO_ROOT
+    target = ["-m", str(script)] if module else [str(script)]
+    full_env = worker_env(env)
+    res: Optional[RunResult] = None
+    for _attempt in range(2):
+        port = free_port()
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(port),
+            *target, *map(str, args),
+        ]
+        res = _run(cmd, timeout, full_env, cwd)
+        if res.returncode == 0 or "Address already in use" not in res.output:
+            break
+    assert res is not None
+    return res
+
+
+def run_python(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 300.0,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str | os.PathLike] = None,
+) -> RunResult:
+    """Run ``python script *args`` (single process, same environment rules as :func:`run_torchrun`)."""
+    cwd = Path(cwd) if cwd is not None else REPO_ROOT
+    cmd = [sys.executable, str(script), *map(str, args)]
+    return _run(cmd, timeout, worker_env(env), cwd)
