@@ -225,9 +225,9 @@ class Cache:
         try:
             vocab = spm.SentencePieceProcessor(model_file=str(dest)).get_piece_size()
         except (OSError, RuntimeError) as e:
-            raise FetchError(f"{dest} does not load in sentencepiece: {e}") from None
+            raise FetchError(f"{dest} does not load in sentencepiece ({e}); delete it and rerun") from None
         if vocab != TOKENIZER_VOCAB:
-            raise FetchError(f"{dest} has {vocab} pieces, expected {TOKENIZER_VOCAB}")
+            raise FetchError(f"{dest} has {vocab} pieces, expected {TOKENIZER_VOCAB}; delete it and rerun")
         return dest
 
 

@@ -100,17 +100,10 @@ def up_to_date(outputs: list[Path], inputs: list[Path]) -> bool:
 
 
 def load_tokenizer(model: Path):
-    """Load the sentencepiece model as a Megatron-Core GPT tokenizer (what training uses).
-
-    Raises:
-        ValueError: the tokenizer has no end-of-document id.
-    """
+    """Load the sentencepiece model as a Megatron-Core GPT tokenizer (what training uses)."""
     from megatron.core.tokenizers import MegatronTokenizer
 
-    tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(model), metadata_path=dict(TOKENIZER_METADATA))
-    if tok.eod is None or tok.eod < 0:
-        raise ValueError(f"{model}: tokenizer has no EOS/EOD id (eod={tok.eod}); cannot --append-eod")
-    return tok
+    return MegatronTokenizer.from_pretrained(tokenizer_path=str(model), metadata_path=dict(TOKENIZER_METADATA))
 
 
 class _Encoder:
@@ -175,12 +168,15 @@ def preprocess(args: argparse.Namespace) -> tuple[dict[str, dict[str, int]], flo
         documents; seconds spent tokenizing and writing, imports and pool start excluded).
 
     Raises:
-        ValueError: malformed input line, or no documents at all for a key.
+        ValueError: malformed input line, no documents at all for a key, or --append-eod with a
+            tokenizer that has no EOS id.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
     tok = load_tokenizer(args.tokenizer_model)
+    if args.append_eod and (tok.eod is None or tok.eod < 0):
+        raise ValueError(f"--append-eod: tokenizer {args.tokenizer_model} has no EOS id (eod={tok.eod})")
     dtype = DType.optimal_dtype(tok.vocab_size)
     paths = {k: output_paths(args.output_prefix, k) for k in args.json_keys}
     partial = {k: (Path(f"{b}.partial"), Path(f"{i}.partial")) for k, (b, i) in paths.items()}
