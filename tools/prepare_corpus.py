@@ -187,7 +187,8 @@ class Cache:
                 res = _run(["apt-get", "download", package], cwd=debdir)
             debs = sorted(debdir.glob(f"{package}_*.deb"))
             if res.returncode != 0 or not debs:
-                raise FetchError(f"apt-get download {package} failed (exit {res.returncode}):\n{res.stdout}{res.stderr}")
+                raise FetchError(f"apt-get download {package} failed (exit {res.returncode}):\n"
+                                 f"{res.stdout}{res.stderr}")
         deb = debs[-1]
         root = self.extracted / "deb" / package
         done = root / ".unpacked"
@@ -358,7 +359,8 @@ def fetch_bible(cache: Cache) -> tuple[list[Document], str]:
     if not mods:
         raise FetchError(f"{deb}: no zText module with ot.bzs found")
     mod = mods[0].parent
-    docs = [_doc("bible", f"{mod.name}/{t}", "public-domain", "\n".join(read_sword_ztext(mod, t))) for t in ("ot", "nt")]
+    docs = [_doc("bible", f"{mod.name}/{t}", "public-domain", "\n".join(read_sword_ztext(mod, t)))
+            for t in ("ot", "nt")]
     return [d for d in docs if d], f"Debian {deb} (module {mod.name})"
 
 
