@@ -1,0 +1,419 @@
+"""Online estimation of the vertical-slash attention pattern over a CP group (MTraining §3.2).
+
+Every forward pass, from the current (already position-encoded) ``q`` and ``k`` shards:
+
+1. **Probe queries.** The last ``last_q`` queries of the *whole* sequence (global positions
+   ``S - last_q .. S - 1``) are gathered on every rank: each rank that holds some of them
+   broadcasts its rows (``src`` translated group-local → global with ``dist.get_global_rank``,
+   so any CP sub-group works). In a striped layout with granularity >= ``last_q`` this is one
+   broadcast; in other layouts one per owner rank.
+2. **Exact probe softmax across ranks.** Each rank computes the scaled fp64 logits of the probe
+   queries against its local keys with the causal mask on *global* positions (a probe query
+   never sees a key after itself). Row max: ``all_reduce(MAX)``; row sum of ``exp(s - max)``:
+   ``all_reduce(SUM)``. The resulting probabilities are the true softmax rows of the probes.
+3. **Scores.** Vertical lines are scored at token level (column sums of the probe
+   probabilities, ``[b, hq, S_local]``, stays local). Slash lines are scored at block level:
+   the probability mass of all (probe query, key) pairs whose global ``block_size`` blocks differ by
+   ``d = qblock - kblock`` — a ``[b, hq, S / block_size]`` vector, summed with one ``all_reduce``.
+4. **Budgets (online, per query head).** Lines are taken in priority order — floors first, then
+   decreasing score, ties broken by ascending position / offset — and the budget is the shortest
+   prefix whose cumulative estimated mass reaches ``recall * last_q`` (the total mass of the probe
+   rows): ``count = #(cumsum < target) + 1``, then ``max(count, #floors)`` and ``min(count, cap)``.
+   Vertical and slash budgets are chosen independently, each reaching the target on its own (so
+   their union covers at least ``recall`` of the estimated mass). ``recall == 1`` takes every
+   line up to the cap (the pattern is then the full causal mask when the caps allow it).
+
+   * Floors: the sink columns ``0 .. sink_tokens - 1`` are always vertical lines (token level,
+     so ``sink_tokens`` need not be a multiple of the block size), and the ``local_blocks``
+     nearest block diagonals ``d = 0 .. local_blocks - 1`` are always slash lines. Hence a head
+     whose probe mass sits on one sink column keeps its local window, and a previous-token head
+     keeps its diagonal (the two failure modes of a budget without floors).
+   * Caps: ``max_vertical`` columns, ``max_slash`` block diagonals (per head).
+5. **Distributed selection, no serial rank.** Each rank sorts its own columns by the priority
+   order and keeps its top ``min(max_vertical, S_local)`` candidates (score, global position);
+   one ``all_gather`` of these small sets, then every rank merges them with the same total order
+   and selects the same lines. The union of the local top-``cap`` sets contains the global
+   top-``cap``, so the result equals a selection over all columns. Slash scores are a tiny
+   vector: ``all_reduce`` then identical selection on every rank.
+
+Per query head, not per KV group: the per-step index format (:class:`StepIndices`) is per query
+head, the ring moves whole K/V shards (a per-group pattern would save no communication), and the
+recall target is a per-head guarantee — pooling a sink head and a local head of one KV group would
+let the pooled mass reach the target while one of the heads stays far below it.
+
+Invariance. The pattern is a property of the sequence: it does not depend on ``cp_size`` or the
+layout beyond floating-point rounding. Scores are computed in fp64 from the input values, every
+line has a unique position in the total priority order (ties broken by position/offset, never by
+rank or local order), and candidate merging is rank-order independent. Only reduction order differs
+between CP sizes (≈1e-16 relative), so a selection can change only if two line scores agree to
+~1e-15 or a cumulative sum lands within ~1e-15 of the target.
+
+Batch: every sample gets its own pattern (all tensors carry the batch dimension).
+
+Cost per forward: ``b * hq * last_q * S_local * d`` fp64 MACs (two passes), one broadcast of
+``b * last_q * hq * d`` values per owner rank, three all_reduces of ``b * hq * last_q`` /
+``b * hq * S / block_size`` fp64 values and one all_gather of ``2 * b * hq * min(max_vertical,
+S_local)`` fp64 values. Peak extra memory is bounded by key chunking (``_LOGIT_BUDGET`` elements).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import group_rank, group_size
+from ..layout import Layout
+from ..ops.reference import default_softmax_scale
+
+__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "priority_order"]
+
+# Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
+_LOGIT_BUDGET = 1 << 23
+
+
+@dataclass(frozen=True)
+class VerticalSlashConfig:
+    """Budget configuration of the online vertical-slash estimator.
+
+    Args:
+        recall: target fraction of the estimated attention mass (0 < recall <= 1) that the chosen
+            vertical lines, and separately the chosen slash lines, must cover. 1.0 = every line
+            (up to the caps).
+        last_q: number of probe queries (the last ``last_q`` tokens of the sequence).
+        block_size: slash granularity in tokens (64 for the kernels; block diagonals ``d``).
+        sink_tokens: vertical floor — columns ``0 .. sink_tokens - 1`` are always kept.
+        local_blocks: slash floor — block diagonals ``0 .. local_blocks - 1`` are always kept
+            (>= 1, so every query always sees itself).
+        max_vertical: cap on vertical columns per (sample, head); >= ``sink_tokens``.
+        max_slash: cap on block diagonals per (sample, head); >= ``local_blocks``.
+
+    Raises:
+        ValueError: naming the offending field.
+    """
+
+    recall: float = 0.95
+    last_q: int = 64
+    block_size: int = 64
+    sink_tokens: int = 64
+    local_blocks: int = 2
+    max_vertical: int = 4096
+    max_slash: int = 1024
+
+    def __post_init__(self) -> None:
+        r = self.recall
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < float(r) <= 1.0):
+            raise ValueError(f"VerticalSlashConfig.recall must be a number in (0, 1], got {r!r}")
+        for f in fields(self):
+            if f.name == "recall":
+                continue
+            val = getattr(self, f.name)
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise ValueError(f"VerticalSlashConfig.{f.name} must be an int, got {val!r}")
+        for name, lo in (("last_q", 1), ("block_size", 1), ("sink_tokens", 0), ("local_blocks", 1)):
+            if getattr(self, name) < lo:
+                raise ValueError(f"VerticalSlashConfig.{name} must be >= {lo}, got {getattr(self, name)}")
+        if self.max_vertical < self.sink_tokens:
+            raise ValueError(f"VerticalSlashConfig.max_vertical ({self.max_vertical}) must be >= sink_tokens "
+                             f"({self.sink_tokens}): the sink floor must fit under the cap")
+        if self.max_slash < self.local_blocks:
+            raise ValueError(f"VerticalSlashConfig.max_slash ({self.max_slash}) must be >= local_blocks "
+                             f"({self.local_blocks}): the local-window floor must fit under the cap")
+
+
+@dataclass
+class VerticalSlashPattern:
+    """A global vertical-slash pattern, one per (sample, query head).
+
+    Mask: ``M[b, h, p, t] = (t <= p) and ((p // bs - t // bs) in slash[b, h] or t in vertical[b, h])``.
+
+    Attributes:
+        seq_len, block_size: global sequence length and slash block size.
+        slash: ``[b, hq, ns]`` int64 block-diagonal offsets ``d >= 0``, ascending, padded with -1.
+        slash_count: ``[b, hq]`` int64 number of valid entries of ``slash``.
+        vertical: ``[b, hq, nv]`` int64 global key positions, ascending, padded with -1.
+        vertical_count: ``[b, hq]`` int64.
+        est_slash_mass, est_vertical_mass: ``[b, hq]`` fp64 fraction of the probe mass covered by
+            the chosen slash / vertical lines (estimator diagnostics; ``None`` for hand-built patterns).
+    """
+
+    seq_len: int
+    block_size: int
+    slash: torch.Tensor
+    slash_count: torch.Tensor
+    vertical: torch.Tensor
+    vertical_count: torch.Tensor
+    est_slash_mass: Optional[torch.Tensor] = None
+    est_vertical_mass: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_lists(cls, seq_len: int, block_size: int, slash, vertical) -> "VerticalSlashPattern":
+        """Build from nested Python lists ``slash[b][h]`` (offsets) and ``vertical[b][h]`` (positions)."""
+        def pad(rows):
+            b, h = len(rows), len(rows[0])
+            width = max(1, max(len(set(x)) for r in rows for x in r))
+            out = torch.full((b, h, width), -1, dtype=torch.long)
+            cnt = torch.zeros((b, h), dtype=torch.long)
+            for i, r in enumerate(rows):
+                for j, x in enumerate(r):
+                    vals = sorted(set(int(v) for v in x))
+                    out[i, j, :len(vals)] = torch.tensor(vals, dtype=torch.long)
+                    cnt[i, j] = len(vals)
+            return out, cnt
+
+        s, sc = pad(slash)
+        v, vc = pad(vertical)
+        nb = seq_len // block_size
+        if ((s >= nb) | ((s < 0) & (s != -1))).any() or ((v >= seq_len) | ((v < 0) & (v != -1))).any():
+            raise ValueError("pattern entries out of range (slash offsets in [0, S/bs), vertical in [0, S))")
+        return cls(seq_len, block_size, s, sc, v, vc)
+
+    @property
+    def batch(self) -> int:
+        return self.slash.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.slash.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.seq_len // self.block_size
+
+    def to(self, device) -> "VerticalSlashPattern":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return VerticalSlashPattern(self.seq_len, self.block_size, mv(self.slash), mv(self.slash_count),
+                                    mv(self.vertical), mv(self.vertical_count), mv(self.est_slash_mass),
+                                    mv(self.est_vertical_mass))
+
+    def slash_mask(self) -> torch.Tensor:
+        """``[b, hq, S / bs]`` bool: block diagonal ``d`` selected."""
+        m = torch.zeros(self.batch, self.num_heads, self.num_blocks + 1, dtype=torch.bool, device=self.slash.device)
+        idx = torch.where(self.slash >= 0, self.slash, self.num_blocks)
+        m.scatter_(-1, idx, True)
+        return m[..., :-1]
+
+    def vertical_mask(self) -> torch.Tensor:
+        """``[b, hq, S]`` bool: key column selected."""
+        m = torch.zeros(self.batch, self.num_heads, self.seq_len + 1, dtype=torch.bool, device=self.vertical.device)
+        idx = torch.where(self.vertical >= 0, self.vertical, self.seq_len)
+        m.scatter_(-1, idx, True)
+        return m[..., :-1]
+
+    def dense_mask(self, seq_len: Optional[int] = None) -> torch.Tensor:
+        """``[b, hq, S, S]`` bool token-level mask (query row, key column). For tests (small S only)."""
+        s = self.seq_len if seq_len is None else int(seq_len)
+        if s != self.seq_len:
+            raise ValueError(f"pattern was built for seq_len {self.seq_len}, asked for {s}")
+        dev = self.slash.device
+        pos = torch.arange(s, device=dev)
+        d = pos[:, None] // self.block_size - pos[None, :] // self.block_size
+        causal = pos[None, :] <= pos[:, None]
+        on_slash = self.slash_mask()[..., d.clamp(min=0)] & (d >= 0)
+        on_vert = self.vertical_mask()[:, :, None, :]
+        return causal & (on_slash | on_vert)
+
+    def same_selection(self, other: "VerticalSlashPattern") -> bool:
+        """True when both patterns select exactly the same lines (diagnostics ignored)."""
+        return (self.seq_len == other.seq_len and self.block_size == other.block_size
+                and torch.equal(self.slash_mask().cpu(), other.slash_mask().cpu())
+                and torch.equal(self.vertical_mask().cpu(), other.vertical_mask().cpu()))
+
+
+# ----------------------------------------------------------------------------------- helpers
+def priority_order(score: torch.Tensor, floor: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Permutation (along the last dim) sorting lines by: floor first, score descending, key ascending.
+
+    A strict total order as long as ``key`` values are distinct, so the result does not depend on
+    the input order (and therefore not on the rank or layout the candidates came from).
+    """
+    key = key.expand_as(score)
+    floor = floor.expand_as(score)
+    order = torch.argsort(key, dim=-1, stable=True)
+    s = score.gather(-1, order)
+    o2 = torch.argsort(s, dim=-1, descending=True, stable=True)
+    order = order.gather(-1, o2)
+    f = floor.gather(-1, order).to(torch.int8)
+    o3 = torch.argsort(f, dim=-1, descending=True, stable=True)
+    return order.gather(-1, o3)
+
+
+def _budget(sorted_score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool):
+    """Count of the shortest prefix reaching ``target`` (``#(cumsum < target) + 1``), floors/caps applied.
+
+    Returns ``(count [...], covered [...])`` where ``covered`` is the summed score of the prefix.
+    """
+    n = sorted_score.shape[-1]
+    shape, dev = sorted_score.shape[:-1], sorted_score.device
+    if n == 0:
+        return (torch.zeros(shape, dtype=torch.long, device=dev),
+                torch.zeros(shape, dtype=sorted_score.dtype, device=dev))
+    cum = torch.cumsum(sorted_score, dim=-1)
+    if take_all:
+        cnt = torch.full(shape, n, dtype=torch.long, device=dev)
+    else:
+        cnt = (cum < target).sum(-1) + 1
+    cnt = cnt.clamp(min=min(n_floor, n), max=min(cap, n))
+    covered = cum.gather(-1, (cnt - 1).clamp(min=0)[..., None]).squeeze(-1)
+    return cnt, torch.where(cnt > 0, covered, torch.zeros_like(covered))
+
+
+def _take_sorted(sorted_vals: torch.Tensor, cnt: torch.Tensor, sentinel: int) -> torch.Tensor:
+    """First ``cnt`` entries of each row, re-sorted ascending, padded with -1 to the max count (>= 1)."""
+    n = sorted_vals.shape[-1]
+    if n == 0:
+        return torch.full((*sorted_vals.shape[:-1], 1), -1, dtype=torch.long, device=sorted_vals.device)
+    width = max(1, min(n, int(cnt.max()) if cnt.numel() else 1))
+    vals = sorted_vals[..., :width]
+    slot = torch.arange(width, device=vals.device)
+    vals = torch.where(slot < cnt[..., None], vals, torch.full_like(vals, sentinel))
+    vals = torch.sort(vals, dim=-1).values
+    return torch.where(vals == sentinel, torch.full_like(vals, -1), vals)
+
+
+def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
+                          last_q: int) -> torch.Tensor:
+    """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank."""
+    b, _, hq, d = q.shape
+    glob = torch.arange(seq_len - last_q, seq_len)
+    owners, local = layout.global_to_local(glob, seq_len)
+    out = torch.empty((b, last_q, hq, d), dtype=q.dtype, device=q.device)
+    for o in torch.unique(owners).tolist():           # sorted: same order on every rank
+        sel = (owners == o).nonzero().squeeze(1)
+        if o == rank:
+            buf = q.index_select(1, local[sel].to(q.device)).contiguous()
+        else:
+            buf = torch.empty((b, sel.numel(), hq, d), dtype=q.dtype, device=q.device)
+        if cp > 1:
+            dist.broadcast(buf, src=dist.get_global_rank(group, o), group=group)
+        out[:, sel.to(q.device)] = buf
+    return out
+
+
+def _all_reduce(t: torch.Tensor, op, group, cp: int) -> torch.Tensor:
+    if cp > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+# ----------------------------------------------------------------------------------- estimator
+@torch.no_grad()
+def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
+                            config: VerticalSlashConfig = VerticalSlashConfig(),
+                            softmax_scale: Optional[float] = None) -> VerticalSlashPattern:
+    """Estimate the global vertical-slash pattern of this forward pass (identical on every rank).
+
+    Args:
+        q: ``[b, s_local, hq, d]`` this rank's queries (position-encoded), any float dtype.
+        k: ``[b, s_local, hkv, d]`` this rank's keys (GQA: query head ``h`` reads kv head
+            ``h // (hq // hkv)``).
+        layout: the CP layout the shards follow; ``layout.cp_size`` must equal the group size.
+        group: the CP process group (``None``: one rank, no communication).
+        config: budgets (:class:`VerticalSlashConfig`).
+        softmax_scale: defaults to ``1/sqrt(d)`` (must be the attention's scale).
+
+    Returns:
+        :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
+
+    Raises:
+        ValueError: shape mismatch, ``layout.cp_size`` not the group size, a sequence the layout
+            cannot split, ``S % block_size != 0`` or ``S < last_q``.
+    """
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q [b, s, hq, d] and k [b, s, hkv, d] expected, got {tuple(q.shape)}, {tuple(k.shape)}")
+    b, sl, hq, d = q.shape
+    hkv = k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"GQA needs num query heads ({hq}) divisible by num kv heads ({hkv})")
+    cp, rank = group_size(group), group_rank(group)
+    if layout.cp_size != cp:
+        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
+    S = sl * cp
+    layout.check_seq_len(S)
+    bs, L = config.block_size, config.last_q
+    if S % bs:
+        raise ValueError(f"sequence length {S} must be a multiple of VerticalSlashConfig.block_size={bs}")
+    if L > S:
+        raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
+    nb = S // bs
+    dev = q.device
+    rep = hq // hkv
+    scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
+    f64 = torch.float64
+
+    k_pos = layout.positions(rank, S, device=dev)                       # ascending
+    probe = _gather_probe_queries(q, layout, group, rank, cp, S, L)      # [b, L, hq, d]
+    pq = probe.to(f64).view(b, L, hkv, rep, d)
+    p_pos = torch.arange(S - L, S, device=dev)
+    chunk = max(bs, (_LOGIT_BUDGET // max(1, b * hq * L)) // bs * bs)
+    spans = [(j, min(sl, j + chunk)) for j in range(0, sl, chunk)]
+    cache = {}
+
+    def logits(j0: int, j1: int) -> torch.Tensor:
+        if (j0, j1) in cache:
+            return cache[(j0, j1)]
+        s = torch.einsum("bqgrd,bkgd->bgrqk", pq, k[:, j0:j1].to(f64)).reshape(b, hq, L, j1 - j0) * scale
+        s.masked_fill_(k_pos[None, j0:j1] > p_pos[:, None], float("-inf"))
+        if len(spans) == 1:
+            cache[(j0, j1)] = s
+        return s
+
+    # --- exact softmax rows of the probes across the CP group: max, then rescaled sums
+    m = torch.full((b, hq, L), float("-inf"), dtype=f64, device=dev)
+    z = torch.zeros((b, hq, L), dtype=f64, device=dev)
+    for j0, j1 in spans:
+        s = logits(j0, j1)
+        new_m = torch.maximum(m, s.amax(-1))
+        safe = torch.where(torch.isneginf(new_m), torch.zeros_like(new_m), new_m)
+        z = z * torch.exp(m - safe) + torch.exp(s - safe[..., None]).sum(-1)
+        m = new_m
+    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp)
+    gsafe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
+    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp)
+    lse = gsafe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+
+    # --- line scores: token-level columns (local), block-level diagonals (global after all_reduce)
+    col = torch.zeros((b, hq, sl), dtype=f64, device=dev)
+    slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
+    p_blk = p_pos // bs
+    q_blocks = torch.unique(p_blk).tolist()
+    for j0, j1 in spans:
+        p = torch.exp(logits(j0, j1) - lse[..., None])                  # [b, hq, L, c]
+        col[..., j0:j1] = p.sum(-2)
+        k_blk = k_pos[j0:j1] // bs
+        for u in q_blocks:
+            pu = p[:, :, p_blk == u].sum(-2)                             # [b, hq, c]
+            # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
+            slash.index_add_(-1, (u - k_blk).clamp(min=0), pu)
+    cache.clear()
+    slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp)
+
+    target = float(config.recall) * L
+    take_all = float(config.recall) >= 1.0
+
+    # --- slash selection: identical on every rank
+    offs = torch.arange(nb, device=dev)
+    s_order = priority_order(slash, offs < config.local_blocks, offs)
+    s_cnt, s_cov = _budget(slash.gather(-1, s_order), config.local_blocks, config.max_slash, target, take_all)
+    s_sel = _take_sorted(s_order, s_cnt, sentinel=nb)
+
+    # --- vertical selection: local top-cap candidates, one all_gather, identical merge everywhere
+    kc = min(config.max_vertical, sl)
+    v_floor = k_pos < config.sink_tokens
+    l_order = priority_order(col, v_floor, k_pos)[..., :kc]
+    cand = torch.stack([col.gather(-1, l_order), k_pos.expand(b, hq, sl).gather(-1, l_order).to(f64)])
+    if cp > 1:
+        parts = [torch.empty_like(cand) for _ in range(cp)]
+        dist.all_gather(parts, cand.contiguous(), group=group)
+        cand = torch.cat(parts, dim=-1)
+    c_score, c_pos = cand[0], cand[1].round().long()
+    g_order = priority_order(c_score, c_pos < config.sink_tokens, c_pos)
+    v_cnt, v_cov = _budget(c_score.gather(-1, g_order), min(config.sink_tokens, S), config.max_vertical,
+                           target, take_all)
+    v_sel = _take_sorted(c_pos.gather(-1, g_order), v_cnt, sentinel=S)
+
+    return VerticalSlashPattern(S, bs, s_sel, s_cnt, v_sel, v_cnt,
+                                est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
