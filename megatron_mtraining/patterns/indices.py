@@ -23,6 +23,12 @@ Per ring step (query rank ``r``, K/V owner ``o``), in **local** coordinates of t
                                                order is monotone in global position. For ``o != r``
                                                the indices contain only keys strictly in the past
                                                of the whole query block, so no mask is needed.
+                                               The mask applies to block tiles AND to columns (a
+                                               column may sit in the diagonal block when d = 0 is
+                                               not selected; leaving it unmasked leaks the future).
+
+Padding written by :mod:`megatron_mtraining.patterns.convert` is ``-1`` (kernels must not read
+entries at positions ``>= count``); widths are the max counts, at least 1.
 
 ``nqb = s_local // block_size``. The layouts must keep 64-token blocks whole: striped with
 ``granularity % block_size == 0`` or zigzag with ``(seq_len / (2*cp)) % block_size == 0``.

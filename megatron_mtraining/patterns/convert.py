@@ -1,0 +1,147 @@
+"""Global vertical-slash pattern → per-ring-step :class:`StepIndices` (MTraining §3.3).
+
+For query rank ``r`` and K/V owner ``o`` (one ring step), local query block ``i`` of ``r`` (global
+block ``QB_i``) and local key block ``j`` of ``o`` (global block ``KB_j``):
+
+* block ``j`` is **active** for ``i`` iff ``QB_i - KB_j`` is a selected slash offset (``>= 0``,
+  so never a future block);
+* a vertical column at global position ``t`` owned by ``o`` (local index ``lt``, local block
+  ``lt // bs``) is a **column** of ``i`` iff ``t // bs <= QB_i`` (not in a future block) and its
+  block is not active for ``i`` (every (query block, key) pair is computed exactly once);
+* ``causal = (o == r)``. Only then can a key share a block with the query block (the diagonal
+  block, for blocks *and* columns); such tiles and columns must be masked by local index, which
+  is the global causal mask because local order is monotone in global position. For ``o != r``
+  every emitted key lies in a block strictly before the query block — no mask is needed.
+  (Unlike the reference's flex mode, a column inside the diagonal block is never left unmasked;
+  with the estimator's ``local_blocks >= 1`` floor the diagonal block is always active anyway,
+  so such columns do not even occur.)
+
+Padding: ``block_index`` / ``column_index`` entries at positions ``>= count`` are ``-1``. Widths are
+the maximum counts over (b, hq, query block), at least 1.
+
+Layouts must keep ``block_size`` blocks whole on one rank: striped with ``granularity %
+block_size == 0``, zigzag with ``(S / (2 * cp)) % block_size == 0``, contiguous with ``(S / cp) %
+block_size == 0``. Work is vectorized over (b, hq, blocks, columns); Python loops run only over owners.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ..layout import Layout
+from .estimator import VerticalSlashPattern
+from .indices import StepIndices
+
+__all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask"]
+
+
+def check_block_layout(layout: Layout, seq_len: int, block_size: int) -> None:
+    """Raise ``ValueError`` naming the rule when ``layout`` splits ``block_size`` blocks across ranks."""
+    layout.check_seq_len(seq_len)
+    if seq_len % block_size:
+        raise ValueError(f"sequence length {seq_len} must be a multiple of the block size {block_size}")
+    if layout.kind == "striped":
+        if layout.granularity % block_size:
+            raise ValueError(f"striped layout: granularity ({layout.granularity}) must be a multiple of the "
+                             f"sparse block size ({block_size}) so that blocks stay whole on one rank")
+    elif layout.kind == "zigzag":
+        chunk = seq_len // (2 * layout.cp_size)
+        if chunk % block_size:
+            raise ValueError(f"zigzag layout: chunk length S/(2*cp) = {seq_len}/(2*{layout.cp_size}) = {chunk} "
+                             f"must be a multiple of the sparse block size ({block_size})")
+    else:
+        chunk = seq_len // layout.cp_size
+        if chunk % block_size:
+            raise ValueError(f"contiguous layout: chunk length S/cp = {chunk} must be a multiple of the sparse "
+                             f"block size ({block_size})")
+
+
+def local_block_ids(layout: Layout, rank: int, seq_len: int, block_size: int, device=None) -> torch.Tensor:
+    """Global block index of each local block of ``rank`` (``[S_local / bs]`` int64, ascending)."""
+    pos = layout.positions(rank, seq_len, device=device)
+    return pos[::block_size] // block_size
+
+
+def _compact(mask: torch.Tensor, values: torch.Tensor):
+    """Keep ``values`` where ``mask`` (order preserved), left-aligned, padded with -1.
+
+    Returns ``(count int32 [...], packed int32 [..., max(1, max count)])``.
+    """
+    cnt = mask.sum(-1)
+    width = max(1, int(cnt.max())) if cnt.numel() else 1
+    n = mask.shape[-1]
+    if n == 0:
+        return cnt.to(torch.int32), torch.full((*mask.shape[:-1], 1), -1, dtype=torch.int32, device=mask.device)
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :min(width, n)]
+    vals = values.expand(mask.shape).gather(-1, order)
+    slot = torch.arange(vals.shape[-1], device=mask.device)
+    vals = torch.where(slot < cnt[..., None], vals, torch.full_like(vals, -1))
+    if vals.shape[-1] < width:       # n < width cannot happen (width <= n), kept for clarity
+        vals = torch.nn.functional.pad(vals, (0, width - vals.shape[-1]), value=-1)
+    return cnt.to(torch.int32), vals.to(torch.int32)
+
+
+def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner: int) -> StepIndices:
+    """:class:`StepIndices` of queries on ``rank`` against the K/V shard of ``owner``."""
+    S, bs = pattern.seq_len, pattern.block_size
+    check_block_layout(layout, S, bs)
+    dev = pattern.slash.device
+    qB = local_block_ids(layout, rank, S, bs, dev)                      # [nqb]
+    kB = local_block_ids(layout, owner, S, bs, dev)                     # [nkb]
+    diff = qB[:, None] - kB[None, :]                                     # [nqb, nkb]
+    active = pattern.slash_mask()[..., diff.clamp(min=0)] & (diff >= 0)  # [b, hq, nqb, nkb]
+    nkb = kB.numel()
+    block_count, block_index = _compact(active, torch.arange(nkb, device=dev))
+
+    vert = pattern.vertical                                              # [b, hq, nv], -1 padded
+    valid = vert >= 0
+    t = vert.clamp(min=0)
+    o_rank, o_loc = layout.global_to_local(t, S)
+    owned = valid & (o_rank == owner)
+    lkb = (o_loc // bs).clamp(max=nkb - 1)                              # only meaningful where owned
+    b, hq, nv = vert.shape
+    nqb = qB.numel()
+    visible = owned[:, :, None, :] & ((t // bs)[:, :, None, :] <= qB[None, None, :, None])
+    covered = active.gather(-1, lkb[:, :, None, :].expand(b, hq, nqb, nv))
+    column_count, column_index = _compact(visible & ~covered, o_loc[:, :, None, :])
+    return StepIndices(block_count=block_count, block_index=block_index, column_count=column_count,
+                       column_index=column_index, causal=(owner == rank), block_size=bs)
+
+
+def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) -> List[StepIndices]:
+    """Per-owner :class:`StepIndices` of ``rank``: element ``o`` is the step against owner ``o``'s K/V.
+
+    Raises:
+        ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`).
+    """
+    check_block_layout(layout, pattern.seq_len, pattern.block_size)
+    return [step_indices(pattern, layout, rank, o) for o in range(layout.cp_size)]
+
+
+def step_key_mask(idx: StepIndices, s_local: int, counts: bool = False) -> torch.Tensor:
+    """``[b, hq, s_local (query), s_local (key)]`` token-level mask of one step, local coordinates,
+    causal mask applied iff ``idx.causal``. For tests and diagnostics (small sizes only).
+
+    With ``counts=True`` returns int32 multiplicities (block hit + column hit) instead of a bool
+    union, so a key listed twice shows up as 2."""
+    bs = idx.block_size
+    b, hq, nqb = idx.block_count.shape
+    dev = idx.block_count.device
+    nkb = s_local // bs
+    blk = torch.zeros(b, hq, nqb, nkb + 1, dtype=torch.int32, device=dev)
+    slot = torch.arange(idx.block_index.shape[-1], device=dev)
+    bi = torch.where(slot < idx.block_count[..., None], idx.block_index.long(), nkb).clamp(min=0, max=nkb)
+    blk.scatter_add_(-1, bi, torch.ones_like(bi, dtype=torch.int32))
+    tok = blk[..., :nkb].repeat_interleave(bs, dim=-1)                    # [b, hq, nqb, s_local]
+    col = torch.zeros(b, hq, nqb, s_local + 1, dtype=torch.int32, device=dev)
+    slot = torch.arange(idx.column_index.shape[-1], device=dev)
+    ci = torch.where(slot < idx.column_count[..., None], idx.column_index.long(), s_local).clamp(min=0, max=s_local)
+    col.scatter_add_(-1, ci, torch.ones_like(ci, dtype=torch.int32))
+    m = tok + col[..., :s_local]
+    m = m.repeat_interleave(bs, dim=2)                                    # rows: query tokens
+    if idx.causal:
+        r = torch.arange(nqb * bs, device=dev)
+        m = m * (torch.arange(s_local, device=dev)[None, :] <= r[:, None])
+    return m if counts else m > 0
