@@ -1,0 +1,120 @@
+"""Sparse (vertical-slash) ring attention: MTraining's dynamic sparse attention over a CP group.
+
+Public API::
+
+    out = sparse_ring_attention(q, k, v, layout=Layout("striped", cp, 64), group=cp_group,
+                                config=VerticalSlashConfig(recall=0.95))
+
+Per forward: (1) :func:`~megatron_mtraining.patterns.estimator.estimate_vertical_slash` estimates
+the global pattern from the current q/k shards (small collectives on ``group``; identical on every
+rank); (2) :func:`~megatron_mtraining.patterns.convert.convert_pattern` turns it into this rank's
+per-owner :class:`StepIndices`; (3) the ring runs through the *same*
+:class:`~megatron_mtraining.ring.RingAttentionFunc` as the dense ring, with a
+:class:`SparseStepKernel` doing the per-step work. The indices are kept on the kernel for the
+backward pass (not rebuilt). A step whose indices are empty for every query block is skipped in
+both passes (no compute; K/V still circulate, as the ring schedule is fixed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..distributed import check_consistent_across_ranks, group_rank, group_size
+from ..layout import LAYOUT_KINDS, Layout
+from ..ops.reference import default_softmax_scale
+from ..ops.sparse_reference import sparse_attention_backward, sparse_attention_forward
+from ..patterns.convert import check_block_layout, convert_pattern
+from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
+from ..patterns.indices import StepIndices
+from . import RingAttentionFunc
+
+__all__ = ["SparseStepKernel", "sparse_ring_attention"]
+
+
+class SparseStepKernel:
+    """Per-step kernel of the sparse ring (protocol of :class:`~megatron_mtraining.ring.DenseStepKernel`).
+
+    Args:
+        steps: ``steps[o]`` is the :class:`StepIndices` of this rank's queries against owner ``o``'s K/V.
+        softmax_scale: attention scale.
+        forward_fn / backward_fn: step implementations with the signatures of
+            :func:`~megatron_mtraining.ops.sparse_reference.sparse_attention_forward` /
+            ``sparse_attention_backward`` (default: the torch reference; a Triton kernel plugs in here).
+    """
+
+    def __init__(self, steps: Sequence[StepIndices], softmax_scale: float,
+                 forward_fn: Optional[Callable] = None, backward_fn: Optional[Callable] = None):
+        self.steps = list(steps)
+        self.softmax_scale = softmax_scale
+        self.forward_fn = forward_fn or sparse_attention_forward
+        self.backward_fn = backward_fn or sparse_attention_backward
+        self.empty = [s.is_empty() for s in self.steps]     # one host sync per step, at construction
+
+    @property
+    def computed_steps(self) -> int:
+        return sum(not e for e in self.empty)
+
+    def forward(self, q, k, v, owner: int):
+        if self.empty[owner]:
+            return None
+        return self.forward_fn(q, k, v, self.steps[owner], self.softmax_scale)
+
+    def backward(self, dout, q, k, v, lse, delta, owner: int):
+        if self.empty[owner]:
+            return None
+        return self.backward_fn(dout, q, k, v, lse, delta, self.steps[owner], self.softmax_scale)
+
+
+def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
+                          config: VerticalSlashConfig = VerticalSlashConfig(),
+                          softmax_scale: Optional[float] = None, check_inputs: bool = True,
+                          return_pattern: bool = False):
+    """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
+
+    Args:
+        q: ``[b, s_local, hq, d]`` this rank's queries (position-encoded).
+        k, v: ``[b, s_local, hkv, d]`` this rank's keys/values (GQA when ``hkv < hq``).
+        layout: the CP layout of the shards; must keep ``config.block_size`` blocks whole (striped
+            with granularity a multiple of the block size, or zigzag with chunks that are).
+        group: the CP process group (``None``: one rank).
+        config: estimator budgets (:class:`VerticalSlashConfig`).
+        softmax_scale: defaults to ``1/sqrt(d)``.
+        check_inputs: compare shapes/dtypes/layout/config across ranks first (one small all_gather).
+        return_pattern: also return the estimated global :class:`VerticalSlashPattern`.
+
+    Returns:
+        ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
+
+    Raises:
+        ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
+            group size, or a layout that splits sparse blocks.
+    """
+    cp = group_size(group)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [b, s_local, h, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
+                         "and share batch, sequence and head_dim with q")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if layout.cp_size != cp:
+        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
+    seq_len = q.shape[1] * cp
+    check_block_layout(layout, seq_len, config.block_size)
+    if check_inputs and cp > 1:
+        check_consistent_across_ranks(
+            group, "sparse_ring_attention",
+            q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
+            layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
+            budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
+                     config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))))
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
+                                                            config=config, softmax_scale=scale)
+    steps = convert_pattern(pattern, layout, group_rank(group))
+    out = RingAttentionFunc.apply(q, k, v, SparseStepKernel(steps, scale), group)
+    return (out, pattern) if return_pattern else out
