@@ -68,70 +68,101 @@ class DenseStepKernel:
                                   self.softmax_scale, self.causal)
 
 
+def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step):
+    """One pass of K/V around ``comm``'s ring, merging every step into ``(out, lse)``.
+
+    ``kv`` is this rank's entry K/V (not modified); at step ``j`` the rank holds the K/V that
+    entered the ring ``j`` ranks earlier and ``owner_of_step(j)`` names its CP owner. The next
+    exchange is posted before the step's compute (double buffering).
+    """
+    for step in range(comm.size):
+        pending = None
+        if step + 1 < comm.size:
+            pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
+        partial = kernel.forward(q, kv[0], kv[1], owner_of_step(step))
+        if partial is not None:
+            out, lse = merge_attention(out, lse, *partial)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    return out, lse
+
+
+def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owner_of_step):
+    """Backward of :func:`ring_pass_forward`: adds this rank's dQ into ``dq`` (in place) and
+    returns the dK/dV of the entry ``kv`` summed over every rank of the ring.
+
+    The fp32 accumulator of each K/V travels one exchange behind it and, after ``comm.size``
+    hops, arrives back at the rank that put the K/V into the ring.
+    """
+    acc = dq.dtype
+    dkv_pending = None   # in-flight exchange of accumulators
+    dkv = None
+    for step in range(comm.size):
+        kv_pending = None
+        if step + 1 < comm.size:
+            kv_pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
+        grads = kernel.backward(dout, q, kv[0], kv[1], lse, delta, owner_of_step(step))
+        if grads is not None:
+            dq_s, dk_s, dv_s = grads
+            dq += dq_s
+        else:
+            dk_s = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+            dv_s = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
+        if dkv_pending is not None:                # accumulator of this K/V, from the previous rank
+            dk_in, dv_in = dkv_pending.wait()
+            dk_s += dk_in
+            dv_s += dv_in
+        dkv = (dk_s, dv_s)
+        if comm.size > 1:                          # pass it on; the last hop brings it home
+            dkv_pending = comm.exchange(dkv, [torch.empty_like(dk_s), torch.empty_like(dv_s)])
+        if kv_pending is not None:
+            kv = tuple(kv_pending.wait())
+    if dkv_pending is not None:
+        dkv = tuple(dkv_pending.wait())
+    return dkv
+
+
+def _empty_out_lse(q):
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _delta(dout, out):
+    acc = acc_dtype(out.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [b, hq, sq]
+
+
 class RingAttentionFunc(torch.autograd.Function):
     """One autograd.Function for the flat ring; the per-step work comes from ``kernel``.
 
-    ``forward(ctx, q, k, v, kernel, group)``: ``kernel`` follows :class:`DenseStepKernel`'s protocol.
+    ``forward(ctx, q, k, v, kernel, comm)``: ``kernel`` follows :class:`DenseStepKernel`'s protocol;
+    ``comm`` is the CP process group (or ``None``), or a :class:`~megatron_mtraining.distributed.RingComm`
+    over it (e.g. one that simulates a slow link).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, group):
-        comm = RingComm(group)
+    def forward(ctx, q, k, v, kernel, comm):
+        comm = comm if isinstance(comm, RingComm) else RingComm(comm)
         cp, rank = comm.size, comm.rank
-        acc = acc_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-        kv = (k.contiguous(), v.contiguous())
-        for step in range(cp):
-            pending = None
-            if step + 1 < cp:
-                pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
-            partial = kernel.forward(q, kv[0], kv[1], (rank - step) % cp)
-            if partial is not None:
-                out, lse = merge_attention(out, lse, *partial)
-            if pending is not None:
-                kv = tuple(pending.wait())
+        out, lse = _empty_out_lse(q)
+        out, lse = ring_pass_forward(kernel, comm, q, (k.contiguous(), v.contiguous()), out, lse,
+                                     lambda step: (rank - step) % cp)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.group = kernel, group
+        ctx.kernel, ctx.comm = kernel, comm
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel = ctx.kernel
-        comm = RingComm(ctx.group)
+        comm = ctx.comm
         cp, rank = comm.size, comm.rank
-        acc = acc_dtype(q.dtype)
         dout = dout.contiguous()
-        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [b, hq, sq]
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = (k.contiguous(), v.contiguous())
-        dkv = None           # accumulator for the K/V currently held (owner (rank - step) % cp)
-        dkv_pending = None   # in-flight exchange of accumulators
-        for step in range(cp):
-            kv_pending = None
-            if step + 1 < cp:
-                kv_pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
-            grads = kernel.backward(dout, q, kv[0], kv[1], lse, delta, (rank - step) % cp)
-            if grads is not None:
-                dq_s, dk_s, dv_s = grads
-                dq += dq_s
-            else:
-                dk_s = torch.zeros(k.shape, dtype=acc, device=q.device)
-                dv_s = torch.zeros(v.shape, dtype=acc, device=q.device)
-            if dkv_pending is not None:                # accumulator for this owner, from rank - 1
-                dk_in, dv_in = dkv_pending.wait()
-                dk_s += dk_in
-                dv_s += dv_in
-            dkv = (dk_s, dv_s)
-            if cp > 1:                                 # pass it on; the last hop brings it home
-                dkv_pending = comm.exchange(dkv, [torch.empty_like(dk_s), torch.empty_like(dv_s)])
-            if kv_pending is not None:
-                kv = tuple(kv_pending.wait())
-        if dkv_pending is not None:
-            dkv = dkv_pending.wait()
-        dk, dv = dkv
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        dk, dv = ring_pass_backward(ctx.kernel, comm, dout, q, (k.contiguous(), v.contiguous()), lse,
+                                    _delta(dout, out), dq, lambda step: (rank - step) % cp)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -179,4 +210,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity, causal=bool(causal))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kernel = DenseStepKernel(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
-    return RingAttentionFunc.apply(q, k, v, kernel, group)
+    return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group))

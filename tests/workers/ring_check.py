@@ -47,13 +47,18 @@ def main():
     ap.add_argument("--mismatch-rank", type=int, default=-1, help="this rank passes a shorter shard")
     ap.add_argument("--tp", type=int, default=1, help="build Megatron TPxCPxDP groups; the ring runs on the CP group")
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--hier", type=int, nargs=2, default=None, metavar=("INNER", "OUTER"),
+                    help="hierarchical ring over Megatron's hierarchical CP groups (also compared with the flat ring)")
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    if args.tp > 1 or args.dp > 1:
+    args.hier_groups = None
+    if args.hier:
+        group, args.hier_groups = megatron_hierarchical_groups(args.tp, args.hier)
+    elif args.tp > 1 or args.dp > 1:
         group = megatron_cp_group(args.tp, args.dp)
     else:
         group = dist.new_group(list(range(world))) if world > 1 else None
@@ -81,6 +86,18 @@ def megatron_cp_group(tp, dp):
     return ps.get_context_parallel_group()
 
 
+def megatron_hierarchical_groups(tp, sizes):
+    """CP group + [inner, outer] groups from Megatron's --hierarchical-context-parallel-sizes."""
+    from megatron.core import parallel_state as ps
+
+    inner_size, outer_size = sizes
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=inner_size * outer_size,
+                                 hierarchical_context_parallel_sizes=[inner_size, outer_size])
+    inner, outer = ps.get_hierarchical_context_parallel_groups()
+    assert ps.get_context_parallel_rank() == dist.get_rank(outer) * inner_size + dist.get_rank(inner)
+    return ps.get_context_parallel_group(), (inner, outer)
+
+
 def check(args, group):
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
@@ -103,8 +120,17 @@ def check(args, group):
     ql, kl, vl, dl = (layout.shard(t, rank, 1).to(dtype).requires_grad_(True) for t in (q, k, v, dout))
     if rank == args.mismatch_rank:
         ql, kl, vl = (t[:, :-layout.granularity].detach().requires_grad_(True) for t in (ql, kl, vl))
+    flat = None
     try:
-        out = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
+        if args.hier_groups:
+            from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+
+            flat = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
+            flat_grads = torch.autograd.grad(flat, (ql, kl, vl), dl.detach())
+            out = hierarchical_ring_attention(ql, kl, vl, layout=ring_layout, inner_group=args.hier_groups[0],
+                                              outer_group=args.hier_groups[1], softmax_scale=scale)
+        else:
+            out = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
     except ValueError as e:
         msg = str(e).splitlines()[0]
         errs = [None] * dist.get_world_size()
@@ -118,6 +144,8 @@ def check(args, group):
         "dq": rel_err(ql.grad, layout.shard(qr.grad, rank, 1)),
         "dk": rel_err(kl.grad, layout.shard(kr.grad, rank, 1)),
         "dv": rel_err(vl.grad, layout.shard(vr.grad, rank, 1)),
+        "vs_flat": (max(rel_err(a, b) for a, b in zip((out, ql.grad, kl.grad, vl.grad), (flat, *flat_grads)))
+                    if flat is not None else None),
         "finite": bool(torch.isfinite(out).all() and torch.isfinite(ql.grad).all()
                        and torch.isfinite(kl.grad).all() and torch.isfinite(vl.grad).all()),
     }
@@ -126,6 +154,8 @@ def check(args, group):
     if dist.get_rank() == 0:
         worst = {key: max(r[key] for r in allres) for key in ("out", "dq", "dk", "dv")}
         worst["finite"] = all(r["finite"] for r in allres)
+        if allres[0]["vs_flat"] is not None:
+            worst["vs_flat"] = max(r["vs_flat"] for r in allres)
         worst["config"] = {k: getattr(args, k) for k in ("layout", "granularity", "seq", "batch", "heads",
                                                           "kv_heads", "head_dim", "dtype", "wrong_layout")}
         print("RESULT " + json.dumps(worst), flush=True)

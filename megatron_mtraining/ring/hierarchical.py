@@ -1,0 +1,169 @@
+"""Hierarchical (double) ring attention: an inner intra-node ring inside an outer inter-node ring.
+
+MTraining §4.2 / Algorithm 2. The CP group of ``cp = inner × outer`` ranks is viewed as
+``outer`` nodes of ``inner`` ranks, with Megatron's hierarchical-CP numbering
+(``--hierarchical-context-parallel-sizes inner outer``: level 0 = consecutive CP ranks = the
+inner group, level 1 = stride ``inner`` = the outer group), so
+``cp_rank = outer_rank * inner + inner_rank``.
+
+Forward, for each outer step ``o``:
+    1. post the outer exchange of the K/V this rank holds for the outer ring (inter-node link);
+    2. run a full inner ring over that K/V (``inner`` steps, intra-node link); at inner step
+       ``j`` the K/V belongs to CP rank
+       ``((outer_rank - o) mod outer) * inner + (inner_rank - j) mod inner``;
+    3. wait for the outer exchange.
+Every (query shard, K/V owner) pair is visited exactly once; causality is decided by global
+positions, so the striped alignment holds at every step. The outer transfer runs during the
+inner ring because inner and outer rings use **separate process groups** (separate NCCL
+communicators and streams on GPU), unlike the reference code (mtraining_reference.md §2.4).
+
+Backward mirrors it: each inner ring returns the node's fp32 dK/dV contribution for the outer
+K/V it circulated; that node-level accumulator then travels on the outer ring one outer step
+behind the K/V (its exchange overlaps the next inner ring) and arrives, reduced over all
+nodes, at the owner.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
+from ..layout import LAYOUT_KINDS, Layout
+from ..ops.reference import acc_dtype, default_softmax_scale
+from . import DenseStepKernel, _delta, _empty_out_lse, ring_pass_backward, ring_pass_forward
+
+__all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
+
+
+class DelayedComm(RingComm):
+    """A :class:`RingComm` whose transfers take at least ``delay_s`` seconds from posting to
+    completion: a slow inter-node link for overlap tests and simulations (the transfer itself
+    runs at once; ``wait()`` returns no earlier than ``post time + delay_s``)."""
+
+    def __init__(self, group, delay_s: float):
+        super().__init__(group)
+        self.delay_s = float(delay_s)
+
+    def exchange(self, send, recv):
+        pending = super().exchange(send, recv)
+        ready_at = time.perf_counter() + self.delay_s
+        inner_wait = pending.wait
+
+        def wait():
+            res = inner_wait()
+            left = ready_at - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            return res
+
+        pending.wait = wait
+        return pending
+
+
+class HierarchicalRingAttentionFunc(torch.autograd.Function):
+    """autograd.Function of the hierarchical ring; per-step work from ``kernel`` (see ring/__init__)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, inner: RingComm, outer: RingComm, overlap: bool):
+        n_in, n_out = inner.size, outer.size
+        r_in, r_out = inner.rank, outer.rank
+        out, lse = _empty_out_lse(q)
+        kv_outer = (k.contiguous(), v.contiguous())
+        for o in range(n_out):
+            pending = None
+            if o + 1 < n_out:
+                pending = outer.exchange(kv_outer, [torch.empty_like(kv_outer[0]), torch.empty_like(kv_outer[1])])
+                if not overlap:
+                    kv_next = tuple(pending.wait())
+            node = (r_out - o) % n_out
+            out, lse = ring_pass_forward(kernel, inner, q, kv_outer, out, lse,
+                                         lambda j, node=node: node * n_in + (r_in - j) % n_in)
+            if pending is not None:
+                kv_outer = tuple(pending.wait()) if overlap else kv_next
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.inner, ctx.outer, ctx.overlap = kernel, inner, outer, overlap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel, inner, outer, overlap = ctx.kernel, ctx.inner, ctx.outer, ctx.overlap
+        n_in, n_out = inner.size, outer.size
+        r_in, r_out = inner.rank, outer.rank
+        dout = dout.contiguous()
+        delta = _delta(dout, out)
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        kv_outer = (k.contiguous(), v.contiguous())
+        acc_pending = None         # node-level dK/dV accumulator travelling on the outer ring
+        for o in range(n_out):
+            kv_pending = None
+            if o + 1 < n_out:
+                kv_pending = outer.exchange(kv_outer, [torch.empty_like(kv_outer[0]), torch.empty_like(kv_outer[1])])
+                if not overlap:
+                    kv_next = tuple(kv_pending.wait())
+            node = (r_out - o) % n_out
+            dk_node, dv_node = ring_pass_backward(kernel, inner, dout, q, kv_outer, lse, delta, dq,
+                                                  lambda j, node=node: node * n_in + (r_in - j) % n_in)
+            if acc_pending is not None:            # other nodes' sum for the same owner
+                dk_in, dv_in = acc_pending.wait()
+                dk_node = dk_node + dk_in
+                dv_node = dv_node + dv_in
+            acc = (dk_node, dv_node)
+            acc_pending = outer.exchange(acc, [torch.empty_like(dk_node), torch.empty_like(dv_node)])
+            if not overlap:
+                acc_pending.wait()
+            if kv_pending is not None:
+                kv_outer = tuple(kv_pending.wait()) if overlap else kv_next
+        dk, dv = acc_pending.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
+                                inner_group, outer_group, softmax_scale: Optional[float] = None,
+                                causal: bool = True, kernel=None, overlap: bool = True,
+                                outer_link_delay_s: float = 0.0) -> torch.Tensor:
+    """Exact causal attention over ``inner × outer`` CP ranks with a two-level ring.
+
+    Args:
+        q, k, v: as in :func:`megatron_mtraining.ring.ring_attention` (``[b, s_local, h, d]``).
+        layout: the layout over the whole CP group (``layout.cp_size == inner * outer``); this
+            rank's shard index is ``outer_rank * inner + inner_rank``.
+        inner_group, outer_group: Megatron's hierarchical CP groups (level 0, level 1), or any
+            two groups with that numbering. Both must have at least 2 ranks.
+        kernel: per-step kernel (default: the dense causal kernel); sparse kernels plug in here.
+        overlap: post the outer transfer before the inner ring (Algorithm 2). ``False`` waits
+            for it first, which serialises the two links (for comparisons only).
+        outer_link_delay_s: make every outer transfer take at least this long (a slow inter-node
+            link, for overlap tests and simulations).
+
+    Raises:
+        ValueError: an inner or outer size of 1 (that is a flat ring or no CP: use
+            :func:`~megatron_mtraining.ring.ring_attention`), ``inner*outer != layout.cp_size``,
+            or shapes/dtypes that disagree across ranks.
+    """
+    n_in, n_out = group_size(inner_group), group_size(outer_group)
+    if n_in < 2 or n_out < 2:
+        raise ValueError(f"hierarchical ring needs inner and outer rings of >= 2 ranks, got inner={n_in}, "
+                         f"outer={n_out}; with one level of size 1 use the flat ring_attention instead")
+    if layout.cp_size != n_in * n_out:
+        raise ValueError(f"layout.cp_size={layout.cp_size} but inner*outer = {n_in}*{n_out} = {n_in * n_out}")
+    if q.shape[2] % k.shape[2] != 0 or k.shape != v.shape:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    cp_rank = group_rank(outer_group) * n_in + group_rank(inner_group)
+    seq_len = q.shape[1] * layout.cp_size
+    layout.check_seq_len(seq_len)
+    for grp, name in ((inner_group, "inner"), (outer_group, "outer")):
+        check_consistent_across_ranks(grp, f"hierarchical_ring_attention ({name} ring)",
+                                      q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
+                                      layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
+                                      sizes=(n_in, n_out))
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if kernel is None:
+        kernel = DenseStepKernel(layout, cp_rank, seq_len, scale, bool(causal), device=q.device)
+    inner = RingComm(inner_group)
+    outer = DelayedComm(outer_group, outer_link_delay_s) if outer_link_delay_s > 0 else RingComm(outer_group)
+    return HierarchicalRingAttentionFunc.apply(q, k, v, kernel, inner, outer, bool(overlap))
