@@ -1,0 +1,121 @@
+"""Dense ring step on the GPU: the Triton block kernel with position masks.
+
+Every step of the dense ring is attention of the local queries over one owner's keys under the
+causal structure of *global* positions (key visible iff ``k_pos <= q_pos``). For striped layouts
+with 64-token chunks this structure is block-causal (inclusive for ``owner < rank``, strict for
+``owner > rank``), for zigzag it is two causal/full/empty halves, for ``granularity < 64`` it is
+token-level inside every tile. cuDNN/flash SDPA only know the standard causal and full masks, so
+the step uses the sparse kernels of :mod:`megatron_mtraining.ops.triton` with a *dense* plan:
+each 64-row query tile lists every key block that some of its queries can see; blocks wholly in
+the past run unmasked, blocks that straddle the boundary are masked by positions (mask mode 2),
+blocks wholly in the future are skipped. The backward uses the global ``lse``/``delta`` exactly
+like the torch reference (no atomics: bitwise deterministic).
+
+Public API::
+
+    kernel = make_dense_step_kernel(layout, rank, seq_len, softmax_scale, causal=True, device=q.device)
+    # kernel.forward(q, k, v, owner) -> (out fp32, lse fp32) | None
+    # kernel.backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None
+
+On a device/dtype where the Triton kernels cannot run (CPU without the interpreter, fp64) or
+when the local length is not a multiple of 64, the step falls back to the torch reference
+(:func:`megatron_mtraining.ops.reference.attention_forward` / ``attention_backward``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .reference import attention_backward, attention_forward
+
+__all__ = ["DenseGpuStepKernel", "make_dense_step_kernel", "dense_step_supported"]
+
+_BLOCK = 64
+
+
+def dense_step_supported(q: torch.Tensor) -> bool:
+    """True when :class:`DenseGpuStepKernel` runs the Triton kernels for tensors like ``q``."""
+    from .triton import triton_usable
+    return triton_usable(q) and q.shape[1] % _BLOCK == 0
+
+
+class DenseGpuStepKernel:
+    """Ring step kernel (protocol of :class:`megatron_mtraining.ring.DenseStepKernel`) on Triton.
+
+    Args:
+        layout: the CP :class:`~megatron_mtraining.layout.Layout` (``positions(rank, seq_len)``).
+        rank: this rank in the CP group.
+        seq_len: global sequence length.
+        softmax_scale: attention scale.
+        causal: causal mask on global positions (else full attention).
+        device: where the position tensors and plans live.
+        deterministic: passed to the backward (the dense plan has no vertical columns, so both
+            modes are deterministic unless ``CONFIG.dq_atomic_fast`` is set).
+    """
+
+    def __init__(self, layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None,
+                 deterministic: bool = True):
+        self.layout, self.rank, self.seq_len = layout, rank, seq_len
+        self.softmax_scale, self.causal, self.deterministic = softmax_scale, causal, deterministic
+        self.q_pos = layout.positions(rank, seq_len, device=device)
+        self._k_pos = {}
+        self._plans = {}
+
+    def k_pos(self, owner: int) -> torch.Tensor:
+        if owner not in self._k_pos:
+            self._k_pos[owner] = self.layout.positions(owner, self.seq_len, device=self.q_pos.device)
+        return self._k_pos[owner]
+
+    def visible(self, owner: int) -> bool:
+        return (not self.causal) or bool(self.k_pos(owner)[0] <= self.q_pos[-1])
+
+    def plan(self, owner: int):
+        """The dense plan of this step (cached; ``None`` when no key is visible)."""
+        if owner not in self._plans:
+            from .triton import dense_plan
+            self._plans[owner] = dense_plan(self.q_pos, self.k_pos(owner), self.causal)
+        return self._plans[owner]
+
+    def forward(self, q, k, v, owner: int):
+        if not self.visible(owner):
+            return None
+        if not dense_step_supported(q):
+            return attention_forward(q, k, v, self.q_pos, self.k_pos(owner), self.softmax_scale, self.causal)
+        plan = self.plan(owner)
+        if plan is None:
+            return None
+        from .triton import sparse_forward
+        return sparse_forward(q, k, v, plan, self.softmax_scale)
+
+    def backward(self, dout, q, k, v, lse, delta, owner: int):
+        if not self.visible(owner):
+            return None
+        if not dense_step_supported(q):
+            return attention_backward(dout, q, k, v, lse, delta, self.q_pos, self.k_pos(owner),
+                                      self.softmax_scale, self.causal)
+        plan = self.plan(owner)
+        if plan is None:
+            return None
+        from .triton import sparse_backward
+        return sparse_backward(dout, q, k, v, lse, delta, plan, self.softmax_scale, self.deterministic)
+
+
+def make_dense_step_kernel(layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True,
+                           device=None, backend: str = "auto", deterministic: bool = True):
+    """The dense ring's per-step kernel for this device.
+
+    ``backend``: ``"auto"`` (Triton on CUDA when the local length is a multiple of 64, else the
+    torch reference), ``"triton"`` (Triton; falls back per call where it cannot run) or
+    ``"reference"`` (the torch reference :class:`megatron_mtraining.ring.DenseStepKernel`).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    local = seq_len // layout.cp_size
+    use_triton = backend == "triton" or (backend == "auto" and dev.type == "cuda" and local % _BLOCK == 0)
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"unknown backend {backend!r}")
+    if use_triton:
+        return DenseGpuStepKernel(layout, rank, seq_len, softmax_scale, causal, device=dev, deterministic=deterministic)
+    from ..ring import DenseStepKernel
+    return DenseStepKernel(layout, rank, seq_len, softmax_scale, causal, device=dev)

@@ -1,0 +1,405 @@
+"""Triton kernels of the vertical-slash sparse attention (forward, backward dQ, dK/dV).
+
+Imported lazily by :mod:`.launch` (never at package import): ``triton.jit`` decides at decoration
+time whether a kernel runs compiled or in the CPU interpreter (``TRITON_INTERPRET=1``).
+
+Notation. One program owns a 64-row query tile (forward, dQ) or one 64-key group (dK/dV).
+Scores are kept in base-2 units: ``qk2 = (q·k) * softmax_scale * log2(e)``, so the softmax is
+``exp2(qk2 - m2)`` and the natural-log LSE is ``(m2 + log2(l)) * ln(2)``. Accumulation is fp32
+whatever the input dtype; matrix products take bf16/fp16 operands (fp32 inputs: ieee fp32).
+
+Masks (``MASK_MODE``):
+    0  none (every listed key is visible to every row of the tile);
+    1  local causal: key local index <= query local index (``StepIndices.causal``);
+    2  positions: key position <= query position, read from ``QPos``/``KPos`` (dense ring steps of
+       any layout).
+Blocks are visited in two loops: slots ``[0, split)`` need no mask (the caller guarantees it),
+slots ``[split, count)`` are masked. Vertical columns are always masked by their validity (slot
+< count) and, in mode 1, causally. Rows that see no key end with ``out = 0`` and ``lse = -inf``;
+the backward treats ``lse = -inf`` as "probability 0" so such rows give exact zero gradients.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _online_step(qk, m_i, l_i, acc, v, MASKED: tl.constexpr, FP32: tl.constexpr):
+    # qk: [M, N] fp32 in log2 units (-inf where masked); v: [N, D]
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_fwd_kernel(
+    Q, K, V, Out, Lse,
+    BlockCount, BlockSplit, BlockIndex, ColCount, ColIndex, QPos, KPos,
+    scale_log2,
+    s_qb, s_qs, s_qh,
+    s_kb, s_ks, s_kh,
+    s_vb, s_vs, s_vh,
+    s_ob, s_os, s_oh,
+    s_lb, s_lh,
+    s_bcb, s_bch,
+    s_bsb, s_bsh,
+    s_bib, s_bih, s_biq,
+    s_ccb, s_cch,
+    s_cib, s_cih, s_ciq,
+    num_heads, num_q_blocks, rep,
+    MASK_MODE: tl.constexpr, HAS_COLS: tl.constexpr, FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bz = tl.program_id(1)
+    h = pid % num_heads
+    qb = num_q_blocks - 1 - pid // num_heads          # heaviest (latest) tiles first
+    g = h // rep
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+    k_base = K + bz * s_kb + g * s_kh
+    v_base = V + bz * s_vb + g * s_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    cnt = tl.load(BlockCount + bz * s_bcb + h * s_bch + qb)
+    if MASK_MODE == 0:
+        split = cnt
+    else:
+        split = tl.load(BlockSplit + bz * s_bsb + h * s_bsh + qb)
+    idx_ptr = BlockIndex + bz * s_bib + h * s_bih + qb * s_biq
+    if MASK_MODE == 2:
+        q_pos = tl.load(QPos + offs_m)
+
+    # blocks that need no mask
+    for i in range(0, split):
+        kb = tl.load(idx_ptr + i)
+        cols = kb * BLOCK_N + offs_n
+        k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+        v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+        qk = _dot(q, tl.trans(k), FP32) * scale_log2
+        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
+    # blocks that straddle the causal boundary (or lie past it)
+    for i in range(split, cnt):  # empty when MASK_MODE == 0 (split == cnt)
+        kb = tl.load(idx_ptr + i)
+        cols = kb * BLOCK_N + offs_n
+        k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+        v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+        qk = _dot(q, tl.trans(k), FP32) * scale_log2
+        if MASK_MODE == 1:
+            qk = tl.where(cols[None, :] <= offs_m[:, None], qk, float("-inf"))
+        if MASK_MODE == 2:
+            k_pos = tl.load(KPos + cols)
+            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
+
+    if HAS_COLS:
+        ccnt = tl.load(ColCount + bz * s_ccb + h * s_cch + qb)
+        cptr = ColIndex + bz * s_cib + h * s_cih + qb * s_ciq
+        for j in range(0, ccnt, BLOCK_C):
+            offs_c = j + tl.arange(0, BLOCK_C)
+            cvalid = offs_c < ccnt
+            cols = tl.load(cptr + offs_c, mask=cvalid, other=0)
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            qk = _dot(q, tl.trans(k), FP32) * scale_log2
+            valid = cvalid[None, :]
+            if MASK_MODE == 1:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+            m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(Out + bz * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_d[None, :], out.to(Out.dtype.element_ty))
+    tl.store(Lse + bz * s_lb + h * s_lh + offs_m, lse)
+
+
+@triton.jit
+def _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, MASKED: tl.constexpr, FP32: tl.constexpr):
+    # returns p [M, N] (fp32) and ds [M, N] (fp32) of one tile; valid: [M, N] bool (MASKED only)
+    qk = _dot(q, tl.trans(k), FP32) * scale_log2
+    p = tl.math.exp2(qk - lse2[:, None])
+    if MASKED:
+        p = tl.where(valid, p, 0.0)
+    dp = _dot(do, tl.trans(v), FP32)
+    ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@triton.jit
+def _sparse_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, DK, DV,
+    BlockCount, BlockSplit, BlockIndex, ColCount, ColIndex, QPos, KPos,
+    scale_log2, sm_scale,
+    s_qb, s_qs, s_qh,
+    s_kb, s_ks, s_kh,
+    s_vb, s_vs, s_vh,
+    s_dob, s_dos, s_doh,
+    s_dqb, s_dqs, s_dqh,
+    s_dkb, s_dks, s_dkh,
+    s_lb, s_lh,
+    s_bcb, s_bch,
+    s_bsb, s_bsh,
+    s_bib, s_bih, s_biq,
+    s_ccb, s_cch,
+    s_cib, s_cih, s_ciq,
+    num_heads, num_q_blocks, rep,
+    MASK_MODE: tl.constexpr, DO_BLOCKS: tl.constexpr, HAS_COLS: tl.constexpr, COL_ATOMIC: tl.constexpr,
+    ACCUM_DQ: tl.constexpr, FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """dQ of one query tile (row-parallel, no atomics on dQ). With COL_ATOMIC the vertical
+    columns' dK/dV are also added here with fp32 atomics (fast, non-deterministic mode)."""
+    pid = tl.program_id(0)
+    bz = tl.program_id(1)
+    h = pid % num_heads
+    qb = num_q_blocks - 1 - pid // num_heads
+    g = h // rep
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+    do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
+    lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    k_base = K + bz * s_kb + g * s_kh
+    v_base = V + bz * s_vb + g * s_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    if DO_BLOCKS:
+        cnt = tl.load(BlockCount + bz * s_bcb + h * s_bch + qb)
+        if MASK_MODE == 0:
+            split = cnt
+        else:
+            split = tl.load(BlockSplit + bz * s_bsb + h * s_bsh + qb)
+        idx_ptr = BlockIndex + bz * s_bib + h * s_bih + qb * s_biq
+        if MASK_MODE == 2:
+            q_pos = tl.load(QPos + offs_m)
+        for i in range(0, split):
+            kb = tl.load(idx_ptr + i)
+            cols = kb * BLOCK_N + offs_n
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
+            dq += _dot(ds.to(k.dtype), k, FP32)
+        if MASK_MODE != 0:
+            for i in range(split, cnt):
+                kb = tl.load(idx_ptr + i)
+                cols = kb * BLOCK_N + offs_n
+                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                if MASK_MODE == 1:
+                    valid = cols[None, :] <= offs_m[:, None]
+                else:
+                    k_pos = tl.load(KPos + cols)
+                    valid = k_pos[None, :] <= q_pos[:, None]
+                p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
+                dq += _dot(ds.to(k.dtype), k, FP32)
+
+    if HAS_COLS:
+        ccnt = tl.load(ColCount + bz * s_ccb + h * s_cch + qb)
+        cptr = ColIndex + bz * s_cib + h * s_cih + qb * s_ciq
+        for j in range(0, ccnt, BLOCK_C):
+            offs_c = j + tl.arange(0, BLOCK_C)
+            cvalid = offs_c < ccnt
+            cols = tl.load(cptr + offs_c, mask=cvalid, other=0)
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            valid = cvalid[None, :]
+            if MASK_MODE == 1:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
+            dq += _dot(ds.to(k.dtype), k, FP32)
+            if COL_ATOMIC:
+                dv_c = _dot(tl.trans(p.to(do.dtype)), do, FP32)
+                dk_c = _dot(tl.trans(ds.to(q.dtype)), q, FP32) * sm_scale
+                dst = bz * s_dkb + g * s_dkh + cols[:, None] * s_dks + offs_d[None, :]
+                tl.atomic_add(DV + dst, dv_c, mask=cvalid[:, None], sem="relaxed")
+                tl.atomic_add(DK + dst, dk_c, mask=cvalid[:, None], sem="relaxed")
+
+    dq = dq * sm_scale
+    dq_ptrs = DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :]
+    if ACCUM_DQ:
+        dq += tl.load(dq_ptrs)
+    tl.store(dq_ptrs, dq)
+
+
+@triton.jit
+def _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, MASKED: tl.constexpr, FP32: tl.constexpr):
+    # transposed tile [N keys, M rows]: returns pT, dsT (fp32)
+    qkT = _dot(k, tl.trans(q), FP32) * scale_log2
+    pT = tl.math.exp2(qkT - lse2[None, :])
+    if MASKED:
+        pT = tl.where(valid, pT, 0.0)
+    dpT = _dot(v, tl.trans(do), FP32)
+    dsT = pT * (dpT - delta[None, :])
+    return pT, dsT
+
+
+@triton.jit
+def _sparse_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, DK, DV,
+    KvOffsets, KvEntries, QPos, KPos,
+    scale_log2, sm_scale,
+    s_qb, s_qs, s_qh,
+    s_kb, s_ks, s_kh,
+    s_vb, s_vs, s_vh,
+    s_dob, s_dos, s_doh,
+    s_dqb, s_dqs, s_dqh,
+    s_dkb, s_dks, s_dkh,
+    s_lb, s_lh,
+    s_ofb, s_ofg,
+    num_kv_heads, num_q_blocks, rep,
+    MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of one 64-key block for one KV head (column-parallel, inverted block index).
+
+    Visits, in the fixed order of ``KvEntries``, every (query head of the group, query tile) that
+    lists this key block, so the sum over GQA heads happens in registers: no atomics, bitwise
+    deterministic. Overwrites DK/DV rows of the block (blocks with no entry get zeros).
+    With DQ_ATOMIC the tile's dQ is also added to DQ with fp32 atomics (fast mode)."""
+    pid = tl.program_id(0)
+    bz = tl.program_id(1)
+    g = pid % num_kv_heads
+    kb = pid // num_kv_heads
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, BLOCK_M)
+
+    k = tl.load(K + bz * s_kb + g * s_kh + offs_n[:, None] * s_ks + offs_d[None, :])
+    v = tl.load(V + bz * s_vb + g * s_vh + offs_n[:, None] * s_vs + offs_d[None, :])
+    if MASK_MODE == 2:
+        k_pos = tl.load(KPos + offs_n)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+
+    off_ptr = KvOffsets + bz * s_ofb + g * s_ofg + kb
+    start = tl.load(off_ptr)
+    end = tl.load(off_ptr + 1)
+    for e in range(start, end):
+        ent = tl.load(KvEntries + e)
+        r = ent // num_q_blocks
+        qb = ent - r * num_q_blocks
+        h = g * rep + r
+        offs_m = qb * BLOCK_M + offs_r
+        q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+        do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
+        lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+        if MASK_MODE == 0:
+            pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
+        else:
+            if MASK_MODE == 1:
+                valid = offs_n[:, None] <= offs_m[None, :]
+            else:
+                q_pos = tl.load(QPos + offs_m)
+                valid = k_pos[:, None] <= q_pos[None, :]
+            pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
+        dv += _dot(pT.to(do.dtype), do, FP32)
+        dk += _dot(dsT.to(q.dtype), q, FP32)
+        if DQ_ATOMIC:
+            dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
+            tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
+                          sem="relaxed")
+
+    dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
+    tl.store(DK + dst, dk * sm_scale)
+    tl.store(DV + dst, dv)
+
+
+@triton.jit
+def _sparse_bwd_col_kernel(
+    Q, K, V, DO, Lse, Delta, DKP, DVP,
+    ColU, ColUCount, ColOffsets, ColEntries, ColBits,
+    scale_log2, sm_scale,
+    s_qb, s_qs, s_qh,
+    s_kb, s_ks, s_kh,
+    s_vb, s_vs, s_vh,
+    s_dob, s_dos, s_doh,
+    s_lb, s_lh,
+    s_pp, s_pb, s_ph, s_pu,
+    s_ub, s_uh,
+    s_ucb,
+    s_ofb, s_ofh,
+    num_heads, num_chunks, num_splits, rep,
+    CAUSAL: tl.constexpr, FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Deterministic dK/dV of the vertical columns.
+
+    Program (chunk c of the union U of query head h's columns, query-tile split sp): gathers the
+    64 keys U[c*64:(c+1)*64] and visits, in ascending order, the query tiles of split sp that list
+    at least one of them (``ColEntries``, with ``ColBits`` = which of the 64 columns the tile lists),
+    accumulating dK/dV in registers. Writes one partial per split, DKP[sp, b, h, u, :]; the caller
+    sums the splits and scatters to key rows in a fixed order."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    bz = tl.program_id(2)
+    h = pid % num_heads
+    c = pid // num_heads
+    g = h // rep
+    ucount = tl.load(ColUCount + bz * s_ucb + h)
+    offs_u = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, BLOCK_M)
+    uvalid = offs_u < ucount
+    cols = tl.load(ColU + bz * s_ub + h * s_uh + offs_u, mask=uvalid, other=0)
+    k = tl.load(K + bz * s_kb + g * s_kh + cols[:, None] * s_ks + offs_d[None, :], mask=uvalid[:, None], other=0.0)
+    v = tl.load(V + bz * s_vb + g * s_vh + cols[:, None] * s_vs + offs_d[None, :], mask=uvalid[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
+    lanes = tl.arange(0, BLOCK_C).to(tl.int64)
+
+    off_ptr = ColOffsets + bz * s_ofb + h * s_ofh + c * num_splits + sp
+    start = tl.load(off_ptr)
+    end = tl.load(off_ptr + 1)
+    for e in range(start, end):
+        qb = tl.load(ColEntries + e)
+        bits = tl.load(ColBits + e)
+        member = ((bits >> lanes) & 1) != 0
+        offs_m = qb * BLOCK_M + offs_r
+        q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+        do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
+        lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+        valid = member[:, None]
+        if CAUSAL:
+            valid = valid & (cols[:, None] <= offs_m[None, :])
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
+        dv += _dot(pT.to(do.dtype), do, FP32)
+        dk += _dot(dsT.to(q.dtype), q, FP32)
+
+    dst = sp * s_pp + bz * s_pb + h * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
+    tl.store(DKP + dst, dk * sm_scale)
+    tl.store(DVP + dst, dv)

@@ -1,0 +1,387 @@
+"""Launchers of the Triton sparse kernels and the index preprocessing they need.
+
+A :class:`SparsePlan` holds, for one ring step, everything the kernels read besides Q/K/V:
+
+* forward / dQ side (per 64-row query tile): ``block_count``, ``block_split`` (how many leading
+  slots need no mask), ``block_index``, ``column_count``, ``column_index`` and the mask mode;
+* dK/dV side (built on the first backward): the *inverted* block index in CSR form
+  (``kv_offsets``, ``kv_entries``: for each (batch, KV head, key block) the ascending list of
+  ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block);
+* deterministic vertical-column side (built on the first deterministic backward): per query head
+  the union ``U`` of its columns (ascending), and per (query tile, 64-column chunk of ``U``) a
+  64-bit mask of the columns the tile lists.
+
+Index tensors may have size-1 batch / head dimensions (shared lists, e.g. dense ring steps);
+they are broadcast through zero strides, never copied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+BLOCK = 64          # query tile rows = key block width (the StepIndices block size)
+BLOCK_C = 64        # vertical columns gathered per tile
+
+
+def _kernels():
+    from . import kernels as K   # lazy: see kernels.py
+    return K
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+@dataclass
+class SparsePlan:
+    block_count: torch.Tensor            # [B', H', nqb] int32
+    block_split: torch.Tensor            # [B', H', nqb] int32 (slots [0, split) need no mask)
+    block_index: torch.Tensor            # [B', H', nqb, max_nb] int32
+    column_count: Optional[torch.Tensor]  # [B', H', nqb] int32 or None (no columns)
+    column_index: Optional[torch.Tensor]  # [B', H', nqb, max_nc] int32
+    mask_mode: int                       # 0 none, 1 local causal, 2 positions
+    q_pos: Optional[torch.Tensor] = None  # [sq] int32 (mode 2)
+    k_pos: Optional[torch.Tensor] = None  # [sk] int32 (mode 2)
+    _kv: dict = field(default_factory=dict, repr=False)
+    _col: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def has_columns(self) -> bool:
+        return self.column_index is not None and self.column_index.shape[-1] > 0
+
+
+def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmasked: torch.Tensor) -> torch.Tensor:
+    """Number of leading valid slots whose block satisfies ``unmasked`` (robust to any order)."""
+    slot = torch.arange(block_index.shape[-1], device=block_index.device)
+    ok = unmasked & (slot < block_count[..., None])
+    return torch.cumprod(ok.to(torch.int32), dim=-1).sum(-1).to(torch.int32)
+
+
+def plan_from_indices(block_count, block_index, column_count, column_index, causal: bool) -> SparsePlan:
+    """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask)."""
+    block_count, block_index = _i32(block_count), _i32(block_index)
+    if causal:
+        nqb = block_count.shape[-1]
+        qb = torch.arange(nqb, device=block_index.device, dtype=torch.int32)
+        split = _leading_split(block_index, block_count, block_index < qb[:, None])
+    else:
+        split = block_count
+    has_cols = column_index is not None and column_index.shape[-1] > 0
+    return SparsePlan(block_count, split, block_index,
+                      _i32(column_count) if has_cols else None, _i32(column_index) if has_cols else None,
+                      1 if causal else 0)
+
+
+def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) -> Optional[SparsePlan]:
+    """Plan of dense attention between two shards given the global positions of their tokens.
+
+    Key block ``kb`` is listed for query tile ``qb`` iff some key of it is visible to some query of
+    the tile (``min k_pos <= max q_pos``); it needs a mask iff ``max k_pos > min q_pos``. Positions
+    must be ascending. Returns ``None`` when no key is visible to any query. Lists are shared by
+    every batch entry and head (size-1 dims)."""
+    sq, sk = q_pos.numel(), k_pos.numel()
+    nqb, nkb = sq // BLOCK, sk // BLOCK
+    dev = q_pos.device
+    qp = q_pos.view(nqb, BLOCK)
+    kp = k_pos.view(nkb, BLOCK)
+    if causal:
+        qmin, qmax = qp.min(1).values, qp.max(1).values
+        kmin, kmax = kp.min(1).values, kp.max(1).values
+        visible = kmin[None, :] <= qmax[:, None]            # [nqb, nkb]
+        unmasked = kmax[None, :] <= qmin[:, None]
+    else:
+        visible = torch.ones(nqb, nkb, dtype=torch.bool, device=dev)
+        unmasked = visible
+    count = visible.sum(1).to(torch.int32)
+    if int(count.max()) == 0:
+        return None
+    max_nb = int(count.max())
+    # ascending key blocks: the visible ones are a prefix (k_pos ascending), unmasked a prefix of it
+    index = torch.arange(nkb, device=dev, dtype=torch.int32)[None, :max_nb].expand(nqb, max_nb).contiguous()
+    split = (unmasked & visible).sum(1).to(torch.int32)
+    mode = 2 if causal and bool((split < count).any()) else 0
+    return SparsePlan(count[None, None], split[None, None], index[None, None], None, None, mode,
+                      _i32(q_pos).contiguous(), _i32(k_pos).contiguous())
+
+
+# ----------------------------------------------------------------------------- backward plans
+def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
+    """Inverted block index: CSR over (batch', kv head', key block) of entries ``r * nqb + qb``."""
+    key = ("kv", nkb, hq, hkv)
+    if key in plan._kv:
+        return plan._kv[key]
+    bi, bc = plan.block_index, plan.block_count
+    B_, H_, nqb, max_nb = bi.shape
+    rep = hq // hkv
+    dev = bi.device
+    slot = torch.arange(max_nb, device=dev)
+    valid = slot < bc[..., None]
+    bb, hh, qq, ss = valid.nonzero(as_tuple=True)
+    kb = bi[bb, hh, qq, ss].long()
+    if H_ == 1:     # every head lists the same blocks: one entry per head of the group
+        G_ = 1
+        n = bb.numel()
+        r = torch.arange(rep, device=dev).repeat_interleave(n)
+        bb, qq, kb = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep)
+        g = torch.zeros_like(bb)
+    else:
+        G_ = hkv
+        g, r = hh // rep, hh % rep
+    seg = (bb * G_ + g) * nkb + kb
+    val = r * nqb + qq
+    order = torch.sort(seg * (rep * nqb) + val, stable=True).indices
+    entries = val[order].to(torch.int32).contiguous()
+    counts = torch.bincount(seg, minlength=B_ * G_ * nkb)
+    offsets = torch.zeros(B_ * G_ * nkb + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    if entries.numel() == 0:
+        entries = torch.zeros(1, dtype=torch.int32, device=dev)
+    res = (offsets, entries, B_, G_)
+    plan._kv[key] = res
+    return res
+
+
+def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
+    """Per-head column union ``U`` and the inverted column index of the deterministic kernel.
+
+    Returns ``(col_u [B',H',upad], ucount [B',H'], offsets, entries_qb, entries_bits, upad, nchunks,
+    nsplit, B', H')``: for segment ``((b'*H' + h')*nchunks + c)*nsplit + sp`` the entries are the
+    query tiles of split ``sp`` (``qbps`` tiles each) that list a column of chunk ``c`` of ``U``,
+    ascending, each with the 64-bit mask of the chunk's columns it lists."""
+    ci, cc = plan.column_index, plan.column_count
+    B_, H_, nqb, max_nc = ci.shape
+    key = ("col", sk, b, hq)
+    if key in plan._col:
+        return plan._col[key]
+    dev = ci.device
+    slot = torch.arange(max_nc, device=dev)
+    valid = slot < cc[..., None]
+    cidx = torch.where(valid, ci.long(), torch.full_like(ci, sk, dtype=torch.long))
+    present = torch.zeros(B_, H_, sk + 1, dtype=torch.int32, device=dev)
+    present.scatter_(2, cidx.view(B_, H_, -1), 1)
+    present[..., sk] = 0
+    rank = torch.cumsum(present, -1, dtype=torch.int32) - 1                    # slot of column p in U
+    ucount = present.sum(-1, dtype=torch.int32)                               # [B', H']
+    umax = max(int(ucount.max()), 1)
+    upad = BLOCK_C * math.ceil(umax / BLOCK_C)
+    nchunks = upad // BLOCK_C
+    col_u = torch.zeros(B_, H_, upad + 1, dtype=torch.int32, device=dev)
+    pos = torch.arange(sk + 1, device=dev, dtype=torch.int32).expand(B_, H_, sk + 1)
+    dst = torch.where(present.bool(), rank.long(), torch.full_like(rank, upad, dtype=torch.long))
+    col_u.scatter_(2, dst, pos)                       # non-present positions all land on slot upad (dropped)
+    col_u = col_u[..., :upad].contiguous()
+    slots = rank.gather(2, cidx.view(B_, H_, -1)).view(B_, H_, nqb, max_nc).long()
+    chunk = torch.where(valid, slots // BLOCK_C, torch.full_like(slots, nchunks))
+    bit = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(slots), slots % BLOCK_C),
+                      torch.zeros_like(slots))
+    bits = torch.zeros(B_, H_, nqb, nchunks + 1, dtype=torch.int64, device=dev)
+    bits.scatter_add_(3, chunk, bit)                  # distinct powers of two: the sum is the OR
+    bits = bits[..., :nchunks]
+    # split the query tiles so that there are enough programs to fill the GPU
+    qbps = max(16, min(nqb, 256))
+    while qbps > 16 and b * hq * nchunks * math.ceil(nqb / qbps) < 4 * 132:
+        qbps //= 2
+    nsplit = math.ceil(nqb / qbps)
+    bb, hh, qq, c = (bits != 0).nonzero(as_tuple=True)
+    seg = ((bb * H_ + hh) * nchunks + c) * nsplit + qq // qbps
+    order = torch.sort(seg * nqb + qq, stable=True).indices
+    entries_qb = qq[order].to(torch.int32).contiguous()
+    entries_bits = bits[bb, hh, qq, c][order].contiguous()
+    counts = torch.bincount(seg, minlength=B_ * H_ * nchunks * nsplit)
+    offsets = torch.zeros(B_ * H_ * nchunks * nsplit + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    if entries_qb.numel() == 0:
+        entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
+        entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)
+    res = (col_u, ucount.contiguous(), offsets, entries_qb, entries_bits, upad, nchunks, nsplit, B_, H_)
+    plan._col[key] = res
+    return res
+
+
+# ----------------------------------------------------------------------------- helpers
+def _check(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"q [b,s,hq,d], k/v [b,s,hkv,d] expected; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
+    if sq % BLOCK or k.shape[1] % BLOCK:
+        raise ValueError(f"sequence lengths must be multiples of {BLOCK}: {sq}, {k.shape[1]}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {d} not supported by the Triton kernels")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("last dimension must be contiguous")
+
+
+def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int):
+    bc = plan.block_count.expand(b, hq, nqb)
+    bs = plan.block_split.expand(b, hq, nqb)
+    bi = plan.block_index.expand(b, hq, nqb, plan.block_index.shape[-1])
+    if plan.has_columns:
+        cc = plan.column_count.expand(b, hq, nqb)
+        ci = plan.column_index.expand(b, hq, nqb, plan.column_index.shape[-1])
+    else:
+        cc, ci = bc, bi           # dummies, never read
+    qp = plan.q_pos if plan.q_pos is not None else bc
+    kp = plan.k_pos if plan.k_pos is not None else bc
+    tensors = (bc, bs, bi, cc, ci, qp, kp)
+    strides = (bc.stride(0), bc.stride(1), bs.stride(0), bs.stride(1), bi.stride(0), bi.stride(1), bi.stride(2),
+               cc.stride(0), cc.stride(1), ci.stride(0), ci.stride(1), ci.stride(2))
+    return tensors, strides
+
+
+@dataclass
+class KernelConfig:
+    """Launch parameters (chosen by measurement on an H200; see docs/benchmarks.md)."""
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    dq_warps: int = 4
+    dq_stages: int = 2
+    dkdv_warps: int = 8
+    dkdv_stages: int = 2
+    col_warps: int = 4
+    col_stages: int = 2
+    dq_atomic_fast: bool = False   # fast mode: dQ of blocks by atomics in the dK/dV kernel
+
+
+CONFIG = KernelConfig()
+
+
+# ----------------------------------------------------------------------------- forward
+def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=torch.float32,
+                   config: Optional[KernelConfig] = None):
+    """Sparse attention forward: ``(out [b,sq,hq,d] out_dtype, lse [b,hq,sq] fp32, natural log)``."""
+    _check(q, k, v)
+    cfg = config or CONFIG
+    K = _kernels()
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    nqb = sq // BLOCK
+    out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    tensors, istr = _idx_args(plan, b, hq, nqb)
+    grid = (nqb * hq, b)
+    K._sparse_fwd_kernel[grid](
+        q, k, v, out, lse, *tensors,
+        softmax_scale * K.LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        *istr,
+        hq, nqb, hq // hkv,
+        MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, FP32=q.dtype == torch.float32,
+        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- backward
+def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: float,
+                    deterministic: bool = True, config: Optional[KernelConfig] = None):
+    """Gradients through one sparse step given the *final* ``lse`` and ``delta = rowsum(dout*out)``.
+
+    Returns fp32 ``(dq [b,sq,hq,d], dk [b,sk,hkv,d], dv [b,sk,hkv,d])``. ``deterministic=True``
+    uses no floating-point atomics (bitwise repeatable); ``False`` adds the vertical columns'
+    dK/dV (and, if ``config.dq_atomic_fast``, the blocks' dQ) with fp32 atomics.
+    """
+    _check(q, k, v)
+    cfg = config or CONFIG
+    K = _kernels()
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    nqb, nkb = sq // BLOCK, sk // BLOCK
+    dev = q.device
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    delta = delta.to(torch.float32).contiguous()
+    if lse.shape != (b, hq, sq) or delta.shape != (b, hq, sq):
+        raise ValueError(f"lse/delta must be [b, hq, sq] = {(b, hq, sq)}")
+    fp32 = q.dtype == torch.float32
+    scale_log2 = softmax_scale * K.LOG2E
+    dq = torch.empty((b, sq, hq, d), dtype=torch.float32, device=dev)
+    dk = torch.empty((b, sk, hkv, d), dtype=torch.float32, device=dev)
+    dv = torch.empty((b, sk, hkv, d), dtype=torch.float32, device=dev)
+    common = (q.stride(0), q.stride(1), q.stride(2),
+              k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2),
+              dout.stride(0), dout.stride(1), dout.stride(2),
+              dq.stride(0), dq.stride(1), dq.stride(2),
+              dk.stride(0), dk.stride(1), dk.stride(2),
+              lse.stride(0), lse.stride(1))
+    dq_atomic = (not deterministic) and cfg.dq_atomic_fast
+    if dq_atomic:
+        dq.zero_()
+
+    # 1) dK/dV of the blocks, column-parallel over key blocks (stores every row of dk/dv)
+    offsets, entries, B_, G_ = _kv_csr(plan, nkb, hq, hkv)
+    qp = plan.q_pos if plan.q_pos is not None else offsets
+    kp = plan.k_pos if plan.k_pos is not None else offsets
+    K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
+        q, k, v, dout, lse, delta, dq, dk, dv, offsets, entries, qp, kp,
+        scale_log2, softmax_scale, *common,
+        (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0,
+        hkv, nqb, rep,
+        MASK_MODE=plan.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32,
+        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )
+
+    # 2) dQ (row-parallel); fast mode also adds the columns' dK/dV with atomics
+    tensors, istr = _idx_args(plan, b, hq, nqb)
+    col_atomic = (not deterministic) and plan.has_columns
+    if (not dq_atomic) or plan.has_columns:
+        K._sparse_bwd_dq_kernel[(nqb * hq, b)](
+            q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
+            scale_log2, softmax_scale, *common, *istr,
+            hq, nqb, rep,
+            MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
+            COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
+            HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )
+
+    # 3) deterministic columns: per-head partials, fixed-order reduction
+    if plan.has_columns and deterministic:
+        if plan.mask_mode == 2:
+            raise ValueError("vertical columns are not supported with position masks")
+        col_u, ucount, offsets_c, ent_qb, ent_bits, upad, nchunks, nsplit, B_, H_ = _col_plan(plan, sk, b, hq)
+        col_u_e = col_u.expand(b, hq, upad)
+        ucount_e = ucount.expand(b, hq)
+        dkp = torch.empty((nsplit, b, hq, upad, d), dtype=torch.float32, device=dev)
+        dvp = torch.empty_like(dkp)
+        K._sparse_bwd_col_kernel[(nchunks * hq, nsplit, b)](
+            q, k, v, dout, lse, delta, dkp, dvp, col_u_e, ucount_e, offsets_c, ent_qb, ent_bits,
+            scale_log2, softmax_scale,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            lse.stride(0), lse.stride(1),
+            dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
+            col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0),
+            (H_ * nchunks * nsplit) if B_ > 1 else 0, (nchunks * nsplit) if H_ > 1 else 0,
+            hq, nchunks, nsplit, rep,
+            CAUSAL=plan.mask_mode == 1, FP32=fp32,
+            HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_C=BLOCK_C,
+            num_warps=cfg.col_warps, num_stages=cfg.col_stages,
+        )
+        dkc = dkp.sum(0) if nsplit > 1 else dkp[0]       # [b, hq, upad, d], fixed order
+        dvc = dvp.sum(0) if nsplit > 1 else dvp[0]
+        # padded slots hold exact zeros and point at key 0: adding +0.0 changes nothing
+        bidx = torch.arange(b, device=dev)[:, None, None]
+        gidx = torch.arange(hkv, device=dev)[None, :, None]
+        cu = col_u_e.long()
+        for r in range(rep):   # heads of a group one after another: unique rows per call
+            rows = cu[:, r::rep]                          # [b, hkv, upad]
+            dk.index_put_((bidx, rows, gidx), dkc[:, r::rep], accumulate=True)
+            dv.index_put_((bidx, rows, gidx), dvc[:, r::rep], accumulate=True)
+    return dq, dk, dv

@@ -1,0 +1,175 @@
+"""Synthetic vertical-slash patterns (single shard, causal) for tests and benchmarks.
+
+Generator (per batch entry and query head, seeded):
+
+* **slash** diagonals at block level (64 tokens): offset 0 (the diagonal block), a local window
+  of ``window`` offsets ``1..window-1``, and further offsets drawn from a heavy-tailed
+  (log-uniform) distribution over ``[window, nqb)`` — many near the diagonal, a few far away;
+* **vertical** columns at token level: ``sinks`` attention-sink tokens ``0..sinks-1`` and further
+  positions drawn log-uniformly over ``[sinks, s)`` (dense near the start, sparse later).
+
+Query tile ``qb`` lists key blocks ``qb - d`` for every offset ``d <= qb`` (ascending) and the
+vertical columns ``t < (qb + 1) * 64`` whose block is not already listed (ascending). The indices
+are those of a :class:`~megatron_mtraining.patterns.indices.StepIndices` with ``causal=True``.
+
+Sparsity is measured against causal work (``s * (s + 1) / 2`` visible pairs): ``keep`` = useful
+pairs (listed and causally visible) / causal pairs; :func:`vertical_slash_indices` scales the
+numbers of offsets and columns (ratio ``block_share`` of the kept work in slash blocks) until
+``keep`` is within 2 % of ``1 - sparsity``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...patterns.indices import StepIndices
+
+BLOCK = 64
+
+
+@dataclass
+class PatternStats:
+    keep: float                 # useful pairs / causal pairs
+    block_tiles: int            # 64x64 block tiles computed (all heads, batch)
+    column_pairs: int           # useful (row, column) pairs of vertical columns
+    column_tiles: int           # 64x64 column tiles computed (columns padded to 64 per query tile)
+    mean_offsets: float
+    mean_columns: float
+
+    @property
+    def computed_pairs(self) -> int:
+        return (self.block_tiles + self.column_tiles) * BLOCK * BLOCK
+
+
+def _log_uniform(n: int, lo: int, hi: int, gen: torch.Generator) -> torch.Tensor:
+    if n <= 0 or hi <= lo:
+        return torch.empty(0, dtype=torch.long)
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    return torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))).long().clamp(lo, hi - 1)
+
+
+def _head_pattern(nqb: int, s: int, n_off: int, n_col: int, window: int, sinks: int, gen: torch.Generator):
+    offs = torch.arange(min(window, nqb))
+    if n_off > offs.numel():
+        extra = _log_uniform(4 * (n_off - offs.numel()) + 8, max(window, 1), nqb, gen).unique()
+        extra = extra[torch.randperm(extra.numel(), generator=gen)][: n_off - offs.numel()]
+        offs = torch.cat([offs, extra])
+    cols = torch.arange(min(sinks, s))
+    if n_col > cols.numel():
+        extra = _log_uniform(4 * (n_col - cols.numel()) + 8, max(sinks, 1), s, gen).unique()
+        extra = extra[torch.randperm(extra.numel(), generator=gen)][: n_col - cols.numel()]
+        cols = torch.cat([cols, extra])
+    return offs.unique(), cols.unique()          # ascending
+
+
+def _indices_from(offsets, columns, nqb: int, s: int, device):
+    """Block/column lists of every query tile for per-head offset/column sets (lists of tensors)."""
+    nh = len(offsets)
+    max_nb = max(1, max(int(o.numel()) for o in offsets))
+    qb = torch.arange(nqb, device=device)
+    bc = torch.zeros(nh, nqb, dtype=torch.int32, device=device)
+    bi = torch.zeros(nh, nqb, max_nb, dtype=torch.int32, device=device)
+    col_lists = []
+    for h in range(nh):
+        d_desc = offsets[h].to(device).flip(0)                          # descending offsets
+        n = d_desc.numel()
+        cnt = (offsets[h].to(device)[None, :] <= qb[:, None]).sum(1)    # offsets <= qb
+        j = torch.arange(max_nb, device=device)
+        src = (n - cnt)[:, None] + j[None, :]
+        ok = j[None, :] < cnt[:, None]
+        kb = qb[:, None] - d_desc[src.clamp(max=max(n - 1, 0))]
+        bi[h] = torch.where(ok, kb, torch.zeros_like(kb)).to(torch.int32)
+        bc[h] = cnt.to(torch.int32)
+        # columns
+        is_off = torch.zeros(nqb, dtype=torch.bool, device=device)
+        is_off[offsets[h].to(device)] = True
+        col_lists.append((columns[h].to(device), is_off))
+    max_nc = 0
+    keeps = []
+    for cols, is_off in col_lists:
+        if cols.numel() == 0:
+            keeps.append(None)
+            continue
+        keep = (cols[None, :] < (qb[:, None] + 1) * BLOCK) & ~is_off[(qb[:, None] - cols[None, :] // BLOCK).clamp(min=0)]
+        keep &= (qb[:, None] - cols[None, :] // BLOCK) >= 0
+        keeps.append(keep)
+        max_nc = max(max_nc, int(keep.sum(1).max()))
+    cc = torch.zeros(nh, nqb, dtype=torch.int32, device=device)
+    ci = torch.zeros(nh, nqb, max(1, max_nc), dtype=torch.int32, device=device)
+    for h, ((cols, _), keep) in enumerate(zip(col_lists, keeps)):
+        if keep is None:
+            continue
+        pos = torch.cumsum(keep.to(torch.int32), 1) - 1
+        cc[h] = keep.sum(1).to(torch.int32)
+        rows = qb[:, None].expand_as(keep)[keep]
+        ci[h, rows, pos[keep].long()] = cols[None, :].expand_as(keep)[keep].to(torch.int32)
+    return bc, bi, cc, ci
+
+
+def _keep_pairs(offsets: torch.Tensor, columns: torch.Tensor, nqb: int) -> float:
+    """Useful pairs of one head (as counted by :func:`_stats`), without building the lists."""
+    d = offsets[offsets > 0].double()
+    pairs = float(((nqb - d) * BLOCK * BLOCK).sum()) + nqb * BLOCK * (BLOCK + 1) / 2 * float((offsets == 0).sum())
+    if columns.numel():
+        cb = columns // BLOCK                                         # block of each column
+        later = (cb[:, None] + offsets[None, :] < nqb).sum(1)        # tiles where the block is listed
+        pairs += float(((nqb - cb) - later).sum()) * BLOCK
+    return pairs
+
+
+def _stats(bc, bi, cc, nqb: int, s: int) -> PatternStats:
+    # useful pairs: full tiles below the diagonal, the diagonal tile is a triangle of 64*65/2 pairs
+    qb = torch.arange(nqb, device=bi.device)
+    slot = torch.arange(bi.shape[-1], device=bi.device)
+    valid = slot < bc[..., None].long()
+    diag = valid & (bi == qb[:, None])
+    n_tiles = int(valid.sum())
+    n_diag = int(diag.sum())
+    block_pairs = (n_tiles - n_diag) * BLOCK * BLOCK + n_diag * BLOCK * (BLOCK + 1) // 2
+    # columns listed by tile qb all lie before its last row; those inside the tile are partly masked:
+    # count each column as 64 pairs (upper bound off by < 64 per tile and column near the diagonal)
+    col_pairs = int(cc.long().sum()) * BLOCK
+    col_tiles = int(((cc.long() + BLOCK - 1) // BLOCK).sum())
+    heads = bc.shape[0]
+    causal = heads * s * (s + 1) // 2
+    return PatternStats(keep=(block_pairs + col_pairs) / causal, block_tiles=n_tiles, column_pairs=col_pairs,
+                        column_tiles=col_tiles, mean_offsets=float(bc.float().mean()),
+                        mean_columns=float(cc.float().mean()))
+
+
+def vertical_slash_indices(seq_len: int, num_heads: int, sparsity: float, batch: int = 1, block_share: float = 0.8,
+                           window: int = 4, sinks: int = 4, seed: int = 0, device=None, tol: float = 0.02):
+    """A causal :class:`StepIndices` of a synthetic vertical-slash pattern with ``sparsity`` (e.g.
+    0.95: 5 % of causal work kept). Returns ``(indices, PatternStats)``. Batch entries share the
+    pattern (expanded, not copied)."""
+    if seq_len % BLOCK:
+        raise ValueError(f"seq_len must be a multiple of {BLOCK}")
+    nqb = seq_len // BLOCK
+    target = 1.0 - sparsity
+    # first guess: a diagonal at offset d costs ~(nqb - d) tiles, a column at t ~(s - t) pairs
+    n_off = max(window, int(round(block_share * target * nqb / 2 * 1.15)))
+    n_col = max(sinks, int(round((1 - block_share) * target * seq_len / 2 * 1.6)))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    causal = num_heads * seq_len * (seq_len + 1) / 2
+    for _ in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        pats = [_head_pattern(nqb, seq_len, n_off, n_col, window, sinks, gen) for _ in range(num_heads)]
+        keep = sum(_keep_pairs(o, c, nqb) for o, c in pats) / causal
+        if abs(keep - target) <= tol * target:
+            break
+        f = target / max(keep, 1e-12)
+        n_off = max(window, int(round(n_off * f ** 0.9)))
+        n_col = max(sinks, int(round(n_col * f ** 0.9)))
+    bc, bi, cc, ci = _indices_from([p[0] for p in pats], [p[1] for p in pats], nqb, seq_len, dev)
+    result = (bc, bi, cc, ci, _stats(bc, bi, cc, nqb, seq_len))
+    bc, bi, cc, ci, st = result
+    expand = lambda t: t[None].expand(batch, *t.shape)
+    idx = StepIndices(expand(bc), expand(bi), expand(cc), expand(ci), True)
+    if batch > 1:
+        st = PatternStats(st.keep, st.block_tiles * batch, st.column_pairs * batch, st.column_tiles * batch,
+                          st.mean_offsets, st.mean_columns)
+    return idx, st

@@ -1,0 +1,214 @@
+"""Triton sparse/dense attention kernels, run by the Triton CPU interpreter (TRITON_INTERPRET=1).
+
+Checked against an independent fp64 masked attention (tests/workers/gpu_common.py): out, LSE, dQ,
+dK, dV separately; fp32 and fp16 inputs (bf16 ``tl.dot`` is wrong in the interpreter, so bf16 is
+checked on the GPU by tests/workers/gpu_kernels_check.py); head_dim 64 and 128; GQA 1, 2 and 4;
+causal (local index, incl. columns inside the diagonal tile and blocks past it) and non-causal
+steps; deterministic mode bitwise repeatable; empty tiles and all-padding indices give exact zeros
+and no NaN; the dense (position-mask) step kernel on striped and zigzag ring steps; the custom ops
+trace under torch.compile(fullgraph=True).
+
+The interpreter must be chosen before the kernels module is decorated: the variable is set here,
+and the kernels module is (re)loaded if something imported it earlier in compiled mode.
+"""
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from megatron_mtraining.layout import Layout  # noqa: E402
+from megatron_mtraining.ops import reference  # noqa: E402
+from megatron_mtraining.ops.dense_gpu import DenseGpuStepKernel, dense_step_supported  # noqa: E402
+from megatron_mtraining.ops.triton import (  # noqa: E402
+    launch, plan_for, sparse_attention, sparse_attention_backward, sparse_attention_forward,
+)
+from megatron_mtraining.ops.triton.synthetic import vertical_slash_indices  # noqa: E402
+from megatron_mtraining.patterns.indices import StepIndices  # noqa: E402
+from tests.workers.gpu_common import dense_mask_rows, oracle, random_step_indices, rel_err  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted_kernels():
+    mod = sys.modules.get("megatron_mtraining.ops.triton.kernels")
+    if mod is not None and not type(mod._sparse_fwd_kernel).__name__.startswith("Interpreted"):
+        importlib.reload(mod)
+    yield
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _inputs(b, s, hq, hkv, d, dtype, gen):
+    mk = lambda h: (torch.randn(b, s, h, d, generator=gen) * 1.5).to(dtype)
+    return mk(hq), mk(hkv), mk(hkv), mk(hq)
+
+
+def _check_all(got, ref, tol, names=("out", "lse", "dq", "dk", "dv")):
+    errs = {n: rel_err(g, r) for n, g, r in zip(names, got, ref)}
+    for n, g in zip(names, got):
+        assert not torch.isnan(g).any(), f"NaN in {n}"
+    assert all(e <= tol for e in errs.values()), errs
+    return errs
+
+
+@pytest.mark.parametrize("b,s,hq,hkv,d,dtype,causal", [
+    (1, 256, 2, 1, 64, torch.float32, True),      # GQA 2, columns inside diagonal tiles
+    (1, 256, 4, 1, 128, torch.float16, True),     # GQA 4, head_dim 128
+    (2, 192, 2, 2, 64, torch.float32, False),     # batch 2, MHA, non-causal (another owner)
+    (1, 320, 4, 2, 64, torch.float16, True),
+])
+def test_sparse_matches_fp64_oracle(b, s, hq, hkv, d, dtype, causal):
+    gen = torch.Generator().manual_seed(s + hq + d)
+    idx = random_step_indices(b, hq, s // 64, s // 64, causal, gen, above_diag=causal)
+    q, k, v, dout = _inputs(b, s, hq, hkv, d, dtype, gen)
+    scale = d ** -0.5
+    mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s)
+    # backward with a *global* normalisation that differs from this step's own (as in the ring)
+    o_ref, l_ref = oracle(q, k, v, mask_fn, scale)
+    lse_g = l_ref + 0.25 * torch.rand(l_ref.shape, generator=gen, dtype=torch.float64)
+    lse_g = torch.where(torch.isinf(l_ref), l_ref, lse_g)
+    delta_g = torch.randn(l_ref.shape, generator=gen, dtype=torch.float64)
+    *_, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask_fn, scale, dout, lse_g, delta_g)
+    out, lse = sparse_attention_forward(q, k, v, idx, scale)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    dq, dk, dv = sparse_attention_backward(dout, q, k, v, lse_g.float(), delta_g.float(), idx, scale,
+                                           deterministic=True)
+    _check_all((out, lse, dq, dk, dv), (o_ref, l_ref, dq_r, dk_r, dv_r), TOL[dtype])
+    # fast (atomic) mode: same numbers up to summation order
+    dq2, dk2, dv2 = sparse_attention_backward(dout, q, k, v, lse_g.float(), delta_g.float(), idx, scale,
+                                              deterministic=False)
+    _check_all((dq2, dk2, dv2), (dq_r, dk_r, dv_r), TOL[dtype], names=("dq", "dk", "dv"))
+
+
+def test_deterministic_bitwise_and_fast_modes():
+    gen = torch.Generator().manual_seed(7)
+    b, s, hq, hkv, d = 1, 256, 4, 1, 64
+    idx = random_step_indices(b, hq, s // 64, s // 64, True, gen, p_col=0.08)
+    q, k, v, dout = _inputs(b, s, hq, hkv, d, torch.float16, gen)
+    out, lse = sparse_attention_forward(q, k, v, idx)
+    delta = (dout.float() * out).sum(-1).transpose(1, 2).contiguous()
+    r1 = sparse_attention_backward(dout, q, k, v, lse, delta, idx, deterministic=True)
+    r2 = sparse_attention_backward(dout, q, k, v, lse, delta, idx, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(r1, r2))
+    out2, lse2 = sparse_attention_forward(q, k, v, idx)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_empty_rows_and_padding_give_exact_zeros():
+    gen = torch.Generator().manual_seed(3)
+    b, s, hq, hkv, d = 1, 192, 2, 1, 64
+    nqb = s // 64
+    q, k, v, dout = _inputs(b, s, hq, hkv, d, torch.float32, gen)
+    # all tiles empty; padding full of garbage (negative and out-of-range indices)
+    idx = StepIndices(torch.zeros(b, hq, nqb, dtype=torch.int32), torch.full((b, hq, nqb, 5), -3, dtype=torch.int32),
+                      torch.zeros(b, hq, nqb, dtype=torch.int32), torch.full((b, hq, nqb, 70), 99999, dtype=torch.int32),
+                      True)
+    out, lse = sparse_attention_forward(q, k, v, idx)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+    delta = torch.zeros(b, hq, s)
+    for det in (True, False):
+        dq, dk, dv = sparse_attention_backward(dout, q, k, v, lse, delta, idx, deterministic=det)
+        for t in (dq, dk, dv):
+            assert torch.equal(t, torch.zeros_like(t))
+    # one tile with a column past every row of the tile (causal: fully masked) -> that tile empty
+    bc = torch.zeros(b, hq, nqb, dtype=torch.int32)
+    cc = torch.zeros(b, hq, nqb, dtype=torch.int32)
+    ci = torch.full((b, hq, nqb, 3), 99999, dtype=torch.int32)
+    cc[0, 0, 1] = 1
+    ci[0, 0, 1, 0] = 150          # tile 1 is rows 64..127; key 150 lies after all of them
+    bc[0, 1, 2] = 1
+    bi = torch.zeros(b, hq, nqb, 2, dtype=torch.int32)
+    bi[0, 1, 2, 0] = 0
+    idx = StepIndices(bc, bi, cc, ci, True)
+    out, lse = sparse_attention_forward(q, k, v, idx)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert bool(torch.isneginf(lse[0, 0]).all()) and torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+    assert bool(torch.isfinite(lse[0, 1, 128:]).all()) and bool(torch.isneginf(lse[0, 1, :128]).all())
+    delta = (dout.float() * out).sum(-1).transpose(1, 2).contiguous()
+    dq, dk, dv = sparse_attention_backward(dout, q, k, v, lse, delta, idx)
+    assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
+    assert torch.equal(dq[0, :128], torch.zeros_like(dq[0, :128]))
+    assert torch.equal(dk[0, 64:], torch.zeros_like(dk[0, 64:]))
+
+
+def test_synthetic_vertical_slash_pattern_and_autograd():
+    gen = torch.Generator().manual_seed(11)
+    s, hq, hkv, d = 512, 2, 1, 128
+    idx, st = vertical_slash_indices(s, hq, sparsity=0.5, window=2, sinks=3, seed=1)
+    assert st.mean_columns > 0
+    q, k, v, dout = _inputs(1, s, hq, hkv, d, torch.float32, gen)
+    mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s)
+    o_ref, l_ref, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask_fn, d ** -0.5, dout)
+    qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = sparse_attention(qa, ka, va, idx)
+    out.backward(dout)
+    _check_all((out, qa.grad, ka.grad, va.grad), (o_ref, dq_r, dk_r, dv_r), 2e-5, names=("out", "dq", "dk", "dv"))
+
+
+def test_custom_ops_trace_without_graph_break():
+    gen = torch.Generator().manual_seed(5)
+    s, hq, hkv, d = 128, 2, 1, 64
+    idx = random_step_indices(1, hq, s // 64, s // 64, True, gen)
+    q, k, v, _ = _inputs(1, s, hq, hkv, d, torch.float32, gen)
+
+    def f(q, k, v):
+        return sparse_attention(q, k, v, idx).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.allclose(compiled(q, k, v), f(q, k, v))
+    torch.library.opcheck(torch.ops.mtraining.sparse_attn_fwd.default,
+                          (q, k, v, idx.block_count, idx.block_index, idx.column_count, idx.column_index, True,
+                           0.125, True), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    s, hq, hkv, d = 128, 2, 1, 64
+    idx = random_step_indices(1, hq, s // 64, s // 64, True, gen)
+    q, k, v, _ = _inputs(1, s, hq, hkv, d, torch.float32, gen)
+    ref = sparse_attention_forward(q, k, v, idx)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")          # -> torch sparse reference
+    fb = sparse_attention_forward(q, k, v, idx)
+    assert rel_err(fb[0], ref[0]) < 1e-5 and rel_err(fb[1], ref[1]) < 1e-5
+
+
+@pytest.mark.parametrize("layout,rank,owner", [
+    (Layout("striped", 2, 64), 1, 0),      # block-causal inclusive (owner < rank)
+    (Layout("striped", 2, 64), 0, 1),      # block-causal strict (owner > rank)
+    (Layout("striped", 2, 16), 1, 1),      # token-level mask inside tiles (granularity < 64)
+    (Layout("zigzag", 2), 0, 1),           # half empty, half full
+])
+def test_dense_step_kernel_matches_reference(layout, rank, owner):
+    gen = torch.Generator().manual_seed(rank * 7 + owner)
+    seq, hq, hkv, d = 512, 4, 2, 64
+    s = seq // layout.cp_size
+    q, k, v, dout = _inputs(1, s, hq, hkv, d, torch.float32, gen)
+    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5)
+    assert dense_step_supported(q)
+    qp, kp = kern.q_pos, kern.k_pos(owner)
+    o_r, l_r = reference.attention_forward(q.double(), k.double(), v.double(), qp, kp, d ** -0.5)
+    out, lse = kern.forward(q, k, v, owner)
+    assert rel_err(out, o_r) < TOL[torch.float32] and rel_err(lse, l_r) < TOL[torch.float32]
+    lse_g = torch.where(torch.isinf(l_r), l_r, l_r + 0.1)
+    delta = torch.randn(l_r.shape, generator=gen, dtype=torch.float64)
+    ref = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), lse_g, delta, qp, kp,
+                                       d ** -0.5)
+    got = kern.backward(dout, q, k, v, lse_g.float(), delta.float(), owner)
+    _check_all(got, ref, TOL[torch.float32], names=("dq", "dk", "dv"))
+
+
+def test_dense_plan_skips_invisible_and_future_blocks():
+    lay = Layout("zigzag", 2)
+    kern = DenseGpuStepKernel(lay, 0, 512, 0.125)
+    plan = kern.plan(1)
+    # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2: the first query half sees nothing
+    assert plan is not None and plan.block_count[0, 0, :2].sum() == 0 and plan.block_count[0, 0, 2:].min() == 4
+    assert launch.dense_plan(torch.arange(64, 128), torch.arange(128, 192)) is None
