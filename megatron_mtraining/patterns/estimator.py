@@ -378,14 +378,15 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
     # --- line scores: token-level columns (local), block-level diagonals (global after all_reduce)
     col = torch.zeros((b, hq, sl), dtype=f64, device=dev)
     slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
-    p_blk = p_pos // bs
-    q_blocks = torch.unique(p_blk).tolist()
+    # probe rows of global query block u are the contiguous range [max(0, u*bs - (S-L)), (u+1)*bs - (S-L))
+    q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
+                for u in range((S - L) // bs, nb)]
     for j0, j1 in spans:
         p = torch.exp(logits(j0, j1) - lse[..., None])                  # [b, hq, L, c]
         col[..., j0:j1] = p.sum(-2)
         k_blk = k_pos[j0:j1] // bs
-        for u in q_blocks:
-            pu = p[:, :, p_blk == u].sum(-2)                             # [b, hq, c]
+        for u, r0, r1 in q_blocks:
+            pu = p[:, :, r0:r1].sum(-2)                                  # [b, hq, c]
             # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
             slash.index_add_(-1, (u - k_blk).clamp(min=0), pu)
     cache.clear()
