@@ -1,0 +1,393 @@
+"""Typed YAML configuration of the MTraining CP attention (``--mtraining-config FILE``).
+
+A config file selects the ring implementation, the striped granularity, the attention pattern
+(dense or MTraining's online vertical-slash sparsity) and, for the hierarchical ring, its
+inner/outer sizes. Every key is checked: an unknown key or a bad value is a ``ValueError``
+that names the key (``mtraining config: unknown key 'patern' (allowed: ...)``,
+``mtraining config: 'vertical_slash.recall' must be a number in (0, 1], got 1.5``). The shipped
+files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
+
+    implementation: hierarchical   # striped | zigzag | hierarchical (striped layout, two-level ring)
+    granularity: 64                # striped block size in tokens
+    pattern: vertical_slash        # dense | vertical_slash
+    vertical_slash:                # fields of patterns.estimator.VerticalSlashConfig (all optional)
+      recall: 0.9
+      max_vertical: 4096
+    hierarchical:                  # optional; default: Megatron's --hierarchical-context-parallel-sizes
+      inner: 8
+      outer: 4
+    deterministic: false
+
+Sections must match the choices: ``vertical_slash:`` only with ``pattern: vertical_slash`` and
+``hierarchical:`` only with ``implementation: hierarchical`` (a section that would be ignored is an
+error, not a silent no-op). The ``vertical_slash`` keys are exactly the fields of
+:class:`~megatron_mtraining.patterns.estimator.VerticalSlashConfig` and are validated by it.
+
+Run-time checks that need the parallel layout (CP size, sequence length, Megatron's hierarchical
+sizes) are in :meth:`MTrainingConfig.check_run` / :meth:`MTrainingConfig.hierarchical_sizes`.
+
+This module does not import megatron (cheap to import from argument parsing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "PATTERNS",
+    "HierarchicalConfig",
+    "MTrainingConfig",
+    "VerticalSlashConfig",
+    "load_mtraining_config",
+    "dump_mtraining_config",
+]
+
+IMPLEMENTATIONS = ("striped", "zigzag", "hierarchical")
+PATTERNS = ("dense", "vertical_slash")
+
+_PREFIX = "mtraining config"
+
+
+class _ConfigError(ValueError):
+    """Internal: a message without the ``mtraining config`` prefix (added by the loader)."""
+
+
+@dataclass(frozen=True)
+class HierarchicalConfig:
+    """Sizes of the two-level ring (MTraining Alg. 2): ``cp = inner * outer``.
+
+    Args:
+        inner: ranks per inner (intra-node) ring, Megatron's hierarchical-CP level 0.
+        outer: ranks per outer (inter-node) ring, level 1.
+
+    Both ``None`` (the default) means: take them from Megatron's
+    ``--hierarchical-context-parallel-sizes INNER OUTER`` at run time.
+    """
+
+    inner: Optional[int] = None
+    outer: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if (self.inner is None) != (self.outer is None):
+            raise ValueError(f"{_PREFIX}: 'hierarchical.inner' and 'hierarchical.outer' must be given "
+                             f"together (got inner={self.inner!r}, outer={self.outer!r})")
+        for name in ("inner", "outer"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 2):
+                raise ValueError(f"{_PREFIX}: 'hierarchical.{name}' must be an int >= 2 (a ring of one rank "
+                                 f"is a flat ring: use implementation: striped), got {val!r}")
+
+    @property
+    def sizes(self) -> Optional[tuple[int, int]]:
+        return None if self.inner is None else (self.inner, self.outer)
+
+
+@dataclass(frozen=True)
+class MTrainingConfig:
+    """Options of the MTraining CP attention.
+
+    Args:
+        implementation: ``"striped"`` (flat ring, striped layout; MTraining's default),
+            ``"zigzag"`` (flat ring, Megatron/TE DualChunkSwap layout; baseline) or
+            ``"hierarchical"`` (striped layout, inner intra-node ring inside an outer inter-node
+            ring).
+        granularity: striped block size in tokens (>= 1, default 64). Ignored by ``zigzag``.
+        pattern: ``"dense"`` (exact causal attention) or ``"vertical_slash"`` (online
+            vertical-slash sparse attention, MTraining §3.2).
+        vertical_slash: budgets of the estimator (used with ``pattern: vertical_slash``).
+        hierarchical: inner/outer ring sizes (used with ``implementation: hierarchical``).
+        deterministic: request deterministic kernels (no atomics in the backward pass); the CPU
+            reference kernels are always deterministic.
+
+    Raises:
+        ValueError: naming the offending key (``mtraining config: ...``).
+    """
+
+    implementation: str = "striped"
+    granularity: int = 64
+    pattern: str = "dense"
+    vertical_slash: VerticalSlashConfig = field(default_factory=VerticalSlashConfig)
+    hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except _ConfigError as e:
+            raise ValueError(f"{_PREFIX}: {e}") from None
+
+    def _validate(self) -> None:
+        if self.implementation not in IMPLEMENTATIONS:
+            raise _ConfigError(f"'implementation' must be one of {', '.join(IMPLEMENTATIONS)}, "
+                               f"got {self.implementation!r}")
+        g = self.granularity
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise _ConfigError(f"'granularity' must be an int >= 1, got {g!r}")
+        if self.pattern not in PATTERNS:
+            raise _ConfigError(f"'pattern' must be one of {', '.join(PATTERNS)}, got {self.pattern!r}")
+        if not isinstance(self.vertical_slash, VerticalSlashConfig):
+            raise _ConfigError(f"'vertical_slash' must be a VerticalSlashConfig, got {type(self.vertical_slash).__name__}")
+        if not isinstance(self.hierarchical, HierarchicalConfig):
+            raise _ConfigError(f"'hierarchical' must be a HierarchicalConfig, got {type(self.hierarchical).__name__}")
+        if not isinstance(self.deterministic, bool):
+            raise _ConfigError(f"'deterministic' must be true or false, got {self.deterministic!r}")
+        if self.hierarchical.sizes is not None and self.implementation != "hierarchical":
+            raise _ConfigError(f"'hierarchical' sizes are set but 'implementation' is {self.implementation!r} "
+                               "(they are used only with implementation: hierarchical)")
+        if self.pattern == "vertical_slash" and self.layout_kind == "striped":
+            bs = self.vertical_slash.block_size
+            if self.granularity % bs != 0:
+                raise _ConfigError(f"'granularity' ({self.granularity}) must be a multiple of "
+                                   f"'vertical_slash.block_size' ({bs}): the sparse ring keeps whole blocks "
+                                   "on one rank")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def layout_kind(self) -> str:
+        """The :class:`~megatron_mtraining.layout.Layout` kind: ``zigzag`` for the zigzag
+        implementation, ``striped`` otherwise."""
+        return "zigzag" if self.implementation == "zigzag" else "striped"
+
+    @property
+    def sparse(self) -> bool:
+        return self.pattern == "vertical_slash"
+
+    def make_layout(self, cp_size: int) -> Layout:
+        """The sequence layout over a CP group of ``cp_size`` ranks."""
+        return Layout(self.layout_kind, cp_size=cp_size, granularity=self.granularity)
+
+    def hierarchical_sizes(self, cp_size: int,
+                           megatron_sizes: Optional[Sequence[int]] = None) -> Optional[tuple[int, int]]:
+        """``(inner, outer)`` for the hierarchical ring, ``None`` for the flat implementations.
+
+        Args:
+            cp_size: the context-parallel size.
+            megatron_sizes: Megatron's ``--hierarchical-context-parallel-sizes`` (``None`` if not
+                given). Used when the config has no ``hierarchical:`` sizes; when both are given
+                they must agree.
+
+        Raises:
+            ValueError: no sizes anywhere, sizes that disagree, ``inner * outer != cp_size``, or
+                Megatron sizes that are not exactly two numbers.
+        """
+        if self.implementation != "hierarchical":
+            return None
+        mg = None if megatron_sizes is None else tuple(int(x) for x in megatron_sizes)
+        if mg is not None and len(mg) != 2:
+            raise ValueError(f"{_PREFIX}: implementation 'hierarchical' needs exactly two "
+                             f"--hierarchical-context-parallel-sizes (inner outer), got {list(mg)}")
+        own = self.hierarchical.sizes
+        if own is not None and mg is not None and own != mg:
+            raise ValueError(f"{_PREFIX}: 'hierarchical' sizes inner={own[0]}, outer={own[1]} disagree with "
+                             f"--hierarchical-context-parallel-sizes {mg[0]} {mg[1]}")
+        sizes = own or mg
+        if sizes is None:
+            raise ValueError(f"{_PREFIX}: implementation 'hierarchical' needs 'hierarchical.inner'/'outer' or "
+                             "--hierarchical-context-parallel-sizes INNER OUTER")
+        if sizes[0] < 2 or sizes[1] < 2:
+            raise ValueError(f"{_PREFIX}: hierarchical ring needs inner and outer >= 2, got {sizes}")
+        if sizes[0] * sizes[1] != cp_size:
+            raise ValueError(f"{_PREFIX}: hierarchical inner*outer = {sizes[0]}*{sizes[1]} != context-parallel "
+                             f"size {cp_size}")
+        return sizes
+
+    def check_run(self, cp_size: int, seq_len: int,
+                  megatron_hierarchical_sizes: Optional[Sequence[int]] = None) -> None:
+        """Check the config against a run: the layout can split ``seq_len`` over ``cp_size`` ranks,
+        sparse blocks stay whole, there are enough tokens for the probe queries, and the
+        hierarchical sizes resolve.
+
+        Raises:
+            ValueError: naming the config key and the rule.
+        """
+        if cp_size < 1:
+            raise ValueError(f"{_PREFIX}: context-parallel size must be >= 1, got {cp_size}")
+        layout = self.make_layout(cp_size)
+        try:
+            layout.check_seq_len(seq_len)
+        except ValueError as e:
+            key = "'granularity'" if self.layout_kind == "striped" else "'implementation' (zigzag)"
+            raise ValueError(f"{_PREFIX}: {key}: {e}") from None
+        self.hierarchical_sizes(cp_size, megatron_hierarchical_sizes)
+        if self.sparse:
+            vs = self.vertical_slash
+            if layout.chunk_len(seq_len) % vs.block_size != 0:
+                raise ValueError(f"{_PREFIX}: 'vertical_slash.block_size' ({vs.block_size}) must divide the "
+                                 f"{layout.kind} chunk length {layout.chunk_len(seq_len)} (sequence {seq_len}, "
+                                 f"cp {cp_size})")
+            if vs.last_q > seq_len:
+                raise ValueError(f"{_PREFIX}: 'vertical_slash.last_q' ({vs.last_q}) exceeds the sequence "
+                                 f"length {seq_len}")
+
+    def attention_kwargs(self) -> dict[str, Any]:
+        """Everything the attention module needs, as keyword arguments: ``layout``,
+        ``granularity`` (the two fields of ``MTrainingAttentionConfig`` today) plus ``pattern``,
+        ``vertical_slash`` (``None`` when dense), ``hierarchical`` (config sizes or ``None``) and
+        ``deterministic``."""
+        return {
+            "layout": self.layout_kind,
+            "granularity": self.granularity,
+            "pattern": self.pattern,
+            "vertical_slash": self.vertical_slash if self.sparse else None,
+            "hierarchical": self.hierarchical.sizes,
+            "deterministic": self.deterministic,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict in the file format (only the sections that apply); round-trips through
+        :func:`load_mtraining_config`."""
+        out: dict[str, Any] = {"implementation": self.implementation, "granularity": self.granularity,
+                               "pattern": self.pattern}
+        if self.sparse:
+            out["vertical_slash"] = dataclasses.asdict(self.vertical_slash)
+        if self.hierarchical.sizes is not None:
+            out["hierarchical"] = {"inner": self.hierarchical.inner, "outer": self.hierarchical.outer}
+        out["deterministic"] = self.deterministic
+        return out
+
+
+# ---------------------------------------------------------------------------------- loading
+_TOP_KEYS = tuple(f.name for f in dataclasses.fields(MTrainingConfig))
+_VS_KEYS = tuple(f.name for f in dataclasses.fields(VerticalSlashConfig))
+_H_KEYS = tuple(f.name for f in dataclasses.fields(HierarchicalConfig))
+
+
+def _check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    for k in d:
+        if not isinstance(k, str) or k not in allowed:
+            raise _ConfigError(f"unknown key '{where}{k}' (allowed: {', '.join(allowed)})")
+
+
+def _section(d: Mapping[str, Any], name: str) -> Optional[Mapping[str, Any]]:
+    sec = d.get(name)
+    if sec is None:
+        return None
+    if not isinstance(sec, Mapping):
+        raise _ConfigError(f"'{name}' must be a mapping of keys, got {type(sec).__name__} {sec!r}")
+    return sec
+
+
+def _vertical_slash(sec: Mapping[str, Any]) -> VerticalSlashConfig:
+    _check_keys(sec, _VS_KEYS, "vertical_slash.")
+    try:
+        return VerticalSlashConfig(**sec)
+    except ValueError as e:
+        # "VerticalSlashConfig.recall must be ..." -> "'vertical_slash.recall' must be ..."
+        msg = re.sub(r"VerticalSlashConfig\.(\w+)", r"'vertical_slash.\1'", str(e))
+        raise _ConfigError(msg) from None
+
+
+def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
+    if not isinstance(d, Mapping):
+        raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
+    _check_keys(d, _TOP_KEYS, "")
+    kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "deterministic") if k in d}
+    pattern = d.get("pattern", MTrainingConfig.pattern)
+    impl = d.get("implementation", MTrainingConfig.implementation)
+    vs = d.get("vertical_slash")
+    vs = vs if isinstance(vs, VerticalSlashConfig) else _section(d, "vertical_slash")
+    if vs is not None:
+        if pattern != "vertical_slash":
+            raise _ConfigError(f"'vertical_slash' section given but 'pattern' is {pattern!r} "
+                               "(set pattern: vertical_slash or remove the section)")
+        kw["vertical_slash"] = vs if isinstance(vs, VerticalSlashConfig) else _vertical_slash(vs)
+    h = _section(d, "hierarchical")
+    if h is not None:
+        if impl != "hierarchical":
+            raise _ConfigError(f"'hierarchical' section given but 'implementation' is {impl!r} "
+                               "(set implementation: hierarchical or remove the section)")
+        _check_keys(h, _H_KEYS, "hierarchical.")
+        kw["hierarchical"] = HierarchicalConfig(**h)
+    return MTrainingConfig(**kw)
+
+
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that rejects duplicate keys (PyYAML keeps the last one silently)."""
+    import yaml
+
+    class _StrictLoader(yaml.SafeLoader):
+        pass
+
+    def _mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+    return yaml.load(text, Loader=_StrictLoader)
+
+
+def load_mtraining_config(
+    path_or_dict: Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None],
+) -> MTrainingConfig:
+    """Load and validate an MTraining config.
+
+    Args:
+        path_or_dict: a YAML file path, a mapping with the same structure, an
+            :class:`MTrainingConfig` (returned as is) or ``None`` (all defaults: dense striped,
+            granularity 64). An empty file also gives the defaults.
+
+    Returns:
+        The validated, immutable :class:`MTrainingConfig`.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: YAML syntax errors, unknown keys, duplicate keys, wrong types or values; the
+            message starts with ``mtraining config`` (plus the file name) and names the key.
+    """
+    if path_or_dict is None:
+        return MTrainingConfig()
+    if isinstance(path_or_dict, MTrainingConfig):
+        return path_or_dict
+    where = _PREFIX
+    if isinstance(path_or_dict, (str, os.PathLike)):
+        path = Path(path_or_dict)
+        if not path.is_file():
+            raise FileNotFoundError(f"{_PREFIX}: file not found: {path}")
+        where = f"{_PREFIX} {path}"
+        import yaml
+
+        try:
+            data = _yaml_load(path.read_text(encoding="utf-8"))
+        except _ConfigError as e:
+            raise ValueError(f"{where}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"{where}: invalid YAML: {e}") from None
+        if data is None:
+            data = {}
+    else:
+        data = path_or_dict
+    try:
+        return _from_mapping(data)
+    except _ConfigError as e:
+        raise ValueError(f"{where}: {e}") from None
+    except ValueError as e:  # raised by MTrainingConfig.__post_init__, already prefixed
+        msg = str(e)
+        if where != _PREFIX and msg.startswith(_PREFIX + ":"):
+            msg = where + msg[len(_PREFIX):]
+        raise ValueError(msg) from None
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def dump_mtraining_config(cfg: MTrainingConfig, path: Union[str, os.PathLike, None] = None) -> str:
+    """YAML text of ``cfg`` (written to ``path`` when given); loads back to an equal config."""
+    import yaml
+
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text, encoding="utf-8")
+    return text
