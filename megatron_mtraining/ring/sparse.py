@@ -70,7 +70,7 @@ class SparseStepKernel:
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
-                          return_pattern: bool = False):
+                          return_pattern: bool = False, kernel_factory: Optional[Callable] = None):
     """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
 
     Args:
@@ -83,6 +83,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         softmax_scale: defaults to ``1/sqrt(d)``.
         check_inputs: compare shapes/dtypes/layout/config across ranks first (one small all_gather).
         return_pattern: also return the estimated global :class:`VerticalSlashPattern`.
+        kernel_factory: ``(steps, softmax_scale) -> step kernel``; default :class:`SparseStepKernel`
+            with the torch reference (e.g. pass ``megatron_mtraining.ops.triton.make_sparse_step_kernel``).
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
@@ -116,5 +118,6 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale)
     steps = convert_pattern(pattern, layout, group_rank(group))
-    out = RingAttentionFunc.apply(q, k, v, SparseStepKernel(steps, scale), group)
+    kernel = (kernel_factory or SparseStepKernel)(steps, scale)
+    out = RingAttentionFunc.apply(q, k, v, kernel, group)
     return (out, pattern) if return_pattern else out
