@@ -67,20 +67,14 @@ def local_block_ids(layout: Layout, rank: int, seq_len: int, block_size: int, de
 def _compact(mask: torch.Tensor, values: torch.Tensor):
     """Keep ``values`` where ``mask`` (order preserved), left-aligned, padded with -1.
 
-    Returns ``(count int32 [...], packed int32 [..., max(1, max count)])``.
+    O(n) (cumsum + scatter, no sort). Returns ``(count int32 [...], packed int32 [..., max(1, max count)])``.
     """
     cnt = mask.sum(-1)
     width = max(1, int(cnt.max())) if cnt.numel() else 1
-    n = mask.shape[-1]
-    if n == 0:
-        return cnt.to(torch.int32), torch.full((*mask.shape[:-1], 1), -1, dtype=torch.int32, device=mask.device)
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :min(width, n)]
-    vals = values.expand(mask.shape).gather(-1, order)
-    slot = torch.arange(vals.shape[-1], device=mask.device)
-    vals = torch.where(slot < cnt[..., None], vals, torch.full_like(vals, -1))
-    if vals.shape[-1] < width:       # n < width cannot happen (width <= n), kept for clarity
-        vals = torch.nn.functional.pad(vals, (0, width - vals.shape[-1]), value=-1)
-    return cnt.to(torch.int32), vals.to(torch.int32)
+    slot = torch.where(mask, mask.cumsum(-1) - 1, torch.full_like(cnt[..., None], width))   # width = dump slot
+    out = torch.full((*mask.shape[:-1], width + 1), -1, dtype=torch.int64, device=mask.device)
+    out.scatter_(-1, slot, torch.where(mask, values.expand(mask.shape).long(), -1))
+    return cnt.to(torch.int32), out[..., :width].to(torch.int32)
 
 
 def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner: int) -> StepIndices:
@@ -96,10 +90,12 @@ def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner
     block_count, block_index = _compact(active, torch.arange(nkb, device=dev))
 
     vert = pattern.vertical                                              # [b, hq, nv], -1 padded
-    valid = vert >= 0
+    o_rank, _ = layout.global_to_local(vert.clamp(min=0), S)
+    _, vert = _compact((vert >= 0) & (o_rank == owner), vert)            # this owner's columns only
+    vert = vert.long()
+    owned = vert >= 0
     t = vert.clamp(min=0)
-    o_rank, o_loc = layout.global_to_local(t, S)
-    owned = valid & (o_rank == owner)
+    _, o_loc = layout.global_to_local(t, S)
     lkb = (o_loc // bs).clamp(max=nkb - 1)                              # only meaningful where owned
     b, hq, nv = vert.shape
     nqb = qB.numel()
