@@ -377,3 +377,28 @@ def test_shared_vertical_columns_for_every_query():
     out, dq, dk, dv = _simulated_ring(pat, lay, q, k, v, dout, torch.float32)
     for a, b in ((out, ref.detach()), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert rel(a, b) <= 1e-5
+
+
+def test_sparse_step_kernel_skips_empty_steps():
+    from megatron_mtraining.ring.sparse import SparseStepKernel
+
+    calls = []
+
+    def fwd(q, k, v, idx, scale):
+        calls.append("fwd")
+        return sparse_attention_forward(q, k, v, idx, scale)
+
+    def bwd(dout, q, k, v, lse, delta, idx, scale):
+        calls.append("bwd")
+        return sparse_attention_backward(dout, q, k, v, lse, delta, idx, scale)
+
+    empty, full = _manual_step([[], []], [[], []], False), _manual_step([[0], [0, 1]], [[], []], True)
+    kern = SparseStepKernel([full, empty], SCALE, forward_fn=fwd, backward_fn=bwd)
+    assert kern.empty == [False, True] and kern.computed_steps == 1
+    q = torch.randn(1, 128, 2, D)
+    k = v = torch.randn(1, 128, 1, D)
+    assert kern.forward(q, k, v, owner=1) is None
+    assert kern.backward(q, q, k, v, torch.zeros(1, 2, 128), torch.zeros(1, 2, 128), owner=1) is None
+    assert calls == []
+    out, lse = kern.forward(q, k, v, owner=0)
+    assert calls == ["fwd"] and torch.isfinite(lse).all()
