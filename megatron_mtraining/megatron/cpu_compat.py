@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "apply_cpu_patches",
     "applied_patches",
+    "patch_missing_psutil",
     "cpu_seed",
     "cuda_requests_on_cpu",
     "cpu_transformer_config_kwargs",
@@ -86,15 +87,17 @@ class _CudaToCpuMode(TorchFunctionMode):
 def cuda_requests_on_cpu() -> Iterator[None]:
     """Context: CUDA allocations inside megatron code go to the CPU (see module docstring).
 
-    ``torch.cuda.current_device`` returns ``torch.device("cpu")`` while the context is active.
+    While the context is active ``torch.cuda.current_device()`` returns ``torch.device("cpu")`` and
+    ``torch.cuda.synchronize()`` is a no-op (CPU work is synchronous).
     """
-    orig_current_device = torch.cuda.current_device
+    orig = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     try:
         with _CudaToCpuMode():
             yield
     finally:
-        torch.cuda.current_device = orig_current_device  # type: ignore[assignment]
+        torch.cuda.current_device, torch.cuda.synchronize = orig  # type: ignore[assignment]
 
 
 def _on_cpu(fn: Callable) -> Callable:
@@ -178,6 +181,21 @@ def _patch_clip_grads() -> None:
             setattr(opt, name, wrapped)
 
 
+def _patch_dist_checkpointing() -> None:
+    """``dist_checkpointing.save`` / ``load`` (torch_dist format) call ``torch.cuda.synchronize()``
+    after staging tensors to host memory (``FileSystemWriterAsync.preload_tensors``) and all-reduce
+    their success flags as ``device=torch.cuda.current_device()`` tensors
+    (``state_dict_saver.save_state_dict_async_finalize``). Both entry points are wrapped (they are
+    re-exported by name from ``megatron.core.dist_checkpointing``)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+
+    for name in ("save", "load"):
+        wrapped = _on_cpu(getattr(serialization, name))
+        setattr(serialization, name, wrapped)
+        setattr(dist_checkpointing, name, wrapped)
+
+
 _PATCHES: tuple[Callable[[], None], ...] = (
     _patch_rotary_get_emb,
     _patch_global_memory_buffer,
@@ -185,6 +203,7 @@ _PATCHES: tuple[Callable[[], None], ...] = (
     _patch_optimizer_scalars,
     _patch_grad_scalers,
     _patch_clip_grads,
+    _patch_dist_checkpointing,
 )
 
 
@@ -200,6 +219,28 @@ def apply_cpu_patches(force: bool = False) -> list[str]:
         patch()
         _APPLIED.append(patch.__name__.removeprefix("_patch_"))
     return list(_APPLIED)
+
+
+def patch_missing_psutil() -> bool:
+    """Let ``dist_checkpointing`` (torch_dist format) save without ``psutil``. Not CUDA-related;
+    applied on every machine by examples/pretrain_gpt.py before saving.
+
+    ``filesystem_async._process_memory`` reads the writer process' RSS with ``psutil`` only for a
+    debug log line; megatron-core 0.16.1 does not declare ``psutil`` as a dependency, and without it
+    the forked writer raises and the saving rank then blocks forever on the result queue. When
+    ``psutil`` is missing the function is replaced by one returning 0.
+
+    Returns:
+        True if the patch was installed (``psutil`` missing), False otherwise.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    if getattr(fsa, "HAVE_PSUTIL", True):
+        return False
+    fsa._process_memory = lambda: 0
+    if "process_memory_without_psutil" not in _APPLIED:
+        _APPLIED.append("process_memory_without_psutil")
+    return True
 
 
 def applied_patches() -> list[str]:

@@ -1,0 +1,307 @@
+"""Command line of ``examples/pretrain_gpt.py``: Megatron-LM flag names plus the CP-attention flags.
+
+Only the flags listed here exist; anything else is rejected by argparse ("unrecognized
+arguments: --flag"). :func:`validate_args` checks everything that can be checked without
+starting distributed training (files, divisibility rules, Transformer Engine availability) and
+:func:`parse_args` turns a failure into ``parser.error`` (exit status 2, message naming the flag).
+
+Differences from Megatron-LM defaults (documented in ``--help``): ``--attention-dropout`` and
+``--hidden-dropout`` default to 0.0 (the ring kernels have no attention dropout), the data loader
+never builds a dense attention mask (``--no-create-attention-mask-in-dataloader`` is accepted and
+is always in effect), and the loss is always the exact per-token mean over the global batch
+(Megatron's ``--calculate-per-token-loss`` semantics; accepted as a no-op).
+
+This module does not import megatron.core (fast ``--help`` and argument errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["build_parser", "parse_args", "validate_args", "ArgumentValidationError", "world_size_from_env"]
+
+CP_ATTENTION_CHOICES = ("mtraining", "te")
+CP_LAYOUT_CHOICES = ("striped", "zigzag")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+class ArgumentValidationError(ValueError):
+    """An inconsistent or invalid command line; the message names the offending flag(s)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (Megatron-LM names, ``--foo-bar`` -> ``args.foo_bar``)."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pretraining on megatron-core with the MTraining context-parallel attention.",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4*hidden (with --swiglu: 8/3*hidden rounded down to a multiple of 64)")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden/heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1, help="used with --group-query-attention")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="must be 0 with --cp-attention mtraining (Megatron-LM default: 0.1)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="(Megatron-LM default: 0.1)")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-attention", choices=CP_ATTENTION_CHOICES, default="mtraining",
+                   help="core attention under CP: mtraining (ring attention, striped layout; runs on CPU "
+                        "and GPU) or te (Transformer Engine's TEDotProductAttention, zigzag layout; needs TE)")
+    g.add_argument("--cp-layout", choices=CP_LAYOUT_CHOICES, default=None,
+                   help="sequence layout across CP ranks (default: striped for mtraining; te needs zigzag)")
+    g.add_argument("--cp-granularity", type=int, default=64, help="striped chunk size in tokens")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with CUDA, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro*dp")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic for fp16)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted for compatibility: the loss is always the exact global per-token mean")
+
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed-dataset prefix(es) (PREFIX or W1 PREFIX1 W2 PREFIX2 ...)")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0, help="(unused: samples are read in-process)")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
+                   help="accepted for compatibility: a dense mask is never built")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist: megatron.core dist_checkpointing; torch: one torch.save file per rank")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--metrics-file", default=None,
+                   help="(not a Megatron-LM flag) rank 0 appends one JSON line per iteration with "
+                        "full-precision loss / grad norm / lr")
+    return p
+
+
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` as set by torchrun (1 when absent)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _data_prefixes(data_path: Sequence[str]) -> list[str]:
+    if len(data_path) == 1:
+        return list(data_path)
+    if len(data_path) % 2:
+        raise ArgumentValidationError(
+            "--data-path: expected PREFIX or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...), "
+            f"got {len(data_path)} values")
+    for w in data_path[0::2]:
+        try:
+            float(w)
+        except ValueError:
+            raise ArgumentValidationError(f"--data-path: weight {w!r} is not a number") from None
+    return list(data_path[1::2])
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969, 30, 1"`` -> normalized ``[train, valid, test]`` fractions."""
+    parts = [s.strip() for s in split.replace("/", ",").split(",") if s.strip()]
+    try:
+        vals = [float(s) for s in parts]
+    except ValueError:
+        raise ArgumentValidationError(f"--split {split!r}: expected comma-separated numbers") from None
+    if not 1 <= len(vals) <= 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
+        raise ArgumentValidationError(f"--split {split!r}: expected 1 to 3 non-negative numbers with a positive sum")
+    vals += [0.0] * (3 - len(vals))
+    return [v / sum(vals) for v in vals]
+
+
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
+                  te_importable: Optional[bool] = None) -> argparse.Namespace:
+    """Check and complete ``args`` in place (derived defaults, ``args.data_parallel_size`` ...).
+
+    Args:
+        args: parsed arguments.
+        world_size: number of ranks (default: ``WORLD_SIZE`` from the environment).
+        te_importable: override Transformer Engine detection (tests).
+
+    Returns:
+        ``args`` with ``ffn_hidden_size``, ``kv_channels``, ``max_position_embeddings``,
+        ``global_batch_size``, ``lr_decay_iters``, ``cp_layout``, ``data_parallel_size``,
+        ``num_microbatches``, ``world_size`` filled in.
+
+    Raises:
+        ArgumentValidationError: the message names the flag(s) and the violated rule.
+    """
+    from megatron_mtraining.layout import Layout
+
+    E = ArgumentValidationError
+    ws = world_size_from_env() if world_size is None else world_size
+    args.world_size = ws
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    for flag, val in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
+                      ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
+                      ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
+                      ("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
+                      ("--cp-granularity", args.cp_granularity), ("--log-interval", args.log_interval)):
+        if val is None or val < 1:
+            raise E(f"{flag} must be >= 1, got {val}")
+    if ws % (tp * cp) != 0:
+        raise E(f"world size {ws} is not divisible by --tensor-model-parallel-size ({tp}) x "
+                f"--context-parallel-size ({cp})")
+    dp = ws // (tp * cp)
+    args.data_parallel_size = dp
+
+    # --- model shape
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        raise E(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+                f"({args.num_attention_heads}) (or set --kv-channels)")
+    if args.num_attention_heads % tp != 0:
+        raise E(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_query_groups < 1 or args.num_attention_heads % args.num_query_groups != 0:
+        raise E(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+                f"--num-query-groups ({args.num_query_groups})")
+    if args.num_query_groups % tp != 0 and tp % args.num_query_groups != 0:
+        raise E(f"--num-query-groups ({args.num_query_groups}) and --tensor-model-parallel-size ({tp}) "
+                "must divide one another")
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+        args.ffn_hidden_size = max(args.ffn_hidden_size, 64 if args.swiglu else 1)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        raise E(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
+                f"({args.seq_length}) with learned_absolute position embeddings")
+    if args.bf16 and args.fp16:
+        raise E("--bf16 and --fp16 are mutually exclusive")
+
+    # --- CP attention backend and layout
+    if args.cp_attention == "te":
+        if args.cp_layout not in (None, "zigzag"):
+            raise E(f"--cp-attention te uses Transformer Engine's zigzag (DualChunkSwap) layout; "
+                    f"--cp-layout {args.cp_layout} is not supported with it")
+        args.cp_layout = "zigzag"
+        te_ok = _te_importable() if te_importable is None else te_importable
+        if not te_ok:
+            raise E("--cp-attention te requires Transformer Engine (transformer_engine.pytorch), which is "
+                    f"not importable here{' (context-parallel size ' + str(cp) + ')' if cp > 1 else ''}; "
+                    "use --cp-attention mtraining")
+    else:
+        if args.cp_layout is None:
+            args.cp_layout = "striped"
+        if args.attention_dropout > 0:
+            raise E(f"--attention-dropout {args.attention_dropout}: --cp-attention mtraining has no "
+                    "attention dropout; use 0.0")
+    try:
+        Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
+    except ValueError as e:
+        raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp}, --cp-layout "
+                f"{args.cp_layout}, --cp-granularity {args.cp_granularity}: {e}") from None
+
+    # --- batch sizes and schedule
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+        raise E(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+                f"({args.micro_batch_size}) x data-parallel size ({dp} = world {ws} / (TP {tp} x CP {cp}))")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise E(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must satisfy 0 <= min-lr <= lr")
+    if args.lr_warmup_iters < 0:
+        raise E(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    for flag, val in (("--save-interval", args.save_interval), ("--eval-interval", args.eval_interval)):
+        if val is not None and val < 1:
+            raise E(f"{flag} must be >= 1, got {val}")
+    if args.eval_iters < 0:
+        raise E(f"--eval-iters must be >= 0, got {args.eval_iters}")
+
+    # --- files
+    if args.tokenizer_model is None:
+        raise E(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
+    if not Path(args.tokenizer_model).is_file():
+        raise E(f"--tokenizer-model: file not found: {args.tokenizer_model}")
+    if not args.data_path:
+        raise E("--data-path is required (indexed-dataset prefix, without .bin/.idx)")
+    for prefix in _data_prefixes(args.data_path):
+        for ext in (".bin", ".idx"):
+            if not Path(prefix + ext).is_file():
+                raise E(f"--data-path: {prefix + ext} not found (give the prefix without .bin/.idx)")
+    args.split_fractions = parse_split(args.split)
+    if args.load is not None and not Path(args.load).exists():
+        raise E(f"--load: checkpoint directory not found: {args.load}")
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse and validate; on a bad command line print ``pretrain_gpt.py: error: ...`` and exit(2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args, world_size=world_size)
+    except ArgumentValidationError as e:
+        parser.error(str(e))
+    return args
