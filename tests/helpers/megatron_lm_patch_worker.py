@@ -1,0 +1,118 @@
+"""Run the *patched* Megatron-LM ``gpt_builder`` and ``get_batch`` on CPU (gloo) and print the loss.
+
+Usage (from tests/test_patch.py)::
+
+    PYTHONPATH=<patched Megatron-LM checkout>:<repo> torchrun --nproc-per-node CP \\
+        tests/helpers/megatron_lm_patch_worker.py --context-parallel-size CP
+
+The Megatron-LM command line is parsed by Megatron-LM's own ``parse_args`` + ``validate_args``
+with the patch's ``extra_args_provider`` (so ``--cp-attention``/``--mtraining-config`` go through
+the real parser). Then: gloo world, ``initialize_model_parallel``, the patched
+``gpt_builders.gpt_builder`` (must give ``MTrainingAttention`` in every layer and a
+``LayoutRotaryEmbedding``), the patched ``pretrain_gpt.get_batch`` (Megatron's
+``get_batch_on_this_tp_rank`` + our striped split; must equal ``Layout.shard`` of the sample),
+forward with labels, backward. Rank 0 prints ``RESULT {"loss": ..., "grad_sq": ...}`` and, with
+``MTRAINING_RESULT_FILE`` set, saves the per-token losses (global order) and the CP-summed
+gradient vector there. Megatron-LM's training loop itself is
+CUDA-only, so ``pretrain()`` is not called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def main(argv: list[str]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches, cpu_seed, cuda_requests_on_cpu
+
+    S = 512
+    sys.argv = [
+        "pretrain_gpt.py",
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+        "--seq-length", str(S), "--max-position-embeddings", str(S),
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--micro-batch-size", "1", "--init-method-std", "0.2", "--train-iters", "1", "--lr", "1e-3",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--mock-data",
+        "--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+        "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion",
+        "--no-persist-layer-norm", "--no-rope-fusion", "--no-create-attention-mask-in-dataloader",
+        "--cp-attention", "mtraining", "--distributed-backend", "gloo",
+        *argv,
+    ]
+    from megatron.core import parallel_state as ps
+    from megatron.training import arguments as mlm_arguments
+    from megatron.training.arguments import parse_args, validate_args
+
+    # CPU: validate_args asks the GPU architecture when TP or CP > 1 (then requires
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the test sets); answer "Hopper" (9).
+    mlm_arguments.get_device_arch_version = lambda: 9
+    from megatron.training.global_vars import set_args
+
+    import gpt_builders  # patched Megatron-LM files, from PYTHONPATH
+    import pretrain_gpt
+    from megatron_mtraining.megatron.megatron_lm import mtraining_args_provider, mtraining_layout
+
+    args = parse_args(mtraining_args_provider(None))
+    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    args.padded_vocab_size = 128
+    set_args(args)
+
+    dist.init_process_group("gloo")
+    apply_cpu_patches()
+    cp = args.context_parallel_size
+    ps.initialize_model_parallel(1, 1, context_parallel_size=cp,
+                                 hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
+    cpu_seed(1234)
+    torch.manual_seed(1234)
+    model = gpt_builders.gpt_builder(args, True, True)
+    kinds = sorted({type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers})
+    assert kinds == ["MTrainingAttention"], kinds
+    assert type(model.rotary_pos_emb).__name__ == "LayoutRotaryEmbedding", type(model.rotary_pos_emb)
+
+    g = torch.Generator().manual_seed(7)
+    seq = torch.randint(0, 127, (1, S + 1), generator=g)
+    sample = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(1, S),
+              "position_ids": torch.arange(S).unsqueeze(0)}
+    with cuda_requests_on_cpu():  # Megatron-LM's get_batch_on_this_tp_rank calls .cuda()
+        tokens, labels, loss_mask, attention_mask, position_ids, psp = pretrain_gpt.get_batch(iter([sample]))
+    layout = mtraining_layout(args)
+    rank = ps.get_context_parallel_rank()
+    assert attention_mask is None and psp is None
+    for name, got in (("tokens", tokens), ("labels", labels), ("position_ids", position_ids)):
+        want = layout.shard(sample[name], rank, dim=1) if cp > 1 else sample[name]
+        assert torch.equal(got, want), name
+
+    losses = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)  # [1, S/cp]
+    loss = (losses.float() * loss_mask).sum()
+    loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    per_token = losses.detach().float()
+    if cp > 1:
+        group = ps.get_context_parallel_group()
+        dist.all_reduce(grads, group=group)
+        shards = [torch.empty_like(per_token) for _ in range(cp)]
+        dist.all_gather(shards, per_token, group=group)
+        per_token = layout.unshard(shards, dim=1)  # global token order
+    if dist.get_rank() == 0:
+        out = os.environ.get("MTRAINING_RESULT_FILE")
+        if out:
+            torch.save({"per_token_loss": per_token, "grads": grads.detach()}, out)
+        print("RESULT " + json.dumps({"cp": cp, "layout": layout.kind, "loss": per_token.mean().item(),
+                                      "grad_sq": float(grads.double().pow(2).sum())}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
