@@ -127,20 +127,40 @@ def oracle(q, k, v, mask_fn, scale, dout=None, lse_g=None, delta_g=None, chunk=1
     return out, lse, dq, dk, dv, lse_g, delta_g
 
 
-def bf16_reference(q, k, v, mask, scale, dout):
-    """The masked attention in bf16 torch ops (bf16 matmuls, softmax in fp32 cast back to bf16, as
-    an unfused bf16 attention does); autograd backward. Returns fp32 copies of
-    ``(out, lse, dq, dk, dv)``. ``mask``: ``[b, hq, sq, sk]`` bool."""
-    q, k, v = (t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
+def bf16_reference(q, k, v, mask_fn, scale, dout, chunk=1024):
+    """The masked attention computed with bf16 torch ops, chunked over query rows: bf16 matmuls,
+    softmax in fp32 rounded to bf16 (as an unfused bf16 attention does), backward by the same
+    formulas in bf16 (``dS = P∘(dP − rowsum(dO∘O))``), dK/dV summed over chunks in fp32 and rounded
+    to bf16. Returns fp32 copies of ``(out, lse, dq, dk, dv)``."""
+    bf = torch.bfloat16
+    q, k, v, dout = (t.to(bf) for t in (q, k, v, dout))
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
     kk, vv = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s.float(), -1)
-    p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(torch.bfloat16)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-    out.backward(dout.to(torch.bfloat16))
-    return out.float(), lse, q.grad.float(), k.grad.float(), v.grad.float()
+    out = torch.empty(b, sq, hq, d, dtype=bf, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    dq = torch.empty(b, sq, hq, d, dtype=bf, device=q.device)
+    dk = torch.zeros(b, sk, hq, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for r0 in range(0, sq, chunk):
+        r1 = min(sq, r0 + chunk)
+        m = mask_fn(r0, r1)
+        s = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1], kk) * scale
+        s = s.masked_fill(~m, float("-inf"))
+        lse[:, :, r0:r1] = torch.logsumexp(s.float(), -1)
+        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(bf)
+        o = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+        out[:, r0:r1] = o
+        delta = (dout[:, r0:r1].float() * o.float()).sum(-1).transpose(1, 2)
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout[:, r0:r1], vv)
+        ds = (p.float() * (dp.float() - delta[..., None])).to(bf)
+        dq[:, r0:r1] = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+        dk += torch.einsum("bhqk,bqhd->bkhd", ds, q[:, r0:r1]).float() * scale
+        dv += torch.einsum("bhqk,bqhd->bkhd", p, dout[:, r0:r1]).float()
+    dk = dk.view(b, sk, hkv, rep, d).sum(3).to(bf)
+    dv = dv.view(b, sk, hkv, rep, d).sum(3).to(bf)
+    return out.float(), lse, dq.float(), dk.float(), dv.float()
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -403,3 +403,35 @@ def _sparse_bwd_col_kernel(
     dst = sp * s_pp + bz * s_pb + h * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
     tl.store(DKP + dst, dk * sm_scale)
     tl.store(DVP + dst, dv)
+
+
+@triton.jit
+def _col_scatter_kernel(
+    DK, DV, DKP, DVP, ColU, ColUCount, r,
+    s_dkb, s_dks, s_dkh,
+    s_pp, s_pb, s_ph, s_pu,
+    s_ub, s_uh, s_ucb,
+    num_splits, rep,
+    HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """dK/dV rows of the vertical columns of query head ``g * rep + r``: sums the per-split partials
+    in ascending split order and adds them to the key rows (launched once per ``r``, so every key
+    row receives at most one update per launch: deterministic, no atomics)."""
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    bz = tl.program_id(2)
+    h = g * rep + r
+    offs_u = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, HEAD_DIM)
+    uvalid = offs_u < tl.load(ColUCount + bz * s_ucb + h)
+    cols = tl.load(ColU + bz * s_ub + h * s_uh + offs_u, mask=uvalid, other=0)
+    src = bz * s_pb + h * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
+    acc_k = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
+    acc_v = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
+    for sp in range(0, num_splits):
+        acc_k += tl.load(DKP + sp * s_pp + src, mask=uvalid[:, None], other=0.0)
+        acc_v += tl.load(DVP + sp * s_pp + src, mask=uvalid[:, None], other=0.0)
+    dst = bz * s_dkb + g * s_dkh + cols[:, None] * s_dks + offs_d[None, :]
+    m = uvalid[:, None]
+    tl.store(DK + dst, tl.load(DK + dst, mask=m, other=0.0) + acc_k, mask=m)
+    tl.store(DV + dst, tl.load(DV + dst, mask=m, other=0.0) + acc_v, mask=m)

@@ -242,11 +242,12 @@ class KernelConfig:
     fwd_stages: int = 3
     dq_warps: int = 4
     dq_stages: int = 2
-    dkdv_warps: int = 8
+    dkdv_warps: int = 4
     dkdv_stages: int = 2
-    col_warps: int = 4
+    col_warps: int = 8
     col_stages: int = 2
     dq_atomic_fast: bool = False   # fast mode: dQ of blocks by atomics in the dK/dV kernel
+    col_atomic_fast: bool = True   # fast mode: columns' dK/dV by atomics in the dQ kernel
 
 
 CONFIG = KernelConfig()
@@ -262,6 +263,8 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     nqb = sq // BLOCK
+    if q.numel() >= 2 ** 31 or k.numel() >= 2 ** 31:
+        raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
     out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     tensors, istr = _idx_args(plan, b, hq, nqb)
@@ -318,6 +321,9 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
               dk.stride(0), dk.stride(1), dk.stride(2),
               lse.stride(0), lse.stride(1))
     dq_atomic = (not deterministic) and cfg.dq_atomic_fast
+    for t in (q, k, v, dout):
+        if t.numel() >= 2 ** 31:
+            raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
     if dq_atomic:
         dq.zero_()
 
@@ -337,7 +343,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
 
     # 2) dQ (row-parallel); fast mode also adds the columns' dK/dV with atomics
     tensors, istr = _idx_args(plan, b, hq, nqb)
-    col_atomic = (not deterministic) and plan.has_columns
+    col_atomic = (not deterministic) and plan.has_columns and cfg.col_atomic_fast
     if (not dq_atomic) or plan.has_columns:
         K._sparse_bwd_dq_kernel[(nqb * hq, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
@@ -350,7 +356,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         )
 
     # 3) deterministic columns: per-head partials, fixed-order reduction
-    if plan.has_columns and deterministic:
+    if plan.has_columns and not col_atomic:
         if plan.mask_mode == 2:
             raise ValueError("vertical columns are not supported with position masks")
         col_u, ucount, offsets_c, ent_qb, ent_bits, upad, nchunks, nsplit, B_, H_ = _col_plan(plan, sk, b, hq)
@@ -374,14 +380,13 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_C=BLOCK_C,
             num_warps=cfg.col_warps, num_stages=cfg.col_stages,
         )
-        dkc = dkp.sum(0) if nsplit > 1 else dkp[0]       # [b, hq, upad, d], fixed order
-        dvc = dvp.sum(0) if nsplit > 1 else dvp[0]
-        # padded slots hold exact zeros and point at key 0: adding +0.0 changes nothing
-        bidx = torch.arange(b, device=dev)[:, None, None]
-        gidx = torch.arange(hkv, device=dev)[None, :, None]
-        cu = col_u_e.long()
-        for r in range(rep):   # heads of a group one after another: unique rows per call
-            rows = cu[:, r::rep]                          # [b, hkv, upad]
-            dk.index_put_((bidx, rows, gidx), dkc[:, r::rep], accumulate=True)
-            dv.index_put_((bidx, rows, gidx), dvc[:, r::rep], accumulate=True)
+        for r in range(rep):   # heads of a group one after another: each key row updated once per launch
+            K._col_scatter_kernel[(nchunks, hkv, b)](
+                dk, dv, dkp, dvp, col_u_e, ucount_e, r,
+                dk.stride(0), dk.stride(1), dk.stride(2),
+                dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
+                col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0),
+                nsplit, rep,
+                HEAD_DIM=d, BLOCK_C=BLOCK_C, num_warps=4, num_stages=1,
+            )
     return dq, dk, dv

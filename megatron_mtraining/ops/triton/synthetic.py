@@ -142,10 +142,12 @@ def _stats(bc, bi, cc, nqb: int, s: int) -> PatternStats:
 
 
 def vertical_slash_indices(seq_len: int, num_heads: int, sparsity: float, batch: int = 1, block_share: float = 0.8,
-                           window: int = 4, sinks: int = 4, seed: int = 0, device=None, tol: float = 0.02):
+                           window: int = 4, sinks: int = 4, seed: int = 0, device=None, tol: float = 0.02,
+                           return_sets: bool = False):
     """A causal :class:`StepIndices` of a synthetic vertical-slash pattern with ``sparsity`` (e.g.
-    0.95: 5 % of causal work kept). Returns ``(indices, PatternStats)``. Batch entries share the
-    pattern (expanded, not copied)."""
+    0.95: 5 % of causal work kept). Returns ``(indices, PatternStats)`` and, with ``return_sets``,
+    also the per-head ``(offsets, columns)`` tensors (block offsets, token columns). Batch entries
+    share the pattern (expanded, not copied)."""
     if seq_len % BLOCK:
         raise ValueError(f"seq_len must be a multiple of {BLOCK}")
     nqb = seq_len // BLOCK
@@ -172,4 +174,6 @@ def vertical_slash_indices(seq_len: int, num_heads: int, sparsity: float, batch:
     if batch > 1:
         st = PatternStats(st.keep, st.block_tiles * batch, st.column_pairs * batch, st.column_tiles * batch,
                           st.mean_offsets, st.mean_columns)
+    if return_sets:
+        return idx, st, pats
     return idx, st

@@ -1,0 +1,429 @@
+#!/usr/bin/env python
+"""Benchmark: our Triton vertical-slash kernels vs cuDNN dense causal SDPA vs FlexAttention.
+
+    python tools/bench_attention.py --json out.json --seqs 32768,131072 --sparsity 0.9,0.95,0.98 \\
+        --head-dims 128,64 --heads 16 --kv-heads 2
+
+All in one process, same inputs (bf16, batch 1, Qwen2.5-3B attention: 16 query heads, 2 KV heads):
+
+* ``cudnn``: ``F.scaled_dot_product_attention(is_causal=True)`` through the cuDNN backend (dense);
+* ``flex``: FlexAttention (``torch.compile``d) with the *equivalent* BlockMask of our pattern:
+  128x128 blocks (``--flex-block 64`` for 64x64), a block is listed if it contains a listed 64x64
+  tile or a vertical column; full blocks run unmasked, the others apply the exact mask
+  (causal & (slash tile or vertical column)) through a ``mask_mod``;
+* ``ours``: :func:`megatron_mtraining.ops.triton.sparse_forward` / ``sparse_backward`` (plan built
+  once, outside the timing; its build time is reported as ``prep_ms``), deterministic backward
+  and the fast (atomic) one;
+* ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``).
+
+Patterns: :func:`megatron_mtraining.ops.triton.synthetic.vertical_slash_indices` (sinks, local
+window, heavy-tailed vertical positions and slash offsets; documented there). Sparsity is relative to
+causal work. Effective TFLOP/s count the tiles each implementation computes (ours: 64x64 block tiles
++ 64-column gathered tiles; flex: its listed blocks; dense: half the square), with
+``fwd = 4*d*pairs`` and ``fwd+bwd = 3.5 * fwd``. ``tflops_useful`` counts only the pattern's useful
+pairs. Times: median of CUDA-event timings after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_mtraining.ops.triton import launch  # noqa: E402
+from megatron_mtraining.ops.triton.launch import KernelConfig  # noqa: E402
+from megatron_mtraining.ops.triton.synthetic import vertical_slash_indices  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- timing
+def bench(fn, budget_s=2.0, max_reps=50, min_reps=3, warmup=2):
+    """Median ms of ``fn`` (CUDA events), adaptive repetitions within ``budget_s`` (runs longer than
+    1 s: one warm-up, the sizing run counts as a sample)."""
+    def once():
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e)
+
+    first = once()                      # includes compilation / autotuning
+    long = first > 1000
+    for _ in range(0 if long else max(0, warmup - 1)):
+        once()
+    est = once()
+    times = [est]
+    reps = int(max(min_reps, min(max_reps, budget_s * 1e3 / max(est, 1e-3))))
+    times += [once() for _ in range(reps - 1)]
+    times.sort()
+    return times[len(times) // 2], len(times)
+
+
+def tflops(flop, ms):
+    return flop / (ms * 1e-3) / 1e12 if ms and ms > 0 else None
+
+
+# ----------------------------------------------------------------------------- baselines
+def cudnn_fns(q, k, v, dout):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(True) for t in (q, k, v))   # [b, h, s, d]
+    dot = dout.transpose(1, 2)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        gqa = True
+    except Exception:
+        gqa = False
+    if not gqa:
+        rep = q.shape[2] // k.shape[2]
+        kt = kt.detach().repeat_interleave(rep, 1).requires_grad_(True)
+        vt = vt.detach().repeat_interleave(rep, 1).requires_grad_(True)
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+
+    def fwd_bwd():
+        o = fwd()
+        o.backward(dot)
+        qt.grad = kt.grad = vt.grad = None
+
+    return fwd, fwd_bwd, ("enable_gqa" if gqa else "expanded K/V")
+
+
+def flex_block_mask(pats, s, hq, block, device):
+    """Equivalent FlexAttention BlockMask of the synthetic pattern (per-head offsets/columns)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    nqb64 = s // 64
+    is_off = torch.zeros(hq, nqb64 + 2, dtype=torch.bool, device=device)
+    is_col = torch.zeros(hq, s, dtype=torch.bool, device=device)
+    for h, (offs, cols) in enumerate(pats):
+        is_off[h, offs.to(device)] = True
+        is_col[h, cols.to(device)] = True
+    nb = s // block
+    f = block // 64
+    i = torch.arange(nb, device=device)
+    delta = (i[:, None] - i[None, :])                                   # [nb, nb] q-block - kv-block
+    # 64-tile offsets covered by a (block x block) tile with block-offset delta: f*delta + (a - c)
+    sub = torch.arange(-(f - 1), f, device=device)
+    offs = (f * delta[..., None] + sub).clamp(min=0, max=nqb64 + 1)     # [nb, nb, 2f-1]
+    valid_sub = (f * delta[..., None] + sub) >= 0
+    listed = is_off[:, offs] & valid_sub[None]                          # [hq, nb, nb, 2f-1]
+    any_tile = listed.any(-1)
+    full = listed.all(-1) & (delta >= 1)[None] if f > 1 else listed[..., 0] & (delta >= 1)[None]
+    col_blk = is_col.view(hq, nb, block).any(-1)                        # [hq, nb]
+    active = (any_tile | col_blk[:, None, :]) & (delta >= 0)[None]
+    partial = active & ~full
+
+    def to_kv(m):
+        cnt = m.sum(-1).to(torch.int32)
+        idx = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return cnt[None], idx[None]
+
+    kv_num, kv_idx = to_kv(partial)
+    full_num, full_idx = to_kv(full)
+    off_tab, col_tab = is_off, is_col
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb, kb = q_idx // 64, kv_idx // 64
+        d = (qb - kb).clamp(min=0)
+        return (kv_idx <= q_idx) & (off_tab[h, d] | col_tab[h, kv_idx])
+
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod)
+    computed_blocks = int(active.sum())
+    return bm, computed_blocks
+
+
+def flex_fns(q, k, v, dout, block_mask, block):
+    from torch.nn.attention.flex_attention import flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
+    dot = dout.transpose(1, 2).contiguous()
+    kw = dict(block_mask=block_mask, enable_gqa=True)
+    if block == 64:
+        kw["kernel_options"] = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                                "BLOCK_N2": 64}
+
+    def fwd():
+        with torch.no_grad():
+            return flex(qt, kt, vt, **kw)
+
+    def fwd_bwd():
+        o = flex(qt, kt, vt, **kw)
+        o.backward(dot)
+        qt.grad = kt.grad = vt.grad = None
+
+    return fwd, fwd_bwd
+
+
+# ----------------------------------------------------------------------------- ours
+def ours_fns(q, k, v, dout, plan, scale, deterministic, config=None):
+    state = {}
+
+    def fwd():
+        state["o"], state["lse"] = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config)
+        return state["o"]
+
+    def fwd_bwd():
+        o, lse = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config)
+        delta = (dout.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+        return launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, deterministic, config=config)
+
+    return fwd, fwd_bwd
+
+
+def prep_ms(plan, b, hq, sk, hkv, has_cols):
+    """Time to build the backward's inverted indices (once per step; cached on the plan)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    plan._kv.clear()
+    plan._col.clear()
+    launch._kv_csr(plan, sk // 64, hq, hkv)
+    if has_cols:
+        launch._col_plan(plan, sk, b, hq)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--seqs", default="32768,131072")
+    ap.add_argument("--sparsity", default="0.9,0.95,0.98")
+    ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--impls", default="cudnn,flex,ours")
+    ap.add_argument("--flex-block", type=int, default=128)
+    ap.add_argument("--flex-max-seq", type=int, default=1 << 30)
+    ap.add_argument("--cudnn-max-seq", type=int, default=1 << 30)
+    ap.add_argument("--dense", action="store_true", help="also time our dense position-mask kernel")
+    ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed repetitions per measurement")
+    ap.add_argument("--sweep", action="store_true", help="launch-config sweep at the first seq/sparsity/head_dim")
+    ap.add_argument("--breakdown", action="store_true", help="time blocks-only / columns-only")
+    ap.add_argument("--flex-slash", action="store_true",
+                    help="also FlexAttention on the slash blocks alone (columns removed), vs ours blocks-only")
+    ap.add_argument("--detail-sparsity", type=float, default=0.95, help="sparsity of --breakdown / --flex-slash")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)   # CPU + Triton interpreter
+    args = ap.parse_args()
+
+    torch._dynamo.config.cache_size_limit = 64
+    dev = torch.device("cuda")
+    if args.cpu_dry_run:
+        dev = _cpu_dry_run()
+    dt = getattr(torch, args.dtype)
+    impls = args.impls.split(",")
+    rows = []
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                argv=sys.argv[1:])
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except Exception:
+        pass
+
+    def save():
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    def emit(row):
+        rows.append(row)
+        save()
+        f = lambda x: "-" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))
+        print(f"ROW {row['impl']:14s} S={row['seq']:>7d} d={row['d']:3d} sp={f(row.get('sparsity'))} "
+              f"fwd={f(row.get('fwd_ms'))}ms fb={f(row.get('fwd_bwd_ms'))}ms "
+              f"TF fwd={f(row.get('tflops_fwd'))} fb={f(row.get('tflops_fwd_bwd'))} "
+              f"useful fb={f(row.get('tflops_useful_fwd_bwd'))} speedup={f(row.get('speedup_fwd_bwd_vs_cudnn'))} "
+              f"{row.get('note', '')}", flush=True)
+
+    for s in [int(x) for x in args.seqs.split(",")]:
+        for d in [int(x) for x in args.head_dims.split(",")]:
+            hq, hkv = args.heads, args.kv_heads
+            scale = d ** -0.5
+            g = torch.Generator(device=dev).manual_seed(args.seed)
+            q = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
+            k = torch.randn(1, s, hkv, d, device=dev, generator=g).to(dt)
+            v = torch.randn(1, s, hkv, d, device=dev, generator=g).to(dt)
+            dout = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
+            dense_pairs = hq * s * (s + 1) / 2
+            cud = None
+            if "cudnn" in impls and s <= args.cudnn_max_seq:
+                try:
+                    f1, f2, note = cudnn_fns(q, k, v, dout)
+                    t1, _ = bench(f1, args.budget, warmup=1)
+                    t2, n2 = bench(f2, args.budget, warmup=1)
+                    cud = t2
+                    emit(dict(impl="cudnn_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2,
+                              tflops_fwd=tflops(4 * d * dense_pairs, t1),
+                              tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, t2), reps=n2, note=note))
+                except Exception as e:
+                    traceback.print_exc()
+                    emit(dict(impl="cudnn_dense", seq=s, d=d, error=repr(e)[:300]))
+                torch.cuda.empty_cache()
+            if args.dense:
+                try:
+                    pos = torch.arange(s, device=dev)
+                    plan = launch.dense_plan(pos, pos, True)
+                    f1, f2 = ours_fns(q, k, v, dout, plan, scale, True)
+                    t1, _ = bench(f1, args.budget)
+                    t2, n2 = bench(f2, args.budget)
+                    emit(dict(impl="ours_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2,
+                              tflops_fwd=tflops(4 * d * dense_pairs, t1),
+                              tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, t2), reps=n2,
+                              speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None))
+                    del plan
+                except Exception as e:
+                    traceback.print_exc()
+                    emit(dict(impl="ours_dense", seq=s, d=d, error=repr(e)[:300]))
+                torch.cuda.empty_cache()
+            for sp in [float(x) for x in args.sparsity.split(",")]:
+                t0 = time.time()
+                idx, st, pats = vertical_slash_indices(s, hq, sp, seed=args.seed, device=dev, return_sets=True)
+                gen_s = time.time() - t0
+                useful = st.keep * dense_pairs
+                plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count,
+                                                idx.column_index, True)
+                prep_ms(plan, 1, hq, s, hkv, True)                 # first call: lazy CUDA module loads
+                pms = prep_ms(plan, 1, hq, s, hkv, True)
+                pattern = dict(keep=st.keep, mean_offsets=st.mean_offsets, mean_columns=st.mean_columns,
+                               block_tiles=st.block_tiles, column_tiles=st.column_tiles, gen_s=round(gen_s, 1))
+                if "ours" in impls:
+                    pairs = st.computed_pairs
+                    for det in (True, False):
+                        try:
+                            f1, f2 = ours_fns(q, k, v, dout, plan, scale, det)
+                            t1, _ = bench(f1, args.budget)
+                            t2, n2 = bench(f2, args.budget)
+                            emit(dict(impl="ours_det" if det else "ours_fast", seq=s, d=d, sparsity=sp, fwd_ms=t1,
+                                      fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1),
+                                      tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
+                                      tflops_useful_fwd_bwd=tflops(3.5 * 4 * d * useful, t2),
+                                      speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None, reps=n2,
+                                      prep_ms=pms, pattern=pattern))
+                        except Exception as e:
+                            traceback.print_exc()
+                            emit(dict(impl="ours", seq=s, d=d, sparsity=sp, error=repr(e)[:300]))
+                    if args.breakdown and sp == args.detail_sparsity:
+                        breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st)
+                    if args.sweep:
+                        sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, args.budget)
+                        args.sweep = False
+                flex_runs = [("", pats)]
+                if args.flex_slash and sp == args.detail_sparsity:
+                    flex_runs.append(("_slash_only", [(o, c[:0]) for o, c in pats]))
+                for tag, pp in (flex_runs if "flex" in impls and s <= args.flex_max_seq else []):
+                    try:
+                        bm, nblk = flex_block_mask(pp, s, hq, args.flex_block, dev)
+                        f1, f2 = flex_fns(q, k, v, dout, bm, args.flex_block)
+                        tc = time.time()
+                        f1()
+                        f2()
+                        torch.cuda.synchronize()
+                        compile_s = time.time() - tc
+                        t1, _ = bench(f1, args.budget)
+                        t2, n2 = bench(f2, args.budget)
+                        fp = nblk * args.flex_block ** 2
+                        emit(dict(impl=f"flex{args.flex_block}{tag}", seq=s, d=d, sparsity=sp, fwd_ms=t1, fwd_bwd_ms=t2,
+                                  tflops_fwd=tflops(4 * d * fp, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * fp, t2),
+                                  tflops_useful_fwd_bwd=tflops(3.5 * 4 * d * useful, t2) if not tag else None,
+                                  speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None, reps=n2,
+                                  computed_over_causal=fp / dense_pairs, compile_s=round(compile_s, 1)))
+                        del bm
+                    except Exception as e:
+                        traceback.print_exc()
+                        emit(dict(impl="flex", seq=s, d=d, sparsity=sp, error=repr(e)[:300]))
+                del idx, plan
+                torch.cuda.empty_cache()
+    summary(rows)
+
+
+def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):
+    """Blocks only / columns only (same plan, the other half removed)."""
+    zero = torch.zeros_like(plan.block_count)
+    blocks_only = launch.SparsePlan(plan.block_count, plan.block_split, plan.block_index, None, None, plan.mask_mode)
+    cols_only = launch.SparsePlan(zero, zero, plan.block_index[..., :1], plan.column_count, plan.column_index,
+                                  plan.mask_mode)
+    for name, p, tiles in (("blocks_only", blocks_only, st.block_tiles), ("columns_only", cols_only, st.column_tiles)):
+        for det in (True, False):
+            f1, f2 = ours_fns(q, k, v, dout, p, scale, det)
+            t1, _ = bench(f1, 1.0)
+            t2, n2 = bench(f2, 1.0)
+            pairs = tiles * 64 * 64
+            emit(dict(impl=f"ours_{name}_{'det' if det else 'fast'}", seq=s, d=d, sparsity=sp, fwd_ms=t1,
+                      fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
+                      reps=n2))
+
+
+def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget):
+    """One kernel's launch parameters at a time, the others at their defaults."""
+    base = KernelConfig()
+    variants = [("default", {}, True)]
+    variants += [(f"fwd w{w} s{st}", dict(fwd_warps=w, fwd_stages=st), True) for w, st in [(4, 3), (8, 2)]]
+    variants += [(f"dkdv w{w} s{st}", dict(dkdv_warps=w, dkdv_stages=st), True) for w, st in [(4, 1), (8, 2)]]
+    variants += [(f"dq w{w} s{st}", dict(dq_warps=w, dq_stages=st), True) for w, st in [(4, 3), (8, 2)]]
+    variants += [(f"col w{w} s{st}", dict(col_warps=w, col_stages=st), True) for w, st in [(4, 1), (8, 2)]]
+    variants += [("fast col_atomic", dict(col_atomic_fast=True, dq_atomic_fast=False), False),
+                 ("fast dq_atomic", dict(col_atomic_fast=False, dq_atomic_fast=True), False),
+                 ("fast dq_atomic+col_atomic", dict(col_atomic_fast=True, dq_atomic_fast=True), False)]
+    for name, kw, det in variants:
+        cfg = KernelConfig(**{**base.__dict__, **kw})
+        try:
+            f1, f2 = ours_fns(q, k, v, dout, plan, scale, det, config=cfg)
+            t1, _ = bench(f1, budget / 2)
+            t2, n2 = bench(f2, budget / 2)
+            emit(dict(impl="sweep", seq=s, d=d, sparsity=sp, note=name, config=cfg.__dict__, fwd_ms=t1, fwd_bwd_ms=t2,
+                      tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2)))
+        except Exception as e:
+            traceback.print_exc()
+            emit(dict(impl="sweep", seq=s, d=d, sparsity=sp, note=name, error=repr(e)[:300]))
+
+
+def _cpu_dry_run():
+    """Exercise this script's Python on a CPU (Triton interpreter; CUDA timing calls stubbed)."""
+    import types
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
+
+    class _Ev:
+        def __init__(self, **kw):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    torch.cuda.Event = _Ev
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.get_device_name = lambda *a, **k: "cpu-dry-run"
+    return torch.device("cpu")
+
+
+def summary(rows):
+    print("\n| impl | seq | d | sparsity | fwd ms | fwd+bwd ms | TFLOP/s fwd | TFLOP/s fwd+bwd | useful fwd+bwd | "
+          "speedup vs cuDNN (fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    f = lambda x: "" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))
+    for r in rows:
+        if r["impl"] == "sweep" or "error" in r:
+            continue
+        print(f"| {r['impl']} | {r['seq']} | {r['d']} | {f(r.get('sparsity'))} | {f(r.get('fwd_ms'))} | "
+              f"{f(r.get('fwd_bwd_ms'))} | {f(r.get('tflops_fwd'))} | {f(r.get('tflops_fwd_bwd'))} | "
+              f"{f(r.get('tflops_useful_fwd_bwd'))} | {f(r.get('speedup_fwd_bwd_vs_cudnn'))} |")
+
+
+if __name__ == "__main__":
+    main()
