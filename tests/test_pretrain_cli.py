@@ -1,0 +1,155 @@
+"""examples/pretrain_gpt.py: argument validation and end-to-end CP=1 vs CP=2 training on CPU.
+
+* Bad command lines fail before training starts (exit status != 0, message names the flag).
+* CP=2 (striped ring attention, 2 gloo ranks) reproduces CP=1 loss and grad norm for every
+  iteration (Adam updates included), with EOD loss masking so the loss mask is uneven across
+  CP ranks; a dist_checkpointing checkpoint written at CP=2 resumes at CP=1 and reproduces the
+  next iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
+from tests.helpers.dist import run_python, run_torchrun
+from tests.helpers.tiny_data import make_tiny_dataset
+
+SCRIPT = "examples/pretrain_gpt.py"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_dataset(tmp_path_factory.mktemp("tiny_data"))
+
+
+def _argv(prefix: str, tok: str, **over) -> list[str]:
+    opts = {
+        "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--group-query-attention": None,
+        "--num-query-groups": 2, "--seq-length": 256, "--position-embedding-type": "rope",
+        "--normalization": "RMSNorm", "--swiglu": None, "--untie-embeddings-and-output-weights": None,
+        "--micro-batch-size": 2, "--global-batch-size": 4, "--train-iters": 3, "--lr": 3e-3,
+        "--lr-warmup-iters": 1, "--lr-decay-style": "cosine", "--min-lr": 1e-4, "--clip-grad": 1.0,
+        "--data-path": prefix, "--split": "90,10,0", "--tokenizer-model": tok, "--cp-granularity": 32,
+        "--eod-mask-loss": None, "--log-interval": 1, "--eval-iters": 0, "--seed": 7,
+    }
+    opts.update(over)
+    argv: list[str] = []
+    for k, v in opts.items():
+        if v is False:
+            continue
+        argv += [k] if v is None else [k, str(v)]
+    return argv
+
+
+# ------------------------------------------------------------------ errors before training starts
+def _fails(res, *needles):
+    assert res.returncode not in (0, None), res.tail()
+    for n in needles:
+        assert n in res.stderr, res.tail()
+    assert "iteration" not in res.stdout  # nothing trained
+
+
+def test_seq_length_the_layout_cannot_split(tiny):
+    res = run_torchrun(SCRIPT, _argv(*tiny, **{"--seq-length": 200, "--context-parallel-size": 2}),
+                       nproc=2, timeout=120)
+    _fails(res, "--seq-length 200", "divisible by cp_size*granularity")
+
+
+def test_unknown_cp_attention_value(tiny):
+    res = run_python(SCRIPT, _argv(*tiny, **{"--cp-attention": "flash"}), timeout=60)
+    _fails(res, "argument --cp-attention: invalid choice: 'flash'")
+
+
+def test_missing_tokenizer_file(tiny, tmp_path):
+    missing = tmp_path / "nope.model"
+    res = run_python(SCRIPT, _argv(tiny[0], str(missing)), timeout=60)
+    _fails(res, "--tokenizer-model", str(missing))
+
+
+def test_unknown_flag(tiny):
+    res = run_python(SCRIPT, _argv(*tiny) + ["--no-such-flag", "1"], timeout=60)
+    _fails(res, "unrecognized arguments: --no-such-flag")
+
+
+def _validate(tiny, world_size=1, te=False, **over):
+    args = build_parser().parse_args(_argv(*tiny, **over))
+    return validate_args(args, world_size=world_size, te_importable=te)
+
+
+@pytest.mark.parametrize("over,world,needle", [
+    ({"--global-batch-size": 6, "--micro-batch-size": 4}, 1, "--global-batch-size (6)"),
+    ({"--global-batch-size": 2, "--micro-batch-size": 2}, 4, "data-parallel size (4 = world 4"),
+    ({"--num-query-groups": 3}, 1, "--num-query-groups (3)"),
+    ({"--num-attention-heads": 3, "--group-query-attention": False}, 1, "--hidden-size (64)"),
+    ({"--cp-attention": "te", "--context-parallel-size": 2}, 2, "requires Transformer Engine"),
+    ({"--cp-attention": "te", "--cp-layout": "striped"}, 1, "zigzag"),
+    ({"--context-parallel-size": 2}, 3, "world size 3"),
+    ({"--data-path": "/nonexistent/prefix"}, 1, "--data-path"),
+    ({"--attention-dropout": 0.1}, 1, "--attention-dropout"),
+    ({"--bf16": None, "--fp16": None}, 1, "mutually exclusive"),
+    ({"--split": "a,b"}, 1, "--split"),
+    ({"--seq-length": 256, "--context-parallel-size": 4, "--cp-granularity": 128}, 4, "cp_size*granularity"),
+])
+def test_validation_errors_name_the_flag(tiny, over, world, needle):
+    with pytest.raises(ArgumentValidationError) as e:
+        _validate(tiny, world_size=world, **over)
+    assert needle in str(e.value)
+
+
+def test_validation_fills_derived_values(tiny):
+    a = _validate(tiny, world_size=4, **{"--context-parallel-size": 2, "--micro-batch-size": 1,
+                                         "--global-batch-size": 8})
+    assert (a.data_parallel_size, a.num_microbatches, a.cp_layout, a.kv_channels) == (2, 4, "striped", 16)
+    assert a.ffn_hidden_size == 128  # swiglu: 8/3 * 64 rounded down to a multiple of 64
+    assert a.lr_decay_iters == 3 and a.max_position_embeddings == 256
+    assert _validate(tiny, te=True, **{"--cp-attention": "te"}).cp_layout == "zigzag"
+
+
+# ------------------------------------------------------------------------------ end to end
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_cp2_training_matches_cp1_and_checkpoint_resumes_at_cp1(tiny, tmp_path):
+    common = {"--data-cache-path": tmp_path / "cache"}
+    # CP=1 reference (3 iterations)
+    m1 = tmp_path / "cp1.jsonl"
+    r1 = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": m1}), timeout=240)
+    assert r1.returncode == 0, r1.tail()
+    # CP=2 with a checkpoint at iteration 2 and at the end
+    m2, ckpt = tmp_path / "cp2.jsonl", tmp_path / "ckpt"
+    r2 = run_torchrun(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": m2, "--context-parallel-size": 2,
+                                                       "--save": ckpt, "--save-interval": 2}),
+                      nproc=2, timeout=240)
+    assert r2.returncode == 0, r2.tail()
+    a, b = _metrics(m1), _metrics(m2)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"] and x["lr"] == pytest.approx(y["lr"], rel=1e-12)
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+    assert a[-1]["lm_loss"] < a[0]["lm_loss"]
+    assert any(x["tokens"] < 4 * 256 for x in a)  # --eod-mask-loss really masks tokens
+    # Megatron-style iteration lines from rank 0 only
+    lines = [ln for ln in r2.stdout.splitlines() if ln.startswith(" [") and "iteration" in ln]
+    assert len(lines) == 3 and "| lm loss: " in lines[0] and "TFLOP/s/GPU" in lines[0], r2.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpt / "iter_0000002" / "metadata.json").is_file()
+    # resume the CP=2 checkpoint of iteration 2 at CP=1: iteration 3 must be reproduced
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    shutil.copytree(ckpt / "iter_0000002", resume / "iter_0000002")
+    (resume / "latest_checkpointed_iteration.txt").write_text("2")
+    m3 = tmp_path / "resume.jsonl"
+    r3 = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": m3, "--load": resume}), timeout=240)
+    assert r3.returncode == 0, r3.tail()
+    c = _metrics(m3)
+    assert [x["iteration"] for x in c] == [3]
+    assert c[0]["lm_loss"] == pytest.approx(a[2]["lm_loss"], rel=1e-5)
+    assert c[0]["grad_norm"] == pytest.approx(a[2]["grad_norm"], rel=1e-5)
