@@ -664,7 +664,7 @@ def gpu_model(pattern: VerticalSlashPattern, layout: Layout, args) -> dict:
         raise SystemExit("error: --device cuda but CUDA is not available (use --device cpu for a tiny check)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     S, cp = pattern.seq_len, layout.cp_size
-    H = pattern.num_heads * pattern.batch
+    H = pattern.num_heads                               # patterns here have batch 1 (files: B*H heads)
     if H % args.kv_heads:
         raise SystemExit(f"error: {H} query heads not divisible by --kv-heads {args.kv_heads}")
     if args.vertical == "deferred":
@@ -673,7 +673,7 @@ def gpu_model(pattern: VerticalSlashPattern, layout: Layout, args) -> dict:
     q = torch.randn((1, S, H, args.head_dim), generator=gen, device=dev, dtype=dtype)
     k = torch.randn((1, S, args.kv_heads, args.head_dim), generator=gen, device=dev, dtype=dtype)
     v = torch.randn((1, S, args.kv_heads, args.head_dim), generator=gen, device=dev, dtype=dtype)
-    pat = pattern_from_arrays(S, [s for s, _ in head_lines(pattern)], [c for _, c in head_lines(pattern)]).to(dev)
+    pat = pattern.to(dev)
     if args.vertical == "out-of-ring" and not bool((pat.slash_mask()[..., 0]).all()):
         raise SystemExit("error: out-of-ring columns run unmasked; every head must select block diagonal 0")
     name, fwd, bwd = pick_kernels(args.kernel, q)
