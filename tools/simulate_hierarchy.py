@@ -12,7 +12,7 @@ ring moves in lock step, and a transfer posted before a step's compute overlaps 
   ``max(inner ring, outer transfer)``. Backward: one more outer hop brings dK/dV home.
 
 ``t_step`` = the attention kernel time of one (worker, ring step) cell: from the imbalance
-tool's JSON (``--imbalance-json``, the slowest worker of each step) or, by default, the
+tool's JSON (``--imbalance-json``: the mean over steps of the slowest worker's time) or, by default, the
 sparse-attention time of the whole sequence on one GPU divided evenly over ``cp × cp`` cells
 (balanced striped layout). Defaults: Qwen2.5-3B attention (2 KV heads, head_dim 128, bf16),
 NVLink 300 GB/s intra-node, InfiniBand HDR 25 GB/s inter-node (per GPU), and a one-GPU
@@ -88,7 +88,12 @@ def main() -> None:
         if args.imbalance_json:
             with open(args.imbalance_json) as f:
                 data = json.load(f)
-            step_ms = (data["step_ms_fwd_max"], data["step_ms_bwd_max"])
+            # per-step slowest-worker times of a virtual CP of the same size; the model uses their mean
+            fwd, bwd = data["step_ms_fwd_max"], data["step_ms_bwd_max"]
+            if len(fwd) != nodes * args.gpus_per_node:
+                raise ValueError(f"{args.imbalance_json} was measured with cp={len(fwd)}, "
+                                 f"but nodes x gpus_per_node = {nodes * args.gpus_per_node}")
+            step_ms = (sum(fwd) / len(fwd), sum(bwd) / len(bwd))
         rows.append(simulate(nodes, args.gpus_per_node, args.seq_len, args.kv_heads, args.head_dim,
                              args.bytes_per_element, args.intra_gbs, args.inter_gbs, args.fwd_ms, args.fwdbwd_ms,
                              step_ms))
