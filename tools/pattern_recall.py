@@ -391,11 +391,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "sparsity_mean": sum(l["sparsity_mean"] for l in layers) / len(layers),
         "est_time_ratio_mean": sum(l["est_time_ratio"] for l in layers) / len(layers),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out_json, out_png = Path(args.out + ".json"), Path(args.out + ".png")   # OUT may contain dots
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(report, indent=1))
     print("summary:", json.dumps(report["summary"]), flush=True)
-    print(f"wrote {out.with_suffix('.json')}", flush=True)
+    print(f"wrote {out_json}", flush=True)
     if args.plot_heads > 0 and picks:
         picks.sort(key=lambda x: -x[2])                       # the sparsest heads are the most telling
         chosen = []
@@ -408,8 +408,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             vert = pattern.vertical[0, h, :pattern.vertical_count[0, h]].tolist()
             chosen.append((f"layer {li} head {h}: sparsity {sp:.2f}, v={len(vert)} s={len(slash)}",
                            probs, (slash, vert), bs))
-        plot_heads(str(out.with_suffix(".png")), chosen, seq)
-        print(f"wrote {out.with_suffix('.png')}", flush=True)
+        plot_heads(str(out_png), chosen, seq)
+        print(f"wrote {out_png}", flush=True)
     return 0
 
 
