@@ -391,3 +391,54 @@ def dump_mtraining_config(cfg: MTrainingConfig, path: Union[str, os.PathLike, No
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _pretrain_flags(cfg: MTrainingConfig) -> list[str]:
+    """Flags of ``examples/pretrain_gpt.py`` builds without ``--mtraining-config`` that express
+    ``cfg``; ``ValueError`` when the config needs more than a layout and a granularity."""
+    if cfg.sparse or cfg.implementation == "hierarchical":
+        need = "pattern: vertical_slash" if cfg.sparse else "implementation: hierarchical"
+        raise ValueError(f"{_PREFIX}: {need} cannot be expressed with --cp-layout/--cp-granularity; this "
+                         "pretrain_gpt.py needs --mtraining-config")
+    return ["--cp-layout", cfg.layout_kind, "--cp-granularity", str(cfg.granularity)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m megatron_mtraining.config [--pretrain-flags] FILE...``: validate config files.
+
+    Prints one summary line per file (exit 0), or the error naming the key (exit 1). With
+    ``--pretrain-flags`` (one file) prints the equivalent ``--cp-layout``/``--cp-granularity``
+    flags instead (used by examples/slurm/ when pretrain_gpt.py has no ``--mtraining-config``).
+    """
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m megatron_mtraining.config",
+                                description="Validate MTraining YAML configs.")
+    p.add_argument("--pretrain-flags", action="store_true",
+                   help="print the equivalent --cp-layout/--cp-granularity flags (one file)")
+    p.add_argument("files", nargs="+")
+    a = p.parse_args(argv)
+    if a.pretrain_flags and len(a.files) != 1:
+        p.error("--pretrain-flags takes exactly one file")
+    rc = 0
+    for f in a.files:
+        try:
+            cfg = load_mtraining_config(f)
+            if a.pretrain_flags:
+                print(" ".join(_pretrain_flags(cfg)))
+                continue
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            rc = 1
+            continue
+        vs = f", recall {cfg.vertical_slash.recall}" if cfg.sparse else ""
+        hs = f", inner x outer {cfg.hierarchical.inner} x {cfg.hierarchical.outer}" if cfg.hierarchical.sizes else ""
+        print(f"{f}: ok ({cfg.implementation}, granularity {cfg.granularity}, {cfg.pattern}{vs}{hs}"
+              f"{', deterministic' if cfg.deterministic else ''})")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

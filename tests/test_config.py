@@ -195,3 +195,21 @@ def test_config_module_does_not_import_megatron():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_validates_files_and_prints_pretrain_flags(tmp_path, capsys):
+    from megatron_mtraining.config import main
+
+    assert main([str(p) for p in CONFIGS]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok (") == len(CONFIGS)
+    assert main(["--pretrain-flags", str(ROOT / "configs" / "demo.yaml")]) == 0
+    assert capsys.readouterr().out.strip() == "--cp-layout striped --cp-granularity 64"
+    (tmp_path / "zz.yaml").write_text("implementation: zigzag\n")
+    assert main(["--pretrain-flags", str(tmp_path / "zz.yaml")]) == 0
+    assert capsys.readouterr().out.strip() == "--cp-layout zigzag --cp-granularity 64"
+    assert main(["--pretrain-flags", str(ROOT / "configs" / "demo_sparse.yaml")]) == 1
+    assert "needs --mtraining-config" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("patern: dense\n")
+    assert main([str(tmp_path / "bad.yaml")]) == 1
+    assert "unknown key 'patern'" in capsys.readouterr().err
