@@ -180,18 +180,20 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
     assert rel_err(fb[0], ref[0]) < 1e-5 and rel_err(fb[1], ref[1]) < 1e-5
 
 
-@pytest.mark.parametrize("layout,rank,owner", [
-    (Layout("striped", 2, 64), 1, 0),      # block-causal inclusive (owner < rank)
-    (Layout("striped", 2, 64), 0, 1),      # block-causal strict (owner > rank)
-    (Layout("striped", 2, 16), 1, 1),      # token-level mask inside tiles (granularity < 64)
-    (Layout("zigzag", 2), 0, 1),           # half empty, half full
+@pytest.mark.parametrize("layout,rank,owner,rows", [
+    (Layout("striped", 2, 64), 1, 0, 128),      # block-causal inclusive (owner < rank)
+    (Layout("striped", 2, 64), 0, 1, 128),      # block-causal strict (owner > rank)
+    (Layout("striped", 2, 16), 1, 1, 128),      # token-level mask inside tiles (granularity < 64)
+    (Layout("zigzag", 2), 0, 1, 128),           # half empty, half full
+    (Layout("striped", 2, 64), 1, 0, 64),       # 64-row tiles
+    (Layout("zigzag", 2), 1, 1, 64),
 ])
-def test_dense_step_kernel_matches_reference(layout, rank, owner):
+def test_dense_step_kernel_matches_reference(layout, rank, owner, rows):
     gen = torch.Generator().manual_seed(rank * 7 + owner)
     seq, hq, hkv, d = 512, 4, 2, 64
     s = seq // layout.cp_size
     q, k, v, dout = _inputs(1, s, hq, hkv, d, torch.float32, gen)
-    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5)
+    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5, row_block=rows)
     assert dense_step_supported(q)
     qp, kp = kern.q_pos, kern.k_pos(owner)
     o_r, l_r = reference.attention_forward(q.double(), k.double(), v.double(), qp, kp, d ** -0.5)
@@ -207,7 +209,7 @@ def test_dense_step_kernel_matches_reference(layout, rank, owner):
 
 def test_dense_plan_skips_invisible_and_future_blocks():
     lay = Layout("zigzag", 2)
-    kern = DenseGpuStepKernel(lay, 0, 512, 0.125)
+    kern = DenseGpuStepKernel(lay, 0, 512, 0.125, row_block=64)
     plan = kern.plan(1)
     # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2: the first query half sees nothing
     assert plan is not None and plan.block_count[0, 0, :2].sum() == 0 and plan.block_count[0, 0, 2:].min() == 4

@@ -46,6 +46,8 @@ class SparsePlan:
     mask_mode: int                       # 0 none, 1 local causal, 2 positions
     q_pos: Optional[torch.Tensor] = None  # [sq] int32 (mode 2)
     k_pos: Optional[torch.Tensor] = None  # [sk] int32 (mode 2)
+    row_block: int = BLOCK                # query rows per tile of the forward / dQ kernels (64 or 128)
+    kv_plan: Optional["SparsePlan"] = None  # plan with 64-row tiles for the dK/dV kernel (if row_block != 64)
     _kv: dict = field(default_factory=dict, repr=False)
     _col: dict = field(default_factory=dict, repr=False)
 
@@ -76,17 +78,22 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
                       1 if causal else 0)
 
 
-def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) -> Optional[SparsePlan]:
+def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
+               ) -> Optional[SparsePlan]:
     """Plan of dense attention between two shards given the global positions of their tokens.
 
-    Key block ``kb`` is listed for query tile ``qb`` iff some key of it is visible to some query of
-    the tile (``min k_pos <= max q_pos``); it needs a mask iff ``max k_pos > min q_pos``. Positions
-    must be ascending. Returns ``None`` when no key is visible to any query. Lists are shared by
-    every batch entry and head (size-1 dims)."""
+    Key block ``kb`` (64 keys) is listed for a query tile (``row_block`` rows) iff some key of it is
+    visible to some query of the tile (``min k_pos <= max q_pos``); it needs a mask iff
+    ``max k_pos > min q_pos``. Positions must be ascending. Returns ``None`` when no key is visible
+    to any query. Lists are shared by every batch entry and head (size-1 dims). With
+    ``row_block=128`` the forward/dQ kernels run 128-row tiles (8 warps) and the dK/dV kernel uses
+    the 64-row plan in ``kv_plan``."""
     sq, sk = q_pos.numel(), k_pos.numel()
-    nqb, nkb = sq // BLOCK, sk // BLOCK
+    if sq % row_block:
+        row_block = BLOCK
+    nqb, nkb = sq // row_block, sk // BLOCK
     dev = q_pos.device
-    qp = q_pos.view(nqb, BLOCK)
+    qp = q_pos.view(nqb, row_block)
     kp = k_pos.view(nkb, BLOCK)
     if causal:
         qmin, qmax = qp.min(1).values, qp.max(1).values
@@ -104,8 +111,12 @@ def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) ->
     index = torch.arange(nkb, device=dev, dtype=torch.int32)[None, :max_nb].expand(nqb, max_nb).contiguous()
     split = (unmasked & visible).sum(1).to(torch.int32)
     mode = 2 if causal and bool((split < count).any()) else 0
-    return SparsePlan(count[None, None], split[None, None], index[None, None], None, None, mode,
-                      _i32(q_pos).contiguous(), _i32(k_pos).contiguous())
+    plan = SparsePlan(count[None, None], split[None, None], index[None, None], None, None, mode,
+                      _i32(q_pos).contiguous(), _i32(k_pos).contiguous(), row_block=row_block)
+    if row_block != BLOCK:
+        plan.kv_plan = dense_plan(q_pos, k_pos, causal, BLOCK)
+        plan.kv_plan.mask_mode = plan.mask_mode
+    return plan
 
 
 # ----------------------------------------------------------------------------- backward plans
@@ -247,7 +258,12 @@ class KernelConfig:
     col_warps: int = 8
     col_stages: int = 2
     dq_atomic_fast: bool = False   # fast mode: dQ of blocks by atomics in the dK/dV kernel
-    col_atomic_fast: bool = True   # fast mode: columns' dK/dV by atomics in the dQ kernel
+    col_atomic_fast: bool = False  # fast mode: columns' dK/dV by atomics in the dQ kernel (slower on
+                                   # the H200 at 128K/512K: contention on the shared column rows)
+    fwd128_warps: int = 8          # 128-row tiles (dense plans)
+    fwd128_stages: int = 2
+    dq128_warps: int = 8
+    dq128_stages: int = 2
 
 
 CONFIG = KernelConfig()
@@ -262,7 +278,8 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
     K = _kernels()
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    nqb = sq // BLOCK
+    bm = plan.row_block
+    nqb = sq // bm
     if q.numel() >= 2 ** 31 or k.numel() >= 2 ** 31:
         raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
     out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
@@ -280,8 +297,9 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         *istr,
         hq, nqb, hq // hkv,
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, FP32=q.dtype == torch.float32,
-        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+        num_warps=cfg.fwd_warps if bm == BLOCK else cfg.fwd128_warps,
+        num_stages=cfg.fwd_stages if bm == BLOCK else cfg.fwd128_stages,
     )
     return out, lse
 
@@ -328,7 +346,10 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         dq.zero_()
 
     # 1) dK/dV of the blocks, column-parallel over key blocks (stores every row of dk/dv)
-    offsets, entries, B_, G_ = _kv_csr(plan, nkb, hq, hkv)
+    kv_src = plan.kv_plan if plan.kv_plan is not None else plan
+    if dq_atomic and kv_src is not plan:
+        raise ValueError("dq_atomic_fast needs a plan with 64-row tiles")
+    offsets, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
     qp = plan.q_pos if plan.q_pos is not None else offsets
     kp = plan.k_pos if plan.k_pos is not None else offsets
     K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
@@ -336,23 +357,26 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         scale_log2, softmax_scale, *common,
         (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0,
         hkv, nqb, rep,
-        MASK_MODE=plan.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32,
+        MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32,
         HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )
 
     # 2) dQ (row-parallel); fast mode also adds the columns' dK/dV with atomics
-    tensors, istr = _idx_args(plan, b, hq, nqb)
+    bm = plan.row_block
+    nqt = sq // bm
+    tensors, istr = _idx_args(plan, b, hq, nqt)
     col_atomic = (not deterministic) and plan.has_columns and cfg.col_atomic_fast
     if (not dq_atomic) or plan.has_columns:
-        K._sparse_bwd_dq_kernel[(nqb * hq, b)](
+        K._sparse_bwd_dq_kernel[(nqt * hq, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
-            hq, nqb, rep,
+            hq, nqt, rep,
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
             COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
-            HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+            num_warps=cfg.dq_warps if bm == BLOCK else cfg.dq128_warps,
+            num_stages=cfg.dq_stages if bm == BLOCK else cfg.dq128_stages,
         )
 
     # 3) deterministic columns: per-head partials, fixed-order reduction
