@@ -29,6 +29,20 @@ def test_hierarchical_matches_fp64_and_flat_ring(inner, outer, tp):
     assert r["vs_flat"] <= 1e-5, r
 
 
+@pytest.mark.parametrize("inner,outer", [(2, 2), (2, 4)])
+def test_hierarchical_sparse_matches_flat_sparse_and_fp64_masked(inner, outer):
+    """Vertical-slash pattern (recall 0.9) through the hierarchical ring: equals the flat sparse ring
+    and fp64 attention masked with the same estimated pattern; the pattern is a strict subset."""
+    r = _result("tests/workers/ring_check.py",
+                ["--hier", inner, outer, "--sparse", "--granularity", 64, "--kv-heads", 2, "--seq", 1024],
+                nproc=inner * outer)
+    assert r["finite"], r
+    assert r["density"] < 0.99, r
+    for key in ("out", "dq", "dk", "dv"):
+        assert r[key] <= 1e-5, (key, r)
+    assert r["vs_flat"] <= 1e-5, r
+
+
 def test_outer_transfer_is_hidden_behind_inner_ring():
     """With a slow outer link (delay D per transfer) the forward time tracks max(inner work, D)
     per outer step, not their sum; the flat ring over the same slow links pays D on every step."""

@@ -70,7 +70,8 @@ class SparseStepKernel:
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
-                          return_pattern: bool = False, kernel_factory: Optional[Callable] = None):
+                          return_pattern: bool = False, kernel_factory: Optional[Callable] = None,
+                          hierarchical_groups: Optional[tuple] = None):
     """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
 
     Args:
@@ -85,6 +86,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         return_pattern: also return the estimated global :class:`VerticalSlashPattern`.
         kernel_factory: ``(steps, softmax_scale) -> step kernel``; default :class:`SparseStepKernel`
             with the torch reference (e.g. pass ``megatron_mtraining.ops.triton.make_sparse_step_kernel``).
+        hierarchical_groups: ``(inner_group, outer_group)`` (Megatron's hierarchical CP groups, whose
+            numbering gives this rank's index in ``group``): run the two-level ring of
+            :mod:`megatron_mtraining.ring.hierarchical` instead of the flat ring. The pattern is still
+            estimated over ``group``.
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
@@ -119,5 +124,15 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                                                             config=config, softmax_scale=scale)
     steps = convert_pattern(pattern, layout, group_rank(group))
     kernel = (kernel_factory or SparseStepKernel)(steps, scale)
-    out = RingAttentionFunc.apply(q, k, v, kernel, group)
+    if hierarchical_groups is None:
+        out = RingAttentionFunc.apply(q, k, v, kernel, group)
+    else:
+        from .hierarchical import hierarchical_ring_attention
+
+        inner, outer = hierarchical_groups
+        if group_rank(outer) * group_size(inner) + group_rank(inner) != group_rank(group):
+            raise ValueError("hierarchical_groups must number ranks as outer_rank * inner_size + inner_rank "
+                             "of the CP group (Megatron's --hierarchical-context-parallel-sizes order)")
+        out = hierarchical_ring_attention(q, k, v, layout=layout, inner_group=inner, outer_group=outer,
+                                          softmax_scale=scale, kernel=kernel)
     return (out, pattern) if return_pattern else out

@@ -29,6 +29,15 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
 
 
+def masked_attention(q, k, v, mask, scale):
+    """fp64 attention with an explicit boolean mask [b, h, s, s] (True = attend)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
 
@@ -49,6 +58,8 @@ def main():
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--hier", type=int, nargs=2, default=None, metavar=("INNER", "OUTER"),
                     help="hierarchical ring over Megatron's hierarchical CP groups (also compared with the flat ring)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="with --hier: the vertical-slash sparse ring (recall 0.9), flat vs hierarchical vs fp64 masked")
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
     args = ap.parse_args()
@@ -108,6 +119,10 @@ def check(args, group):
     q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    if getattr(args, "sparse", False):          # sink / local / previous-token heads: a strictly sparse pattern
+        from tests.workers.vs_data import make_qkv
+
+        q, k, v = make_qkv(b, s, h, hkv, d, seed=1234)
     dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
     scale = d ** -0.5
 
@@ -122,7 +137,23 @@ def check(args, group):
         ql, kl, vl = (t[:, :-layout.granularity].detach().requires_grad_(True) for t in (ql, kl, vl))
     flat = None
     try:
-        if args.hier_groups:
+        if args.hier_groups and args.sparse:
+            from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+            from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+            cfg = VerticalSlashConfig(recall=0.9, local_blocks=1)
+            flat, pattern = sparse_ring_attention(ql, kl, vl, layout=ring_layout, group=group, config=cfg,
+                                                  softmax_scale=scale, return_pattern=True)
+            flat_grads = torch.autograd.grad(flat, (ql, kl, vl), dl.detach())
+            out = sparse_ring_attention(ql, kl, vl, layout=ring_layout, group=group, config=cfg, softmax_scale=scale,
+                                        hierarchical_groups=args.hier_groups)
+            # the reference becomes fp64 attention masked with the same (global) pattern
+            qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (qr, kr, vr))
+            mask = pattern.dense_mask()
+            ref = masked_attention(qr, kr, vr, mask, scale)
+            ref.backward(dout)
+            args.density = (mask.sum() / (mask.shape[0] * mask.shape[1] * s * (s + 1) / 2)).item()
+        elif args.hier_groups:
             from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 
             flat = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
@@ -154,6 +185,7 @@ def check(args, group):
     if dist.get_rank() == 0:
         worst = {key: max(r[key] for r in allres) for key in ("out", "dq", "dk", "dv")}
         worst["finite"] = all(r["finite"] for r in allres)
+        worst["density"] = getattr(args, "density", 1.0)
         if allres[0]["vs_flat"] is not None:
             worst["vs_flat"] = max(r["vs_flat"] for r in allres)
         worst["config"] = {k: getattr(args, k) for k in ("layout", "granularity", "seq", "batch", "heads",
