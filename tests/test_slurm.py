@@ -14,7 +14,8 @@ Each job must finish COMPLETED with exit code 0 and its log must show Megatron i
 (`` iteration        1/``) and a saved checkpoint. Skipped, with the reason, only when a Slurm
 cluster cannot be started here: not root, or slurm-wlm/munge missing and not installable (no
 apt-get / no access to the Debian archive). ``MTRAINING_SKIP_SLURM=1`` skips on purpose.
-Runtime on the 2-core CI machine: about 1.5-2 minutes (+ ~30 s for apt-get the first time).
+Both jobs are submitted together and run side by side (4 CPUs per emulated node, ``--oversubscribe``).
+Runtime on the 2-core machine, busy: about 1.5 minutes (+ ~20 s for apt-get the first time).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def slurm(tmp_path_factory):
     if inst.returncode != 0:
         pytest.skip("could not install slurm-wlm/munge: " + (inst.stderr.strip().splitlines() or ["?"])[-1])
     d = tmp_path_factory.mktemp("slurm")
-    env = dict(os.environ, SLURM_NODES="2")
+    env = dict(os.environ, SLURM_NODES="2", SLURM_CPUS="4")
     start = subprocess.run(["bash", str(LOCAL_SLURM), "start", str(d)], capture_output=True, text=True,
                            timeout=180, env=env)
     try:
@@ -97,11 +98,15 @@ def dataset(tmp_path_factory):
     return build(tmp_path_factory.mktemp("data"))
 
 
-def _submit_and_wait(env, sbatch_args, script, job_env, out_dir: Path, timeout=240) -> tuple[str, str]:
+def _submit(env, sbatch_args, script, job_env, out_dir: Path) -> str:
     cmd = ["sbatch", "--parsable", f"--output={out_dir}/%x-%j.out", *sbatch_args, str(script)]
     sub = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**env, **job_env}, timeout=60)
     assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
-    jid = sub.stdout.strip().split(";")[0]
+    return sub.stdout.strip().split(";")[0]
+
+
+def _wait(env, jid: str, out_dir: Path, timeout: float = 240) -> str:
+    """Wait for the job to leave the queue; it must be COMPLETED with exit code 0. Returns its log."""
     t0 = time.monotonic()
     while True:
         q = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, env=env,
@@ -118,9 +123,9 @@ def _submit_and_wait(env, sbatch_args, script, job_env, out_dir: Path, timeout=2
     logs = list(out_dir.glob(f"*-{jid}.out"))
     assert len(logs) == 1, f"no job log for {jid} in {out_dir}"
     log = logs[0].read_text(errors="replace")
-    print(f"--- job {jid} ({time.monotonic() - t0:.0f} s) ---\n{log}")
+    print(f"--- job {jid} ---\n{log}")
     assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, f"{info}\n--- log ---\n{log[-4000:]}"
-    return jid, log
+    return log
 
 
 def _check_training_log(log: str, run_dir: Path, iters: int = 3) -> None:
@@ -138,24 +143,36 @@ def _job_env(dataset, run_dir: Path, **extra) -> dict:
             "RUN_DIR": str(run_dir), "PYTHON": sys.executable, "MTRAINING_REPO": str(ROOT), **extra}
 
 
+@pytest.fixture(scope="module")
+def jobs(slurm, dataset, tmp_path_factory):
+    """Submit both scripts at once (they run side by side: 4 CPUs per emulated node and
+    --oversubscribe overriding the scripts' --exclusive); each test waits for its job."""
+    single = tmp_path_factory.mktemp("single")
+    multi = tmp_path_factory.mktemp("multi")
+    j1 = _submit(slurm, ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--oversubscribe"],
+                 ROOT / "examples/slurm/train_single_node.sbatch",
+                 _job_env(dataset, single / "run", MTRAINING_CONFIG="configs/demo.yaml"), single)
+    j2 = _submit(slurm, ["--nodes=2", "--gpus-per-node=0", "--oversubscribe"],
+                 ROOT / "examples/slurm/train_multinode.sbatch",
+                 _job_env(dataset, multi / "run", MTRAINING_CPU_PROCS="2"), multi)
+    yield {"single": (j1, single), "multi": (j2, multi)}
+    subprocess.run(["scancel", j1, j2], env=slurm, capture_output=True, timeout=30)
+
+
 @pytest.mark.slow
-def test_single_node_sbatch_cpu_mode(slurm, dataset, tmp_path):
-    run_dir = tmp_path / "run"
-    jid, log = _submit_and_wait(
-        slurm, ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0"],
-        ROOT / "examples/slurm/train_single_node.sbatch",
-        _job_env(dataset, run_dir, MTRAINING_CONFIG="configs/demo.yaml"), tmp_path)
+def test_single_node_sbatch_cpu_mode(slurm, jobs):
+    jid, d = jobs["single"]
+    log = _wait(slurm, jid, d)
     assert "world 2 = TP 1 x CP 2 x DP 1" in log and "backend gloo" in log
     assert re.search(r"^[01]: ", log, flags=re.M), "srun -l task prefixes missing"
-    _check_training_log(log, run_dir)
+    _check_training_log(log, d / "run")
 
 
 @pytest.mark.slow
-def test_multinode_sbatch_cpu_mode_two_nodes(slurm, dataset, tmp_path):
-    run_dir = tmp_path / "run"
-    jid, log = _submit_and_wait(
-        slurm, ["--nodes=2", "--gpus-per-node=0"], ROOT / "examples/slurm/train_multinode.sbatch",
-        _job_env(dataset, run_dir, MTRAINING_CPU_PROCS="2"), tmp_path)
+def test_multinode_sbatch_cpu_mode_two_nodes(slurm, jobs):
+    jid, d = jobs["multi"]
+    log = _wait(slurm, jid, d)
+    run_dir = d / "run"
     assert "on 2 node(s)" in log and "world 4 = TP 1 x CP 4 x DP 1" in log
     # hierarchical sizes derived from the node layout: inner = 2 ranks per node, outer = 2 nodes
     assert ("hierarchical CP sizes would be 2 x 2" in log  # pretrain_gpt.py without the flag: flat ring

@@ -12,7 +12,7 @@
 # packages slurm-wlm (= slurmctld + slurmd + slurm-client) and munge. No systemd, no cgroups
 # (proctrack/linuxproc, task/none), no accounting database. Ports: SLURMCTLD_PORT/SLURMD_PORT if set,
 # else two free ports, so several clusters (e.g. concurrent test runs) can coexist on one host.
-# The node gets CPUs = SLURM_CPUS (default: nproc) and no GPUs (GRES) — a CPU test cluster.
+# The node gets CPUs = SLURM_CPUS (default: online CPUs, at least 2) and no GPUs (GRES) — a CPU test cluster.
 # SLURM_NODES=N (default 1) emulates N nodes on this host: N slurmd daemons (slurmd -N nodeK) named
 # node1..nodeN with NodeAddr 127.0.0.1 and their own ports, so multi-node sbatch scripts (srun one
 # task per node, SLURM_NODEID, SLURM_JOB_NODELIST) really run. Node names do not resolve as host
@@ -73,7 +73,10 @@ munged --key-file="$D/munge/munge.key" --socket="$D/run/munge.sock" --pid-file="
 H=$(hostname -s)
 CTLD_PORT=${SLURMCTLD_PORT:-$(free_port)}
 SLURMD_PORT=${SLURMD_PORT:-$(free_port)}
-CPUS=${SLURM_CPUS:-$(nproc)}
+# CPUs per node: at least 2 (the CPU-mode jobs run 2 ranks per node). Not `nproc`: it follows
+# OMP_NUM_THREADS. config_overrides makes slurmd trust this number instead of draining the node.
+CPUS=${SLURM_CPUS:-$(getconf _NPROCESSORS_ONLN)}
+[ "$CPUS" -ge 2 ] || CPUS=2
 NODES=${SLURM_NODES:-1}
 if [ "$NODES" -eq 1 ]; then
   NODE_LINES="NodeName=$H CPUs=$CPUS State=UNKNOWN"
@@ -110,6 +113,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 ReturnToService=2
+SlurmdParameters=config_overrides
 MpiDefault=none
 KillWait=5
 $NODE_LINES
