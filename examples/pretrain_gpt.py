@@ -92,8 +92,9 @@ def init_distributed(args) -> "torch.device":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    kw = {"device_id": device} if (use_cuda and backend == "nccl") else {}  # binds NCCL to this rank's GPU
     dist.init_process_group(backend=backend,
-                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes), **kw)
     return device
 
 
