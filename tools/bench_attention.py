@@ -273,21 +273,21 @@ def main():
                     emit(dict(impl="cudnn_dense", seq=s, d=d, error=repr(e)[:300]))
                 torch.cuda.empty_cache()
             if args.dense:
-                for rows in (64, 128):
+                for rb in (64, 128):
                     try:
                         pos = torch.arange(s, device=dev)
-                        plan = launch.dense_plan(pos, pos, True, row_block=rows)
+                        plan = launch.dense_plan(pos, pos, True, row_block=rb)
                         f1, f2 = ours_fns(q, k, v, dout, plan, scale, True)
                         t1, _ = bench(f1, args.budget)
                         t2, n2 = bench(f2, args.budget)
-                        emit(dict(impl=f"ours_dense{rows}", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2,
+                        emit(dict(impl=f"ours_dense{rb}", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2,
                                   tflops_fwd=tflops(4 * d * dense_pairs, t1),
                                   tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, t2), reps=n2,
                                   speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None))
                         del plan
                     except Exception as e:
                         traceback.print_exc()
-                        emit(dict(impl=f"ours_dense{rows}", seq=s, d=d, error=repr(e)[:300]))
+                        emit(dict(impl=f"ours_dense{rb}", seq=s, d=d, error=repr(e)[:300]))
                     torch.cuda.empty_cache()
             for sp in [float(x) for x in args.sparsity.split(",")]:
                 t0 = time.time()

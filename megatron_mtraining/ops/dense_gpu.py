@@ -6,7 +6,7 @@ with 64-token chunks this structure is block-causal (inclusive for ``owner < ran
 ``owner > rank``), for zigzag it is two causal/full/empty halves, for ``granularity < 64`` it is
 token-level inside every tile. cuDNN/flash SDPA only know the standard causal and full masks, so
 the step uses the sparse kernels of :mod:`megatron_mtraining.ops.triton` with a *dense* plan:
-each query tile (128 rows, or 64) lists every 64-key block that some of its queries can see; blocks wholly in
+each 64-row query tile lists every 64-key block that some of its queries can see; blocks wholly in
 the past run unmasked, blocks that straddle the boundary are masked by positions (mask mode 2),
 blocks wholly in the future are skipped. The backward uses the global ``lse``/``delta`` exactly
 like the torch reference (no atomics: bitwise deterministic).
@@ -53,12 +53,12 @@ class DenseGpuStepKernel:
         device: where the position tensors and plans live.
         deterministic: passed to the backward (the dense plan has no vertical columns, so both
             modes are deterministic).
-        row_block: query rows per tile of the forward and dQ kernels (128: 8 warps, measured faster
-            on the H200; 64 when the local length is not a multiple of 128).
+        row_block: query rows per tile of the forward and dQ kernels: 64 (default, 4 warps) or 128
+            (8 warps; measured 5-20 % slower on the H200 with Triton 3.6, see docs/benchmarks.md).
     """
 
     def __init__(self, layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None,
-                 deterministic: bool = True, row_block: int = 128):
+                 deterministic: bool = True, row_block: int = 64):
         self.layout, self.rank, self.seq_len = layout, rank, seq_len
         self.row_block = row_block
         self.softmax_scale, self.causal, self.deterministic = softmax_scale, causal, deterministic
