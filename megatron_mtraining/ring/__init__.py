@@ -183,6 +183,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         check_inputs: before the first exchange, all ranks compare shapes, dtypes and layout
             with one small all_gather and raise the same error on a mismatch (instead of hanging).
 
+    Per-step kernel: on CUDA with a local length that is a multiple of 64, the Triton kernels of
+    :mod:`megatron_mtraining.ops.dense_gpu` (position-masked 64x64 tiles); otherwise the torch
+    reference :class:`DenseStepKernel` (the CPU path and the oracle).
+
     Returns:
         ``[b, s_local, hq, d]`` in the dtype of ``q``.
 
@@ -209,5 +213,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
             layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity, causal=bool(causal))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    kernel = DenseStepKernel(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
+    from ..ops.dense_gpu import make_dense_step_kernel    # Triton on CUDA, torch reference otherwise
+
+    kernel = make_dense_step_kernel(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
     return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group))

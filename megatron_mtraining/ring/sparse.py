@@ -84,8 +84,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         softmax_scale: defaults to ``1/sqrt(d)``.
         check_inputs: compare shapes/dtypes/layout/config across ranks first (one small all_gather).
         return_pattern: also return the estimated global :class:`VerticalSlashPattern`.
-        kernel_factory: ``(steps, softmax_scale) -> step kernel``; default :class:`SparseStepKernel`
-            with the torch reference (e.g. pass ``megatron_mtraining.ops.triton.make_sparse_step_kernel``).
+        kernel_factory: ``(steps, softmax_scale) -> step kernel``; default: on CUDA
+            ``megatron_mtraining.ops.triton.make_sparse_step_kernel`` (Triton), else
+            :class:`SparseStepKernel` with the torch reference.
         hierarchical_groups: ``(inner_group, outer_group)`` (Megatron's hierarchical CP groups, whose
             numbering gives this rank's index in ``group``): run the two-level ring of
             :mod:`megatron_mtraining.ring.hierarchical` instead of the flat ring. The pattern is still
@@ -123,6 +124,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale)
     steps = convert_pattern(pattern, layout, group_rank(group))
+    if kernel_factory is None and q.is_cuda:
+        from ..ops.triton import make_sparse_step_kernel as kernel_factory   # Triton kernels on the GPU
     kernel = (kernel_factory or SparseStepKernel)(steps, scale)
     if hierarchical_groups is None:
         out = RingAttentionFunc.apply(q, k, v, kernel, group)
