@@ -316,6 +316,19 @@ def test_negative_control_zigzag_rope_with_striped_split_mismatches(ref):
 
 @needs_ring
 @pytest.mark.slow
+def test_learned_absolute_positions_cp2_matches_cp1(ref):
+    """Without RoPE the positions come from the sharded ``position_ids`` of the batch."""
+    tmp, _, _ = ref
+    weights = tmp / "weights_abs.pt"
+    args = ("--position-embedding-type", "learned_absolute")
+    want = _run_worker(tmp, "abs_ref", 1, "--attn", "local", "--save-weights", weights, *args)
+    got = _run_worker(tmp, "abs_cp2", 2, "--ref-weights", weights, *args)
+    dev, ok = _compare(got, want)
+    assert all(ok.values()), dev
+
+
+@needs_ring
+@pytest.mark.slow
 def test_uneven_loss_mask_cp2_matches_cp1(ref):
     """~90% of CP rank 1's tokens are loss-masked: the exact global token mean must still hold."""
     tmp, weights, _ = ref

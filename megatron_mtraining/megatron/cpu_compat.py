@@ -2,7 +2,7 @@
 
 megatron-core hard-codes CUDA in a handful of places that the training path of
 ``examples/pretrain_gpt.py`` (GPTModel + DistributedDataParallel + get_megatron_optimizer +
-clip-grad + OptimizerParamScheduler) runs through. Everything that a ``TransformerConfig`` flag
+clip-grad + OptimizerParamScheduler + dist_checkpointing save/load) runs through. Everything that a ``TransformerConfig`` flag
 can switch off is switched off by the caller instead (``use_cpu_initialization=True``, all
 fusions False; see :func:`cpu_transformer_config_kwargs`). What remains is patched here, one
 function per CUDA assumption, and only when ``torch.cuda.is_available()`` is False.
@@ -14,13 +14,20 @@ a context in which
   ``torch.cuda.current_device()``) allocate on the CPU instead,
 * ``Tensor.cuda()`` returns the tensor unchanged and ``pin_memory=True`` is dropped,
 * ``Tensor.type()`` (no argument) reports CPU tensors as ``torch.cuda.*Tensor`` (megatron checks
-  dtypes through these type strings, e.g. ``'torch.cuda.FloatTensor'``).
+  dtypes through these type strings, e.g. ``'torch.cuda.FloatTensor'``),
+* ``torch.cuda.synchronize()`` is a no-op.
 
 So the wrapped function keeps its exact upstream logic; only its device requests change. The
 context is entered only around the wrapped functions, never globally.
 
+The patches (see :data:`_PATCHES`): ``RotaryEmbedding.get_emb``, ``GlobalMemoryBuffer.get_tensor``,
+``_ParamAndGradBuffer.__init__``, the optimizers' ``__init__`` (FP32 / mixed precision / float16,
+``ChainedOptimizer.get_loss_scale``), the grad scalers' ``__init__``, ``get_grad_norm_fp32`` /
+``clip_grad_by_total_norm_fp32`` / ``count_zeros_fp32``, ``dist_checkpointing.save`` / ``load``.
+:func:`patch_missing_psutil` is separate (not CUDA-related).
+
 Not patched (not on our path; avoid on CPU): sequence parallelism, CUDA graphs, the distributed
-optimizer's overlapped param gather, inference KV caches, yarn/mrope embeddings, and
+optimizer, overlapped grad reduce (CUDA streams), inference KV caches, yarn/mrope embeddings, and
 ``rope_utils.get_pos_emb_on_this_cp_rank`` (our :mod:`megatron_mtraining.megatron.rope` replaces
 the CP slicing of RoPE altogether).
 
@@ -213,12 +220,13 @@ def apply_cpu_patches(force: bool = False) -> list[str]:
     Returns:
         The names of the patches in effect (empty on a CUDA machine).
     """
-    if _APPLIED or (torch.cuda.is_available() and not force):
-        return list(_APPLIED)
-    for patch in _PATCHES:
+    names = [p.__name__.removeprefix("_patch_") for p in _PATCHES]
+    if all(n in _APPLIED for n in names) or (torch.cuda.is_available() and not force):
+        return [n for n in _APPLIED if n in names]
+    for patch, name in zip(_PATCHES, names):
         patch()
-        _APPLIED.append(patch.__name__.removeprefix("_patch_"))
-    return list(_APPLIED)
+        _APPLIED.append(name)
+    return names
 
 
 def patch_missing_psutil() -> bool:

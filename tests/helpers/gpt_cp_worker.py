@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--batch-layout", default=None, help="negative control: split the batch differently")
     ap.add_argument("--rope-layout", default=None, help="negative control: RoPE rows of another layout")
     ap.add_argument("--mask", choices=["full", "uneven"], default="full")
+    ap.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
     ap.add_argument("--ref-weights", default=None)
     ap.add_argument("--save-weights", default=None)
     ap.add_argument("--out", required=True)
@@ -94,7 +95,8 @@ def main() -> None:
         )
     torch.manual_seed(1234)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                     max_sequence_length=SEQ, position_embedding_type="rope")
+                     max_sequence_length=SEQ,
+                     position_embedding_type=args.position_embedding_type)
     if args.ref_weights:
         model.load_state_dict(torch.load(args.ref_weights), strict=False)
     if args.save_weights and rank == 0:
