@@ -195,8 +195,12 @@ def build_model(args, config, vocab_size: int, device):
         from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
         from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
 
+        cfg = args.mtraining                     # validated MTrainingConfig (args.validate_args)
+        kwargs = cfg.attention_kwargs()
+        kwargs["hierarchical"] = cfg.hierarchical_sizes(args.context_parallel_size,
+                                                        args.hierarchical_context_parallel_sizes)
         spec = get_gpt_layer_spec_with_mtraining(
-            mtraining_config=MTrainingAttentionConfig(args.cp_layout, args.cp_granularity),
+            mtraining_config=MTrainingAttentionConfig(**kwargs),
             normalization=args.normalization,
         )
     else:
@@ -429,7 +433,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     patches = apply_cpu_patches()  # [] on CUDA
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 context_parallel_size=args.context_parallel_size)
+                                 context_parallel_size=args.context_parallel_size,
+                                 hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
     cpu_seed(args.seed)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
@@ -463,7 +468,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     log0(f" > world {args.world_size} = TP {args.tensor_model_parallel_size} x CP {args.context_parallel_size}"
          f" x DP {dp} | device {device.type} ({args.distributed_backend or dist.get_backend()})"
          f" | cp-attention {args.cp_attention} (layout {args.cp_layout}"
-         f"{', granularity ' + str(args.cp_granularity) if args.cp_layout == 'striped' else ''})")
+         f"{', granularity ' + str(args.cp_granularity) if args.cp_layout == 'striped' else ''}"
+         + (f", implementation {args.mtraining.implementation}, pattern {args.mtraining.pattern}"
+            + (f", hierarchical {args.hierarchical_context_parallel_sizes}"
+               if args.hierarchical_context_parallel_sizes else "") if args.mtraining else "") + ")")
     log0(f" > model: {n_params / 1e6:.2f}M parameters (vocab {tokenizer.vocab_size} padded to {vocab}), "
          f"dtype {config.params_dtype}, micro-batches per iteration {args.num_microbatches}, "
          f"train samples {len(train_ds)}, valid samples {len(valid_ds) if valid_ds is not None else 0}")

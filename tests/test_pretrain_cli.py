@@ -28,6 +28,7 @@ def tiny(tmp_path_factory):
 
 
 def _argv(prefix: str, tok: str, **over) -> list[str]:
+    over = {k: (v if not isinstance(v, str) or " " not in v else v.split()) for k, v in over.items()}
     opts = {
         "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--group-query-attention": None,
         "--num-query-groups": 2, "--seq-length": 256, "--position-embedding-type": "rope",
@@ -42,7 +43,7 @@ def _argv(prefix: str, tok: str, **over) -> list[str]:
     for k, v in opts.items():
         if v is False:
             continue
-        argv += [k] if v is None else [k, str(v)]
+        argv += [k] if v is None else [k, *map(str, v)] if isinstance(v, list) else [k, str(v)]
     return argv
 
 
@@ -94,6 +95,11 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--bf16": None, "--fp16": None}, 1, "mutually exclusive"),
     ({"--split": "a,b"}, 1, "--split"),
     ({"--seq-length": 256, "--context-parallel-size": 4, "--cp-granularity": 128}, 4, "cp_size*granularity"),
+    ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "2 1"}, 4, "INNER*OUTER"),
+    ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "2 2",
+      "--mtraining-config": "configs/demo.yaml"}, 4, "flat ring"),
+    ({"--mtraining-config": "configs/no_such.yaml"}, 1, "no_such.yaml"),
+    ({"--mtraining-config": "configs/demo_sparse.yaml", "--seq-length": 32}, 1, "'granularity'"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
     with pytest.raises(ArgumentValidationError) as e:
@@ -153,3 +159,40 @@ def test_cp2_training_matches_cp1_and_checkpoint_resumes_at_cp1(tiny, tmp_path):
     assert [x["iteration"] for x in c] == [3]
     assert c[0]["lm_loss"] == pytest.approx(a[2]["lm_loss"], rel=1e-5)
     assert c[0]["grad_norm"] == pytest.approx(a[2]["grad_norm"], rel=1e-5)
+
+
+def _train(tiny, tmp_path, name, nproc, **over):
+    m = tmp_path / f"{name}.jsonl"
+    opts = {"--data-cache-path": tmp_path / "cache", "--metrics-file": m, **over}
+    if nproc == 1:
+        r = run_python(SCRIPT, _argv(*tiny, **opts), timeout=300)
+    else:
+        r = run_torchrun(SCRIPT, _argv(*tiny, **opts, **{"--context-parallel-size": nproc}), nproc=nproc, timeout=300)
+    assert r.returncode == 0, r.tail()
+    return _metrics(m), r.stdout
+
+
+@pytest.mark.slow
+def test_sparse_config_cp2_matches_cp1(tiny, tmp_path):
+    """``--mtraining-config configs/demo_sparse.yaml``: the vertical-slash pattern is estimated online
+    every forward; it is a property of the sequence, so CP=2 trains exactly like CP=1."""
+    cfg = {"--mtraining-config": "configs/demo_sparse.yaml"}
+    a, _ = _train(tiny, tmp_path, "sparse_cp1", 1, **cfg)
+    b, out = _train(tiny, tmp_path, "sparse_cp2", 2, **cfg)
+    assert "pattern vertical_slash" in out, out
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+
+
+@pytest.mark.slow
+def test_hierarchical_cp4_matches_cp1(tiny, tmp_path):
+    """``--hierarchical-context-parallel-sizes 2 2``: the two-level ring (Megatron's hierarchical CP
+    groups) trains exactly like CP=1."""
+    a, _ = _train(tiny, tmp_path, "h_cp1", 1)
+    b, out = _train(tiny, tmp_path, "h_cp4", 4, **{"--hierarchical-context-parallel-sizes": "2 2"})
+    assert "implementation hierarchical" in out, out
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)

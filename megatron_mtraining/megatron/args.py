@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-layout", choices=CP_LAYOUT_CHOICES, default=None,
                    help="sequence layout across CP ranks (default: striped for mtraining; te needs zigzag)")
     g.add_argument("--cp-granularity", type=int, default=64, help="striped chunk size in tokens")
+    g.add_argument("--mtraining-config", default=None, metavar="YAML",
+                   help="MTraining config (configs/*.yaml): implementation striped|zigzag|hierarchical, "
+                        "pattern dense|vertical_slash and its budgets, granularity; sets the CP layout")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
+                   metavar="SIZE", help="INNER OUTER: two-level ring (inner = intra-node CP ranks, outer = "
+                                        "nodes); Megatron's hierarchical CP groups")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -253,6 +259,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         if args.attention_dropout > 0:
             raise E(f"--attention-dropout {args.attention_dropout}: --cp-attention mtraining has no "
                     "attention dropout; use 0.0")
+    _apply_mtraining_config(args, cp, E)
     try:
         Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
     except ValueError as e:
@@ -293,6 +300,50 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.load is not None and not Path(args.load).exists():
         raise E(f"--load: checkpoint directory not found: {args.load}")
     return args
+
+
+def _apply_mtraining_config(args: argparse.Namespace, cp: int, E) -> None:
+    """Resolve ``--mtraining-config`` / ``--hierarchical-context-parallel-sizes`` into ``args.mtraining``
+    (a validated :class:`~megatron_mtraining.config.MTrainingConfig`) and the layout flags.
+
+    Without a config the run is the dense ring on ``--cp-layout``; hierarchical sizes alone select
+    the dense hierarchical ring. A config fixes the layout (an explicit, different ``--cp-layout``
+    is an error) and must agree with the hierarchical sizes; hierarchical sizes with a flat
+    config are an error (the run would silently use a flat ring).
+    """
+    from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
+
+    hcp = args.hierarchical_context_parallel_sizes
+    if hcp is not None and (len(hcp) != 2 or hcp[0] * hcp[1] != cp):
+        raise E(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}: need INNER OUTER with "
+                f"INNER*OUTER = --context-parallel-size {cp}")
+    if args.cp_attention != "mtraining":
+        if args.mtraining_config:
+            raise E("--mtraining-config needs --cp-attention mtraining")
+        args.mtraining = None
+        return
+    try:
+        if args.mtraining_config:
+            cfg = load_mtraining_config(args.mtraining_config)
+        else:
+            cfg = MTrainingConfig(implementation="hierarchical" if hcp else
+                                  ("zigzag" if args.cp_layout == "zigzag" else "striped"),
+                                  granularity=args.cp_granularity)
+        if hcp and cfg.implementation != "hierarchical":
+            raise ValueError(f"--hierarchical-context-parallel-sizes is given but {args.mtraining_config} has "
+                             f"implementation '{cfg.implementation}' (the run would use a flat ring); use a "
+                             "config with implementation: hierarchical or drop the flag")
+        cfg.check_run(cp_size=cp, seq_len=args.seq_length, megatron_hierarchical_sizes=hcp)
+        sizes = cfg.hierarchical_sizes(cp, hcp)
+    except (ValueError, OSError) as e:
+        raise E(str(e)) from None
+    if args.mtraining_config and args.cp_layout not in (None, cfg.layout_kind) and args.cp_layout != "striped":
+        raise E(f"--cp-layout {args.cp_layout} disagrees with {args.mtraining_config} "
+                f"(implementation '{cfg.implementation}' uses the {cfg.layout_kind} layout)")
+    args.cp_layout, args.cp_granularity = cfg.layout_kind, cfg.granularity
+    if sizes is not None:
+        args.hierarchical_context_parallel_sizes = list(sizes)
+    args.mtraining = cfg
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,

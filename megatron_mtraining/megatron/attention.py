@@ -39,19 +39,42 @@ class MTrainingAttentionConfig:
         layout: CP sequence layout kind, ``"striped"`` (default, MTraining) or ``"zigzag"``
             (Megatron/TE DualChunkSwap; useful as a baseline). ``"contiguous"`` is accepted too.
         granularity: striped chunk size in tokens (default 64); ignored by the other layouts.
+        pattern: ``"dense"`` (exact causal attention) or ``"vertical_slash"`` (MTraining's dynamic
+            sparse pattern, estimated online every forward; paper §3.2).
+        vertical_slash: the estimator's budgets (``VerticalSlashConfig``); default budgets when
+            ``None`` and the pattern is sparse.
+        hierarchical: ``(inner, outer)`` ring sizes for the two-level ring (paper §4.2) over
+            Megatron's hierarchical CP groups (``--hierarchical-context-parallel-sizes``), or
+            ``None`` for the flat ring.
+        deterministic: GPU sparse backward without atomics (bitwise repeatable).
 
     Raises:
-        ValueError: unknown layout kind or ``granularity < 1``.
+        ValueError: unknown layout kind or pattern, ``granularity < 1``, bad hierarchical sizes.
     """
 
     layout: str = "striped"
     granularity: int = 64
+    pattern: str = "dense"
+    vertical_slash: Optional[Any] = None
+    hierarchical: Optional[tuple] = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUT_KINDS:
             raise ValueError(f"MTrainingAttentionConfig.layout must be one of {LAYOUT_KINDS}, got {self.layout!r}")
         if int(self.granularity) < 1:
             raise ValueError(f"MTrainingAttentionConfig.granularity must be >= 1, got {self.granularity}")
+        if self.pattern not in ("dense", "vertical_slash"):
+            raise ValueError(f"MTrainingAttentionConfig.pattern must be 'dense' or 'vertical_slash', got {self.pattern!r}")
+        if self.hierarchical is not None:
+            if len(self.hierarchical) != 2 or min(int(x) for x in self.hierarchical) < 2:
+                raise ValueError("MTrainingAttentionConfig.hierarchical must be (inner, outer) with both >= 2, "
+                                 f"got {self.hierarchical!r}")
+            object.__setattr__(self, "hierarchical", tuple(int(x) for x in self.hierarchical))
+        if self.pattern == "vertical_slash" and self.vertical_slash is None:
+            from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+
+            object.__setattr__(self, "vertical_slash", VerticalSlashConfig())
 
     def make_layout(self, cp_size: int) -> Layout:
         """The :class:`Layout` for a CP group of ``cp_size`` ranks."""
@@ -65,6 +88,29 @@ def get_cp_group(pg_collection: Any = None) -> Optional[dist.ProcessGroup]:
     if group is None and dist.is_available() and dist.is_initialized():
         group = parallel_state.get_context_parallel_group(check_initialized=False)
     return group
+
+
+def get_hierarchical_groups(pg_collection: Any, sizes: tuple, cp_size: int) -> tuple:
+    """``(inner, outer)`` process groups: ``pg_collection.hcp`` (Megatron's hierarchical CP groups,
+    level 0 = inner, level 1 = outer), else ``parallel_state``'s.
+
+    Raises:
+        ValueError: the groups are missing (Megatron was initialised without
+            ``hierarchical_context_parallel_sizes``) or their sizes differ from ``sizes`` — a run
+            that would silently fall back to a flat ring is an error.
+    """
+    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+    if not groups:
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if not groups or len(groups) != 2:
+        raise ValueError(f"hierarchical ring {sizes[0]}x{sizes[1]} needs Megatron's hierarchical CP groups: "
+                         "initialize_model_parallel(..., hierarchical_context_parallel_sizes=[inner, outer]) "
+                         "(--hierarchical-context-parallel-sizes INNER OUTER)")
+    got = (_group_size(groups[0]), _group_size(groups[1]))
+    if got != tuple(sizes) or got[0] * got[1] != cp_size:
+        raise ValueError(f"hierarchical ring sizes {tuple(sizes)} but Megatron's hierarchical CP groups have "
+                         f"inner={got[0]}, outer={got[1]} (context-parallel size {cp_size})")
+    return groups[0], groups[1]
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -134,6 +180,10 @@ class MTrainingAttention(MegatronModule):
                 f"{config.context_parallel_size}"
             )
         self.layout = self.mtraining_config.make_layout(self.cp_size)
+        self.hierarchical_groups = None
+        if self.mtraining_config.hierarchical is not None:
+            self.hierarchical_groups = get_hierarchical_groups(pg_collection, self.mtraining_config.hierarchical,
+                                                               self.cp_size)
 
     @staticmethod
     def _check_mask_type(mask_type: Any, what: str) -> None:
@@ -202,7 +252,28 @@ class MTrainingAttention(MegatronModule):
         q = query.transpose(0, 1).contiguous()  # [b, s_local, np, hn]
         k = key.transpose(0, 1).contiguous()  # [b, s_local, ng, hn]
         v = value.transpose(0, 1).contiguous()
-        out = ring.ring_attention(
-            q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True
-        )  # [b, s_local, np, hn]
+        cfg = self.mtraining_config
+        if cfg.pattern == "vertical_slash":
+            from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+            factory = None
+            if q.is_cuda:
+                from functools import partial
+
+                from megatron_mtraining.ops.triton import make_sparse_step_kernel
+
+                factory = partial(make_sparse_step_kernel, deterministic=cfg.deterministic)
+            out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=cfg.vertical_slash,
+                                        softmax_scale=scale, kernel_factory=factory,
+                                        hierarchical_groups=self.hierarchical_groups)
+        elif self.hierarchical_groups is not None:
+            from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+
+            inner, outer = self.hierarchical_groups
+            out = hierarchical_ring_attention(q, k, v, layout=self.layout, inner_group=inner, outer_group=outer,
+                                              softmax_scale=scale, causal=True)
+        else:
+            out = ring.ring_attention(
+                q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True
+            )  # [b, s_local, np, hn]
         return out.transpose(0, 1).reshape(sq, b, np_ * hn)
