@@ -44,7 +44,13 @@ export TOKENIZER_MODEL="$DATA_DIR/tokenizer/mistral_v1.model"
 # The final checkpoint (megatron.core dist_checkpointing: model + optimizer + LR schedule +
 # iteration) goes to checkpoints/demo.
 #   DEMO_TRAIN_ITERS  iterations (default 30)      DEMO_CKPT  checkpoint directory (default checkpoints/demo)
+#   DEMO_CONFIG       an MTraining config, e.g. configs/demo_sparse.yaml (online vertical-slash sparsity);
+#                     default: none (the exact dense striped ring)
 TRAIN_ITERS="${DEMO_TRAIN_ITERS:-30}"
+CONFIG_ARGS=()
+if [ -n "${DEMO_CONFIG:-}" ]; then
+    CONFIG_ARGS=(--mtraining-config "$DEMO_CONFIG")
+fi
 CKPT_DIR="${DEMO_CKPT:-$REPO_ROOT/checkpoints/demo}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # 2 ranks on 2 cores
 # glibc malloc: keep freed large blocks instead of unmapping them after every op (the attention
@@ -72,5 +78,5 @@ start=$(date +%s)
     --data-path "$DATA_PREFIX" --split 90,10,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
     --log-interval 1 --eval-interval "$TRAIN_ITERS" --eval-iters 1 \
-    --save "$CKPT_DIR"
+    --save "$CKPT_DIR" "${CONFIG_ARGS[@]}"
 echo "== train: done in $(( $(date +%s) - start )) s; checkpoint: $CKPT_DIR/iter_$(printf %07d "$TRAIN_ITERS")"
