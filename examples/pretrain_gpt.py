@@ -508,7 +508,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         acc_loss, acc_n, acc_time, acc_iters = acc_loss + loss, acc_n + 1, acc_time + dt, acc_iters + 1
         if metrics_f:
             metrics_f.write(json.dumps({"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm,
-                                        "lr": lr, "tokens": int(n_tok.item()), "time_s": dt}) + "\n")
+                                        "lr": lr, "tokens": int(n_tok.item()), "time_s": dt,
+                                        "model_flops": flops_iter,
+                                        "max_memory_allocated": (torch.cuda.max_memory_allocated(device)
+                                                                 if device.type == "cuda" else None)}) + "\n")
             metrics_f.flush()
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             t_it = acc_time / acc_iters

@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""Single-GPU end-to-end benchmark: dense (SDPA/cuDNN) vs MTraining sparse attention in
+``examples/pretrain_gpt.py`` (MTraining issue "Balanced sparse ring", part 3).
+
+For every sequence length: two training runs of a Qwen2.5-3B-shaped model (hidden 2048, 16 heads,
+2 query groups, ffn 11008, SwiGLU, RMSNorm, RoPE base 1e6, untied; ``--num-layers`` layers, no
+recompute), CP=1, bf16, on the real corpus:
+
+* ``dense``: ``--cp-attention mtraining`` without a config: ``ring_attention``'s CP=1 fast path,
+  i.e. ``torch.nn.functional.scaled_dot_product_attention`` (cuDNN/flash);
+* ``mtraining``: ``--mtraining-config`` (default ``configs/e2e_sparse.yaml``): online
+  vertical-slash estimation + the Triton sparse kernels.
+
+Per run: median of the last ``--median-of`` iteration times (``--metrics-file`` JSON lines) ->
+tokens/s, TFLOP/s (model FLOPs of the *dense* model, the same number for both runs, so the ratio is
+the speedup), peak ``torch.cuda.max_memory_allocated``.
+
+Then, in this process, the Amdahl bound: one layer's attention fwd+bwd at the same shape,
+dense (SDPA) and sparse (``sparse_ring_attention``, group=None, same config), on structured
+synthetic q/k (a rotary local half + a content "vertical" half; see :func:`structured_qkv`):
+``f = layers * t_attn_dense / t_step_dense``, ``s = t_attn_dense / t_attn_sparse``,
+``bound = 1 / ((1 - f) + f / s)``, and achieved ``t_step_dense / t_step_sparse`` / bound.
+The sparsity reported is the fraction of causal (query, key) pairs the estimated pattern keeps on
+those synthetic q/k (a documented estimate, not the model's own pattern).
+
+    python3 tools/bench_e2e.py --seqs 65536,131072 --num-layers 4 --json e2e.json
+    python3 tools/bench_e2e.py --dry-run            # print the commands, run nothing
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODEL_FLAGS = [
+    "--hidden-size", "2048", "--ffn-hidden-size", "11008", "--swiglu",
+    "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2",
+    "--position-embedding-type", "rope", "--rotary-base", "1000000", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+]
+
+
+def build_cmd(args, seq: int, layers: int, mode: str, metrics: str) -> list[str]:
+    cmd = [sys.executable, os.path.join(REPO, "examples", "pretrain_gpt.py"),
+           "--num-layers", str(layers), *MODEL_FLAGS,
+           "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+           "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+           "--cp-attention", "mtraining",
+           "--micro-batch-size", "1", "--global-batch-size", "1",
+           "--train-iters", str(args.iters), "--lr", "1e-5", "--optimizer", "adam", "--bf16",
+           "--data-path", args.data_path, "--split", "100,0,0",
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", args.tokenizer_model,
+           "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
+           "--metrics-file", metrics]
+    if mode == "mtraining":
+        cmd += ["--mtraining-config", args.config]
+    return cmd
+
+
+def read_metrics(path: str, median_of: int) -> dict:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    if not rows:
+        raise RuntimeError(f"{path}: no iterations")
+    last = rows[-median_of:]
+    t = statistics.median(r["time_s"] for r in last)
+    mem = max((r.get("max_memory_allocated") or 0) for r in rows)
+    return {"iters": len(rows), "step_s": t, "all_step_s": [r["time_s"] for r in rows],
+            "tokens": last[-1]["tokens"], "model_flops": last[-1].get("model_flops"),
+            "peak_mem_gib": mem / 2 ** 30 if mem else None, "lm_loss": last[-1]["lm_loss"]}
+
+
+# ------------------------------------------------------------------ attention microbenchmark
+def structured_qkv(s: int, hq: int, hkv: int, d: int, device, seed: int = 0, n_vertical: int = 256):
+    """q, k, v ``[1, s, h, d]`` bf16 with vertical-slash structure: the first d/2 dims carry a
+    shared vector under RoPE (base 1e4) -> attention concentrated near the diagonal; the last d/2
+    carry a content direction that a few keys (the first 64 tokens and ``n_vertical`` random
+    positions per KV head) match strongly -> vertical columns."""
+    import torch
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    half = d // 2
+    pos = torch.arange(s, dtype=torch.float64)
+    inv = 1.0 / (1e4 ** (torch.arange(0, half, 2, dtype=torch.float64) / half))
+    ang = pos[:, None] * inv[None]                              # [s, half/2]
+    cos, sin = ang.cos().float(), ang.sin().float()
+
+    def rope(x):                                                # x [s, h, half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, sn = cos[:, None], sin[:, None]
+        return torch.stack((x1 * c - x2 * sn, x1 * sn + x2 * c), -1).flatten(-2)
+
+    c = torch.randn(hkv, half, generator=g) * 1.2
+    u = torch.randn(hkv, half, generator=g)
+    rep = hq // hkv
+    qa = rope(c.repeat_interleave(rep, 0)[None] + 0.5 * torch.randn(s, hq, half, generator=g))
+    ka = rope(c[None] + 0.5 * torch.randn(s, hkv, half, generator=g))
+    qb = u.repeat_interleave(rep, 0)[None] + 0.3 * torch.randn(s, hq, half, generator=g)
+    kb = 0.3 * torch.randn(s, hkv, half, generator=g)
+    for h in range(hkv):
+        cols = torch.cat((torch.arange(64), torch.randint(64, s, (n_vertical,), generator=g)))
+        kb[cols, h] += 1.8 * u[h]
+    q = torch.cat((qa, qb), -1)[None].to(device=device, dtype=torch.bfloat16)
+    k = torch.cat((ka, kb), -1)[None].to(device=device, dtype=torch.bfloat16)
+    v = torch.randn(1, s, hkv, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    return q, k, v
+
+
+def kept_fraction(pattern) -> float:
+    """Fraction of the causal (query, key) pairs inside the pattern's mask (exact, averaged over
+    samples x heads): slash block diagonals plus vertical columns not already covered."""
+    import torch
+    S, bs = pattern.seq_len, pattern.block_size
+    nb = S // bs
+    causal = S * (S + 1) / 2
+    sl = pattern.slash.reshape(-1, pattern.slash.shape[-1]).cpu()
+    vt = pattern.vertical.reshape(-1, pattern.vertical.shape[-1]).cpu()
+    fr = []
+    for h in range(sl.shape[0]):
+        d = sl[h][sl[h] >= 0]
+        slash_pairs = sum((nb * bs * (bs + 1) / 2) if int(x) == 0 else (nb - int(x)) * bs * bs for x in d)
+        t = vt[h][vt[h] >= 0]
+        dset = torch.zeros(nb, dtype=torch.bool)
+        dset[d] = True
+        kb, r = t // bs, t % bs
+        col = (S - t).double()                                   # rows p >= t
+        # subtract rows already covered by slash blocks: offset 0 covers bs - r rows, d>0 covers bs
+        covered = torch.zeros_like(col)
+        offs = d.tolist()
+        for x in offs:
+            ok = (kb + x) < nb
+            covered += torch.where(ok, torch.full_like(col, bs) if x else (bs - r).double(), torch.zeros_like(col))
+        fr.append((slash_pairs + float((col - covered).clamp(min=0).sum())) / causal)
+    return float(sum(fr) / len(fr))
+
+
+def time_fwd_bwd(fn, q, k, v, warmup: int, repeats: int) -> float:
+    import torch
+    ts = []
+    for i in range(warmup + repeats):
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = fn(qq, kk, vv)
+        out.backward(torch.ones_like(out))
+        e1.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            ts.append(e0.elapsed_time(e1) / 1e3)
+    return statistics.median(ts)
+
+
+def attention_microbench(args, seq: int) -> dict:
+    import torch
+    from megatron_mtraining.config import load_mtraining_config
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+    cfg = load_mtraining_config(args.config)
+    layout = cfg.make_layout(1)
+    vs = cfg.vertical_slash
+    q, k, v = structured_qkv(seq, 16, 2, 128, "cuda", seed=seq)
+    scale = 1.0 / math.sqrt(128)
+
+    def dense(qq, kk, vv):
+        return torch.nn.functional.scaled_dot_product_attention(
+            qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+
+    def sparse(qq, kk, vv):
+        return sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale)
+
+    t_dense = time_fwd_bwd(dense, q, k, v, args.warmup, args.repeats)
+    t_sparse = time_fwd_bwd(sparse, q, k, v, args.warmup, args.repeats)
+    with torch.no_grad():
+        _, pat = sparse_ring_attention(q, k, v, layout=layout, group=None, config=vs, softmax_scale=scale,
+                                       return_pattern=True)
+    res = {"attn_dense_s": t_dense, "attn_sparse_s": t_sparse, "kept_fraction": kept_fraction(pat),
+           "mean_slash_blocks": float(pat.slash_count.float().mean()),
+           "mean_vertical": float(pat.vertical_count.float().mean())}
+    del q, k, v, pat
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="65536,131072", help="comma list of sequence lengths")
+    ap.add_argument("--num-layers", default="4",
+                    help="layers: one number, or a comma list matching --seqs")
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--median-of", type=int, default=2, help="median of the last N iterations")
+    ap.add_argument("--modes", default="dense,mtraining")
+    ap.add_argument("--config", default=os.path.join(REPO, "configs", "e2e_sparse.yaml"))
+    ap.add_argument("--data-path", default=os.path.join(REPO, "data", "megatron", "books_text_document"))
+    ap.add_argument("--tokenizer-model", default=os.path.join(REPO, "data", "tokenizer", "mistral_v1.model"))
+    ap.add_argument("--warmup", type=int, default=1, help="microbenchmark warm-up runs")
+    ap.add_argument("--repeats", type=int, default=3, help="microbenchmark timed runs (median)")
+    ap.add_argument("--no-microbench", action="store_true")
+    ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds per training run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+
+    seqs = [int(x) for x in args.seqs.split(",") if x]
+    lay = [int(x) for x in args.num_layers.split(",") if x]
+    if len(lay) == 1:
+        lay = lay * len(seqs)
+    if len(lay) != len(seqs):
+        ap.error("--num-layers: one value or one per --seqs entry")
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in ("dense", "mtraining"):
+            ap.error(f"--modes: unknown mode {m!r}")
+    if args.median_of < 1 or args.median_of > args.iters:
+        ap.error("--median-of must be in [1, --iters]")
+
+    results = {"config": vars(args), "runs": []}
+
+    def dump():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    tmp = tempfile.mkdtemp(prefix="bench_e2e_")
+    for seq, L in zip(seqs, lay):
+        row = {"seq": seq, "layers": L}
+        for mode in modes:
+            mpath = os.path.join(tmp, f"metrics_{seq}_{mode}.jsonl")
+            cmd = build_cmd(args, seq, L, mode, mpath)
+            print("+ " + " ".join(cmd), flush=True)
+            if args.dry_run:
+                continue
+            t0 = time.time()
+            try:
+                p = subprocess.run(cmd, cwd=REPO, timeout=args.run_timeout, capture_output=True, text=True)
+                rc = p.returncode
+                out = p.stdout + p.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, out = "timeout", ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
+                                      else (e.stdout or ""))
+            tail = "\n".join(out.strip().splitlines()[-6:])
+            print(tail, flush=True)
+            r = {"rc": rc, "wall_s": time.time() - t0}
+            if os.path.exists(mpath):
+                try:
+                    r.update(read_metrics(mpath, args.median_of))
+                except Exception as e:                          # noqa: BLE001
+                    r["error"] = repr(e)
+            if rc != 0:
+                r["log_tail"] = tail
+            if r.get("step_s"):
+                r["tokens_per_s"] = seq / r["step_s"]
+                if r.get("model_flops"):
+                    r["tflops"] = r["model_flops"] / r["step_s"] / 1e12
+            row[mode] = r
+            results["runs"] = [x for x in results["runs"] if x["seq"] != seq] + [row]
+            dump()
+        if args.dry_run:
+            continue
+        if not args.no_microbench:
+            try:
+                row["attn"] = attention_microbench(args, seq)
+            except Exception as e:                              # noqa: BLE001
+                row["attn"] = {"error": repr(e)}
+                print(f"microbench {seq}: {e!r}", flush=True)
+        d, m, a = row.get("dense", {}), row.get("mtraining", {}), row.get("attn", {})
+        if d.get("step_s") and m.get("step_s"):
+            row["speedup"] = d["step_s"] / m["step_s"]
+        if d.get("step_s") and a.get("attn_dense_s") and a.get("attn_sparse_s"):
+            f = min(1.0, L * a["attn_dense_s"] / d["step_s"])
+            s = a["attn_dense_s"] / a["attn_sparse_s"]
+            row["amdahl"] = {"f": f, "s": s, "bound": 1.0 / ((1 - f) + f / s)}
+            if row.get("speedup"):
+                row["amdahl"]["achieved_over_bound"] = row["speedup"] / row["amdahl"]["bound"]
+        dump()
+        print(json.dumps({k: v for k, v in row.items()}, default=str), flush=True)
+    if args.dry_run:
+        return 0
+
+    def g(x, k, fmt):
+        v = x.get(k) if isinstance(x, dict) else None
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    print("\n| seq | layers | mode | step s | tokens/s | TFLOP/s | peak mem GiB | kept | attn fwd+bwd ms "
+          "| f | s | bound | speedup | speedup/bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in results["runs"]:
+        a, am = row.get("attn", {}), row.get("amdahl", {})
+        for mode in modes:
+            r = row.get(mode, {})
+            sparse = mode == "mtraining"
+            attn = a.get("attn_sparse_s" if sparse else "attn_dense_s")
+            print(f"| {row['seq']} | {row['layers']} | {mode} | {g(r, 'step_s', '.3f')} | {g(r, 'tokens_per_s', '.0f')} "
+                  f"| {g(r, 'tflops', '.1f')} | {g(r, 'peak_mem_gib', '.1f')} "
+                  f"| {g(a, 'kept_fraction', '.3f') if sparse else '1'} "
+                  f"| {format(attn * 1e3, '.1f') if attn else '-'} "
+                  f"| {g(am, 'f', '.3f') if sparse else ''} | {g(am, 's', '.2f') if sparse else ''} "
+                  f"| {g(am, 'bound', '.2f') if sparse else ''} | {g(row, 'speedup', '.2f') if sparse else ''} "
+                  f"| {g(am, 'achieved_over_bound', '.2f') if sparse else ''} |")
+    dump()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
