@@ -183,6 +183,9 @@ def transformer_config(args):
     )
     if args.swiglu:
         kw.update(gated_linear_unit=True, activation_func=F.silu)
+    if args.recompute_granularity:
+        kw.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                  recompute_num_layers=args.recompute_num_layers)
     return TransformerConfig(**kw)
 
 
@@ -484,6 +487,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                   if valid_ds is not None else None)
     flops_iter = flops_per_iteration(args, vocab)
     metrics_f = open(args.metrics_file, "a") if (args.metrics_file and dist.get_rank() == 0) else None
+    tb = None
+    if args.tensorboard_dir and dist.get_rank() == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(log_dir=args.tensorboard_dir)
 
     model.train()
     acc_loss, acc_n, acc_time, acc_iters = 0.0, 0, 0.0, 0
@@ -513,6 +521,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         "max_memory_allocated": (torch.cuda.max_memory_allocated(device)
                                                                  if device.type == "cuda" else None)}) + "\n")
             metrics_f.flush()
+        if tb is not None:                        # Megatron-LM's scalar names
+            tb.add_scalar("lm loss", loss, iteration)
+            tb.add_scalar("learning-rate", lr, iteration)
+            if grad_norm is not None:
+                tb.add_scalar("grad-norm", grad_norm, iteration)
+            tb.add_scalar("throughput/tokens-per-sec-per-gpu", gbs * args.seq_length / dt / args.world_size, iteration)
+            tb.add_scalar("throughput/tflops-per-gpu", flops_iter / dt / args.world_size / 1e12, iteration)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             t_it = acc_time / acc_iters
             tok_s = gbs * args.seq_length / t_it / args.world_size
@@ -526,6 +541,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             acc_loss, acc_n, acc_time, acc_iters = 0.0, 0, 0.0, 0
         if args.eval_iters > 0 and valid_iter is not None and iteration % args.eval_interval == 0:
             vl = evaluate(args, model, optimizer, valid_iter, device)
+            if tb is not None:
+                tb.add_scalar("lm loss validation", vl, iteration)
             log0(f" validation loss at iteration {iteration} | lm loss value: {vl:.6E} |"
                  f" lm loss PPL: {math.exp(min(vl, 20)):.6E} |")
         if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.train_iters:
@@ -536,6 +553,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler)}")
     if metrics_f:
         metrics_f.close()
+    if tb is not None:
+        tb.close()
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -100,6 +100,7 @@ def _validate(tiny, world_size=1, te=False, **over):
       "--mtraining-config": "configs/demo.yaml"}, 4, "flat ring"),
     ({"--mtraining-config": "configs/no_such.yaml"}, 1, "no_such.yaml"),
     ({"--mtraining-config": "configs/demo_sparse.yaml", "--seq-length": 32}, 1, "'granularity'"),
+    ({"--recompute-granularity": "full"}, 1, "--recompute-method"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
     with pytest.raises(ArgumentValidationError) as e:
@@ -177,7 +178,20 @@ def test_sparse_config_cp2_matches_cp1(tiny, tmp_path):
     """``--mtraining-config configs/demo_sparse.yaml``: the vertical-slash pattern is estimated online
     every forward; it is a property of the sequence, so CP=2 trains exactly like CP=1."""
     cfg = {"--mtraining-config": "configs/demo_sparse.yaml"}
-    a, _ = _train(tiny, tmp_path, "sparse_cp1", 1, **cfg)
+    tb_dir = tmp_path / "tb"
+    a, out1 = _train(tiny, tmp_path, "sparse_cp1", 1, **cfg, **{"--tensorboard-dir": tb_dir, "--eval-iters": 1,
+                                                                "--eval-interval": 3})
+    # tensorboard scalars (Megatron-LM's names) and the evaluation on the held-out split
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tb_dir))
+    ev.Reload()
+    tags = set(ev.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "throughput/tokens-per-sec-per-gpu"} <= tags, tags
+    assert [e.step for e in ev.Scalars("lm loss")] == [1, 2, 3]
+    assert ev.Scalars("lm loss")[0].value == pytest.approx(a[0]["lm_loss"], rel=1e-6)
+    if "validation loss at iteration 3" in out1:
+        assert "lm loss validation" in tags
     b, out = _train(tiny, tmp_path, "sparse_cp2", 2, **cfg)
     assert "pattern vertical_slash" in out, out
     assert len(a) == len(b) == 3

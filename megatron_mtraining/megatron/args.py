@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
                    metavar="SIZE", help="INNER OUTER: two-level ring (inner = intra-node CP ranks, outer = "
                                         "nodes); Megatron's hierarchical CP groups")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recomputation (GPU only: megatron-core's checkpointing uses the CUDA RNG)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -129,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write tensorboard scalars (lm loss, learning rate, grad norm, throughput, "
+                        "validation loss) here (rank 0)")
     g.add_argument("--metrics-file", default=None,
                    help="(not a Megatron-LM flag) rank 0 appends one JSON line per iteration with "
                         "full-precision loss / grad norm / lr")
@@ -138,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
 def world_size_from_env() -> int:
     """``WORLD_SIZE`` as set by torchrun (1 when absent)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _te_importable() -> bool:
@@ -259,6 +272,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         if args.attention_dropout > 0:
             raise E(f"--attention-dropout {args.attention_dropout}: --cp-attention mtraining has no "
                     "attention dropout; use 0.0")
+    if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
+        raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
+    if args.recompute_granularity is not None and not _cuda_available():
+        raise E(f"--recompute-granularity {args.recompute_granularity}: activation recomputation needs CUDA "
+                "(megatron-core's checkpoint function saves and restores the CUDA RNG state)")
     _apply_mtraining_config(args, cp, E)
     try:
         Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
