@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .reference import attention_backward, attention_forward
+from ..ring import DenseStepKernel
 
 __all__ = ["DenseGpuStepKernel", "make_dense_step_kernel", "dense_step_supported"]
 
@@ -41,7 +41,7 @@ def dense_step_supported(q: torch.Tensor) -> bool:
     return triton_usable(q) and q.shape[1] % _BLOCK == 0
 
 
-class DenseGpuStepKernel:
+class DenseGpuStepKernel(DenseStepKernel):
     """Ring step kernel (protocol of :class:`megatron_mtraining.ring.DenseStepKernel`) on Triton.
 
     Args:
@@ -59,20 +59,9 @@ class DenseGpuStepKernel:
 
     def __init__(self, layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None,
                  deterministic: bool = True, row_block: int = 64):
-        self.layout, self.rank, self.seq_len = layout, rank, seq_len
-        self.row_block = row_block
-        self.softmax_scale, self.causal, self.deterministic = softmax_scale, causal, deterministic
-        self.q_pos = layout.positions(rank, seq_len, device=device)
-        self._k_pos = {}
+        super().__init__(layout, rank, seq_len, softmax_scale, causal, device=device)
+        self.deterministic, self.row_block = deterministic, row_block
         self._plans = {}
-
-    def k_pos(self, owner: int) -> torch.Tensor:
-        if owner not in self._k_pos:
-            self._k_pos[owner] = self.layout.positions(owner, self.seq_len, device=self.q_pos.device)
-        return self._k_pos[owner]
-
-    def visible(self, owner: int) -> bool:
-        return (not self.causal) or bool(self.k_pos(owner)[0] <= self.q_pos[-1])
 
     def plan(self, owner: int):
         """The dense plan of this step (cached; ``None`` when no key is visible)."""
@@ -83,10 +72,10 @@ class DenseGpuStepKernel:
         return self._plans[owner]
 
     def forward(self, q, k, v, owner: int):
+        if not dense_step_supported(q):
+            return super().forward(q, k, v, owner)
         if not self.visible(owner):
             return None
-        if not dense_step_supported(q):
-            return attention_forward(q, k, v, self.q_pos, self.k_pos(owner), self.softmax_scale, self.causal)
         plan = self.plan(owner)
         if plan is None:
             return None
@@ -94,11 +83,10 @@ class DenseGpuStepKernel:
         return sparse_forward(q, k, v, plan, self.softmax_scale)
 
     def backward(self, dout, q, k, v, lse, delta, owner: int):
+        if not dense_step_supported(q):
+            return super().backward(dout, q, k, v, lse, delta, owner)
         if not self.visible(owner):
             return None
-        if not dense_step_supported(q):
-            return attention_backward(dout, q, k, v, lse, delta, self.q_pos, self.k_pos(owner),
-                                      self.softmax_scale, self.causal)
         plan = self.plan(owner)
         if plan is None:
             return None
@@ -121,5 +109,4 @@ def make_dense_step_kernel(layout, rank: int, seq_len: int, softmax_scale: float
         raise ValueError(f"unknown backend {backend!r}")
     if use_triton:
         return DenseGpuStepKernel(layout, rank, seq_len, softmax_scale, causal, device=dev, deterministic=deterministic)
-    from ..ring import DenseStepKernel
     return DenseStepKernel(layout, rank, seq_len, softmax_scale, causal, device=dev)
