@@ -329,11 +329,12 @@ def test_learned_absolute_positions_cp2_matches_cp1(ref):
 
 @needs_ring
 @pytest.mark.slow
-def test_uneven_loss_mask_cp2_matches_cp1(ref):
+@pytest.mark.parametrize("cp", [2, 4])
+def test_uneven_loss_mask_cp_matches_cp1(ref, cp):
     """~90% of CP rank 1's tokens are loss-masked: the exact global token mean must still hold."""
     tmp, weights, _ = ref
     want = _run_worker(tmp, "uneven_ref", 1, "--attn", "local", "--mask", "uneven", "--ref-weights", weights)
-    got = _run_worker(tmp, "uneven_cp2", 2, "--mask", "uneven", "--ref-weights", weights)
+    got = _run_worker(tmp, f"uneven_cp{cp}", cp, "--mask", "uneven", "--ref-weights", weights)
     dev, ok = _compare(got, want)
     assert all(ok.values()), dev
     # sensitivity: the mean of per-rank means (Megatron without per-token loss) is visibly different
