@@ -1,0 +1,41 @@
+"""tools/bench_e2e.py on CPU: argument handling (--dry-run) and the exact kept-fraction count."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import bench_e2e as be  # noqa: E402
+
+from megatron_mtraining.patterns.estimator import VerticalSlashPattern  # noqa: E402
+
+
+def test_dry_run_prints_one_command_per_mode(capsys):
+    assert be.main(["--dry-run", "--seqs", "65536,262144", "--num-layers", "4,2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("+ ")]
+    assert len(lines) == 4
+    assert sum("--mtraining-config" in x for x in lines) == 2
+    assert "--num-layers 2" in lines[-1] and "--seq-length 262144" in lines[-1]
+
+
+def test_bad_layers_list_is_an_error():
+    with pytest.raises(SystemExit):
+        be.main(["--dry-run", "--seqs", "65536,131072", "--num-layers", "1,2,3"])
+
+
+def test_kept_fraction_matches_brute_force():
+    S, bs = 1024, 64
+    pat = VerticalSlashPattern.from_lists(S, bs, slash=[[[0, 1, 5], [0, 3]]],
+                                          vertical=[[[0, 5, 70, 700], [1, 2, 1000]]])
+    p, t = torch.arange(S)[:, None], torch.arange(S)[None]
+    fr = []
+    for h in range(2):
+        d = pat.slash[0, h][pat.slash[0, h] >= 0]
+        v = pat.vertical[0, h][pat.vertical[0, h] >= 0]
+        m = (t <= p) & (torch.isin(p // bs - t // bs, d) | torch.isin(t, v))
+        fr.append(m.sum().item() / (S * (S + 1) / 2))
+    assert be.kept_fraction(pat) == pytest.approx(sum(fr) / 2, rel=1e-12)
