@@ -347,14 +347,18 @@ def _apply_mtraining_config(args: argparse.Namespace, cp: int, E) -> None:
             cfg = MTrainingConfig(implementation="hierarchical" if hcp else
                                   ("zigzag" if args.cp_layout == "zigzag" else "striped"),
                                   granularity=args.cp_granularity)
-        if hcp and cfg.implementation != "hierarchical":
-            raise ValueError(f"--hierarchical-context-parallel-sizes is given but {args.mtraining_config} has "
-                             f"implementation '{cfg.implementation}' (the run would use a flat ring); use a "
-                             "config with implementation: hierarchical or drop the flag")
+    except (ValueError, OSError) as e:
+        raise E(f"--mtraining-config: {e}") from None
+    if hcp and cfg.implementation != "hierarchical":
+        raise E(f"--hierarchical-context-parallel-sizes is given but {args.mtraining_config} has implementation "
+                f"'{cfg.implementation}' (the run would use a flat ring); use a config with implementation: "
+                "hierarchical or drop the flag")
+    try:
         cfg.check_run(cp_size=cp, seq_len=args.seq_length, megatron_hierarchical_sizes=hcp)
         sizes = cfg.hierarchical_sizes(cp, hcp)
-    except (ValueError, OSError) as e:
-        raise E(str(e)) from None
+    except ValueError as e:
+        src = args.mtraining_config or f"--cp-layout {args.cp_layout} --cp-granularity {args.cp_granularity}"
+        raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp} and {src}: {e}") from None
     if args.mtraining_config and args.cp_layout not in (None, cfg.layout_kind) and args.cp_layout != "striped":
         raise E(f"--cp-layout {args.cp_layout} disagrees with {args.mtraining_config} "
                 f"(implementation '{cfg.implementation}' uses the {cfg.layout_kind} layout)")
