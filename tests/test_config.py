@@ -28,6 +28,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "qwen2.5-0.5b.yaml": ("striped", "vertical_slash", 0.9, 64),
     "zigzag_sparse.yaml": ("zigzag", "vertical_slash", 0.9, 64),
     "hierarchical.yaml": ("hierarchical", "dense", None, 64),
+    "e2e_sparse.yaml": ("striped", "vertical_slash", 0.95, 64),
 }
 
 
