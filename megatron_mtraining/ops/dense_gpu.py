@@ -24,7 +24,6 @@ when the local length is not a multiple of 64, the step falls back to the torch 
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

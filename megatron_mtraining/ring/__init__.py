@@ -29,7 +29,7 @@ from ..layout import LAYOUT_KINDS, Layout
 from ..ops.merge import merge_attention
 from ..ops.reference import acc_dtype, attention_backward, attention_forward, default_softmax_scale
 
-__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel"]
+__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs"]
 
 
 class DenseStepKernel:
@@ -166,6 +166,36 @@ class RingAttentionFunc(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: bool = True, **fields) -> int:
+    """Validate ring inputs locally and (when ``across_ranks``) across the CP group; returns cp_size.
+
+    ``fields``: extra values every rank must agree on (e.g. ``causal``, sparse budgets).
+
+    Raises:
+        ValueError: q/k/v not ``[b, s_local, h, d]`` with matching batch, length and head_dim, k/v
+            shapes differ, heads not GQA-compatible, dtypes differ, ``layout.cp_size`` not the group
+            size, a global length the layout cannot split, or ranks that disagree.
+    """
+    cp = group_size(group)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [b, s_local, h, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
+                         "and share batch, sequence and head_dim with q")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if layout.cp_size != cp:
+        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
+    layout.check_seq_len(q.shape[1] * cp)
+    if across_ranks and cp > 1:
+        check_consistent_across_ranks(group, what, q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
+                                      layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
+                                      **fields)
+    return cp
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
                    group=None, softmax_scale: Optional[float] = None, causal: bool = True,
                    check_inputs: bool = True) -> torch.Tensor:
@@ -194,24 +224,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         ValueError: shapes/dtypes inconsistent locally or across ranks, ``layout.cp_size`` not the
             group size, or a global length ``s_local * cp_size`` the layout cannot split.
     """
-    cp = group_size(group)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [b, s_local, h, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
-                         "and share batch, sequence and head_dim with q")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if layout.cp_size != cp:
-        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
-    layout.check_seq_len(q.shape[1] * cp)
-    if check_inputs and cp > 1:
-        check_consistent_across_ranks(
-            group, "ring_attention",
-            q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
-            layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity, causal=bool(causal))
+    cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if cp == 1 and causal and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # CP=1 fast path: the layout is the identity at cp=1, so this is plain causal attention;

@@ -21,14 +21,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..distributed import check_consistent_across_ranks, group_rank, group_size
-from ..layout import LAYOUT_KINDS, Layout
+from ..distributed import group_rank, group_size
+from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 from ..ops.sparse_reference import sparse_attention_backward, sparse_attention_forward
 from ..patterns.convert import check_block_layout, convert_pattern
 from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
-from . import RingAttentionFunc
+from . import RingAttentionFunc, check_ring_inputs
 
 __all__ = ["SparseStepKernel", "sparse_ring_attention"]
 
@@ -99,27 +99,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
             group size, or a layout that splits sparse blocks.
     """
-    cp = group_size(group)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [b, s_local, h, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
-                         "and share batch, sequence and head_dim with q")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if layout.cp_size != cp:
-        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
-    seq_len = q.shape[1] * cp
-    check_block_layout(layout, seq_len, config.block_size)
-    if check_inputs and cp > 1:
-        check_consistent_across_ranks(
-            group, "sparse_ring_attention",
-            q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
-            layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
-            budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
-                     config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))))
+    cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
+                           budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
+                                    config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))))
+    check_block_layout(layout, q.shape[1] * cp, config.block_size)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale)
