@@ -65,6 +65,7 @@ def worker(args) -> None:
         q_mib = q.numel() * q.element_size() / 2**20
         with open(args.out, "w") as f:
             json.dump({"cp": cp, "peak_delta_mib_per_rank": rows, "kv_shard_mib": kv_mib, "q_shard_mib": q_mib}, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

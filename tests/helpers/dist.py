@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["REPO_ROOT", "RunResult", "free_port", "worker_env", "run_torchrun", "run_python"]
+__all__ = ["REPO_ROOT", "RunResult", "free_port", "worker_env", "run_torchrun", "run_python", "finish_process_group"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,3 +144,17 @@ def run_python(
     cwd = Path(cwd) if cwd is not None else REPO_ROOT
     cmd = [sys.executable, str(script), *map(str, args)]
     return _run(cmd, timeout, worker_env(env), cwd)
+
+
+def finish_process_group() -> None:
+    """End a worker: barrier on the default group, then ``destroy_process_group``.
+
+    Without the barrier a fast rank can tear down its gloo pairs (and exit) while a slow rank is
+    still finishing its last collective or printing, and the slow rank then aborts (SIGABRT)
+    on the closed connection. Call it once, at the very end of every torchrun worker.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

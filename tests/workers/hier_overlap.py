@@ -81,7 +81,9 @@ def main():
     }
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(res), flush=True)
-    dist.destroy_process_group()
+    from tests.helpers.dist import finish_process_group
+
+    finish_process_group()
 
 
 if __name__ == "__main__":

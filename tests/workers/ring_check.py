@@ -82,7 +82,9 @@ def main():
             cfg = argparse.Namespace(**{**vars(args), "layout": lay, "granularity": gran, "heads": h,
                                         "kv_heads": hkv, "batch": bsz, "head_dim": hd, "dtype": dt})
             check(cfg, group)
-    dist.destroy_process_group()
+    from tests.helpers.dist import finish_process_group
+
+    finish_process_group()
 
 
 def megatron_cp_group(tp, dp):

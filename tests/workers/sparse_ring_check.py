@@ -162,7 +162,9 @@ def main():
         prob = Problem(seq, batch, 4, 2, d, 100 + lo, cfg)          # different data per CP group
         masked_check(prob, layout, mine, {"cp": 2, "groups": [[0, 2], [1, 3]], "layout": "striped",
                                           "hq": 4, "hkv": 2, "seq": seq, "batch": batch})
-    dist.destroy_process_group()
+    from tests.helpers.dist import finish_process_group
+
+    finish_process_group()
 
 
 if __name__ == "__main__":
