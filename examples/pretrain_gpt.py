@@ -473,6 +473,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          f" | cp-attention {args.cp_attention} (layout {args.cp_layout}"
          f"{', granularity ' + str(args.cp_granularity) if args.cp_layout == 'striped' else ''}"
          + (f", implementation {args.mtraining.implementation}, pattern {args.mtraining.pattern}"
+            + (f", columns {args.mtraining.columns}" if args.mtraining.sparse else "")
             + (f", hierarchical {args.hierarchical_context_parallel_sizes}"
                if args.hierarchical_context_parallel_sizes else "") if args.mtraining else "") + ")")
     log0(f" > model: {n_params / 1e6:.2f}M parameters (vocab {tokenizer.vocab_size} padded to {vocab}), "

@@ -16,6 +16,7 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
     hierarchical:                  # optional; default: Megatron's --hierarchical-context-parallel-sizes
       inner: 8
       outer: 4
+    columns: out_of_ring           # in_ring | out_of_ring (sparse only; where vertical columns are computed)
     deterministic: false
 
 Sections must match the choices: ``vertical_slash:`` only with ``pattern: vertical_slash`` and
@@ -44,6 +45,7 @@ from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 __all__ = [
     "IMPLEMENTATIONS",
     "PATTERNS",
+    "COLUMN_SCHEDULES",
     "HierarchicalConfig",
     "MTrainingConfig",
     "VerticalSlashConfig",
@@ -53,6 +55,7 @@ __all__ = [
 
 IMPLEMENTATIONS = ("striped", "zigzag", "hierarchical")
 PATTERNS = ("dense", "vertical_slash")
+COLUMN_SCHEDULES = ("in_ring", "out_of_ring")    # == megatron_mtraining.ring.sparse.COLUMN_SCHEDULES
 
 _PREFIX = "mtraining config"
 
@@ -105,6 +108,11 @@ class MTrainingConfig:
             vertical-slash sparse attention, MTraining §3.2).
         vertical_slash: budgets of the estimator (used with ``pattern: vertical_slash``).
         hierarchical: inner/outer ring sizes (used with ``implementation: hierarchical``).
+        columns: where the sparse pattern's vertical columns are computed: ``"in_ring"`` (each
+            ring step, with the owner's K/V) or ``"out_of_ring"`` (gathered once and computed
+            outside the ring, which balances the ring steps; docs/imbalance.md). Only with
+            ``pattern: vertical_slash`` (``out_of_ring`` relies on ``local_blocks >= 1``, which the
+            estimator config enforces).
         deterministic: request deterministic kernels (no atomics in the backward pass); the CPU
             reference kernels are always deterministic.
 
@@ -117,6 +125,7 @@ class MTrainingConfig:
     pattern: str = "dense"
     vertical_slash: VerticalSlashConfig = field(default_factory=VerticalSlashConfig)
     hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
+    columns: str = "in_ring"
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -140,6 +149,11 @@ class MTrainingConfig:
             raise _ConfigError(f"'hierarchical' must be a HierarchicalConfig, got {type(self.hierarchical).__name__}")
         if not isinstance(self.deterministic, bool):
             raise _ConfigError(f"'deterministic' must be true or false, got {self.deterministic!r}")
+        if self.columns not in COLUMN_SCHEDULES:
+            raise _ConfigError(f"'columns' must be one of {', '.join(COLUMN_SCHEDULES)}, got {self.columns!r}")
+        if self.columns != "in_ring" and self.pattern != "vertical_slash":
+            raise _ConfigError(f"'columns: {self.columns}' applies to the sparse pattern only, but 'pattern' is "
+                               f"{self.pattern!r} (set pattern: vertical_slash or remove 'columns')")
         if self.hierarchical.sizes is not None and self.implementation != "hierarchical":
             raise _ConfigError(f"'hierarchical' sizes are set but 'implementation' is {self.implementation!r} "
                                "(they are used only with implementation: hierarchical)")
@@ -239,6 +253,7 @@ class MTrainingConfig:
             "pattern": self.pattern,
             "vertical_slash": self.vertical_slash if self.sparse else None,
             "hierarchical": self.hierarchical.sizes,
+            "columns": self.columns,
             "deterministic": self.deterministic,
         }
 
@@ -251,6 +266,8 @@ class MTrainingConfig:
             out["vertical_slash"] = dataclasses.asdict(self.vertical_slash)
         if self.hierarchical.sizes is not None:
             out["hierarchical"] = {"inner": self.hierarchical.inner, "outer": self.hierarchical.outer}
+        if self.sparse:
+            out["columns"] = self.columns
         out["deterministic"] = self.deterministic
         return out
 
@@ -290,7 +307,8 @@ def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
     if not isinstance(d, Mapping):
         raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
     _check_keys(d, _TOP_KEYS, "")
-    kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "deterministic") if k in d}
+    kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic")
+                         if k in d}
     pattern = d.get("pattern", MTrainingConfig.pattern)
     impl = d.get("implementation", MTrainingConfig.implementation)
     vs = d.get("vertical_slash")

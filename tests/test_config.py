@@ -108,6 +108,8 @@ def test_unknown_keys_are_errors_naming_the_key(data, key):
     ({"granularity": True}, "'granularity'"),
     ({"pattern": "sparse"}, "'pattern'"),
     ({"deterministic": "yes"}, "'deterministic'"),
+    ({"pattern": "vertical_slash", "columns": "outside"}, "'columns' must be one of in_ring, out_of_ring"),
+    ({"columns": "out_of_ring"}, "'columns: out_of_ring' applies to the sparse pattern only"),
     ({"pattern": "vertical_slash", "vertical_slash": {"recall": 0}}, "'vertical_slash.recall' must be a number in (0, 1]"),
     ({"pattern": "vertical_slash", "vertical_slash": {"recall": 1.5}}, "'vertical_slash.recall' must be a number in (0, 1]"),
     ({"pattern": "vertical_slash", "vertical_slash": {"last_q": 0}}, "'vertical_slash.last_q'"),
@@ -187,7 +189,9 @@ def test_attention_kwargs():
     assert isinstance(kw["vertical_slash"], VerticalSlashConfig)
     kw = MTrainingConfig().attention_kwargs()
     assert kw == {"layout": "striped", "granularity": 64, "pattern": "dense", "vertical_slash": None,
-                  "hierarchical": None, "deterministic": False}
+                  "hierarchical": None, "columns": "in_ring", "deterministic": False}
+    kw = load_mtraining_config({"pattern": "vertical_slash", "columns": "out_of_ring"}).attention_kwargs()
+    assert kw["columns"] == "out_of_ring"
 
 
 def test_config_module_does_not_import_megatron():

@@ -29,12 +29,14 @@ def test_hierarchical_matches_fp64_and_flat_ring(inner, outer, tp):
     assert r["vs_flat"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("inner,outer", [(2, 2), (2, 4)])
-def test_hierarchical_sparse_matches_flat_sparse_and_fp64_masked(inner, outer):
+@pytest.mark.parametrize("inner,outer,columns", [(2, 2, "in_ring"), (2, 4, "in_ring"), (2, 2, "out_of_ring")])
+def test_hierarchical_sparse_matches_flat_sparse_and_fp64_masked(inner, outer, columns):
     """Vertical-slash pattern (recall 0.9) through the hierarchical ring: equals the flat sparse ring
-    and fp64 attention masked with the same estimated pattern; the pattern is a strict subset."""
+    and fp64 attention masked with the same estimated pattern; the pattern is a strict subset.
+    ``out_of_ring``: the columns are computed outside both rings (one gather over the CP group)."""
     r = _result("tests/workers/ring_check.py",
-                ["--hier", inner, outer, "--sparse", "--granularity", 64, "--kv-heads", 2, "--seq", 1024],
+                ["--hier", inner, outer, "--sparse", "--granularity", 64, "--kv-heads", 2, "--seq", 1024,
+                 "--columns", columns],
                 nproc=inner * outer)
     assert r["finite"], r
     assert r["density"] < 0.99, r

@@ -192,8 +192,12 @@ def test_sparse_config_cp2_matches_cp1(tiny, tmp_path):
     assert ev.Scalars("lm loss")[0].value == pytest.approx(a[0]["lm_loss"], rel=1e-6)
     if "validation loss at iteration 3" in out1:
         assert "lm loss validation" in tags
-    b, out = _train(tiny, tmp_path, "sparse_cp2", 2, **cfg)
-    assert "pattern vertical_slash" in out, out
+    # CP=2 with the vertical columns computed outside the ring (gathered once): same losses and grads
+    oor = tmp_path / "demo_sparse_out_of_ring.yaml"
+    oor.write_text((Path(__file__).resolve().parents[1] / "configs" / "demo_sparse.yaml").read_text()
+                   + "columns: out_of_ring\n")
+    b, out = _train(tiny, tmp_path, "sparse_cp2", 2, **{"--mtraining-config": oor})
+    assert "pattern vertical_slash, columns out_of_ring" in out, out
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)

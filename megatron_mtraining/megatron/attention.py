@@ -46,6 +46,8 @@ class MTrainingAttentionConfig:
         hierarchical: ``(inner, outer)`` ring sizes for the two-level ring (paper §4.2) over
             Megatron's hierarchical CP groups (``--hierarchical-context-parallel-sizes``), or
             ``None`` for the flat ring.
+        columns: ``"in_ring"`` or ``"out_of_ring"``: where the sparse pattern's vertical columns are
+            computed (:func:`~megatron_mtraining.ring.sparse.sparse_ring_attention`).
         deterministic: GPU sparse backward without atomics (bitwise repeatable).
 
     Raises:
@@ -57,6 +59,7 @@ class MTrainingAttentionConfig:
     pattern: str = "dense"
     vertical_slash: Optional[Any] = None
     hierarchical: Optional[tuple] = None
+    columns: str = "in_ring"
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -66,6 +69,8 @@ class MTrainingAttentionConfig:
             raise ValueError(f"MTrainingAttentionConfig.granularity must be >= 1, got {self.granularity}")
         if self.pattern not in ("dense", "vertical_slash"):
             raise ValueError(f"MTrainingAttentionConfig.pattern must be 'dense' or 'vertical_slash', got {self.pattern!r}")
+        if self.columns not in ("in_ring", "out_of_ring"):
+            raise ValueError(f"MTrainingAttentionConfig.columns must be 'in_ring' or 'out_of_ring', got {self.columns!r}")
         if self.hierarchical is not None:
             if len(self.hierarchical) != 2 or min(int(x) for x in self.hierarchical) < 2:
                 raise ValueError("MTrainingAttentionConfig.hierarchical must be (inner, outer) with both >= 2, "
@@ -265,7 +270,7 @@ class MTrainingAttention(MegatronModule):
                 factory = partial(make_sparse_step_kernel, deterministic=cfg.deterministic)
             out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=cfg.vertical_slash,
                                         softmax_scale=scale, kernel_factory=factory,
-                                        hierarchical_groups=self.hierarchical_groups)
+                                        hierarchical_groups=self.hierarchical_groups, columns=cfg.columns)
         elif self.hierarchical_groups is not None:
             from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 

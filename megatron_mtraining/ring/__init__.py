@@ -129,6 +129,16 @@ def _empty_out_lse(q):
     return out, lse
 
 
+def column_phase_of(kernel):
+    """The kernel's out-of-ring column work (:class:`~megatron_mtraining.ring.sparse.ColumnPhase`) or ``None``.
+
+    Protocol, used by every ring Function: ``begin_forward(k, v)`` before the ring (posts the
+    gather), ``forward(q) -> (out, lse) | None`` after it (merged by LSE);
+    ``begin_backward(dout, q, lse, delta, dq)`` before the backward ring (adds dQ, posts the dK/dV
+    sum), ``finish_backward(dk, dv)`` after it (adds the owned rows)."""
+    return getattr(kernel, "column_phase", None)
+
+
 def _delta(dout, out):
     acc = acc_dtype(out.dtype)
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [b, hq, sq]
@@ -147,8 +157,13 @@ class RingAttentionFunc(torch.autograd.Function):
         comm = comm if isinstance(comm, RingComm) else RingComm(comm)
         cp, rank = comm.size, comm.rank
         out, lse = _empty_out_lse(q)
+        cols = column_phase_of(kernel)
+        if cols is not None:
+            cols.begin_forward(k, v)
         out, lse = ring_pass_forward(kernel, comm, q, (k.contiguous(), v.contiguous()), out, lse,
                                      lambda step: (rank - step) % cp)
+        if cols is not None and (partial := cols.forward(q)) is not None:
+            out, lse = merge_attention(out, lse, *partial)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.comm = kernel, comm
@@ -161,8 +176,14 @@ class RingAttentionFunc(torch.autograd.Function):
         cp, rank = comm.size, comm.rank
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        delta = _delta(dout, out)
+        cols = column_phase_of(ctx.kernel)
+        if cols is not None:
+            cols.begin_backward(dout, q, lse, delta, dq)
         dk, dv = ring_pass_backward(ctx.kernel, comm, dout, q, (k.contiguous(), v.contiguous()), lse,
-                                    _delta(dout, out), dq, lambda step: (rank - step) % cp)
+                                    delta, dq, lambda step: (rank - step) % cp)
+        if cols is not None:
+            cols.finish_backward(dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

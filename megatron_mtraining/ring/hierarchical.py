@@ -33,7 +33,8 @@ import torch
 from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
 from ..layout import LAYOUT_KINDS, Layout
 from ..ops.reference import acc_dtype, default_softmax_scale
-from . import DenseStepKernel, _delta, _empty_out_lse, ring_pass_backward, ring_pass_forward
+from ..ops.merge import merge_attention
+from . import DenseStepKernel, _delta, _empty_out_lse, column_phase_of, ring_pass_backward, ring_pass_forward
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
 
@@ -71,6 +72,9 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         n_in, n_out = inner.size, outer.size
         r_in, r_out = inner.rank, outer.rank
         out, lse = _empty_out_lse(q)
+        cols = column_phase_of(kernel)
+        if cols is not None:
+            cols.begin_forward(k, v)
         kv_outer = (k.contiguous(), v.contiguous())
         for o in range(n_out):
             pending = None
@@ -83,6 +87,8 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
                                          lambda j, node=node: node * n_in + (r_in - j) % n_in)
             if pending is not None:
                 kv_outer = tuple(pending.wait()) if overlap else kv_next
+        if cols is not None and (partial := cols.forward(q)) is not None:
+            out, lse = merge_attention(out, lse, *partial)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.inner, ctx.outer, ctx.overlap = kernel, inner, outer, overlap
@@ -97,6 +103,9 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         dout = dout.contiguous()
         delta = _delta(dout, out)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        cols = column_phase_of(kernel)
+        if cols is not None:
+            cols.begin_backward(dout, q, lse, delta, dq)
         kv_outer = (k.contiguous(), v.contiguous())
         acc_pending = None         # node-level dK/dV accumulator travelling on the outer ring
         for o in range(n_out):
@@ -119,6 +128,8 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
             if kv_pending is not None:
                 kv_outer = tuple(kv_pending.wait()) if overlap else kv_next
         dk, dv = acc_pending.wait()
+        if cols is not None:
+            cols.finish_backward(dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

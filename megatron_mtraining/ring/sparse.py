@@ -13,6 +13,16 @@ per-owner :class:`StepIndices`; (3) the ring runs through the *same*
 :class:`SparseStepKernel` doing the per-step work. The indices are kept on the kernel for the
 backward pass (not rebuilt). A step whose indices are empty for every query block is skipped in
 both passes (no compute; K/V still circulate, as the ring schedule is fixed).
+
+Vertical columns, in the ring or out of it (``columns=``): with ``"in_ring"`` each step also
+computes the selected columns that the step's owner holds. The columns are what skews the striped
+ring's balance (sink columns all live on rank 0's shard, so they land in one step; MTraining §3.3,
+docs/imbalance.md). With ``"out_of_ring"`` (:class:`ColumnPhase`) the K/V rows of every selected
+column are gathered once to every rank (one async all-reduce, overlapped with the ring), each rank
+computes its queries against them locally and merges the result into (out, LSE) by LSE; in the
+backward pass the column dK/dV are all-reduced (overlapped with the backward ring) and each owner
+adds its rows. The ring steps then carry block (slash) work only, which the striped layout spreads
+evenly. Both schedules compute every (query, key) pair of the pattern exactly once.
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, esti
 from ..patterns.indices import StepIndices
 from . import RingAttentionFunc, check_ring_inputs
 
-__all__ = ["SparseStepKernel", "sparse_ring_attention"]
+__all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention"]
+
+COLUMN_SCHEDULES = ("in_ring", "out_of_ring")
 
 
 class SparseStepKernel:
@@ -51,6 +63,7 @@ class SparseStepKernel:
         self.forward_fn = forward_fn or sparse_attention_forward
         self.backward_fn = backward_fn or sparse_attention_backward
         self.empty = [s.is_empty() for s in self.steps]     # one host sync per step, at construction
+        self.column_phase: Optional["ColumnPhase"] = None   # set by sparse_ring_attention (out_of_ring)
 
     @property
     def computed_steps(self) -> int:
@@ -67,11 +80,140 @@ class SparseStepKernel:
         return self.backward_fn(dout, q, k, v, lse, delta, self.steps[owner], self.softmax_scale)
 
 
+def without_columns(idx: StepIndices) -> StepIndices:
+    """``idx`` with its vertical columns removed (block/slash work only)."""
+    b, hq, nqb = idx.column_count.shape
+    return StepIndices(idx.block_count, idx.block_index, torch.zeros_like(idx.column_count),
+                       torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=idx.column_index.device),
+                       idx.causal, idx.block_size)
+
+
+class ColumnPhase:
+    """Out-of-ring vertical columns (see the module docstring): gather once, compute locally, merge by LSE.
+
+    Built from this rank's per-owner :class:`StepIndices` (``steps``, as produced by
+    :func:`~megatron_mtraining.patterns.convert.convert_pattern`) and the global pattern.
+
+    * Column set ``U``: every selected vertical position of the pattern (union over samples and
+      heads, ascending; identical on all ranks because the pattern is), padded to a multiple of the
+      block size. ``k_cols, v_cols [b, n, hkv, d]`` hold K/V at ``U`` (zeros in the padding).
+    * Gather: each rank writes the rows of ``U`` it owns into zero buffers and the buffers are
+      summed over ``group`` (exact: one non-zero term per row), as one async all-reduce.
+    * Work: one :class:`StepIndices` with no blocks and, per query block, exactly the columns the
+      converter put into its ring steps, re-indexed into ``U``; ``causal=False``, which is exact
+      because every column lies in a block strictly before its query block (the diagonal block is
+      always selected, so a column inside it would be covered by a block) — checked, ``ValueError``
+      otherwise.
+    * Backward: column dK/dV ``[b, n, hkv, d]`` (fp32 for fp32/bf16/fp16 inputs) are summed over
+      ``group`` (async) and each owner adds its rows of ``U`` to its dK/dV. ``U`` has no repeated
+      positions, so the scatter has no collisions (deterministic).
+
+    Args:
+        steps: per-owner :class:`StepIndices` of this rank (with columns).
+        pattern: the global :class:`VerticalSlashPattern` (same on every rank).
+        layout, rank, group: the CP layout, this rank's index in it, the CP group (``None``: one rank).
+        forward_fn, backward_fn: step implementations (signatures of
+            :func:`~megatron_mtraining.ops.sparse_reference.sparse_attention_forward` / ``_backward``).
+        softmax_scale: attention scale.
+
+    Raises:
+        ValueError: a head whose block diagonal 0 is not selected (``local_blocks=0``), or a column
+            the converter placed inside a query's own block.
+    """
+
+    def __init__(self, steps: Sequence[StepIndices], pattern: VerticalSlashPattern, layout: Layout, rank: int,
+                 group, forward_fn: Callable, backward_fn: Callable, softmax_scale: float):
+        if not bool(pattern.slash_mask()[..., 0].all()):
+            raise ValueError("columns='out_of_ring' needs block diagonal 0 selected for every head "
+                             "(VerticalSlashConfig.local_blocks >= 1): out-of-ring columns are computed unmasked")
+        self.layout, self.rank, self.group = layout, rank, group
+        self.forward_fn, self.backward_fn, self.softmax_scale = forward_fn, backward_fn, softmax_scale
+        S, bs = pattern.seq_len, pattern.block_size
+        dev = pattern.vertical.device
+        vert = pattern.vertical
+        self.union = torch.unique(vert[vert >= 0])                                   # ascending, int64
+        self.n = max(bs, bs * -(-self.union.numel() // bs))
+        o_rank, o_loc = layout.global_to_local(self.union, S)
+        mine = o_rank == rank
+        self.mine_slot = torch.nonzero(mine).flatten()                               # rows of U owned here
+        self.mine_local = o_loc[mine]                                                # their local indices
+        glob, valid = [], []
+        for o, st in enumerate(steps):
+            slot = torch.arange(st.column_index.shape[-1], device=dev)
+            ok = slot < st.column_count[..., None].long()
+            t = layout.local_to_global(o, st.column_index.long().clamp(min=0), S)
+            if st.causal and bool((ok & ((t // bs) >= self._query_blocks(layout, rank, S, bs, dev)[:, None])).any()):
+                raise ValueError("a vertical column inside its query's own block cannot run out of the ring")
+            glob.append(torch.where(ok, t, torch.zeros_like(t)))
+            valid.append(ok)
+        glob, valid = torch.cat(glob, -1), torch.cat(valid, -1)
+        pos = torch.searchsorted(self.union, glob)
+        big = torch.iinfo(torch.int64).max
+        packed = torch.sort(torch.where(valid, pos, torch.full_like(pos, big)), dim=-1).values
+        count = valid.sum(-1)
+        packed = packed[..., :max(1, int(count.max()) if count.numel() else 1)]
+        packed = torch.where(packed == big, torch.full_like(packed, -1), packed).to(torch.int32)
+        b, hq, nqb = count.shape
+        self.indices = StepIndices(torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev),
+                                   torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
+                                   count.to(torch.int32), packed, causal=False, block_size=bs)
+        self.empty = self.indices.is_empty()
+        self._kv = None
+        self._pending = None
+
+    @staticmethod
+    def _query_blocks(layout, rank, S, bs, dev):
+        from ..patterns.convert import local_block_ids
+        return local_block_ids(layout, rank, S, bs, dev)
+
+    def _all_reduce(self, t: torch.Tensor):
+        if self.group is None or torch.distributed.get_world_size(self.group) == 1:
+            return None
+        return torch.distributed.all_reduce(t, group=self.group, async_op=True)
+
+    def begin_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Post the gather of the column K/V rows (async; overlaps the ring)."""
+        buf = torch.zeros((2, k.shape[0], self.n, *k.shape[2:]), dtype=k.dtype, device=k.device)
+        buf[0, :, self.mine_slot] = k[:, self.mine_local]
+        buf[1, :, self.mine_slot] = v[:, self.mine_local]
+        self._kv, self._pending = buf, self._all_reduce(buf)
+
+    def forward(self, q: torch.Tensor):
+        """``(out, lse)`` of this rank's queries against the gathered columns, or ``None`` if none."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        if self.empty:
+            return None
+        return self.forward_fn(q, self._kv[0], self._kv[1], self.indices, self.softmax_scale)
+
+    def begin_backward(self, dout, q, lse, delta, dq: torch.Tensor) -> None:
+        """Column gradients: adds dQ into ``dq`` and posts the sum of column dK/dV over the group."""
+        k_cols, v_cols = self._kv[0], self._kv[1]
+        if self.empty:
+            acc = dq.dtype
+            grads = torch.zeros((2, *k_cols.shape), dtype=acc, device=q.device)
+        else:
+            dq_c, dk_c, dv_c = self.backward_fn(dout, q, k_cols, v_cols, lse, delta, self.indices, self.softmax_scale)
+            dq += dq_c
+            grads = torch.stack((dk_c, dv_c))
+        self._grads, self._pending = grads, self._all_reduce(grads)
+
+    def finish_backward(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add the summed column dK/dV rows this rank owns into its ``dk``/``dv`` (in place)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        dk[:, self.mine_local] += self._grads[0][:, self.mine_slot].to(dk.dtype)
+        dv[:, self.mine_local] += self._grads[1][:, self.mine_slot].to(dv.dtype)
+        self._grads = None
+
+
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
                           return_pattern: bool = False, kernel_factory: Optional[Callable] = None,
-                          hierarchical_groups: Optional[tuple] = None):
+                          hierarchical_groups: Optional[tuple] = None, columns: str = "in_ring"):
     """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
 
     Args:
@@ -91,17 +233,23 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             numbering gives this rank's index in ``group``): run the two-level ring of
             :mod:`megatron_mtraining.ring.hierarchical` instead of the flat ring. The pattern is still
             estimated over ``group``.
+        columns: ``"in_ring"`` (each ring step computes the columns its owner holds) or
+            ``"out_of_ring"`` (:class:`ColumnPhase`: columns gathered once and computed outside the
+            ring, which balances the steps; needs ``config.local_blocks >= 1``).
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
 
     Raises:
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
-            group size, or a layout that splits sparse blocks.
+            group size, a layout that splits sparse blocks, or an unknown ``columns`` schedule.
     """
+    if columns not in COLUMN_SCHEDULES:
+        raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
     cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
                            budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
-                                    config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))))
+                                    config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))),
+                           columns=COLUMN_SCHEDULES.index(columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
@@ -109,7 +257,15 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     steps = convert_pattern(pattern, layout, group_rank(group))
     if kernel_factory is None and q.is_cuda:
         from ..ops.triton import make_sparse_step_kernel as kernel_factory   # Triton kernels on the GPU
+    rank = group_rank(group)
+    if columns == "out_of_ring":
+        col_steps = steps
+        steps = [without_columns(st) for st in steps]
     kernel = (kernel_factory or SparseStepKernel)(steps, scale)
+    if columns == "out_of_ring":
+        kernel.column_phase = ColumnPhase(col_steps, pattern, layout, rank, group,
+                                          getattr(kernel, "forward_fn", sparse_attention_forward),
+                                          getattr(kernel, "backward_fn", sparse_attention_backward), scale)
     if hierarchical_groups is None:
         out = RingAttentionFunc.apply(q, k, v, kernel, group)
     else:

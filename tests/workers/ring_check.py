@@ -60,6 +60,8 @@ def main():
                     help="hierarchical ring over Megatron's hierarchical CP groups (also compared with the flat ring)")
     ap.add_argument("--sparse", action="store_true",
                     help="with --hier: the vertical-slash sparse ring (recall 0.9), flat vs hierarchical vs fp64 masked")
+    ap.add_argument("--columns", default="in_ring", choices=["in_ring", "out_of_ring"],
+                    help="with --sparse: where the vertical columns are computed (both runs use it)")
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
     args = ap.parse_args()
@@ -145,10 +147,10 @@ def check(args, group):
 
             cfg = VerticalSlashConfig(recall=0.9, local_blocks=1)
             flat, pattern = sparse_ring_attention(ql, kl, vl, layout=ring_layout, group=group, config=cfg,
-                                                  softmax_scale=scale, return_pattern=True)
+                                                  softmax_scale=scale, return_pattern=True, columns=args.columns)
             flat_grads = torch.autograd.grad(flat, (ql, kl, vl), dl.detach())
             out = sparse_ring_attention(ql, kl, vl, layout=ring_layout, group=group, config=cfg, softmax_scale=scale,
-                                        hierarchical_groups=args.hier_groups)
+                                        hierarchical_groups=args.hier_groups, columns=args.columns)
             # the reference becomes fp64 attention masked with the same (global) pattern
             qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (qr, kr, vr))
             mask = pattern.dense_mask()

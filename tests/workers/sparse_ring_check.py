@@ -8,9 +8,12 @@ on global rank 0:
   masked with the cp=1 pattern (computed in-process with ``group=None`` on the whole sequence);
   ``same_pattern``: the ring's pattern equals that cp=1 pattern on every rank (so it is identical
   across cp sizes and layouts); ``density``: fraction of causal pairs kept (must be < 1).
+  Every masked check runs twice: columns in the ring, and ``columns="out_of_ring"`` (config key
+  ``columns``; ``columns_in_steps``: the columns the converter put into this rank's ring steps,
+  all of which the column phase must carry instead).
 * ``kind="oracle"``: recall 1.0 and huge caps → sparse ring vs the dense ring.
 * ``kind="negative"``: deliberately broken indices (own step with ``causal=False``; own step with
-  block indices shifted by one) must NOT match the masked reference.
+  block indices shifted by one; the ring steps' columns dropped with no column phase) must NOT match the masked reference.
 * ``kind="subgroup"`` (world 4 only, ``--subgroups``): two strided CP groups [0, 2] and [1, 3] with
   different data each (group-local → global rank translation in the estimator and the ring).
 
@@ -83,13 +86,18 @@ def emit(res, kind, config):
         print("RESULT " + json.dumps(worst), flush=True)
 
 
-def masked_check(prob, layout, group, config):
+def masked_check(prob, layout, group, config, columns="in_ring"):
     rank = dist.get_rank(group) if group is not None else 0
     ql, kl, vl, dl = prob.shards(layout, rank)
     out, pat = sparse_ring_attention(ql, kl, vl, layout=layout, group=group, config=prob.cfg,
-                                     softmax_scale=prob.scale, return_pattern=True)
+                                     softmax_scale=prob.scale, return_pattern=True, columns=columns)
     out.backward(dl)
     res = prob.errors(layout, rank, out, ql, kl, vl)
+    if columns == "out_of_ring":     # the ring steps carry no columns; the column phase carries them all
+        steps = convert_pattern(pat, layout, rank)
+        ring_cols = sum(int(st.column_count.sum()) for st in steps)
+        res["columns_in_steps"] = float(ring_cols)      # max over ranks in emit()
+        config = {**config, "columns": columns}
     res["same_pattern"] = bool(pat.same_selection(prob.pattern))
     res["density"] = prob.density
     res["distinct_samples"] = bool(prob.pattern.batch < 2 or not torch.equal(
@@ -117,12 +125,16 @@ def oracle_check(seq, batch, hq, hkv, d, seed, layout, group, config):
 
 def negative_check(prob, layout, group, config):
     rank = dist.get_rank(group) if group is not None else 0
-    for mode in ("no_causal_on_own_step", "shifted_block_index"):
+    for mode in ("no_causal_on_own_step", "shifted_block_index", "columns_dropped"):
         ql, kl, vl, dl = prob.shards(layout, rank)
         steps = convert_pattern(prob.pattern, layout, rank)
         own = steps[rank]
         if mode == "no_causal_on_own_step":
             steps[rank] = dataclasses.replace(own, causal=False)
+        elif mode == "columns_dropped":       # out-of-ring schedule without its column phase
+            from megatron_mtraining.ring.sparse import without_columns
+
+            steps = [without_columns(st) for st in steps]
         else:
             slot = torch.arange(own.block_index.shape[-1])
             valid = slot < own.block_count[..., None]
@@ -150,6 +162,7 @@ def main():
         config = {"cp": world, "layout": kind, "hq": hq, "hkv": hkv, "seq": seq, "batch": batch}
         prob = Problem(seq, batch, hq, hkv, d, seed, cfg)
         masked_check(prob, layout, group, config)
+        masked_check(prob, layout, group, config, columns="out_of_ring")
         if hkv == hq:     # the oracle is the costliest check (a dense pattern): once per layout
             oracle_check(seq, batch, hq, hkv, d, seed, layout, group, config)
         if kind == "striped" and hkv == 1:
@@ -162,6 +175,8 @@ def main():
         prob = Problem(seq, batch, 4, 2, d, 100 + lo, cfg)          # different data per CP group
         masked_check(prob, layout, mine, {"cp": 2, "groups": [[0, 2], [1, 3]], "layout": "striped",
                                           "hq": 4, "hkv": 2, "seq": seq, "batch": batch})
+        masked_check(prob, layout, mine, {"cp": 2, "groups": [[0, 2], [1, 3]], "layout": "striped",
+                                          "hq": 4, "hkv": 2, "seq": seq, "batch": batch}, columns="out_of_ring")
     from tests.helpers.dist import finish_process_group
 
     finish_process_group()
