@@ -1,0 +1,57 @@
+"""GPU check (device tool): the sparse ring at CP=1 with the Triton kernels, vertical columns in the
+ring vs out of the ring (ColumnPhase), bf16, against fp64 attention masked with the same estimated
+pattern; error of each compared with that of a bf16 torch reference (masked SDPA-free einsum).
+
+    python3 tests/workers/gpu_column_phase_check.py      # prints one line per quantity and RESULT
+"""
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from megatron_mtraining.layout import Layout  # noqa: E402
+from megatron_mtraining.ops.triton import make_sparse_step_kernel  # noqa: E402
+from megatron_mtraining.patterns.estimator import VerticalSlashConfig  # noqa: E402
+from megatron_mtraining.ring.sparse import sparse_ring_attention  # noqa: E402
+from tests.workers.vs_data import make_qkv, naive_masked_attention  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def main():
+    s, hq, hkv, d = 4096, 4, 2, 128
+    q, k, v = make_qkv(1, s, hq, hkv, d, seed=3)
+    dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    scale = d ** -0.5
+    res = {}
+    pat = None
+    for columns in ("in_ring", "out_of_ring"):
+        qa, ka, va = (t.cuda().bfloat16().requires_grad_(True) for t in (q, k, v))
+        out, pat = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
+                                         config=VerticalSlashConfig(recall=0.9), softmax_scale=scale,
+                                         return_pattern=True, kernel_factory=make_sparse_step_kernel,
+                                         columns=columns)
+        out.backward(dout.cuda().bfloat16())
+        res[columns] = [t.detach().double().cpu() for t in (out, qa.grad, ka.grad, va.grad)]
+    mask = pat.dense_mask().cpu()
+    refs = []
+    for dt in (torch.float64, torch.bfloat16):
+        qr, kr, vr = (t.cuda().to(dt).requires_grad_(True) for t in (q, k, v))
+        o = naive_masked_attention(qr, kr, vr, mask.cuda(), scale)
+        o.backward(dout.cuda().to(dt))
+        refs.append([t.detach().double().cpu() for t in (o, qr.grad, kr.grad, vr.grad)])
+    ok = True
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        e_bf = rel(refs[1][i], refs[0][i])
+        e_in, e_out = rel(res["in_ring"][i], refs[0][i]), rel(res["out_of_ring"][i], refs[0][i])
+        good = e_in <= 2 * e_bf and e_out <= 2 * e_bf
+        ok &= good
+        print(f"{name}: in_ring {e_in:.2e} out_of_ring {e_out:.2e} bf16 torch ref {e_bf:.2e} {'ok' if good else 'FAIL'}")
+    print("RESULT " + json.dumps({"pass": bool(ok), "density": float(mask.float().mean())}))
+
+
+if __name__ == "__main__":
+    main()

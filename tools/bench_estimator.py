@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Share of the online pattern estimation in MTraining's sparse attention (issue "Triton kernels":
+"pattern estimation <= 5 % of the sparse attention time").
+
+For every sequence length, on structured synthetic q/k with vertical-slash structure
+(:func:`tools.bench_e2e.structured_qkv`, Qwen2.5-3B attention shape: q ``[1, S, 16, 128]``,
+k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
+``configs/e2e_sparse.yaml``):
+
+* ``estimate_s``: :func:`~megatron_mtraining.patterns.estimator.estimate_vertical_slash` +
+  :func:`~megatron_mtraining.patterns.convert.convert_pattern` (index conversion), no grad;
+* ``kernels_s``: the sparse attention fwd+bwd on that fixed pattern (the step kernel through
+  :class:`~megatron_mtraining.ring.RingAttentionFunc`, estimation excluded);
+* ``total_s``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` fwd+bwd
+  (estimation included, as in training);
+* ``estimate_share`` = ``estimate_s / kernels_s`` (the issue's ratio) and
+  ``estimate_s / total_s``.
+
+Times: seconds, median of ``--repeats`` after ``--warmup`` (CUDA events on the GPU, wall clock on
+the CPU). Prints a table; ``--json OUT`` writes the rows.
+
+    python3 tools/bench_estimator.py --seqs 65536,131072,262144 --json est.json     # H200
+    python3 tools/bench_estimator.py --device cpu --seqs 1024 --heads 4 --kv-heads 2 --head-dim 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def _timer(device):
+    import torch
+
+    def run(fn, warmup: int, repeats: int) -> float:
+        ts = []
+        for i in range(warmup + repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                torch.cuda.synchronize()
+                dt = e0.elapsed_time(e1) / 1e3
+            else:
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+            if i >= warmup:
+                ts.append(dt)
+        return statistics.median(ts)
+    return run
+
+
+def measure(seq: int, args) -> dict:
+    import torch
+
+    from megatron_mtraining.config import load_mtraining_config
+    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.estimator import estimate_vertical_slash
+    from megatron_mtraining.ring import RingAttentionFunc
+    from megatron_mtraining.ring.sparse import SparseStepKernel, sparse_ring_attention
+    from tools.bench_e2e import kept_fraction, structured_qkv
+
+    dev = torch.device(args.device)
+    cfg = load_mtraining_config(args.config)
+    layout, vs = cfg.make_layout(1), cfg.vertical_slash
+    q, k, v = structured_qkv(seq, args.heads, args.kv_heads, args.head_dim, dev, seed=seq)
+    if dev.type == "cpu":
+        q, k, v = q.float(), k.float(), v.float()
+    scale = 1.0 / math.sqrt(args.head_dim)
+    factory = None
+    if dev.type == "cuda":
+        from megatron_mtraining.ops.triton import make_sparse_step_kernel as factory
+    factory = factory or SparseStepKernel
+    timeit = _timer(dev)
+
+    def estimate():
+        with torch.no_grad():
+            pat = estimate_vertical_slash(q, k, layout=layout, group=None, config=vs, softmax_scale=scale)
+            return pat, convert_pattern(pat, layout, 0)
+
+    pattern, steps = estimate()
+    kernel = factory(steps, scale)
+    dout = torch.ones_like(q)
+
+    def kernels():
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+        RingAttentionFunc.apply(qq, kk, vv, kernel, None).backward(dout)
+
+    def total():
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+        sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
+                              kernel_factory=factory).backward(dout)
+
+    t_est = timeit(estimate, args.warmup, args.repeats)
+    t_ker = timeit(kernels, args.warmup, args.repeats)
+    t_tot = timeit(total, args.warmup, args.repeats)
+    return {"seq": seq, "device": str(dev), "estimate_s": t_est, "kernels_s": t_ker, "total_s": t_tot,
+            "estimate_share": t_est / t_ker, "estimate_share_of_total": t_est / t_tot,
+            "kept_fraction": kept_fraction(pattern),
+            "mean_slash_blocks": float(pattern.slash_count.float().mean()),
+            "mean_vertical": float(pattern.vertical_count.float().mean())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", default="65536,131072,262144", help="comma-separated sequence lengths")
+    ap.add_argument("--config", default=os.path.join(REPO, "configs", "e2e_sparse.yaml"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but CUDA is not available (use --device cpu for a small check)")
+    rows = [measure(int(s), args) for s in args.seqs.split(",")]
+    print(f"{'seq':>8} {'estimate ms':>12} {'kernels ms':>11} {'total ms':>9} {'est/kernels':>11} "
+          f"{'kept':>6} {'slash':>6} {'vert':>6}")
+    for r in rows:
+        print(f"{r['seq']:>8} {r['estimate_s'] * 1e3:>12.2f} {r['kernels_s'] * 1e3:>11.2f} {r['total_s'] * 1e3:>9.2f} "
+              f"{r['estimate_share']:>11.3f} {r['kept_fraction']:>6.3f} {r['mean_slash_blocks']:>6.1f} "
+              f"{r['mean_vertical']:>6.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
