@@ -1,0 +1,26 @@
+"""tools/bench_estimator.py runs end to end on CPU (small shape) and writes consistent JSON."""
+import json
+
+from tests.helpers.dist import run_python
+
+
+def test_bench_estimator_cpu_smoke(tmp_path):
+    out = tmp_path / "est.json"
+    res = run_python("tools/bench_estimator.py", ["--device", "cpu", "--seqs", "512", "--heads", "2", "--kv-heads", "1",
+                                                  "--head-dim", "64", "--warmup", "0", "--repeats", "1",
+                                                  "--json", str(out)], timeout=240)
+    assert res.returncode == 0, res.tail()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["seq"] == 512 and row["estimate_s"] > 0 and row["kernels_s"] > 0
+    assert row["estimate_share"] == row["estimate_s"] / row["kernels_s"]
+    assert 0 < row["kept_fraction"] <= 1
+    assert "est/kernels" in res.stdout
+
+
+def test_bench_estimator_refuses_cuda_without_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    res = run_python("tools/bench_estimator.py", ["--device", "cuda", "--seqs", "512"], timeout=120)
+    assert res.returncode == 2 and "CUDA is not available" in res.stderr, res.tail()
