@@ -17,6 +17,11 @@ layer and head:
 * ``est_time_ratio``: the estimator's time / the exact (dense) attention forward's time of the
   layer, both the project's torch implementations on the same device.
 
+With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
+(``tools.imbalance.save_pattern`` format; rows in layer, sample, head order; ``meta`` names the
+checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
+text with a trained checkpoint (``tools/imbalance.py --pattern file --pattern-file P``).
+
 Writes ``OUT.json`` and ``OUT.png`` (a few heads' attention, log scale, with the chosen vertical
 columns and slash diagonals drawn over it)::
 
@@ -79,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", default="pattern_recall", help="writes OUT.json and OUT.png")
     out.add_argument("--plot-heads", type=int, default=4, help="number of heads drawn in the PNG (0: no PNG)")
     out.add_argument("--timing-repeats", type=int, default=3)
+    out.add_argument("--save-pattern", default=None, metavar="PATH",
+                     help="also write every layer's estimated pattern (.npz/.pt, rows = layer x sample x head) "
+                          "for tools/imbalance.py --pattern file")
     return ap
 
 
@@ -351,9 +359,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
               "num_samples": args.num_samples, "config": cfg.__dict__, "layers": []}
     picks = []
+    saved_rows = ([], [])                  # (slash offsets, vertical positions) per layer x sample x head
     for li, (q, k, v) in enumerate(captured):
         scale = 1.0 / math.sqrt(q.shape[-1])
         pattern = estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale)
+        for rows, t in zip(saved_rows, (pattern.slash, pattern.vertical)):
+            rows.extend(r[r >= 0].numpy() for r in t.reshape(-1, t.shape[-1]).cpu())
         steps = convert_pattern(pattern, one, 0)
         t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale),
                       args.timing_repeats)
@@ -396,6 +407,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_json.write_text(json.dumps(report, indent=1))
     print("summary:", json.dumps(report["summary"]), flush=True)
     print(f"wrote {out_json}", flush=True)
+    if args.save_pattern:
+        from tools.imbalance import pattern_from_arrays, save_pattern
+
+        save_pattern(args.save_pattern, pattern_from_arrays(seq, *saved_rows),
+                     {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
+                      "layers": len(captured), "rows_per_layer": len(saved_rows[0]) // max(1, len(captured)),
+                      "recall_target": cfg.recall})
+        print(f"wrote {args.save_pattern}", flush=True)
     if args.plot_heads > 0 and picks:
         picks.sort(key=lambda x: -x[2])                       # the sparsest heads are the most telling
         chosen = []

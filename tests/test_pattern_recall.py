@@ -1,0 +1,37 @@
+"""tools/pattern_recall.py on a tiny fresh model and tiny data: JSON report, and a pattern file
+(--save-pattern) that tools/imbalance.py --pattern file replays with the same per-head lines."""
+import json
+
+import numpy as np
+
+from tests.helpers.dist import run_python
+from tests.helpers.tiny_data import make_tiny_dataset
+
+
+def test_pattern_recall_saves_a_pattern_the_imbalance_tool_reads(tmp_path):
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    out, pat = tmp_path / "rec", tmp_path / "pat.npz"
+    res = run_python("tools/pattern_recall.py", [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "512", "--recall", "0.9",
+        "--timing-repeats", "1", "--plot-heads", "0", "--out", str(out), "--save-pattern", str(pat)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    report = json.loads((tmp_path / "rec.json").read_text())
+    assert len(report["layers"]) == 2
+    z = np.load(pat)
+    meta = json.loads(str(z["meta"]))
+    assert int(z["seq_len"]) == 512 and meta["layers"] == 2 and meta["rows_per_layer"] == 4
+    assert z["slash"].shape[0] == z["vertical"].shape[0] == 8            # 2 layers x 1 sample x 4 heads
+    for li, layer in enumerate(report["layers"]):                        # rows match the report's budgets
+        for h, head in enumerate(layer["heads"]):
+            row = li * 4 + h
+            assert (z["slash"][row] >= 0).sum() == head["slash"][0]
+            assert (z["vertical"][row] >= 0).sum() == head["vertical"][0]
+    js = tmp_path / "imb.json"
+    res = run_python("tools/imbalance.py", ["--model", "flops", "--cp", "2", "--seq-len", "512", "--layout", "striped",
+                                            "--granularity", "64", "--pattern", "file", "--pattern-file", str(pat),
+                                            "--json", str(js)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    imb = json.loads(js.read_text())
+    text = json.dumps(imb)
+    assert "worker_imbalance" in text and "step_imbalance" in text
