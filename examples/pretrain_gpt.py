@@ -99,6 +99,13 @@ def init_distributed(args) -> "torch.device":
 
 
 def build_tokenizer(args):
+    """``--tokenizer-type HuggingFaceTokenizer``: a ``tokenizer.json`` through the ``tokenizers`` library
+    (:class:`~megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer`); every other type: the
+    sentencepiece model through ``megatron.core.tokenizers`` (GPT model type)."""
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
+
+        return TokenizersTokenizer(args.tokenizer_model)
     from megatron.core.tokenizers import MegatronTokenizer
 
     return MegatronTokenizer.from_pretrained(

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Tokenize a JSONL corpus into Megatron-Core indexed datasets (``.bin`` + ``.idx``).
 
-Drop-in for the common use of Megatron-LM's ``tools/preprocess_data.py`` with sentencepiece:
+Drop-in for the common use of Megatron-LM's ``tools/preprocess_data.py`` with sentencepiece (or a
+Hugging Face ``tokenizer.json`` with ``--tokenizer-type HuggingFaceTokenizer``, e.g. the SmolLM2
+tokenizer written by ``tools/convert_smollm2.py``):
 
     python tools/preprocess_data.py --input data/corpus/books.jsonl --json-keys text \\
         --output-prefix data/megatron/books --tokenizer-type SentencePieceTokenizer \\
@@ -10,8 +12,10 @@ Drop-in for the common use of Megatron-LM's ``tools/preprocess_data.py`` with se
 writes ``data/megatron/books_text_document.{bin,idx}`` (the prefix to pass to training is
 ``data/megatron/books_text_document``). Each JSONL line becomes one document stored as a single
 sequence; ids come from ``megatron.core.tokenizers.MegatronTokenizer`` (sentencepiece library,
-``gpt`` model type), the same object training uses, and ``--append-eod`` appends its ``eod`` id
-(the model's EOS). The token dtype is ``DType.optimal_dtype(vocab_size)`` (uint16 below 65 500).
+``gpt`` model type) or, for ``HuggingFaceTokenizer``, from
+``megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer`` (``tokenizers`` library, no special
+tokens added) -- the same objects training uses -- and ``--append-eod`` appends its ``eod`` id
+(sentencepiece: the model's EOS; tokenizer.json: ``<|endoftext|>`` or ``</s>``). The token dtype is ``DType.optimal_dtype(vocab_size)`` (uint16 below 65 500).
 Documents that tokenize to nothing are skipped and counted.
 
 Outputs are cached: if they are newer than both the input and the tokenizer model the tool
@@ -33,9 +37,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-# All three names load a sentencepiece model through megatron.core.tokenizers with the GPT model
-# type: plain sentencepiece ids (no BOS), eod = the model's EOS id.
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# The first three names load a sentencepiece model through megatron.core.tokenizers with the GPT model
+# type: plain sentencepiece ids (no BOS), eod = the model's EOS id. HuggingFaceTokenizer loads a
+# tokenizer.json (file or directory) with the `tokenizers` library (see pretrain_gpt.build_tokenizer).
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
 TOKENIZER_METADATA = {"library": "sentencepiece", "model_type": "gpt"}
 
 
@@ -51,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="not supported: documents are always stored whole (one sequence per document)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES,
-                   help="tokenizer implementation; all choices use the sentencepiece model as-is")
-    g.add_argument("--tokenizer-model", type=Path, help="sentencepiece .model file (required)")
+                   help="HuggingFaceTokenizer: a tokenizer.json (tokenizers library); the others use the "
+                        "sentencepiece model as-is")
+    g.add_argument("--tokenizer-model", type=Path,
+                   help="sentencepiece .model file, or a tokenizer.json (or its directory) for "
+                        "HuggingFaceTokenizer (required)")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", type=Path, required=True,
@@ -77,7 +85,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--input: file not found: {args.input}")
     if args.tokenizer_model is None:
         p.error(f"--tokenizer-model is required for --tokenizer-type {args.tokenizer_type}")
-    if not args.tokenizer_model.is_file():
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        if not (args.tokenizer_model.is_file() or (args.tokenizer_model / "tokenizer.json").is_file()):
+            p.error(f"--tokenizer-model: no tokenizer.json at {args.tokenizer_model} (HuggingFaceTokenizer takes "
+                    "a tokenizer.json file or a directory holding one, e.g. from tools/convert_smollm2.py)")
+    elif not args.tokenizer_model.is_file():
         p.error(f"--tokenizer-model: file not found: {args.tokenizer_model} "
                 "(tools/prepare_corpus.py fetches one to data/tokenizer/mistral_v1.model)")
     if args.workers < 1:
@@ -99,8 +111,14 @@ def up_to_date(outputs: list[Path], inputs: list[Path]) -> bool:
     return min(o.stat().st_mtime for o in outputs) >= max(i.stat().st_mtime for i in inputs)
 
 
-def load_tokenizer(model: Path):
-    """Load the sentencepiece model as a Megatron-Core GPT tokenizer (what training uses)."""
+def load_tokenizer(model: Path, tokenizer_type: str = "SentencePieceTokenizer"):
+    """Load the tokenizer as training does: a tokenizer.json through
+    :class:`~megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer` for ``HuggingFaceTokenizer``,
+    else the sentencepiece model as a Megatron-Core GPT tokenizer."""
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
+
+        return TokenizersTokenizer(model)
     from megatron.core.tokenizers import MegatronTokenizer
 
     return MegatronTokenizer.from_pretrained(tokenizer_path=str(model), metadata_path=dict(TOKENIZER_METADATA))
@@ -109,8 +127,9 @@ def load_tokenizer(model: Path):
 class _Encoder:
     """Tokenizes one JSONL line; one instance per process (the tokenizer is loaded lazily)."""
 
-    def __init__(self, model: Path, keys: list[str], append_eod: bool) -> None:
-        self.model, self.keys, self.append_eod = model, keys, append_eod
+    def __init__(self, model: Path, keys: list[str], append_eod: bool,
+                 tokenizer_type: str = "SentencePieceTokenizer") -> None:
+        self.model, self.keys, self.append_eod, self.tokenizer_type = model, keys, append_eod, tokenizer_type
         self.tok = None
 
     def __call__(self, item: tuple[int, str]):
@@ -122,7 +141,7 @@ class _Encoder:
         import numpy as np
 
         if self.tok is None:
-            self.tok = load_tokenizer(self.model)
+            self.tok = load_tokenizer(self.model, self.tokenizer_type)
         lineno, line = item
         try:
             rec = json.loads(line)
@@ -174,7 +193,7 @@ def preprocess(args: argparse.Namespace) -> tuple[dict[str, dict[str, int]], flo
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
-    tok = load_tokenizer(args.tokenizer_model)
+    tok = load_tokenizer(args.tokenizer_model, args.tokenizer_type)
     if args.append_eod and (tok.eod is None or tok.eod < 0):
         raise ValueError(f"--append-eod: tokenizer {args.tokenizer_model} has no EOS id (eod={tok.eod})")
     dtype = DType.optimal_dtype(tok.vocab_size)
@@ -183,7 +202,7 @@ def preprocess(args: argparse.Namespace) -> tuple[dict[str, dict[str, int]], flo
     args.output_prefix.parent.mkdir(parents=True, exist_ok=True)
     counts = {k: {"documents": 0, "tokens": 0, "skipped": 0} for k in args.json_keys}
     n_lines = sum(1 for _ in _lines(args.input))
-    encoder = _Encoder(args.tokenizer_model, args.json_keys, args.append_eod)
+    encoder = _Encoder(args.tokenizer_model, args.json_keys, args.append_eod, args.tokenizer_type)
     print(f"{args.input}: {n_lines} documents; tokenizer {args.tokenizer_type} ({args.tokenizer_model.name}, "
           f"vocab {tok.vocab_size}, eod {tok.eod}); dtype {dtype.__name__}; {args.workers} worker(s)", flush=True)
 

@@ -25,7 +25,9 @@ __all__ = ["build_parser", "parse_args", "validate_args", "ArgumentValidationErr
 
 CP_ATTENTION_CHOICES = ("mtraining", "te")
 CP_LAYOUT_CHOICES = ("striped", "zigzag")
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
+# HuggingFaceTokenizer: --tokenizer-model is a tokenizer.json (or a directory holding one), loaded with the
+# `tokenizers` library (megatron_mtraining.megatron.hf_tokenizer); the others: a sentencepiece .model file.
 
 
 class ArgumentValidationError(ValueError):
@@ -121,8 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
                    help="accepted for compatibility: a dense mask is never built")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer")
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",
+                   help="HuggingFaceTokenizer: a tokenizer.json (tokenizers library, e.g. from "
+                        "tools/convert_smollm2.py); the others: a sentencepiece model")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model file, or for HuggingFaceTokenizer a tokenizer.json file or a "
+                        "directory holding one")
 
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
@@ -306,7 +312,12 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     # --- files
     if args.tokenizer_model is None:
         raise E(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
-    if not Path(args.tokenizer_model).is_file():
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        tok = Path(args.tokenizer_model)
+        if not (tok.is_file() or (tok / "tokenizer.json").is_file()):
+            raise E(f"--tokenizer-model: no tokenizer.json at {args.tokenizer_model} (--tokenizer-type "
+                    "HuggingFaceTokenizer takes a tokenizer.json file or a directory holding one)")
+    elif not Path(args.tokenizer_model).is_file():
         raise E(f"--tokenizer-model: file not found: {args.tokenizer_model}")
     if not args.data_path:
         raise E("--data-path is required (indexed-dataset prefix, without .bin/.idx)")
