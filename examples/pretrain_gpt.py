@@ -391,13 +391,50 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
     return ckpt_dir
 
 
-def load_checkpoint(args, model, optimizer, scheduler) -> int:
-    """Restore from ``--load`` (latest iteration); returns the iteration (0 if nothing to load)."""
+# --load of a converted checkpoint must describe the same network as the command line
+ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+             "kv_channels", "normalization", "swiglu", "disable_bias_linear", "position_embedding_type",
+             "untie_embeddings_and_output_weights", "padded_vocab_size")
+
+
+def check_release_args(args, saved: dict, vocab: int, ckpt_dir: str) -> None:
+    """Exit with a message naming the flag when a release checkpoint's network differs from ``args``."""
+    mine = {**{k: getattr(args, k, None) for k in ARCH_KEYS}, "padded_vocab_size": vocab}
+    bad = [f"--{k.replace('_', '-')} {mine[k]!r} (checkpoint: {saved[k]!r})"
+           for k in ARCH_KEYS if k in saved and saved[k] != mine[k]]
+    if bad:
+        raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} holds a different network: "
+                         + "; ".join(bad) + " (see the flags file next to the checkpoint)")
+
+
+def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None) -> int:
+    """Restore from ``--load`` (latest iteration); returns the iteration (0 if nothing to load).
+
+    Megatron-LM's *release* convention is honoured: when ``latest_checkpointed_iteration.txt``
+    reads ``release`` (converted weights, e.g. ``tools/convert_smollm2.py``), only the model is
+    loaded from ``LOAD/release`` (its architecture must match the flags, see
+    :func:`check_release_args`); the optimizer, LR schedule and iteration start fresh at 0.
+    """
     import torch
 
     tracker = Path(args.load, "latest_checkpointed_iteration.txt")
     if not tracker.is_file():
         log0(f" > no checkpoint found under --load {args.load} ({tracker.name} missing); starting from scratch")
+        return 0
+    if tracker.read_text().strip() == "release":
+        ckpt_dir = os.path.join(args.load, "release")
+        if args.ckpt_format == "torch_dist":
+            from megatron.core import dist_checkpointing
+
+            check_release_args(args, dist_checkpointing.load_common_state_dict(ckpt_dir).get("args", {}),
+                               vocab, ckpt_dir)
+            state = dist_checkpointing.load({"model": model.module.sharded_state_dict()}, ckpt_dir)
+        else:
+            state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
+            check_release_args(args, state.get("args", {}), vocab, ckpt_dir)
+        model.module.load_state_dict(state["model"])
+        log0(f" > loaded release checkpoint {ckpt_dir} (model weights only; optimizer, LR schedule and "
+             "iteration start fresh)")
         return 0
     iteration = int(tracker.read_text().strip())
     ckpt_dir = os.path.join(args.load, f"iter_{iteration:07d}")
@@ -473,7 +510,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
     )
-    start_iter = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
+    start_iter = load_checkpoint(args, model, optimizer, scheduler, vocab) if args.load else 0
 
     log0(f" > world {args.world_size} = TP {args.tensor_model_parallel_size} x CP {args.context_parallel_size}"
          f" x DP {dp} | device {device.type} ({args.distributed_backend or dist.get_backend()})"
