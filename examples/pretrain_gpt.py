@@ -196,12 +196,20 @@ def transformer_config(args):
     return TransformerConfig(**kw)
 
 
-def build_model(args, config, vocab_size: int, device):
+def build_model(args, config, vocab_size: int, device, layer_spec=None):
+    """GPTModel for ``args`` (Float16Module-wrapped with --bf16/--fp16).
+
+    ``layer_spec`` replaces the transformer-layer spec that ``--cp-attention`` selects (and then
+    megatron-core's own RoPE is kept); tools/eval_long_context.py passes megatron-core's local spec
+    (stock ``DotProductAttention``) for its dense reference.
+    """
     from megatron.core.models.gpt import GPTModel
 
     from megatron_mtraining.layout import Layout
 
-    if args.cp_attention == "mtraining":
+    if layer_spec is not None:
+        spec = layer_spec
+    elif args.cp_attention == "mtraining":
         from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
         from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
 
@@ -224,7 +232,7 @@ def build_model(args, config, vocab_size: int, device):
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     )
-    if args.cp_attention == "mtraining":
+    if layer_spec is None and args.cp_attention == "mtraining":
         from megatron.core import parallel_state as ps
 
         from megatron_mtraining.megatron.rope import install_layout_rope
@@ -455,6 +463,52 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         scheduler.load_state_dict(state["opt_param_scheduler"])
     log0(f" > loaded checkpoint {ckpt_dir} (iteration {iteration})")
     return iteration
+
+
+def checkpoint_dir(load_dir: str, iteration: Optional[int] = None) -> tuple[str, Any]:
+    """``(directory, iteration)`` of a checkpoint under ``load_dir``: ``iter_XXXXXXX`` of ``iteration``
+    (default: ``latest_checkpointed_iteration.txt``; ``release`` there means ``load_dir/release``).
+
+    Raises:
+        FileNotFoundError: no tracker file / no such directory.
+    """
+    if iteration is None:
+        tracker = Path(load_dir, "latest_checkpointed_iteration.txt")
+        if not tracker.is_file():
+            raise FileNotFoundError(f"{load_dir}: not a checkpoint directory ({tracker.name} missing)")
+        text = tracker.read_text().strip()
+        iteration = "release" if text == "release" else int(text)
+    d = os.path.join(load_dir, "release" if iteration == "release" else f"iter_{iteration:07d}")
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"{d}: checkpoint of iteration {iteration} not found")
+    return d, iteration
+
+
+def load_model_weights(load_dir: str, model, ckpt_format: str = "torch_dist",
+                       iteration: Optional[int] = None) -> tuple[str, Any]:
+    """Load only the model weights of a checkpoint (evaluation; see :func:`checkpoint_dir`).
+
+    Args:
+        load_dir: the ``--save`` directory (holds ``latest_checkpointed_iteration.txt``).
+        model: the unwrapped model of :func:`build_model` (GPTModel or Float16Module, no DDP).
+        ckpt_format: ``torch_dist`` or ``torch`` (as saved; any CP/DP size at TP=1).
+        iteration: which ``iter_XXXXXXX`` to load (default: the latest).
+
+    Returns:
+        ``(checkpoint directory, iteration)``.
+    """
+    import torch
+
+    ckpt_dir, iteration = checkpoint_dir(load_dir, iteration)
+    if ckpt_format == "torch_dist":
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
+    else:  # every CP/DP rank holds the full model at TP=1: take TP 0 / CP 0 / DP 0's file
+        state = torch.load(os.path.join(ckpt_dir, "mp_rank_00_cp_00_dp_000.pt"), map_location="cpu",
+                           weights_only=False)
+    model.load_state_dict(state["model"])
+    return ckpt_dir, iteration
 
 
 # ---------------------------------------------------------------------------------------- main
