@@ -375,9 +375,9 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, divisible_
 
     Raises:
         GGUFError: see :func:`read_gguf`, :func:`build_bpe_tokenizer`.
-    """
-    import torch
 
+    An existing ``out_dir/release`` is replaced and the tracker file is set to ``release``.
+    """
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -419,7 +419,6 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, divisible_
             "total_s": round(time.perf_counter() - t0, 2)}
     (out / "model_args.json").write_text(json.dumps(info, indent=1) + "\n")
     (out / "pretrain_flags.txt").write_text(" ".join(flags) + "\n")
-    del model, torch
     return info
 
 

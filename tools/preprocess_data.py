@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     outputs = [path for k in args.json_keys for path in output_paths(args.output_prefix, k)]
-    if not args.force and up_to_date(outputs, [args.input, args.tokenizer_model]):
+    tok_file = args.tokenizer_model / "tokenizer.json" if args.tokenizer_model.is_dir() else args.tokenizer_model
+    if not args.force and up_to_date(outputs, [args.input, tok_file]):
         print(f"Up to date, nothing to do: {', '.join(map(str, outputs))} are newer than "
               f"{args.input} and {args.tokenizer_model} (--force rebuilds).")
         return 0
