@@ -269,3 +269,17 @@ def test_cli_errors_name_the_flag(trained, tmp_path):
     assert r.returncode == 2 and "no .txt files" in r.stderr, r.tail()
     r = _tool(trained, "--skip-niah", "--eval-seq-length", 100, timeout=60)      # not a multiple of 64
     assert r.returncode == 2 and "granularity" in r.stderr, r.tail()
+
+
+@pytest.mark.slow
+def test_plain_text_file_is_one_document(trained, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text(" ".join(["the ring attention reads a long context and sparse blocks stripe across ranks"] * 60))
+    out = tmp_path / "text.json"
+    r = run_python(TOOL, [trained["ckpt"], *MODEL_FLAGS, "--tokenizer-model", trained["tok"], "--data-path", text,
+                          "--skip-niah", "--max-windows", 2, "--json", out], timeout=120)
+    assert r.returncode == 0, r.tail()
+    p = json.loads(out.read_text())["ppl"]
+    assert p["source"] == {"text_file": str(text), "documents": 1} and p["mode"] == "document"
+    assert p["windows"] == 2 and p["overall"]["tokens"] == 2 * SEQ
+    assert [b["bucket"] for b in p["buckets"]] == ["0-256"]  # default edges 0, 2K, ... truncated to L = 256
