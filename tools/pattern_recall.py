@@ -149,8 +149,9 @@ def _checkpoint_dir(load: str) -> tuple[str, dict]:
     tracker = Path(load, "latest_checkpointed_iteration.txt")
     if not tracker.is_file():
         raise SystemExit(f"error: --load {load}: {tracker.name} not found (not a pretrain_gpt.py --save dir)")
-    it = int(tracker.read_text().strip())
-    ckpt = Path(load, f"iter_{it:07d}")
+    text = tracker.read_text().strip()
+    it = "release" if text == "release" else int(text)      # release: converted weights (tools/convert_smollm2.py)
+    ckpt = Path(load, "release" if it == "release" else f"iter_{it:07d}")
     files = sorted(ckpt.glob("mp_rank_*.pt"))
     if files:   # --ckpt-format torch: one file per rank; TP=1 weights are the same on every CP/DP rank
         state = torch.load(files[0], map_location="cpu", weights_only=False)
@@ -316,17 +317,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not saved:
             raise SystemExit(f"error: {ckpt_dir} has no saved training args; cannot rebuild the model")
     vocab_src = None
-    if saved.get("tokenizer_model") and Path(saved["tokenizer_model"]).is_file():
+    if saved.get("padded_vocab_size"):
+        vocab = int(saved["padded_vocab_size"])
+    elif saved.get("tokenizer_model") and Path(saved["tokenizer_model"]).is_file():
         vocab_src = saved["tokenizer_model"]
     elif args.tokenizer_model:
         vocab_src = args.tokenizer_model
-    if vocab_src:
+    if saved.get("padded_vocab_size"):
+        pass
+    elif vocab_src:
         import sentencepiece as spm
 
-        vocab = spm.SentencePieceProcessor(model_file=vocab_src).vocab_size()
+        vocab = padded_vocab(spm.SentencePieceProcessor(model_file=vocab_src).vocab_size(),
+                             saved or {"make_vocab_size_divisible_by": 128})
     else:
-        vocab = args.vocab_size or int(tokens.max()) + 1
-    vocab = padded_vocab(vocab, saved or {"make_vocab_size_divisible_by": 128})
+        vocab = padded_vocab(args.vocab_size or int(tokens.max()) + 1, saved or {"make_vocab_size_divisible_by": 128})
     if int(tokens.max()) >= vocab:
         raise SystemExit(f"error: token id {int(tokens.max())} >= vocab size {vocab}")
     model, config = build_model(args, vocab, saved)
