@@ -29,6 +29,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "zigzag_sparse.yaml": ("zigzag", "vertical_slash", 0.9, 64),
     "hierarchical.yaml": ("hierarchical", "dense", None, 64),
     "e2e_sparse.yaml": ("striped", "vertical_slash", 0.95, 64),
+    "long_context_r095.yaml": ("striped", "vertical_slash", 0.95, 64),
 }
 
 

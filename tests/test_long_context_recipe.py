@@ -1,0 +1,185 @@
+"""The long-context extension recipe (issue #11) at tiny scale on CPU, offline.
+
+* ``tools/build_long_context_data.py``: a document-disjoint train / held-out split of long documents,
+  written exactly as ``tools/preprocess_data.py --append-eod`` writes them.
+* ``tools/extend_context.py``: a run split over several calls (time budget, ``--stop-iter``, then to
+  the end) gives the same losses, learning rates and gradient norms as one uninterrupted run; a
+  finished run is a no-op; the mtraining mode (vertical-slash config) runs on the same data; the
+  dry run prints the command with the raised RoPE base.
+
+All driver calls run in one worker process (``main`` called repeatedly on fresh ports) so the
+test costs one interpreter start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers.dist import REPO_ROOT, run_python
+from tests.helpers.tiny_data import make_tiny_dataset
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import extend_context as ec  # noqa: E402
+
+TINY_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+              "--position-embedding-type rope --rotary-base 10000 --normalization RMSNorm --swiglu "
+              "--disable-bias-linear --tokenizer-type SentencePieceTokenizer --tokenizer-model {tok} --load {base}")
+
+WORKER = r'''
+import json, os, socket, sys
+sys.path.insert(0, os.path.join({repo!r}, "tools"))
+import extend_context as ec
+
+def call(root, mode, *extra):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    argv = ["--mode", mode, "--seq", "512", "--train-iters", "4", "--global-batch-size", "2",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--rotary-base", "40000",
+            "--base", {base!r}, "--data-prefix", {data!r}, "--save-root", os.path.join({out!r}, root),
+            "--precision", "fp32", *extra]
+    assert ec.main(argv) == 0, (root, extra)
+
+if __name__ == "__main__":                             # the checkpoint writer starts a multiprocessing Manager
+    call("ref", "dense")                               # uninterrupted
+    call("split", "dense", "--time-budget-s", "1")     # call 1: the budget is spent -> stops after iteration 1
+    call("split", "dense", "--stop-iter", "3")         # call 2: iterations 2-3
+    call("split", "dense")                             # call 3: iteration 4
+    call("split", "dense")                             # call 4: finished, nothing to do
+    call("sparse", "mtraining", "--stop-iter", "2")    # mtraining mode, same data and seed
+    print("WORKER_OK")
+'''
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("long_context")
+    prefix, tok = make_tiny_dataset(d / "data")
+    base = d / "base"                       # no tracker: the first call starts from the seeded init
+    base.mkdir()
+    (base / "pretrain_flags.txt").write_text(TINY_FLAGS.format(tok=tok, base=base))
+    script = d / "worker.py"
+    script.write_text(WORKER.format(repo=str(REPO_ROOT), base=str(base), data=prefix, out=str(d / "runs")))
+    res = run_python(str(script), [], timeout=300)
+    assert res.returncode == 0 and "WORKER_OK" in res.stdout, res.tail()
+    return d / "runs", res.stdout
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_split_run_resumes_exactly(recipe_runs):
+    runs, _ = recipe_runs
+    ref = _rows(runs / "ref" / "dense_0k" / "metrics.jsonl")
+    split = _rows(runs / "split" / "dense_0k" / "metrics.jsonl")
+    assert [r["iteration"] for r in ref] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in split] == [1, 2, 3, 4]       # no repeated or skipped iteration
+    for a, b in zip(ref, split):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-6, abs=0), (a, b)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-12), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (a, b)
+        assert b["tokens"] == a["tokens"]
+    assert len({r["lr"] for r in ref}) > 2                        # warm-up + cosine: the schedule moves
+    calls = _rows(runs / "split" / "dense_0k" / "calls.jsonl")
+    assert [(c["start_iteration"], c["end_iteration"], c["checkpoint"]) for c in calls] == \
+        [(0, 1, "1"), (1, 3, "3"), (3, 4, "4")]
+    assert calls[0]["stop_reason"].startswith("time budget") and calls[1]["stop_reason"] == "--stop-iter 3"
+    assert calls[2]["stop_reason"] is None
+    assert (runs / "split" / "dense_0k" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def test_finished_run_is_a_no_op_and_mtraining_runs(recipe_runs):
+    runs, out = recipe_runs
+    assert "is finished (iteration 4 of 4); nothing to do" in out
+    sparse = _rows(runs / "sparse" / "mtraining_0k" / "metrics.jsonl")
+    ref = _rows(runs / "ref" / "dense_0k" / "metrics.jsonl")
+    assert [r["iteration"] for r in sparse] == [1, 2]
+    assert all(np.isfinite(r["lm_loss"]) for r in sparse)
+    assert sparse[0]["tokens"] == ref[0]["tokens"]                # same samples
+    assert "pattern vertical_slash" in out                        # the config was used
+
+
+def test_dry_run_and_rope_base(tmp_path, capsys):
+    assert (ec.abf_rotary_base(8192), ec.abf_rotary_base(32768), ec.abf_rotary_base(65536)) == \
+        (100000, 1000000, 3200000)
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "pretrain_flags.txt").write_text(TINY_FLAGS.format(tok="tok.model", base=base) + " --seq-length 8")
+    assert ec.main(["--mode", "mtraining", "--base", str(base), "--save-root", str(tmp_path / "r"),
+                    "--precision", "bf16", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cmd = out.splitlines()[-1].split()
+    assert cmd[cmd.index("--rotary-base") + 1] == "1000000" and cmd.count("--rotary-base") == 1
+    assert cmd[cmd.index("--seq-length") + 1] == "32768" and cmd.count("--seq-length") == 1
+    assert cmd[cmd.index("--load") + 1] == str(base) and "--bf16" in cmd
+    assert cmd[cmd.index("--mtraining-config") + 1] == ec.DEFAULT_CONFIG
+    assert not (tmp_path / "r").exists()
+    # resume: once the run directory holds a checkpoint, --load points there
+    rd = tmp_path / "r" / "dense_32k"
+    rd.mkdir(parents=True)
+    (rd / "latest_checkpointed_iteration.txt").write_text("7")
+    assert ec.main(["--mode", "dense", "--base", str(base), "--save-root", str(tmp_path / "r"),
+                    "--precision", "fp32", "--dry-run"]) == 0
+    cmd = capsys.readouterr().out.splitlines()[-1].split()
+    assert cmd[cmd.index("--load") + 1] == str(rd) and "--mtraining-config" not in cmd and "--bf16" not in cmd
+
+
+# ------------------------------------------------------------------------------------- data
+def _tiny_tokenizer_json(path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog int main void return"] * 50, trainer)
+    tok.save(str(path))
+    return path
+
+
+def test_build_long_context_data(tmp_path):
+    import build_long_context_data as bl
+    import preprocess_data
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    tok = _tiny_tokenizer_json(tmp_path / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    words = "the quick brown fox jumps over lazy dog".split()
+    docs = []
+    for i in range(24):
+        source, ident = [("books", f"b{i}"), ("python_docs", f"d{i}"), ("linux", f"k{i}.c")][i % 3]
+        n = int(rng.integers(20, 400)) if i % 4 else 10        # every 4th document is short
+        docs.append({"source": source, "id": ident, "license": "x", "text": " ".join(rng.choice(words, n))})
+    docs.append({"source": "linux", "id": "table.c", "license": "x", "text": "0xff, 0x12, " * 200})
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs + docs[:2]))  # duplicates
+    out = tmp_path / "out"
+    assert bl.main(["--inputs", str(tmp_path / "c.jsonl"), "--tokenizer-model", str(tok), "--out-dir", str(out),
+                    "--min-tokens", "100", "--heldout-every", "3", "--max-train-tokens", "2000"]) == 0
+    s = json.loads((out / "split.json").read_text())
+    assert s["data_tables_dropped"] == 1 and s["documents_read"] == 25
+    per = {(d["source"], d["id"]): d for d in s["documents"]}
+    train = [k for k, d in per.items() if d["split"] == "train"]
+    held = [k for k, d in per.items() if d["split"] == "heldout"]
+    assert train and held and not set(train) & set(held)
+    assert all(d["tokens"] >= 100 for d in s["documents"])
+    assert {per[k]["source"] for k in held} == {"books", "python_docs", "linux"}   # every group held out
+    assert sum(per[k]["tokens"] for k in train) <= 2000
+    for split in ("train", "heldout"):
+        ds = IndexedDataset(str(out / f"{split}_text_document"))
+        info = s["splits"][split]
+        assert len(ds) == info["documents"] and int(ds.sequence_lengths.sum()) == info["tokens_with_eod"]
+        # the same ids + EOD as preprocess_data.py --append-eod on the same texts
+        assert preprocess_data.main(["--input", str(out / f"{split}.jsonl"), "--output-prefix",
+                                     str(tmp_path / f"pp_{split}"), "--tokenizer-type", "HuggingFaceTokenizer",
+                                     "--tokenizer-model", str(tok), "--append-eod"]) == 0
+        pp = IndexedDataset(str(tmp_path / f"pp_{split}_text_document"))
+        assert len(pp) == len(ds)
+        for j in range(len(ds)):
+            assert np.array_equal(np.asarray(ds[j]), np.asarray(pp[j]))
