@@ -42,16 +42,20 @@ def call(root, mode, *extra):
     argv = ["--mode", mode, "--seq", "512", "--train-iters", "4", "--global-batch-size", "2",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--rotary-base", "40000",
             "--base", {base!r}, "--data-prefix", {data!r}, "--save-root", os.path.join({out!r}, root),
-            "--precision", "fp32", *extra]
+            *extra]
     assert ec.main(argv) == 0, (root, extra)
 
 if __name__ == "__main__":                             # the checkpoint writer starts a multiprocessing Manager
-    call("ref", "dense")                               # uninterrupted
-    call("split", "dense", "--time-budget-s", "1")     # call 1: the budget is spent -> stops after iteration 1
-    call("split", "dense", "--stop-iter", "3")         # call 2: iterations 2-3
-    call("split", "dense")                             # call 3: iteration 4
-    call("split", "dense")                             # call 4: finished, nothing to do
-    call("sparse", "mtraining", "--stop-iter", "2")    # mtraining mode, same data and seed
+    fp32, bf16 = ["--precision", "fp32"], ["--precision", "bf16"]
+    call("ref", "dense", *fp32)                               # uninterrupted
+    call("split", "dense", *fp32, "--time-budget-s", "1")     # call 1: the budget is spent -> stops after iteration 1
+    call("split", "dense", *fp32, "--stop-iter", "3")         # call 2: iterations 2-3
+    call("split", "dense", *fp32)                             # call 3: iteration 4
+    call("split", "dense", *fp32)                             # call 4: finished, nothing to do
+    call("sparse", "mtraining", *fp32, "--stop-iter", "2")    # mtraining mode, same data and seed
+    call("ref_bf16", "dense", *bf16)                          # bf16 (as on the GPU): fp32 main weights and
+    call("split_bf16", "dense", *bf16, "--stop-iter", "2")    # Adam moments must survive the checkpoint
+    call("split_bf16", "dense", *bf16)
     print("WORKER_OK")
 '''
 
@@ -92,6 +96,16 @@ def test_split_run_resumes_exactly(recipe_runs):
     assert calls[0]["stop_reason"].startswith("time budget") and calls[1]["stop_reason"] == "--stop-iter 3"
     assert calls[2]["stop_reason"] is None
     assert (runs / "split" / "dense_0k" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def test_bf16_split_run_resumes_exactly(recipe_runs):
+    runs, _ = recipe_runs
+    ref = _rows(runs / "ref_bf16" / "dense_0k" / "metrics.jsonl")
+    split = _rows(runs / "split_bf16" / "dense_0k" / "metrics.jsonl")
+    assert [r["iteration"] for r in split] == [r["iteration"] for r in ref] == [1, 2, 3, 4]
+    for a, b in zip(ref, split):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-6, abs=0), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (a, b)
 
 
 def test_finished_run_is_a_no_op_and_mtraining_runs(recipe_runs):
@@ -161,7 +175,8 @@ def test_build_long_context_data(tmp_path):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs + docs[:2]))  # duplicates
     out = tmp_path / "out"
     assert bl.main(["--inputs", str(tmp_path / "c.jsonl"), "--tokenizer-model", str(tok), "--out-dir", str(out),
-                    "--min-tokens", "100", "--heldout-every", "3", "--max-train-tokens", "2000"]) == 0
+                    "--min-tokens", "100", "--heldout-every", "3", "--max-train-tokens", "2000",
+                    "--heldout-max-tokens", "150"]) == 0
     s = json.loads((out / "split.json").read_text())
     assert s["data_tables_dropped"] == 1 and s["documents_read"] == 25
     per = {(d["source"], d["id"]): d for d in s["documents"]}
@@ -171,15 +186,24 @@ def test_build_long_context_data(tmp_path):
     assert all(d["tokens"] >= 100 for d in s["documents"])
     assert {per[k]["source"] for k in held} == {"books", "python_docs", "linux"}   # every group held out
     assert sum(per[k]["tokens"] for k in train) <= 2000
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(tok))
     for split in ("train", "heldout"):
         ds = IndexedDataset(str(out / f"{split}_text_document"))
         info = s["splits"][split]
         assert len(ds) == info["documents"] and int(ds.sequence_lengths.sum()) == info["tokens_with_eod"]
-        # the same ids + EOD as preprocess_data.py --append-eod on the same texts
-        assert preprocess_data.main(["--input", str(out / f"{split}.jsonl"), "--output-prefix",
-                                     str(tmp_path / f"pp_{split}"), "--tokenizer-type", "HuggingFaceTokenizer",
-                                     "--tokenizer-model", str(tok), "--append-eod"]) == 0
-        pp = IndexedDataset(str(tmp_path / f"pp_{split}_text_document"))
-        assert len(pp) == len(ds)
-        for j in range(len(ds)):
-            assert np.array_equal(np.asarray(ds[j]), np.asarray(pp[j]))
+        recs = [json.loads(x) for x in (out / f"{split}.jsonl").read_text().splitlines()]
+        for j, r in enumerate(recs):   # ids + EOD; held-out documents cut to their first 150 tokens
+            ids = hf.encode(r["text"], add_special_tokens=False).ids[:r.get("eval_tokens")] + [0]
+            assert np.array_equal(np.asarray(ds[j]), np.asarray(ids)), (split, j)
+        assert (split == "heldout") == any("eval_tokens" in r for r in recs)
+    # the training split is exactly what preprocess_data.py --append-eod writes for its texts
+    assert preprocess_data.main(["--input", str(out / "train.jsonl"), "--output-prefix", str(tmp_path / "pp"),
+                                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tok),
+                                 "--append-eod"]) == 0
+    pp, ds = IndexedDataset(str(tmp_path / "pp_text_document")), IndexedDataset(str(out / "train_text_document"))
+    assert len(pp) == len(ds) and all(np.array_equal(np.asarray(ds[j]), np.asarray(pp[j])) for j in range(len(ds)))
+    # held-out order: round-robin over the groups, so the first windows of an evaluation see every group
+    assert [bl.doc_group({"source": o.split("/")[0], "id": o.split("/", 1)[1]})
+            for o in s["splits"]["heldout"]["order"][:3]] == ["prose", "docs", "code"]

@@ -11,8 +11,12 @@ special tokens added), keeps the documents of at least ``--min-tokens`` tokens a
 * within each source *group* (``prose``: books, austen, bible; ``docs``: python/perl/postgres docs;
   ``code``: linux) every ``--heldout-every``-th document of that order is held out, so each group
   that has enough documents is represented in both splits;
-* training documents are then taken in hash order up to ``--max-train-tokens`` (the
-  device machine's 64 MiB carry limit; uint16 ids = 2 bytes per token); the rest are dropped.
+* training documents are then taken in hash order up to ``--max-train-tokens`` (0: all; a cap
+  keeps the ``.bin`` within the device machine's carry limit); the rest are dropped;
+* held-out documents are written round-robin over the groups (prose, docs, code, prose, ...) and
+  each is cut to its first ``--heldout-max-tokens`` tokens (default two 32K evaluation windows + 1),
+  so that ``tools/eval_long_context.py --max-windows N`` (windows taken in document order) sees
+  every group and no single book fills the evaluation.
 
 Kernel ``.c`` files that are data tables rather than code (hex digits + digits > ``--max-hex-fraction``
 of the characters, e.g. firmware tables) are dropped before the split.
@@ -56,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=32769,
                    help="keep documents of at least this many tokens (32769 = one 32K training sample + 1)")
     p.add_argument("--heldout-every", type=int, default=8, help="hold out every N-th document of each group")
-    p.add_argument("--max-train-tokens", type=int, default=14_000_000,
+    p.add_argument("--max-train-tokens", type=int, default=0,
                    help="cap on the training tokens (hash order); 0 = no cap")
+    p.add_argument("--heldout-max-tokens", type=int, default=65537,
+                   help="cut each held-out document to its first N tokens (0 = whole documents)")
     p.add_argument("--max-hex-fraction", type=float, default=0.30,
                    help="drop .c files whose hex-digit characters exceed this fraction (data tables)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("RAYON_NUM_THREADS", "2")))
@@ -78,6 +84,21 @@ def is_data_table(d: dict, max_hex: float) -> bool:
         return False
     t = d["text"]
     return len(HEX.findall(t)) / max(len(t), 1) > max_hex
+
+
+def round_robin(docs: list[dict]) -> list[dict]:
+    """Interleave the groups (prose, docs, code, ...), each group in its given order."""
+    groups: dict[str, list[dict]] = {}
+    for d in docs:
+        groups.setdefault(doc_group(d), []).append(d)
+    order = sorted(groups, key=lambda g: ["prose", "docs", "code"].index(g) if g in ("prose", "docs", "code") else 9)
+    out, i = [], 0
+    while len(out) < len(docs):
+        for g in order:
+            if i < len(groups[g]):
+                out.append(groups[g][i])
+        i += 1
+    return out
 
 
 def split_documents(docs: list[dict], heldout_every: int, max_train_tokens: int) -> None:
@@ -140,25 +161,35 @@ def main(argv=None) -> int:
     dtype = DType.optimal_dtype(vocab)
     summary = {"tokenizer": str(args.tokenizer_model), "vocab": vocab, "eod": eod, "dtype": dtype.__name__,
                "min_tokens": args.min_tokens, "heldout_every": args.heldout_every,
+               "heldout_max_tokens": args.heldout_max_tokens,
                "max_train_tokens": args.max_train_tokens, "inputs": [str(p) for p in args.inputs],
                "documents_read": n_read, "data_tables_dropped": n_tables,
                "documents_below_min_tokens": len(docs) - len(kept), "splits": {}, "documents": []}
     for split in ("train", "heldout"):
         sel = [d for d in sorted(kept, key=lambda d: d["key"]) if d["split"] == split]
+        if split == "heldout":
+            sel = round_robin(sel)
+            for d in sel:
+                if args.heldout_max_tokens and d["tokens"] > args.heldout_max_tokens:
+                    d["ids"], d["eval_tokens"] = d["ids"][:args.heldout_max_tokens], args.heldout_max_tokens
         prefix = args.out_dir / f"{split}_text_document"
         builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
         with open(args.out_dir / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for d in sel:
                 arr = np.asarray(d["ids"] + [eod], dtype=np.int32)
                 builder.add_document(arr, [arr.size])
-                f.write(json.dumps({k: d[k] for k in ("source", "id", "license", "text")}) + "\n")
+                rec = {k: d[k] for k in ("source", "id", "license", "text")}
+                if "eval_tokens" in d:       # the .bin holds the first eval_tokens tokens of this text
+                    rec["eval_tokens"] = d["eval_tokens"]
+                f.write(json.dumps(rec) + "\n")
         builder.finalize(str(prefix) + ".idx")
         by_source: dict[str, list[int]] = {}
         for d in sel:
             s = by_source.setdefault(d["source"], [0, 0])
             s[0] += 1
-            s[1] += d["tokens"] + 1
-        summary["splits"][split] = {"documents": len(sel), "tokens_with_eod": sum(d["tokens"] + 1 for d in sel),
+            s[1] += len(d["ids"]) + 1
+        summary["splits"][split] = {"documents": len(sel), "tokens_with_eod": sum(len(d["ids"]) + 1 for d in sel),
+                                    "order": [f"{d['source']}/{d['id']}" for d in sel] if split == "heldout" else None,
                                     "min_doc_tokens": min((d["tokens"] for d in sel), default=0),
                                     "max_doc_tokens": max((d["tokens"] for d in sel), default=0),
                                     "by_source": by_source, "prefix": str(prefix)}
