@@ -9,10 +9,12 @@
 #   data/carry/gguf/gguf.part.aa, data/carry/gguf2/gguf.part.ab   the 98.4 MB GGUF in two ~47 MiB halves
 #   data/carry/heldout/                            heldout_text_document.{bin,idx} + split.json (32K build)
 #   data/carry/train/                              train_text_document.bin.xz + .idx (32K build)
-# Carry them over three device calls (a path not named in a later call's carry stays there):
+#   data/carry/lc64k/                              the 64K build (train .bin.xz + .idx, held-out), if built
+# Carry them over two device calls (a path not named in a later call's carry stays there), sizes
+# with the 1.1 MB tree: call 1 53 MiB, call 2 60 MiB, the optional 64K bundle 16 MiB:
 #   call 1: carry [.whl, data/carry/gguf, data/carry/heldout, data/niah]
-#   call 2: carry [data/carry/gguf2]
-#   call 3: carry [data/carry/train]  ... then `device_bundle.sh unpack` and convert (docs/quality.md)
+#   call 2: carry [data/carry/gguf2, data/carry/train]  ... `device_bundle.sh unpack`, convert, train
+#   (64K, any later call: carry [data/carry/lc64k], then `device_bundle.sh unpack64`)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -30,6 +32,13 @@ pack)
   xz -T2 -6 -c data/long_context/train_text_document.bin > data/carry/train/train_text_document.bin.xz
   cp data/long_context/train_text_document.idx data/carry/train/
   sha256sum data/long_context/train_text_document.bin | sed 's#data/long_context/##' > data/carry/train/SHA256
+  if [ -f data/long_context_64k/train_text_document.bin ]; then
+    mkdir -p data/carry/lc64k
+    xz -T2 -6 -c data/long_context_64k/train_text_document.bin > data/carry/lc64k/train_text_document.bin.xz
+    cp data/long_context_64k/train_text_document.idx data/long_context_64k/heldout_text_document.bin \
+       data/long_context_64k/heldout_text_document.idx data/long_context_64k/split.json data/carry/lc64k/
+    sha256sum data/long_context_64k/train_text_document.bin | sed 's#data/long_context_64k/##' > data/carry/lc64k/SHA256
+  fi
   du -sh data/carry/* .whl data/niah
   ;;
 unpack)
@@ -41,5 +50,11 @@ unpack)
   cp data/carry/train/train_text_document.idx data/long_context/
   (cd data/long_context && sha256sum -c ../carry/train/SHA256)
   ;;
-*) echo "usage: $0 pack|unpack" >&2; exit 2 ;;
+unpack64)
+  mkdir -p data/long_context_64k
+  cp data/carry/lc64k/*.idx data/carry/lc64k/heldout_text_document.bin data/carry/lc64k/split.json data/long_context_64k/
+  xz -d -c data/carry/lc64k/train_text_document.bin.xz > data/long_context_64k/train_text_document.bin
+  (cd data/long_context_64k && sha256sum -c ../carry/lc64k/SHA256)
+  ;;
+*) echo "usage: $0 pack|unpack|unpack64" >&2; exit 2 ;;
 esac

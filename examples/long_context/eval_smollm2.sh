@@ -16,8 +16,8 @@ PY=${PYTHON:-python3}
 SEQ=${SEQ:-32768}
 WHICH=${WHICH:?set WHICH=base, dense or mtraining}
 OUTDIR=${OUTDIR:-runs/long_context}
+if [ "$SEQ" -gt 32768 ]; then HELDOUT=${HELDOUT:-data/long_context_64k/heldout_text_document}; fi
 HELDOUT=${HELDOUT:-data/long_context/heldout_text_document}
-if [ "$SEQ" -gt 32768 ] && [ -z "${HELDOUT_SET:-}" ]; then HELDOUT=data/long_context_64k/heldout_text_document; fi
 FLAGS=$(sed -e 's/--load [^ ]*//' -e 's/--rotary-base [^ ]*//' checkpoints/smollm2_135m/pretrain_flags.txt)
 if [ "$WHICH" = base ]; then
   CKPT=checkpoints/smollm2_135m; ROPE=100000
@@ -35,8 +35,8 @@ for m in dense mtraining; do
 done
 mkdir -p "$OUTDIR"
 cmd=("$PY" tools/eval_long_context.py "$CKPT" $FLAGS --rotary-base "$ROPE" --seq-length "$SEQ"
-     --data-path "$HELDOUT" --split 100,0,0 --eval-split all --eval-seq-length "$SEQ" --max-windows "${WINDOWS:-16}"
-     --niah-lengths "${NIAH_LENGTHS:-4K,8K,16K,32K}" --niah-depths "${NIAH_DEPTHS:-0,25,50,75,100}"
+     --data-path "$HELDOUT" --split 100,0,0 --eval-split all --eval-seq-length "$SEQ" --max-windows "${WINDOWS:-32}"
+     --niah-lengths "${NIAH_LENGTHS:-8K,16K,32K}" --niah-depths "${NIAH_DEPTHS:-0,50,100}" --max-new-tokens 24
      --niah-template "${TEMPLATE:-chatml}" "${CFG[@]}" --bf16
      --json "$OUTDIR/eval_$TAG.json" --plots "$OUTDIR/plots_$TAG")
 if [ "${#CURVES[@]}" -gt 0 ]; then cmd+=(--loss-curves "${CURVES[@]}"); fi

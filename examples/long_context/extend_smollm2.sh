@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Long-context extension of SmolLM2-135M (issue #11): ONE resumable call of tools/extend_context.py.
 #
-#   MODE=dense|mtraining [SEQ=32768] [ITERS=80] [BUDGET=540] [STOP_ITER=N] [DRY_RUN=1] \
+#   MODE=dense|mtraining [SEQ=32768] [ITERS=80] [GBS=8] [BUDGET=540] [STOP_ITER=N] [DRY_RUN=1] \
 #       examples/long_context/extend_smollm2.sh [more pretrain_gpt.py flags]
 #
 # Call it again with the same MODE/SEQ/ITERS to continue: the first call loads the converted release
@@ -13,9 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SEQ=${SEQ:-32768}
+if [ "$SEQ" -gt 32768 ]; then DATA=${DATA:-data/long_context_64k/train_text_document}; fi
 DATA=${DATA:-data/long_context/train_text_document}
-if [ "$SEQ" -gt 32768 ] && [ -z "${DATA_SET:-}" ]; then DATA=data/long_context_64k/train_text_document; fi
-args=(--mode "${MODE:?set MODE=dense or MODE=mtraining}" --seq "$SEQ" --train-iters "${ITERS:-80}"
+args=(--mode "${MODE:?set MODE=dense or MODE=mtraining}" --seq "$SEQ" --train-iters "${ITERS:-80}" --global-batch-size "${GBS:-8}"
       --data-prefix "$DATA")
 if [ -n "${BUDGET:-540}" ]; then args+=(--time-budget-s "${BUDGET:-540}"); fi
 if [ -n "${STOP_ITER:-}" ]; then args+=(--stop-iter "$STOP_ITER"); fi
