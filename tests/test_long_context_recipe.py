@@ -207,3 +207,30 @@ def test_build_long_context_data(tmp_path):
     # held-out order: round-robin over the groups, so the first windows of an evaluation see every group
     assert [bl.doc_group({"source": o.split("/")[0], "id": o.split("/", 1)[1]})
             for o in s["splits"]["heldout"]["order"][:3]] == ["prose", "docs", "code"]
+
+
+@pytest.mark.skipif(not (REPO_ROOT / "checkpoints" / "smollm2_135m" / "pretrain_flags.txt").is_file(),
+                    reason="needs the converted SmolLM2 checkpoint's flags (tools/convert_smollm2.py; git-ignored)")
+def test_shell_scripts_dry_run():
+    """examples/long_context/*.sh print consistent pretrain / eval commands (RoPE base per checkpoint)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1"}
+
+    def sh(script, **kw):
+        r = subprocess.run(["bash", str(REPO_ROOT / "examples" / "long_context" / script)], env={**env, **kw},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [line for line in r.stdout.splitlines() if line.strip()][-1].split()
+
+    cmd = sh("extend_smollm2.sh", MODE="mtraining", SEQ="65536", GBS="4", STOP_ITER="7")
+    for flag, val in (("--rotary-base", "3200000"), ("--seq-length", "65536"), ("--global-batch-size", "4"),
+                      ("--data-path", "data/long_context_64k/train_text_document")):
+        assert cmd[cmd.index(flag) + 1] == val, (flag, cmd)
+    base = sh("eval_smollm2.sh", WHICH="base")
+    dense = sh("eval_smollm2.sh", WHICH="dense")
+    assert base[base.index("--rotary-base") + 1] == "100000" and base.count("--rotary-base") == 1
+    assert dense[dense.index("--rotary-base") + 1] == "1000000"
+    assert dense[2] == "checkpoints/long_context/dense_32k" and "--load" not in dense
+    assert dense[dense.index("--data-path") + 1] == "data/long_context/heldout_text_document"
