@@ -203,6 +203,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f" > extend_context: {rd} is finished (iteration {done} of {a.train_iters}); nothing to do")
         return 0
     load = str(rd) if done is not None else a.base
+    # before torch is imported: fragmentation at long sequences (docs/benchmarks.md, 256K e2e OOM)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if a.precision == "auto":
         import torch
 
@@ -215,7 +217,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("python examples/pretrain_gpt.py " + shlex.join(pargv), flush=True)
     if a.dry_run:
         return 0
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     rd.mkdir(parents=True, exist_ok=True)
     res = run_pretrain(pargv, a.stop_iter, a.time_budget_s, a.save_reserve_s, t_process)
     res.update(mode=a.mode, seq=a.seq, train_iters=a.train_iters, wall_s=round(time.time() - t_process, 1),
