@@ -513,6 +513,7 @@ def load_model_weights(load_dir: str, model, ckpt_format: str = "torch_dist",
 
 # ---------------------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
+    t_start = time.time()     # --exit-duration-in-mins counts from here (Megatron-LM: start of pretrain)
     args = parse_args(argv)  # exits with status 2 and "error: --flag ..." on a bad command line
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -646,6 +647,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f" lm loss PPL: {math.exp(min(vl, 20)):.6E} |")
         if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.train_iters:
             log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler)}")
+        if iteration < args.train_iters and (args.exit_interval or args.exit_duration_in_mins):
+            reason = None
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                reason = f"--exit-interval {args.exit_interval}"
+            elif args.exit_duration_in_mins:
+                # every rank must take the same decision: the slowest clock decides (all-reduce MAX)
+                mins = torch.tensor([(time.time() - t_start) / 60.0], dtype=torch.float64, device=device)
+                dist.all_reduce(mins, op=dist.ReduceOp.MAX)
+                if mins.item() > args.exit_duration_in_mins:
+                    reason = f"--exit-duration-in-mins {args.exit_duration_in_mins:g} ({mins.item():.2f} min elapsed)"
+            if reason:
+                log0(f" > exiting after iteration {iteration} ({reason})")
+                break
 
     log0(f" > training done: {iteration - start_iter} iterations in {time.perf_counter() - t_train:.1f} s")
     if args.save and iteration > start_iter:

@@ -100,6 +100,8 @@ def _validate(tiny, world_size=1, te=False, **over):
       "--mtraining-config": "configs/demo.yaml"}, 4, "flat ring"),
     ({"--mtraining-config": "configs/no_such.yaml"}, 1, "no_such.yaml"),
     ({"--mtraining-config": "configs/demo_sparse.yaml", "--seq-length": 32}, 1, "'granularity'"),
+    ({"--exit-duration-in-mins": 0}, 1, "--exit-duration-in-mins must be > 0"),
+    ({"--exit-interval": 0}, 1, "--exit-interval must be >= 1"),
     ({"--recompute-granularity": "full"}, 1, "--recompute-method"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
@@ -171,6 +173,38 @@ def _train(tiny, tmp_path, name, nproc, **over):
         r = run_torchrun(SCRIPT, _argv(*tiny, **opts, **{"--context-parallel-size": nproc}), nproc=nproc, timeout=300)
     assert r.returncode == 0, r.tail()
     return _metrics(m), r.stdout
+
+
+def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
+    """Megatron-LM's --exit-interval / --exit-duration-in-mins: the run stops after that iteration and
+    saves; resuming with the same --train-iters continues the uninterrupted run (schedule, data)."""
+    common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4}
+    full = tmp_path / "full.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    ckpt = tmp_path / "ckpt"
+    part1 = tmp_path / "p1.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part1, "--save": ckpt,
+                                                     "--exit-interval": 2}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    assert "exiting after iteration 2 (--exit-interval 2)" in r.stdout, r.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    part2 = tmp_path / "p2.jsonl"          # a tiny duration: stops after its first iteration (3)
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part2, "--save": ckpt, "--load": ckpt,
+                                                     "--exit-duration-in-mins": 1e-6}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    assert "exiting after iteration 3 (--exit-duration-in-mins" in r.stdout, r.stdout
+    part3 = tmp_path / "p3.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part3, "--save": ckpt, "--load": ckpt}),
+                   timeout=240)
+    assert r.returncode == 0, r.tail()
+    a = _metrics(full)
+    b = _metrics(part1) + _metrics(part2) + _metrics(part3)
+    assert [x["iteration"] for x in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert y["lr"] == pytest.approx(x["lr"], rel=1e-12)
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-6), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6), (x, y)
 
 
 @pytest.mark.slow

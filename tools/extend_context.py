@@ -14,8 +14,10 @@ at most 10 minutes each; every call continues exactly where the last one saved:
   scheduler refuses a checkpoint whose ``wd_incr_steps`` differ) are those of one uninterrupted
   run. On resume pretrain_gpt.py restores model, optimizer (Adam moments, fp32 main weights),
   scheduler and the iteration; the sample position is ``iteration x global batch``.
-* ``pretrain_gpt.py`` has no ``--exit-interval`` / ``--exit-duration-in-mins`` (Megatron-LM's
-  flags), so this driver runs its ``main`` in-process with two wrappers: ``load_checkpoint``
+* ``pretrain_gpt.py``'s ``--exit-interval`` / ``--exit-duration-in-mins`` (Megatron-LM's flags)
+  stop *after* the limit has passed; a device call has a hard wall-clock limit, so this driver
+  stops *before* it (predicting the next iteration's time) by running pretrain_gpt.py's ``main``
+  in-process with two wrappers: ``load_checkpoint``
   (records the start iteration) and ``forward_backward`` (after iteration ``i`` of this call it
   lowers ``args.train_iters`` to ``i`` -- only the loop bound; datasets, scheduler and LR were
   built with the total -- when ``--stop-iter`` is reached or when the time left in

@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (saving a checkpoint when --save is given) after the iteration that is a multiple "
+                        "of this (Megatron-LM)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (saving a checkpoint when --save is given) after the first iteration that ends "
+                        "more than this many minutes after the script started; ranks agree (Megatron-LM)")
     g.add_argument("--load", default=None)
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="torch_dist: megatron.core dist_checkpointing; torch: one torch.save file per rank")
@@ -303,7 +309,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must satisfy 0 <= min-lr <= lr")
     if args.lr_warmup_iters < 0:
         raise E(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
-    for flag, val in (("--save-interval", args.save_interval), ("--eval-interval", args.eval_interval)):
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise E(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
+    for flag, val in (("--save-interval", args.save_interval), ("--eval-interval", args.eval_interval),
+                      ("--exit-interval", args.exit_interval)):
         if val is not None and val < 1:
             raise E(f"{flag} must be >= 1, got {val}")
     if args.eval_iters < 0:
