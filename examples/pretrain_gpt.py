@@ -415,6 +415,25 @@ def check_release_args(args, saved: dict, vocab: int, ckpt_dir: str) -> None:
                          + "; ".join(bad) + " (see the flags file next to the checkpoint)")
 
 
+# scheduler state (megatron-core OptimizerParamScheduler.state_dict) -> the flags that set it
+SCHEDULE_FLAGS = {"wd_incr_steps": "--train-iters", "lr_decay_steps": "--lr-decay-iters (default --train-iters)",
+                  "lr_warmup_steps": "--lr-warmup-iters", "max_lr": "--lr", "min_lr": "--min-lr",
+                  "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay", "end_wd": "--weight-decay"}
+
+
+def check_resume_schedule(args, scheduler, saved: dict, ckpt_dir: str) -> None:
+    """Exit with a message naming the flag when resuming ``ckpt_dir`` with another LR / weight-decay
+    schedule (megatron-core would silently take the checkpoint's; steps count samples, so
+    ``--global-batch-size`` enters them too)."""
+    mine = scheduler.state_dict()
+    bad = [f"{flag} (run: {mine[k]!r}, checkpoint: {saved[k]!r})" for k, flag in SCHEDULE_FLAGS.items()
+           if k in saved and k in mine and saved[k] != mine[k]]
+    if bad:
+        raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} was saved with another schedule: "
+                         + "; ".join(bad) + " (steps are samples: iterations x --global-batch-size); resume with "
+                         "the flags of the run that saved it")
+
+
 def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None) -> int:
     """Restore from ``--load`` (latest iteration); returns the iteration (0 if nothing to load).
 
@@ -455,11 +474,13 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        check_resume_schedule(args, scheduler, common["opt_param_scheduler"], ckpt_dir)
         scheduler.load_state_dict(common["opt_param_scheduler"])
     else:
         state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        check_resume_schedule(args, scheduler, state["opt_param_scheduler"], ckpt_dir)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     log0(f" > loaded checkpoint {ckpt_dir} (iteration {iteration})")
     return iteration
@@ -597,6 +618,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     acc_loss, acc_n, acc_time, acc_iters = 0.0, 0, 0.0, 0
     t_train = time.perf_counter()
     iteration = start_iter
+    saved_iter = start_iter                        # last iteration already on disk (no second save of it)
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         micro = train_iter.next_global_batch(args.num_microbatches)
@@ -647,6 +669,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f" lm loss PPL: {math.exp(min(vl, 20)):.6E} |")
         if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.train_iters:
             log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler)}")
+            saved_iter = iteration
         if iteration < args.train_iters and (args.exit_interval or args.exit_duration_in_mins):
             reason = None
             if args.exit_interval and iteration % args.exit_interval == 0:
@@ -662,7 +685,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 break
 
     log0(f" > training done: {iteration - start_iter} iterations in {time.perf_counter() - t_train:.1f} s")
-    if args.save and iteration > start_iter:
+    if args.save and iteration > saved_iter:
         log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler)}")
     if metrics_f:
         metrics_f.close()

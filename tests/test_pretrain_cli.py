@@ -207,6 +207,20 @@ def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6), (x, y)
 
 
+
+def test_exit_on_a_save_interval_saves_once_and_resume_needs_the_same_schedule(tiny, tmp_path):
+    """--exit-interval on a --save-interval iteration writes that checkpoint once (not a second
+    overwrite); resuming it with another --train-iters (a different LR/weight-decay schedule and data
+    order) is a clear error naming the flag, not a silent switch to the checkpoint's schedule."""
+    common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4, "--save": tmp_path / "ckpt"}
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--save-interval": 2, "--exit-interval": 2}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    assert r.stdout.count("saved checkpoint") == 1, r.stdout
+    assert "Overwriting" not in r.output, r.output
+    r = run_python(SCRIPT, _argv(*tiny, **{**common, "--train-iters": 6, "--load": tmp_path / "ckpt"}), timeout=240)
+    _fails(r, "--train-iters", "--load")
+
+
 @pytest.mark.slow
 def test_sparse_config_cp2_matches_cp1(tiny, tmp_path):
     """``--mtraining-config configs/demo_sparse.yaml``: the vertical-slash pattern is estimated online
