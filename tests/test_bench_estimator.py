@@ -1,7 +1,7 @@
 """tools/bench_estimator.py runs end to end on CPU (small shape) and writes consistent JSON."""
 import json
 
-from tests.helpers.dist import run_python
+from tests.helpers.dist import REPO_ROOT, run_python
 
 
 def test_bench_estimator_cpu_smoke(tmp_path):
@@ -24,3 +24,20 @@ def test_bench_estimator_refuses_cuda_without_gpu():
         return
     res = run_python("tools/bench_estimator.py", ["--device", "cuda", "--seqs", "512"], timeout=120)
     assert res.returncode == 2 and "CUDA is not available" in res.stderr, res.tail()
+
+
+def test_bench_estimator_bad_inputs_are_clear_errors(tmp_path, capsys):
+    """User mistakes end with 'error: ...' naming the flag (exit 2), not a traceback."""
+    import pytest
+
+    from tools.bench_estimator import main
+
+    for extra, needle in ((["--seqs", "abc"], "--seqs"), (["--seqs", "100"], "--seqs"),
+                          (["--seqs", "32"], "--seqs"), (["--config", str(tmp_path / "none.yaml")], "--config"),
+                          (["--config", str(REPO_ROOT / "configs" / "demo.yaml")], "--config"),
+                          (["--heads", "3", "--kv-heads", "2"], "--kv-heads"), (["--repeats", "0"], "--repeats"),
+                          (["--json", str(tmp_path / "no" / "x.json")], "--json")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--device", "cpu", "--seqs", "512", "--warmup", "0", *extra])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "error: " + needle in err, (extra, err)

@@ -111,6 +111,43 @@ def measure(seq: int, args) -> dict:
             "mean_vertical": float(pattern.vertical_count.float().mean())}
 
 
+def check_args(ap, args) -> list:
+    """The sequence lengths, or ``ap.error`` (exit 2) naming the flag of a user mistake."""
+    from megatron_mtraining.config import load_mtraining_config
+
+    try:
+        cfg = load_mtraining_config(args.config)
+    except (OSError, ValueError) as e:
+        ap.error(f"--config {args.config}: {e}")
+    if not cfg.sparse:
+        ap.error(f"--config {args.config}: pattern {cfg.pattern!r}; the estimator needs a sparse config "
+                 "(pattern: vertical_slash)")
+    for flag, val, lo in (("--heads", args.heads, 1), ("--kv-heads", args.kv_heads, 1),
+                          ("--head-dim", args.head_dim, 4), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1)):
+        if val < lo:
+            ap.error(f"{flag} must be >= {lo}, got {val}")
+    if args.heads % args.kv_heads:
+        ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.head_dim % 4:
+        ap.error(f"--head-dim must be a multiple of 4, got {args.head_dim}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: directory not found")
+    layout, seqs = cfg.make_layout(1), []
+    for tok in args.seqs.split(","):
+        try:
+            s = int(tok)
+        except ValueError:
+            ap.error(f"--seqs {args.seqs!r}: {tok!r} is not an integer")
+        if s <= 64:
+            ap.error(f"--seqs: {s} must be > 64 (the synthetic inputs put 64 sink tokens first)")
+        try:
+            layout.check_seq_len(s)
+        except ValueError as e:
+            ap.error(f"--seqs: {e}")
+        seqs.append(s)
+    return seqs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="65536,131072,262144", help="comma-separated sequence lengths")
@@ -126,7 +163,8 @@ def main(argv=None) -> int:
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but CUDA is not available (use --device cpu for a small check)")
-    rows = [measure(int(s), args) for s in args.seqs.split(",")]
+    seqs = check_args(ap, args)
+    rows = [measure(s, args) for s in seqs]
     print(f"{'seq':>8} {'estimate ms':>12} {'kernels ms':>11} {'total ms':>9} {'est/kernels':>11} "
           f"{'kept':>6} {'slash':>6} {'vert':>6}")
     for r in rows:
