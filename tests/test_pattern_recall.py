@@ -35,3 +35,18 @@ def test_pattern_recall_saves_a_pattern_the_imbalance_tool_reads(tmp_path):
     imb = json.loads(js.read_text())
     text = json.dumps(imb)
     assert "worker_imbalance" in text and "step_imbalance" in text
+
+
+def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
+    """Checked before the model runs: a --save-pattern that imbalance.py could not read back under
+    that name (no .npz/.pt suffix: numpy appends .npz), bad estimator budgets, no samples."""
+    import pytest
+
+    from tools.pattern_recall import main
+
+    base = ["--data-path", str(tmp_path / "none"), "--seq-length", "256", "--out", str(tmp_path / "rec")]
+    for extra, needle in ((["--save-pattern", str(tmp_path / "pat")], "--save-pattern"),
+                          (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples")):
+        with pytest.raises(SystemExit) as exc:
+            main(base + extra)
+        assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)

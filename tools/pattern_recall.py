@@ -303,11 +303,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megatron_mtraining.patterns.convert import convert_pattern
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
 
-    cfg = VerticalSlashConfig(recall=args.recall, last_q=args.last_q, sink_tokens=args.sink_tokens,
-                              local_blocks=args.local_blocks, max_vertical=args.max_vertical,
-                              max_slash=args.max_slash)
-    if args.seq_length % cfg.block_size:
-        raise SystemExit(f"error: --seq-length must be a multiple of {cfg.block_size}")
+    try:
+        cfg = VerticalSlashConfig(recall=args.recall, last_q=args.last_q, sink_tokens=args.sink_tokens,
+                                  local_blocks=args.local_blocks, max_vertical=args.max_vertical,
+                                  max_slash=args.max_slash)
+    except ValueError as e:        # names the field: VerticalSlashConfig.recall -> --recall
+        raise SystemExit(f"error: {e}") from None
+    if args.seq_length < 1 or args.seq_length % cfg.block_size:
+        raise SystemExit(f"error: --seq-length must be a positive multiple of {cfg.block_size}")
+    if args.num_samples < 1:
+        raise SystemExit(f"error: --num-samples must be >= 1, got {args.num_samples}")
+    if args.save_pattern:
+        if not args.save_pattern.endswith((".npz", ".pt")):   # numpy would append .npz to any other name
+            raise SystemExit(f"error: --save-pattern {args.save_pattern}: the name must end in .npz or .pt")
+        Path(args.save_pattern).parent.mkdir(parents=True, exist_ok=True)
     _init_world()
     tokens = load_tokens(args)
     saved, info, ckpt_dir = {}, None, None
