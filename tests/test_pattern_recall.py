@@ -50,3 +50,21 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
         with pytest.raises(SystemExit) as exc:
             main(base + extra)
         assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)
+
+
+def test_vocab_of_a_huggingface_tokenizer_checkpoint(tmp_path):
+    """A pretrain_gpt.py checkpoint trained with --tokenizer-type HuggingFaceTokenizer saves a
+    tokenizer.json as tokenizer_model: its vocabulary is read with the tokenizers library (it was
+    handed to sentencepiece: 'could not parse ModelProto')."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from tests.helpers.tiny_data import make_tiny_dataset
+    from tools.pattern_recall import tokenizer_vocab_size
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(WordLevel({f"w{i}": i for i in range(37)}, unk_token="w0")).save(str(path))
+    assert tokenizer_vocab_size(str(path), "HuggingFaceTokenizer") == 37
+    assert tokenizer_vocab_size(str(path)) == 37
+    _, spm_model = make_tiny_dataset(tmp_path / "data")
+    assert tokenizer_vocab_size(spm_model, "SentencePieceTokenizer") == 128

@@ -124,6 +124,18 @@ def load_tokens(args) -> torch.Tensor:
     return torch.tensor(ids[:need], dtype=torch.long).view(args.num_samples, args.seq_length + 1)
 
 
+def tokenizer_vocab_size(path: str, tokenizer_type: Optional[str] = None) -> int:
+    """Vocabulary size of a sentencepiece model, or of a ``tokenizer.json`` (a file ending in .json or a
+    directory holding one, or ``tokenizer_type`` HuggingFaceTokenizer, as pretrain_gpt.py saves it)."""
+    if tokenizer_type == "HuggingFaceTokenizer" or str(path).endswith(".json") or Path(path).is_dir():
+        from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
+
+        return TokenizersTokenizer(path).vocab_size
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(path)).vocab_size()
+
+
 # ----------------------------------------------------------------------------------------- model
 def _init_world():
     import torch.distributed as dist
@@ -335,9 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if saved.get("padded_vocab_size"):
         pass
     elif vocab_src:
-        import sentencepiece as spm
-
-        vocab = padded_vocab(spm.SentencePieceProcessor(model_file=vocab_src).vocab_size(),
+        vocab = padded_vocab(tokenizer_vocab_size(vocab_src, saved.get("tokenizer_type")),
                              saved or {"make_vocab_size_divisible_by": 128})
     else:
         vocab = padded_vocab(args.vocab_size or int(tokens.max()) + 1, saved or {"make_vocab_size_divisible_by": 128})
