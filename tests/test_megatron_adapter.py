@@ -109,6 +109,8 @@ class TestMTrainingAttentionErrors:
             MTrainingAttentionConfig(layout="diagonal")
         with pytest.raises(ValueError, match="granularity"):
             MTrainingAttentionConfig(granularity=0)
+        with pytest.raises(ValueError, match="columns"):   # as the YAML config: sparse pattern only
+            MTrainingAttentionConfig(pattern="dense", columns="out_of_ring")
 
     def test_cp_size_mismatch_raises(self):
         with pytest.raises(ValueError, match="context_parallel_size"):

@@ -71,6 +71,9 @@ class MTrainingAttentionConfig:
             raise ValueError(f"MTrainingAttentionConfig.pattern must be 'dense' or 'vertical_slash', got {self.pattern!r}")
         if self.columns not in ("in_ring", "out_of_ring"):
             raise ValueError(f"MTrainingAttentionConfig.columns must be 'in_ring' or 'out_of_ring', got {self.columns!r}")
+        if self.columns != "in_ring" and self.pattern != "vertical_slash":
+            raise ValueError(f"MTrainingAttentionConfig.columns={self.columns!r} applies to pattern='vertical_slash' "
+                             f"only, got pattern={self.pattern!r}")
         if self.hierarchical is not None:
             if len(self.hierarchical) != 2 or min(int(x) for x in self.hierarchical) < 2:
                 raise ValueError("MTrainingAttentionConfig.hierarchical must be (inner, outer) with both >= 2, "
