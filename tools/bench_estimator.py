@@ -12,7 +12,8 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 * ``kernels_s``: the sparse attention fwd+bwd on that fixed pattern (the step kernel through
   :class:`~megatron_mtraining.ring.RingAttentionFunc`, estimation excluded);
 * ``total_s``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` fwd+bwd
-  (estimation included, as in training);
+  (estimation included, as in training; the config's ``columns`` schedule — ``kernels_s`` always
+  runs the columns inside the step, which at CP=1 is the same work);
 * ``estimate_share`` = ``estimate_s / kernels_s`` (the issue's ratio) and
   ``estimate_s / total_s``.
 
@@ -99,7 +100,7 @@ def measure(seq: int, args) -> dict:
     def total():
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
         sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
-                              kernel_factory=factory).backward(dout)
+                              kernel_factory=factory, columns=cfg.columns).backward(dout)
 
     t_est = timeit(estimate, args.warmup, args.repeats)
     t_ker = timeit(kernels, args.warmup, args.repeats)
