@@ -204,7 +204,7 @@ def test_out_of_ring_column_phase_computes_the_same_attention():
     """Ring steps without columns + the gathered column phase == the in-ring steps (fp64)."""
     from megatron_mtraining.ops.merge import merge_attention
     from megatron_mtraining.ops.sparse_reference import sparse_attention_forward
-    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.convert import convert_pattern, without_columns
 
     layout, cp = Layout("striped", 2, 64), 2
     pattern = small_synthetic()
@@ -225,7 +225,7 @@ def test_out_of_ring_column_phase_computes_the_same_attention():
             return out, lse
         ref = run([(steps[o], *shards[o]) for o in range(cp)])
         cidx, kc, vc = im.column_phase(steps, layout, r, S, k, v)
-        got = run([(im._without_columns(steps[o]), *shards[o]) for o in range(cp)] + [(cidx, kc, vc)])
+        got = run([(without_columns(steps[o]), *shards[o]) for o in range(cp)] + [(cidx, kc, vc)])
         torch.testing.assert_close(got[0], ref[0])
         torch.testing.assert_close(got[1], ref[1])
 

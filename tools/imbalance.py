@@ -92,6 +92,7 @@ import torch  # noqa: E402
 
 from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.patterns.estimator import VerticalSlashPattern  # noqa: E402
+from megatron_mtraining.patterns.convert import without_columns  # noqa: E402
 
 BLOCK = 64
 TILE = BLOCK * BLOCK
@@ -612,45 +613,21 @@ def pick_kernels(choice: str, q: torch.Tensor):
     return "torch-reference", sparse_attention_forward, sparse_attention_backward
 
 
-def _without_columns(idx):
-    from megatron_mtraining.patterns.indices import StepIndices
-    cc = torch.zeros_like(idx.column_count)
-    ci = torch.full((*cc.shape, 1), -1, dtype=idx.column_index.dtype, device=cc.device)
-    return StepIndices(idx.block_count, idx.block_index, cc, ci, idx.causal, idx.block_size)
-
-
 def column_phase(steps, layout: Layout, rank: int, seq_len: int, k: torch.Tensor, v: torch.Tensor):
     """The out-of-ring column work of ``rank``: ``(StepIndices, k_cols, v_cols)``.
 
-    ``k_cols``/``v_cols`` ``[b, n, hkv, d]`` hold the K/V rows of every selected column (union over
-    heads, ascending positions, zero-padded to a multiple of 64); each query tile lists, as
-    indices into them, exactly the columns the converter put into its per-owner ring steps."""
-    from megatron_mtraining.patterns.indices import StepIndices
-    dev = k.device
-    per_owner = []
-    for o, st in enumerate(steps):
-        slot = torch.arange(st.column_index.shape[-1], device=dev)
-        valid = slot < st.column_count[..., None].long()
-        glob = layout.local_to_global(o, st.column_index.long().clamp(min=0), seq_len)
-        per_owner.append((torch.where(valid, glob, torch.full_like(glob, -1)), valid))
-    glob = torch.cat([g for g, _ in per_owner], -1)
-    valid = torch.cat([m for _, m in per_owner], -1)
+    ``k_cols``/``v_cols`` ``[b, n, hkv, d]`` hold the K/V rows of every column of this rank's steps
+    (union over heads, ascending positions, zero-padded to a multiple of 64); each query tile lists,
+    as indices into them, exactly the columns the converter put into its per-owner ring steps
+    (:func:`~megatron_mtraining.patterns.convert.column_phase_indices`, as the ring's ``ColumnPhase``)."""
+    from megatron_mtraining.patterns.convert import column_phase_indices, step_column_positions
+    glob, valid = step_column_positions(steps, layout, seq_len)
     union = torch.unique(glob[valid])
     n = max(BLOCK, BLOCK * math.ceil(union.numel() / BLOCK))
-    pos = torch.searchsorted(union, glob.clamp(min=0))
-    big = torch.iinfo(torch.int64).max
-    packed = torch.sort(torch.where(valid, pos, torch.full_like(pos, big)), dim=-1).values
-    count = valid.sum(-1)
-    width = max(1, int(count.max()))
-    packed = packed[..., :width]
-    packed = torch.where(packed == big, torch.full_like(packed, -1), packed).to(torch.int32)
-    b, hq, nqb = count.shape
-    blocks = torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev)
-    idx = StepIndices(blocks, torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
-                      count.to(torch.int32), packed, causal=False)
+    idx = column_phase_indices(steps, layout, seq_len, union)
 
     def gather(x):
-        out = torch.zeros((x.shape[0], n, *x.shape[2:]), dtype=x.dtype, device=dev)
+        out = torch.zeros((x.shape[0], n, *x.shape[2:]), dtype=x.dtype, device=x.device)
         out[:, :union.numel()] = x[:, union]
         return out
     return idx, gather(k), gather(v)
@@ -692,7 +669,7 @@ def gpu_model(pattern: VerticalSlashPattern, layout: Layout, args) -> dict:
         work = [(s, (r - s) % cp, steps[(r - s) % cp]) for s in range(cp)]
         if args.vertical == "out-of-ring":
             cidx, kc, vc = column_phase(steps, layout, r, S, k, v)
-            work = [(s, o, _without_columns(st)) for s, o, st in work] + [(cp, None, cidx)]
+            work = [(s, o, without_columns(st)) for s, o, st in work] + [(cp, None, cidx)]
         for s, o, idx in work:
             if idx.is_empty():
                 continue                                   # the ring skips it: 0 ms

@@ -34,7 +34,8 @@ from ..layout import Layout
 from .estimator import VerticalSlashPattern
 from .indices import StepIndices
 
-__all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask"]
+__all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
+           "without_columns", "step_column_positions", "column_phase_indices"]
 
 
 def check_block_layout(layout: Layout, seq_len: int, block_size: int) -> None:
@@ -114,6 +115,47 @@ def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) ->
     """
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
     return [step_indices(pattern, layout, rank, o) for o in range(layout.cp_size)]
+
+
+def without_columns(idx: StepIndices) -> StepIndices:
+    """``idx`` with its vertical columns removed (block/slash work only)."""
+    b, hq, nqb = idx.column_count.shape
+    return StepIndices(idx.block_count, idx.block_index, torch.zeros_like(idx.column_count),
+                       torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
+                       idx.causal, idx.block_size)
+
+
+def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):
+    """Global positions of the columns of this rank's per-owner ``steps`` (``steps[o]``: the step
+    against owner ``o``), concatenated over owners: ``(pos int64 [b, hq, nqb, sum of widths], valid
+    bool, same shape)``; invalid (padding) slots hold 0."""
+    glob, valid = [], []
+    for o, st in enumerate(steps):
+        slot = torch.arange(st.column_index.shape[-1], device=st.column_index.device)
+        ok = slot < st.column_count[..., None].long()
+        t = layout.local_to_global(o, st.column_index.long().clamp(min=0), seq_len)
+        glob.append(torch.where(ok, t, torch.zeros_like(t)))
+        valid.append(ok)
+    return torch.cat(glob, -1), torch.cat(valid, -1)
+
+
+def column_phase_indices(steps: List[StepIndices], layout: Layout, seq_len: int, union: torch.Tensor) -> StepIndices:
+    """One :class:`StepIndices` holding every column of this rank's per-owner ``steps`` (the
+    out-of-ring column phase, MTraining §3.3 balancing): no blocks; per query block, exactly the
+    columns the converter put into its ring steps, as indices into ``union`` (ascending global
+    positions, a superset of those columns), ascending, ``-1`` padded; ``causal=False``."""
+    glob, valid = step_column_positions(steps, layout, seq_len)
+    dev = glob.device
+    pos = torch.searchsorted(union, glob)
+    big = torch.iinfo(torch.int64).max
+    packed = torch.sort(torch.where(valid, pos, torch.full_like(pos, big)), dim=-1).values
+    count = valid.sum(-1)
+    packed = packed[..., :max(1, int(count.max()) if count.numel() else 1)]
+    packed = torch.where(packed == big, torch.full_like(packed, -1), packed).to(torch.int32)
+    b, hq, nqb = count.shape
+    return StepIndices(torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev),
+                       torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
+                       count.to(torch.int32), packed, causal=False, block_size=steps[0].block_size)
 
 
 def step_key_mask(idx: StepIndices, s_local: int, counts: bool = False) -> torch.Tensor:

@@ -35,7 +35,8 @@ from ..distributed import group_rank, group_size
 from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 from ..ops.sparse_reference import sparse_attention_backward, sparse_attention_forward
-from ..patterns.convert import check_block_layout, convert_pattern
+from ..patterns.convert import (check_block_layout, column_phase_indices, convert_pattern, local_block_ids,
+                                without_columns)
 from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
 from . import RingAttentionFunc, check_ring_inputs
@@ -78,14 +79,6 @@ class SparseStepKernel:
         if self.empty[owner]:
             return None
         return self.backward_fn(dout, q, k, v, lse, delta, self.steps[owner], self.softmax_scale)
-
-
-def without_columns(idx: StepIndices) -> StepIndices:
-    """``idx`` with its vertical columns removed (block/slash work only)."""
-    b, hq, nqb = idx.column_count.shape
-    return StepIndices(idx.block_count, idx.block_index, torch.zeros_like(idx.column_count),
-                       torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=idx.column_index.device),
-                       idx.causal, idx.block_size)
 
 
 class ColumnPhase:
@@ -137,34 +130,16 @@ class ColumnPhase:
         mine = o_rank == rank
         self.mine_slot = torch.nonzero(mine).flatten()                               # rows of U owned here
         self.mine_local = o_loc[mine]                                                # their local indices
-        glob, valid = [], []
-        for o, st in enumerate(steps):
-            slot = torch.arange(st.column_index.shape[-1], device=dev)
-            ok = slot < st.column_count[..., None].long()
-            t = layout.local_to_global(o, st.column_index.long().clamp(min=0), S)
-            if st.causal and bool((ok & ((t // bs) >= self._query_blocks(layout, rank, S, bs, dev)[:, None])).any()):
-                raise ValueError("a vertical column inside its query's own block cannot run out of the ring")
-            glob.append(torch.where(ok, t, torch.zeros_like(t)))
-            valid.append(ok)
-        glob, valid = torch.cat(glob, -1), torch.cat(valid, -1)
-        pos = torch.searchsorted(self.union, glob)
-        big = torch.iinfo(torch.int64).max
-        packed = torch.sort(torch.where(valid, pos, torch.full_like(pos, big)), dim=-1).values
-        count = valid.sum(-1)
-        packed = packed[..., :max(1, int(count.max()) if count.numel() else 1)]
-        packed = torch.where(packed == big, torch.full_like(packed, -1), packed).to(torch.int32)
-        b, hq, nqb = count.shape
-        self.indices = StepIndices(torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev),
-                                   torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
-                                   count.to(torch.int32), packed, causal=False, block_size=bs)
+        own = steps[rank]                      # the only causal step: its columns must lie in past blocks
+        slot = torch.arange(own.column_index.shape[-1], device=dev)
+        ok = slot < own.column_count[..., None].long()
+        t = layout.local_to_global(rank, own.column_index.long().clamp(min=0), S)
+        if bool((ok & ((t // bs) >= local_block_ids(layout, rank, S, bs, dev)[:, None])).any()):
+            raise ValueError("a vertical column inside its query's own block cannot run out of the ring")
+        self.indices = column_phase_indices(list(steps), layout, S, self.union)
         self.empty = self.indices.is_empty()
         self._kv = None
         self._pending = None
-
-    @staticmethod
-    def _query_blocks(layout, rank, S, bs, dev):
-        from ..patterns.convert import local_block_ids
-        return local_block_ids(layout, rank, S, bs, dev)
 
     def _all_reduce(self, t: torch.Tensor):
         if self.group is None or torch.distributed.get_world_size(self.group) == 1:
