@@ -73,13 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seq-length", type=int, default=1024)
     data.add_argument("--num-samples", type=int, default=1, help="batch of samples (one pattern each)")
     data.add_argument("--doc-offset", type=int, default=0, help="first document used")
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+
+    dflt = VerticalSlashConfig()        # the estimator's own defaults, one source
     est = ap.add_argument_group("estimator (VerticalSlashConfig)")
-    est.add_argument("--recall", type=float, default=0.95)
-    est.add_argument("--last-q", type=int, default=64)
-    est.add_argument("--sink-tokens", type=int, default=64)
-    est.add_argument("--local-blocks", type=int, default=2)
-    est.add_argument("--max-vertical", type=int, default=4096)
-    est.add_argument("--max-slash", type=int, default=1024)
+    est.add_argument("--recall", type=float, default=dflt.recall)
+    est.add_argument("--last-q", type=int, default=dflt.last_q)
+    est.add_argument("--sink-tokens", type=int, default=dflt.sink_tokens)
+    est.add_argument("--local-blocks", type=int, default=dflt.local_blocks)
+    est.add_argument("--max-vertical", type=int, default=dflt.max_vertical)
+    est.add_argument("--max-slash", type=int, default=dflt.max_slash)
     out = ap.add_argument_group("output")
     out.add_argument("--out", default="pattern_recall", help="writes OUT.json and OUT.png")
     out.add_argument("--plot-heads", type=int, default=4, help="number of heads drawn in the PNG (0: no PNG)")
