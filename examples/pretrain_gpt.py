@@ -460,6 +460,12 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
             check_release_args(args, state.get("args", {}), vocab, ckpt_dir)
         model.module.load_state_dict(state["model"])
+        # The optimizer was built before the load: with --bf16/--fp16 it holds fp32 main copies of
+        # the *initial* weights, and its first step would write them back over the loaded model.
+        # Refresh them from the loaded parameters (Megatron-LM does the same when it loads a model
+        # without its optimizer).
+        if optimizer is not None:
+            optimizer.reload_model_params()
         log0(f" > loaded release checkpoint {ckpt_dir} (model weights only; optimizer, LR schedule and "
              "iteration start fresh)")
         return 0

@@ -267,6 +267,41 @@ def test_pretrain_gpt_loads_converted_checkpoint_and_trains(converted, tmp_path)
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
+def _plain_weights(ckpt_dir: Path) -> dict:
+    """A dist_checkpointing (torch_dist) directory as plain tensors, without a process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dst = ckpt_dir.parent / f"{ckpt_dir.name}.plain.pt"
+    dcp_to_torch_save(str(ckpt_dir), str(dst))
+    sd = torch.load(dst, weights_only=False)
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def test_bf16_release_load_keeps_loaded_weights_through_optimizer_steps(converted, tmp_path):
+    """--bf16 keeps fp32 main copies in the optimizer, built before the load. With lr 0 two steps must
+    leave exactly the converted weights (bf16-rounded); a missing main-copy refresh writes the random
+    initialization back over them at the first step (loss jumps to ~ln V on a real model)."""
+    import torch
+
+    out, _ = converted
+    argv = json.loads((out / "argv.json").read_text())
+    argv[argv.index("--lr") + 1] = "0"
+    save = tmp_path / "ckpt"
+    res = run_python("examples/pretrain_gpt.py", argv + ["--bf16", "--min-lr", "0", "--save", str(save)],
+                     timeout=240)
+    assert res.returncode == 0, res.tail()
+    assert "loaded release checkpoint" in res.stdout, res.tail()
+    ref = _plain_weights(out / "ok" / "release")
+    got = _plain_weights(save / "iter_0000002")
+    names = [k for k in ref if k in got and ref[k].dim() >= 1]
+    assert "embedding.word_embeddings.weight" in names and len(names) >= 8, sorted(got)
+    for k in names:
+        want = ref[k].to(torch.bfloat16)
+        assert got[k].dtype == torch.bfloat16, (k, got[k].dtype)
+        assert torch.equal(got[k], want), k
+
+
 def test_load_with_mismatched_flags_names_the_flag(converted):
     out, _ = converted
     argv = json.loads((out / "argv.json").read_text())
