@@ -30,7 +30,9 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from megatron_mtraining.layout import Layout  # noqa: E402
-from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash  # noqa: E402
+from megatron_mtraining.patterns.estimator import (  # noqa: E402
+    VerticalSlashConfig, estimate_vertical_slash, resolve_impl,
+)
 from tests.workers.vs_data import make_qkv  # noqa: E402
 
 F64 = torch.float64
@@ -244,6 +246,9 @@ def test_estimator_impl_errors(monkeypatch):
         estimate_vertical_slash(q.double(), k.double(), layout=one, impl="triton")
     with pytest.raises(ValueError, match="bf16/fp16/fp32"):
         estimate_vertical_slash(q, k.half(), layout=one, impl="triton")
+    assert resolve_impl("triton", q, k) == "triton"             # CPU under the interpreter
+    assert resolve_impl("auto", q, k) == "torch"                # "auto" picks Triton on CUDA only
+    assert resolve_impl("torch", q.double(), k.double()) == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         estimate_vertical_slash(q, k, layout=one, impl="triton")

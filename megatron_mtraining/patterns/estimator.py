@@ -90,7 +90,7 @@ from ..distributed import group_rank, group_size
 from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 
-__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "priority_order"]
+__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "priority_order", "resolve_impl"]
 
 # Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
 _LOGIT_BUDGET = 1 << 23
@@ -323,24 +323,37 @@ def _all_reduce(t: torch.Tensor, op, group, cp: int) -> torch.Tensor:
 _IMPLS = ("auto", "torch", "triton")
 
 
-def _use_fused(impl: str, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the scores run in the fused Triton kernels (``impl`` resolved, or ValueError)."""
+def resolve_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
+    """The score implementation :func:`estimate_vertical_slash` runs for ``impl`` on these inputs.
+
+    Args:
+        impl: ``"auto"``, ``"torch"`` or ``"triton"``.
+        q, k: the estimator's ``q`` and ``k`` (only device and dtype are read).
+
+    Returns:
+        ``"torch"`` or ``"triton"`` (``"auto"``: ``"triton"`` for CUDA bf16/fp16/fp32 inputs of one
+        dtype when Triton imports, else ``"torch"``).
+
+    Raises:
+        ValueError: an unknown ``impl`` (naming the allowed ones), or ``"triton"`` where the kernels
+            cannot run (fp64 or mixed dtypes, Triton missing, CPU without ``TRITON_INTERPRET=1``).
+    """
     if impl not in _IMPLS:
         raise ValueError(f"estimate_vertical_slash: impl must be one of {', '.join(map(repr, _IMPLS))}, got {impl!r}")
     if impl == "torch":
-        return False
+        return "torch"
     from ..ops.triton import triton_usable
 
     ok_dtype = q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
     if impl == "auto":
-        return q.is_cuda and ok_dtype and triton_usable(q)
+        return "triton" if q.is_cuda and ok_dtype and triton_usable(q) else "torch"
     if not ok_dtype:
         raise ValueError(f"estimate_vertical_slash(impl='triton') needs q and k of one dtype among bf16/fp16/fp32, "
                          f"got {q.dtype} and {k.dtype} (use impl='torch')")
     if not triton_usable(q):
         raise ValueError(f"estimate_vertical_slash(impl='triton') cannot run on {q.device}: it needs Triton and a "
                          "CUDA tensor, or a CPU tensor with TRITON_INTERPRET=1 set before triton is imported")
-    return True
+    return "triton"
 
 
 def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -446,7 +459,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         raise ValueError(f"sequence length {S} must be a multiple of VerticalSlashConfig.block_size={bs}")
     if L > S:
         raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
-    fused = _use_fused(impl, q, k)
+    fused = resolve_impl(impl, q, k) == "triton"
     nb = S // bs
     dev = q.device
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
