@@ -13,7 +13,9 @@ Notation: ``L = probe_q.shape[1]`` probe queries at global positions ``S - L .. 
 striped layouts are not contiguous). A key is visible to probe row ``r`` iff
 ``k_pos <= S - L + r``. GQA: query head ``h`` reads kv head ``h // (hq // hkv)``; one program
 owns one (sample, kv head, tile of ``BLOCK_N`` keys), loads the K tile once and loops over the
-``hq // hkv`` query heads of the group and over chunks of at most ``MAX_BLOCK_M`` probe rows.
+``hq // hkv`` query heads of the group and over chunks of at most ``MAX_BLOCK_M`` probe rows
+(fp32 inputs: ``BLOCK_N_FP32`` / ``MAX_BLOCK_M_FP32``, smaller tiles: the fp32 ``tl.dot`` runs
+without tensor cores and the 16-bit tile sizes would spill registers).
 
 Precision: ``tl.dot`` takes the input dtype (bf16/fp16; fp32 inputs use ``input_precision="ieee"``,
 no TF32) with fp32 accumulation; softmax arithmetic in fp32 (base-2 exponentials inside the
@@ -30,14 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_N", "MAX_BLOCK_M", "NUM_WARPS", "probe_softmax_stats", "probe_column_sums", "probe_block_range"]
+__all__ = ["BLOCK_N", "MAX_BLOCK_M", "BLOCK_N_FP32", "MAX_BLOCK_M_FP32", "NUM_WARPS", "tile_sizes",
+           "probe_softmax_stats", "probe_column_sums", "probe_block_range"]
 
-BLOCK_N = 64        # local keys per program (one K tile, read once per pass)
+BLOCK_N = 64        # local keys per program (one K tile, read once per pass); bf16/fp16 inputs
 MAX_BLOCK_M = 64    # probe rows per tl.dot (L is processed in chunks of at most this many rows)
+BLOCK_N_FP32 = 32   # the same for fp32 inputs
+MAX_BLOCK_M_FP32 = 16
 NUM_WARPS = 4
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)     # read inside the kernels: must be a constexpr global
 
 
 @triton.jit
@@ -55,10 +60,10 @@ def _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh,
     n_ok = offs_n < SL
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    kt = tl.load(K + bi * s_kb + g * s_kh + offs_n[None, :] * s_ks + offs_d[:, None],
-                 mask=n_ok[None, :] & d_ok[:, None], other=0.0)                 # [BLOCK_D, BLOCK_N]
+    k = tl.load(K + bi * s_kb + g * s_kh + offs_n[:, None] * s_ks + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
     kpos = tl.load(KPos + offs_n, mask=n_ok, other=0)
-    return kt, kpos, offs_n, n_ok
+    return tl.trans(k), kpos, offs_n, n_ok                                     # K^T [BLOCK_D, BLOCK_N]
 
 
 @triton.jit
@@ -147,6 +152,11 @@ def probe_block_range(seq_len: int, last_q: int, block_size: int) -> "tuple[int,
     return u0, (seq_len - 1) // block_size - u0 + 1
 
 
+def tile_sizes(dtype: torch.dtype) -> "tuple[int, int]":
+    """``(max probe rows per tl.dot, keys per program)`` for inputs of ``dtype``."""
+    return (MAX_BLOCK_M_FP32, BLOCK_N_FP32) if dtype == torch.float32 else (MAX_BLOCK_M, BLOCK_N)
+
+
 def _check(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int):
     if probe_q.dim() != 4 or k.dim() != 4 or probe_q.shape[0] != k.shape[0] or probe_q.shape[3] != k.shape[3]:
         raise ValueError(f"probe_q [b, L, hq, d] and k [b, s_local, hkv, d] expected, got "
@@ -174,10 +184,11 @@ def _prep(probe_q, k, k_pos, seq_len):
     kp = k_pos.to(device=k.device, dtype=torch.int32).contiguous()
     b, L, hq, d = q.shape
     sl, hkv = kk.shape[1], kk.shape[2]
+    max_m, block_n = tile_sizes(q.dtype)
     meta = dict(REP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-                BLOCK_M=min(MAX_BLOCK_M, max(16, triton.next_power_of_2(L))), BLOCK_N=BLOCK_N,
+                BLOCK_M=min(max_m, max(16, triton.next_power_of_2(L))), BLOCK_N=block_n,
                 FP32=q.dtype == torch.float32, num_warps=NUM_WARPS)
-    grid = (triton.cdiv(sl, BLOCK_N), b * hkv)
+    grid = (triton.cdiv(sl, block_n), b * hkv)
     return q, kk, kp, meta, grid
 
 
