@@ -66,7 +66,7 @@ Cost per forward: ``b * hq * last_q * S_local * d`` MACs per pass, two passes (t
 about 50 elementwise passes over fp64 ``[b, hq, last_q, chunk]`` logits, bandwidth-bound — 9.05 ms
 at 64K and 28.4 ms at 128K on one H200 for the Qwen2.5-3B shape, 27–31 % of the sparse attention
 kernels; Triton: tensor-core MACs, each pass reads the local K once and the probe queries, and
-writes ``b * hq * ceil(S_local / 64) * last_q`` fp32 partial (max, sum) pairs (pass 1) and
+writes ``b * hq * ceil(S_local / BLOCK_N) * last_q`` fp32 partial (max, sum) pairs (pass 1) and
 ``b * hq * nu * S_local`` fp32 column sums (pass 2, ``nu`` = number of global query blocks the
 probes span, 1 when ``last_q == block_size``); its GPU time has not been measured yet:
 ``tools/bench_estimator.py --impl triton`` reports it), one broadcast of ``b * last_q * hq * d``
@@ -74,7 +74,7 @@ values per owner rank, three all_reduces of ``b * hq * last_q`` / ``b * hq * S /
 values and one all_gather of ``2 * b * hq * min(max_vertical, S_local)`` fp64 values. The selection
 (sorts over ``[b, hq, S_local]`` fp64 scores) is the same in both paths. Peak extra memory of the
 torch path is bounded by key chunking (``_LOGIT_BUDGET`` elements); of the Triton path by the two
-fp32 outputs above.
+fp32 outputs above (and their fp64 copies).
 """
 
 from __future__ import annotations
