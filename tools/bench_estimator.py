@@ -8,7 +8,12 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 ``configs/e2e_sparse.yaml``):
 
 * ``estimate_s``: :func:`~megatron_mtraining.patterns.estimator.estimate_vertical_slash` +
-  :func:`~megatron_mtraining.patterns.convert.convert_pattern` (index conversion), no grad;
+  :func:`~megatron_mtraining.patterns.convert.convert_pattern` (index conversion), no grad; split
+  into ``scores_s`` (``estimate_vertical_slash`` alone: probe gather, scores, budgets, selection)
+  and ``convert_s`` (``convert_pattern`` alone, on the estimated pattern), each timed on its own;
+* ``impl``: the estimator's score implementation that ran (``--impl``: ``auto`` = the Triton
+  kernels on CUDA, the fp64 torch path on the CPU; ``triton`` on the CPU needs
+  ``TRITON_INTERPRET=1``); it is used in every column, ``total_s`` included;
 * ``kernels_s``: the sparse attention fwd+bwd on that fixed pattern (the step kernel through
   :class:`~megatron_mtraining.ring.RingAttentionFunc`, estimation excluded);
 * ``total_s``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` fwd+bwd
@@ -21,6 +26,7 @@ Times: seconds, median of ``--repeats`` after ``--warmup`` (CUDA events on the G
 the CPU). Prints a table; ``--json OUT`` writes the rows.
 
     python3 tools/bench_estimator.py --seqs 65536,131072,262144 --json est.json     # H200
+    python3 tools/bench_estimator.py --seqs 65536,131072 --impl torch               # the fp64 path
     python3 tools/bench_estimator.py --device cpu --seqs 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
 from __future__ import annotations
@@ -66,8 +72,9 @@ def measure(seq: int, args) -> dict:
 
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.patterns.convert import convert_pattern
-    from megatron_mtraining.patterns.estimator import estimate_vertical_slash
+    from megatron_mtraining.patterns.estimator import estimate_vertical_slash, resolve_impl
     from megatron_mtraining.ring import RingAttentionFunc
+    from megatron_mtraining.ring import sparse as ring_sparse
     from megatron_mtraining.ring.sparse import SparseStepKernel, sparse_ring_attention
     from tools.bench_e2e import kept_fraction, structured_qkv
 
@@ -84,10 +91,19 @@ def measure(seq: int, args) -> dict:
     factory = factory or SparseStepKernel
     timeit = _timer(dev)
 
-    def estimate():
+    impl = resolve_impl(args.impl, q, k)
+
+    def scores():
         with torch.no_grad():
-            pat = estimate_vertical_slash(q, k, layout=layout, group=None, config=vs, softmax_scale=scale)
-            return pat, convert_pattern(pat, layout, 0)
+            return estimate_vertical_slash(q, k, layout=layout, group=None, config=vs, softmax_scale=scale, impl=impl)
+
+    def convert(pat):
+        with torch.no_grad():
+            return convert_pattern(pat, layout, 0)
+
+    def estimate():
+        pat = scores()
+        return pat, convert(pat)
 
     pattern, steps = estimate()
     kernel = factory(steps, scale)
@@ -99,13 +115,22 @@ def measure(seq: int, args) -> dict:
 
     def total():
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-        sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
-                              kernel_factory=factory, columns=cfg.columns).backward(dout)
+        # the ring calls the estimator with its default impl: pin it to this run's for the timing
+        orig = ring_sparse.estimate_vertical_slash
+        ring_sparse.estimate_vertical_slash = lambda *a, **kw: orig(*a, **kw, impl=impl)
+        try:
+            sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
+                                  kernel_factory=factory, columns=cfg.columns).backward(dout)
+        finally:
+            ring_sparse.estimate_vertical_slash = orig
 
     t_est = timeit(estimate, args.warmup, args.repeats)
+    t_scores = timeit(scores, args.warmup, args.repeats)
+    t_conv = timeit(lambda: convert(pattern), args.warmup, args.repeats)
     t_ker = timeit(kernels, args.warmup, args.repeats)
     t_tot = timeit(total, args.warmup, args.repeats)
-    return {"seq": seq, "device": str(dev), "estimate_s": t_est, "kernels_s": t_ker, "total_s": t_tot,
+    return {"seq": seq, "device": str(dev), "impl": impl, "estimate_s": t_est, "scores_s": t_scores,
+            "convert_s": t_conv, "kernels_s": t_ker, "total_s": t_tot,
             "estimate_share": t_est / t_ker, "estimate_share_of_total": t_est / t_tot,
             "kept_fraction": kept_fraction(pattern),
             "mean_slash_blocks": float(pattern.slash_count.float().mean()),
@@ -127,6 +152,13 @@ def check_args(ap, args) -> list:
                           ("--head-dim", args.head_dim, 4), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1)):
         if val < lo:
             ap.error(f"{flag} must be >= {lo}, got {val}")
+    if args.impl == "triton":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            ap.error("--impl triton: triton is not installed")
+        if args.device != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            ap.error(f"--impl triton on --device {args.device} needs TRITON_INTERPRET=1 (the Triton CPU interpreter)")
     if args.heads % args.kv_heads:
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.head_dim % 4:
@@ -159,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--impl", choices=("auto", "torch", "triton"), default="auto",
+                    help="estimator score implementation (estimate_vertical_slash impl=)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -166,15 +200,16 @@ def main(argv=None) -> int:
         ap.error("--device cuda but CUDA is not available (use --device cpu for a small check)")
     seqs = check_args(ap, args)
     rows = [measure(s, args) for s in seqs]
-    print(f"{'seq':>8} {'estimate ms':>12} {'kernels ms':>11} {'total ms':>9} {'est/kernels':>11} "
-          f"{'kept':>6} {'slash':>6} {'vert':>6}")
+    print(f"{'seq':>8} {'impl':>6} {'estimate ms':>12} {'scores ms':>10} {'convert ms':>11} {'kernels ms':>11} "
+          f"{'total ms':>9} {'est/kernels':>11} {'kept':>6} {'slash':>6} {'vert':>6}")
     for r in rows:
-        print(f"{r['seq']:>8} {r['estimate_s'] * 1e3:>12.2f} {r['kernels_s'] * 1e3:>11.2f} {r['total_s'] * 1e3:>9.2f} "
+        print(f"{r['seq']:>8} {r['impl']:>6} {r['estimate_s'] * 1e3:>12.2f} {r['scores_s'] * 1e3:>10.2f} "
+              f"{r['convert_s'] * 1e3:>11.2f} {r['kernels_s'] * 1e3:>11.2f} {r['total_s'] * 1e3:>9.2f} "
               f"{r['estimate_share']:>11.3f} {r['kept_fraction']:>6.3f} {r['mean_slash_blocks']:>6.1f} "
               f"{r['mean_vertical']:>6.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": args.config, "rows": rows}, f, indent=1)
+            json.dump({"config": args.config, "impl": args.impl, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -7,10 +7,14 @@ Every forward pass, from the current (already position-encoded) ``q`` and ``k`` 
    broadcasts its rows (``src`` translated group-local → global with ``dist.get_global_rank``,
    so any CP sub-group works). In a striped layout with granularity >= ``last_q`` this is one
    broadcast; in other layouts one per owner rank.
-2. **Exact probe softmax across ranks.** Each rank computes the scaled fp64 logits of the probe
+2. **Exact probe softmax across ranks.** Each rank computes the scaled logits of the probe
    queries against its local keys with the causal mask on *global* positions (a probe query
-   never sees a key after itself). Row max: ``all_reduce(MAX)``; row sum of ``exp(s - max)``:
-   ``all_reduce(SUM)``. The resulting probabilities are the true softmax rows of the probes.
+   never sees a key after itself): in fp64 torch (``impl="torch"``, the CPU / fp64 path and the
+   oracle) or, on the GPU, in the fused Triton kernels of
+   :mod:`megatron_mtraining.ops.triton.estimator` (``impl="triton"``, the default for CUDA
+   bf16/fp16/fp32 inputs: ``tl.dot`` in the input dtype, fp32 accumulation and softmax). Row max:
+   ``all_reduce(MAX)``; row sum of ``exp(s - max)``: ``all_reduce(SUM)`` (fp64 in both paths).
+   The resulting probabilities are the true softmax rows of the probes.
 3. **Scores.** Vertical lines are scored at token level (column sums of the probe
    probabilities, ``[b, hq, S_local]``, stays local). Slash lines are scored at block level:
    the probability mass of all (probe query, key) pairs whose global ``block_size`` blocks differ by
@@ -42,18 +46,35 @@ recall target is a per-head guarantee — pooling a sink head and a local head o
 let the pooled mass reach the target while one of the heads stays far below it.
 
 Invariance. The pattern is a property of the sequence: it does not depend on ``cp_size`` or the
-layout beyond floating-point rounding. Scores are computed in fp64 from the input values, every
-line has a unique position in the total priority order (ties broken by position/offset, never by
-rank or local order), and candidate merging is rank-order independent. Only reduction order differs
-between CP sizes (≈1e-16 relative), so a selection can change only if two line scores agree to
-~1e-15 or a cumulative sum lands within ~1e-15 of the target.
+layout beyond floating-point rounding. With ``impl="torch"`` scores are computed in fp64 from the
+input values, every line has a unique position in the total priority order (ties broken by
+position/offset, never by rank or local order), and candidate merging is rank-order independent.
+Only reduction order differs between CP sizes (≈1e-16 relative), so a selection can change only if
+two line scores agree to ~1e-15 or a cumulative sum lands within ~1e-15 of the target. The GPU path
+(``impl="triton"``) computes the scores in fp32 from the input dtype (then casts them to fp64 for
+the budgets and the selection, which are the same code): its scores differ from the fp64 path by
+about 1e-6 relative (fp32 rounding of logits of magnitude ~10; the tests bound it by 1e-5), so on
+the GPU the pattern can differ from the fp64 path — and between CP sizes / layouts, whose key tiles
+differ — only where two line scores agree to ~1e-6 relative or a cumulative sum lands that close to
+the target. Every rank still selects the same lines (the selection inputs are all-reduced or
+all-gathered). On CUDA the slash ``index_add_`` uses atomics in both paths, so the last bits of a
+slash score may vary from run to run.
 
 Batch: every sample gets its own pattern (all tensors carry the batch dimension).
 
-Cost per forward: ``b * hq * last_q * S_local * d`` fp64 MACs (two passes), one broadcast of
-``b * last_q * hq * d`` values per owner rank, three all_reduces of ``b * hq * last_q`` /
-``b * hq * S / block_size`` fp64 values and one all_gather of ``2 * b * hq * min(max_vertical,
-S_local)`` fp64 values. Peak extra memory is bounded by key chunking (``_LOGIT_BUDGET`` elements).
+Cost per forward: ``b * hq * last_q * S_local * d`` MACs per pass, two passes (torch: fp64,
+about 50 elementwise passes over fp64 ``[b, hq, last_q, chunk]`` logits, bandwidth-bound — 9.05 ms
+at 64K and 28.4 ms at 128K on one H200 for the Qwen2.5-3B shape, 27–31 % of the sparse attention
+kernels; Triton: tensor-core MACs, each pass reads the local K once and the probe queries, and
+writes ``b * hq * ceil(S_local / BLOCK_N) * last_q`` fp32 partial (max, sum) pairs (pass 1) and
+``b * hq * nu * S_local`` fp32 column sums (pass 2, ``nu`` = number of global query blocks the
+probes span, 1 when ``last_q == block_size``); its GPU time has not been measured yet:
+``tools/bench_estimator.py --impl triton`` reports it), one broadcast of ``b * last_q * hq * d``
+values per owner rank, three all_reduces of ``b * hq * last_q`` / ``b * hq * S / block_size`` fp64
+values and one all_gather of ``2 * b * hq * min(max_vertical, S_local)`` fp64 values. The selection
+(sorts over ``[b, hq, S_local]`` fp64 scores) is the same in both paths. Peak extra memory of the
+torch path is bounded by key chunking (``_LOGIT_BUDGET`` elements); of the Triton path by the two
+fp32 outputs above (and their fp64 copies).
 """
 
 from __future__ import annotations
@@ -69,7 +90,7 @@ from ..distributed import group_rank, group_size
 from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 
-__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "priority_order"]
+__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "priority_order", "resolve_impl"]
 
 # Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
 _LOGIT_BUDGET = 1 << 23
@@ -299,53 +320,57 @@ def _all_reduce(t: torch.Tensor, op, group, cp: int) -> torch.Tensor:
     return t
 
 
-# ----------------------------------------------------------------------------------- estimator
-@torch.no_grad()
-def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
-                            config: VerticalSlashConfig = VerticalSlashConfig(),
-                            softmax_scale: Optional[float] = None) -> VerticalSlashPattern:
-    """Estimate the global vertical-slash pattern of this forward pass (identical on every rank).
+_IMPLS = ("auto", "torch", "triton")
+
+
+def resolve_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
+    """The score implementation :func:`estimate_vertical_slash` runs for ``impl`` on these inputs.
 
     Args:
-        q: ``[b, s_local, hq, d]`` this rank's queries (position-encoded), any float dtype.
-        k: ``[b, s_local, hkv, d]`` this rank's keys (GQA: query head ``h`` reads kv head
-            ``h // (hq // hkv)``).
-        layout: the CP layout the shards follow; ``layout.cp_size`` must equal the group size.
-        group: the CP process group (``None``: one rank, no communication).
-        config: budgets (:class:`VerticalSlashConfig`).
-        softmax_scale: defaults to ``1/sqrt(d)`` (must be the attention's scale).
+        impl: ``"auto"``, ``"torch"`` or ``"triton"``.
+        q, k: the estimator's ``q`` and ``k`` (only device and dtype are read).
 
     Returns:
-        :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
+        ``"torch"`` or ``"triton"`` (``"auto"``: ``"triton"`` for CUDA bf16/fp16/fp32 inputs of one
+        dtype when Triton imports, else ``"torch"``).
 
     Raises:
-        ValueError: shape mismatch, ``layout.cp_size`` not the group size, a sequence the layout
-            cannot split, ``S % block_size != 0`` or ``S < last_q``.
+        ValueError: an unknown ``impl`` (naming the allowed ones), or ``"triton"`` where the kernels
+            cannot run (fp64 or mixed dtypes, Triton missing, CPU without ``TRITON_INTERPRET=1``).
     """
-    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q [b, s, hq, d] and k [b, s, hkv, d] expected, got {tuple(q.shape)}, {tuple(k.shape)}")
-    b, sl, hq, d = q.shape
-    hkv = k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"GQA needs num query heads ({hq}) divisible by num kv heads ({hkv})")
-    cp, rank = group_size(group), group_rank(group)
-    if layout.cp_size != cp:
-        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
-    S = sl * cp
-    layout.check_seq_len(S)
-    bs, L = config.block_size, config.last_q
-    if S % bs:
-        raise ValueError(f"sequence length {S} must be a multiple of VerticalSlashConfig.block_size={bs}")
-    if L > S:
-        raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
-    nb = S // bs
-    dev = q.device
-    rep = hq // hkv
-    scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
-    f64 = torch.float64
+    if impl not in _IMPLS:
+        raise ValueError(f"estimate_vertical_slash: impl must be one of {', '.join(map(repr, _IMPLS))}, got {impl!r}")
+    if impl == "torch":
+        return "torch"
+    from ..ops.triton import triton_usable
 
-    k_pos = layout.positions(rank, S, device=dev)                       # ascending
-    probe = _gather_probe_queries(q, layout, group, rank, cp, S, L)      # [b, L, hq, d]
+    ok_dtype = q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if impl == "auto":
+        return "triton" if q.is_cuda and ok_dtype and triton_usable(q) else "torch"
+    if not ok_dtype:
+        raise ValueError(f"estimate_vertical_slash(impl='triton') needs q and k of one dtype among bf16/fp16/fp32, "
+                         f"got {q.dtype} and {k.dtype} (use impl='torch')")
+    if not triton_usable(q):
+        raise ValueError(f"estimate_vertical_slash(impl='triton') cannot run on {q.device}: it needs Triton and a "
+                         "CUDA tensor, or a CPU tensor with TRITON_INTERPRET=1 set before triton is imported")
+    return "triton"
+
+
+def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """fp64 ``[b, hq, L]`` log-sum-exp of the probe rows over the CP group from the local row max
+    ``m`` and ``z = sum exp(s - m)``: ``all_reduce(MAX)`` then a rescaled ``all_reduce(SUM)``."""
+    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp)
+    gsafe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
+    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp)
+    return gsafe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+
+
+def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int):
+    """fp64 torch scores (oracle path, chunked over keys): ``col [b, hq, S_local]`` and this rank's
+    ``slash [b, hq, S/bs]`` (before its all_reduce)."""
+    b, L, hq, d = probe.shape
+    sl, hkv = k.shape[1], k.shape[2]
+    rep, nb, dev, f64 = hq // hkv, S // bs, probe.device, torch.float64
     pq = probe.to(f64).view(b, L, hkv, rep, d)
     p_pos = torch.arange(S - L, S, device=dev)
     chunk = max(bs, (_LOGIT_BUDGET // max(1, b * hq * L)) // bs * bs)
@@ -370,17 +395,11 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         safe = torch.where(torch.isneginf(new_m), torch.zeros_like(new_m), new_m)
         z = z * torch.exp(m - safe) + torch.exp(s - safe[..., None]).sum(-1)
         m = new_m
-    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp)
-    gsafe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp)
-    lse = gsafe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+    lse = _global_lse(m, z, group, cp)
 
     # --- line scores: token-level columns (local), block-level diagonals (global after all_reduce)
     col = torch.zeros((b, hq, sl), dtype=f64, device=dev)
     slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
-    # probe rows of global query block u are the contiguous range [max(0, u*bs - (S-L)), (u+1)*bs - (S-L))
-    q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
-                for u in range((S - L) // bs, nb)]
     for j0, j1 in spans:
         p = torch.exp(logits(j0, j1) - lse[..., None])                  # [b, hq, L, c]
         col[..., j0:j1] = p.sum(-2)
@@ -390,6 +409,85 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
             slash.index_add_(-1, (u - k_blk).clamp(min=0), pu)
     cache.clear()
+    return col, slash
+
+
+# ----------------------------------------------------------------------------------- estimator
+@torch.no_grad()
+def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
+                            config: VerticalSlashConfig = VerticalSlashConfig(),
+                            softmax_scale: Optional[float] = None, impl: str = "auto") -> VerticalSlashPattern:
+    """Estimate the global vertical-slash pattern of this forward pass (identical on every rank).
+
+    Args:
+        q: ``[b, s_local, hq, d]`` this rank's queries (position-encoded), any float dtype.
+        k: ``[b, s_local, hkv, d]`` this rank's keys (GQA: query head ``h`` reads kv head
+            ``h // (hq // hkv)``).
+        layout: the CP layout the shards follow; ``layout.cp_size`` must equal the group size.
+        group: the CP process group (``None``: one rank, no communication).
+        config: budgets (:class:`VerticalSlashConfig`).
+        softmax_scale: defaults to ``1/sqrt(d)`` (must be the attention's scale).
+        impl: how the scores (probe softmax, column and block-diagonal sums) are computed:
+            ``"torch"``: fp64 torch (the oracle; any device and float dtype);
+            ``"triton"``: the fused kernels of :mod:`megatron_mtraining.ops.triton.estimator`
+            (fp32 scores from bf16/fp16/fp32 inputs; CUDA, or CPU under ``TRITON_INTERPRET=1``);
+            ``"auto"`` (default): ``"triton"`` for CUDA bf16/fp16/fp32 inputs when Triton imports,
+            else ``"torch"``. The selection is always fp64 torch.
+
+    Returns:
+        :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
+
+    Raises:
+        ValueError: shape mismatch, ``layout.cp_size`` not the group size, a sequence the layout
+            cannot split, ``S % block_size != 0`` or ``S < last_q``; an unknown ``impl``, or
+            ``impl="triton"`` where the kernels cannot run (Triton missing, fp64 or mixed dtypes,
+            CPU without ``TRITON_INTERPRET=1``).
+    """
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q [b, s, hq, d] and k [b, s, hkv, d] expected, got {tuple(q.shape)}, {tuple(k.shape)}")
+    b, sl, hq, d = q.shape
+    hkv = k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"GQA needs num query heads ({hq}) divisible by num kv heads ({hkv})")
+    cp, rank = group_size(group), group_rank(group)
+    if layout.cp_size != cp:
+        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
+    S = sl * cp
+    layout.check_seq_len(S)
+    bs, L = config.block_size, config.last_q
+    if S % bs:
+        raise ValueError(f"sequence length {S} must be a multiple of VerticalSlashConfig.block_size={bs}")
+    if L > S:
+        raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
+    fused = resolve_impl(impl, q, k) == "triton"
+    nb = S // bs
+    dev = q.device
+    scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
+    f64 = torch.float64
+
+    k_pos = layout.positions(rank, S, device=dev)                       # ascending
+    probe = _gather_probe_queries(q, layout, group, rank, cp, S, L)      # [b, L, hq, d]
+    # probe rows of global query block u are the contiguous range [max(0, u*bs - (S-L)), (u+1)*bs - (S-L))
+    q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
+                for u in range((S - L) // bs, nb)]
+
+    if fused:
+        from ..ops.triton.estimator import probe_column_sums, probe_softmax_stats
+
+        # --- exact softmax rows of the probes across the CP group: local (m, z) from the kernel
+        m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
+        lse = _global_lse(m, z, group, cp)
+        # --- line scores: per-key sums split by probe query block (fp32), cast to fp64
+        colu = probe_column_sums(probe, k, k_pos, S, lse, scale, bs).to(f64)   # [b, hq, nu, sl]
+        assert colu.shape[2] == len(q_blocks)
+        col = colu[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
+        slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
+        k_blk = k_pos // bs
+        for i, (u, _, _) in enumerate(q_blocks):
+            # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
+            slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
+    else:
+        col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp)
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp)
 
     target = float(config.recall) * L

@@ -1,0 +1,269 @@
+"""Fused Triton scores of the online vertical-slash estimator (MTraining §3.2).
+
+The score part of :func:`megatron_mtraining.patterns.estimator.estimate_vertical_slash` — the
+probe softmax statistics and the column / block-diagonal probability sums — in two passes over
+this rank's keys, each reading K once (the selection stays in torch, in fp64)::
+
+    m, z = probe_softmax_stats(probe_q, k, k_pos, seq_len, softmax_scale)          # pass 1
+    # (the caller all-reduces m (MAX) and z (SUM, rescaled) over the CP group -> lse)
+    colu = probe_column_sums(probe_q, k, k_pos, seq_len, lse, softmax_scale, block_size)  # pass 2
+
+Notation: ``L = probe_q.shape[1]`` probe queries at global positions ``S - L .. S - 1`` (row
+``r`` at ``S - L + r``); ``k_pos [S_local]`` the global positions of the local keys (ascending;
+striped layouts are not contiguous). A key is visible to probe row ``r`` iff
+``k_pos <= S - L + r``. GQA: query head ``h`` reads kv head ``h // (hq // hkv)``; one program
+owns one (sample, kv head, tile of ``BLOCK_N`` keys), loads the K tile once and loops over the
+``hq // hkv`` query heads of the group and over chunks of at most ``MAX_BLOCK_M`` probe rows
+(fp32 inputs: ``BLOCK_N_FP32`` / ``MAX_BLOCK_M_FP32``, smaller tiles: the fp32 ``tl.dot`` runs
+without tensor cores and the 16-bit tile sizes would spill registers).
+
+Precision: ``tl.dot`` takes the input dtype (bf16/fp16; fp32 inputs use ``input_precision="ieee"``,
+no TF32) with fp32 accumulation; softmax arithmetic in fp32 (base-2 exponentials inside the
+kernels, natural-log units at the interface); the per-tile partials of pass 1 are merged in fp64.
+Fully masked rows / keys give exact zeros (``m = -inf``, ``z = 0``, ``p = 0``), never NaN.
+
+Imported lazily (never at package import): ``triton.jit`` decides at decoration time whether the
+kernels run compiled or in the CPU interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK_N", "MAX_BLOCK_M", "BLOCK_N_FP32", "MAX_BLOCK_M_FP32", "NUM_WARPS", "tile_sizes",
+           "probe_softmax_stats", "probe_column_sums", "probe_block_range"]
+
+BLOCK_N = 64        # local keys per program (one K tile, read once per pass); bf16/fp16 inputs
+MAX_BLOCK_M = 64    # probe rows per tl.dot (L is processed in chunks of at most this many rows)
+BLOCK_N_FP32 = 32   # the same for fp32 inputs
+MAX_BLOCK_M_FP32 = 16
+NUM_WARPS = 4
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)     # read inside the kernels: must be a constexpr global
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < SL
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    k = tl.load(K + bi * s_kb + g * s_kh + offs_n[:, None] * s_ks + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
+    kpos = tl.load(KPos + offs_n, mask=n_ok, other=0)
+    return tl.trans(k), kpos, offs_n, n_ok                                     # K^T [BLOCK_D, BLOCK_N]
+
+
+@triton.jit
+def _probe_logits(Q, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
+    """Base-2 logits ``[BLOCK_M, BLOCK_N]`` of probe rows ``rows`` of head ``h``; -inf where invisible."""
+    offs_d = tl.arange(0, BLOCK_D)
+    qt = tl.load(Q + bi * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :],
+                 mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)        # [BLOCK_M, BLOCK_D]
+    s = _dot(qt, kt, FP32) * scale_log2
+    vis = r_ok[:, None] & n_ok[None, :] & (kpos[None, :] <= (p0 + rows)[:, None])
+    return tl.where(vis, s, float("-inf")), vis
+
+
+@triton.jit
+def _probe_stats_kernel(
+    Q, K, KPos, MPart, ZPart,
+    scale_log2, L, SL, p0, HKV,
+    s_qb, s_ql, s_qh,
+    s_kb, s_ks, s_kh,
+    s_pb, s_ph, s_pt,
+    REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    bi = bg // HKV
+    g = bg % HKV
+    kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
+    for r in range(REP):
+        h = g * REP + r
+        out = bi * s_pb + h * s_ph + tile * s_pt
+        for r0 in range(0, L, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            r_ok = rows < L
+            s, vis = _probe_logits(Q, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh,
+                                   D, BLOCK_D, FP32)
+            m = tl.max(s, 1)
+            m_use = tl.where(m == float("-inf"), 0.0, m)
+            z = tl.sum(tl.math.exp2(s - m_use[:, None]), 1)        # exp2(-inf) == 0: masked keys add 0
+            tl.store(MPart + out + rows, m * LN2, mask=r_ok)        # natural-log units; -inf stays -inf
+            tl.store(ZPart + out + rows, z, mask=r_ok)
+
+
+@triton.jit
+def _probe_colsum_kernel(
+    Q, K, KPos, Lse2, ColU,
+    scale_log2, L, SL, p0, HKV, BS, U0, NU,
+    s_qb, s_ql, s_qh,
+    s_kb, s_ks, s_kh,
+    s_lb, s_lh,
+    s_cb, s_ch, s_cu,
+    REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    bi = bg // HKV
+    g = bg % HKV
+    kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
+    for r in range(REP):
+        h = g * REP + r
+        for u in range(NU):
+            # probe rows of global query block U0 + u: [max(0, (U0+u)*BS - p0), min(L, (U0+u+1)*BS - p0))
+            r_lo = tl.maximum((U0 + u) * BS - p0, 0)
+            r_hi = tl.minimum((U0 + u + 1) * BS - p0, L)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for r0 in range(r_lo, r_hi, BLOCK_M):
+                rows = r0 + tl.arange(0, BLOCK_M)
+                r_ok = rows < r_hi
+                s, vis = _probe_logits(Q, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh,
+                                       D, BLOCK_D, FP32)
+                lse2 = tl.load(Lse2 + bi * s_lb + h * s_lh + rows, mask=r_ok, other=float("-inf"))
+                ok = vis & (lse2 > float("-inf"))[:, None]
+                p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
+                acc += tl.sum(p, 0)
+            tl.store(ColU + bi * s_cb + h * s_ch + u * s_cu + offs_n, acc, mask=n_ok)
+
+
+# ----------------------------------------------------------------------------------- launchers
+def probe_block_range(seq_len: int, last_q: int, block_size: int) -> "tuple[int, int]":
+    """``(u0, nu)``: the probe rows (global positions ``S - L .. S - 1``) lie in the global query
+    blocks ``u0 .. u0 + nu - 1``; rows of block ``u`` are ``[max(0, u*bs - (S-L)), min(L, (u+1)*bs - (S-L)))``."""
+    p0 = seq_len - last_q
+    u0 = p0 // block_size
+    return u0, (seq_len - 1) // block_size - u0 + 1
+
+
+def tile_sizes(dtype: torch.dtype) -> "tuple[int, int]":
+    """``(max probe rows per tl.dot, keys per program)`` for inputs of ``dtype``."""
+    return (MAX_BLOCK_M_FP32, BLOCK_N_FP32) if dtype == torch.float32 else (MAX_BLOCK_M, BLOCK_N)
+
+
+def _check(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int):
+    if probe_q.dim() != 4 or k.dim() != 4 or probe_q.shape[0] != k.shape[0] or probe_q.shape[3] != k.shape[3]:
+        raise ValueError(f"probe_q [b, L, hq, d] and k [b, s_local, hkv, d] expected, got "
+                         f"{tuple(probe_q.shape)}, {tuple(k.shape)}")
+    b, L, hq, d = probe_q.shape
+    sl, hkv = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"GQA needs num query heads ({hq}) divisible by num kv heads ({hkv})")
+    if probe_q.dtype != k.dtype or probe_q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"probe_q and k must share a dtype among bf16/fp16/fp32, got {probe_q.dtype}, {k.dtype}")
+    if probe_q.device != k.device:
+        raise ValueError(f"probe_q on {probe_q.device} but k on {k.device}")
+    if k_pos.shape != (sl,):
+        raise ValueError(f"k_pos must be [s_local] = [{sl}], got {tuple(k_pos.shape)}")
+    if not 1 <= L <= seq_len:
+        raise ValueError(f"number of probe queries {L} must be in [1, seq_len={seq_len}]")
+    if seq_len >= 2 ** 31:
+        raise ValueError(f"seq_len {seq_len} does not fit int32 positions")
+
+
+def _prep(probe_q, k, k_pos, seq_len):
+    _check(probe_q, k, k_pos, seq_len)
+    q = probe_q if probe_q.stride(-1) == 1 else probe_q.contiguous()
+    kk = k if k.stride(-1) == 1 else k.contiguous()
+    kp = k_pos.to(device=k.device, dtype=torch.int32).contiguous()
+    b, L, hq, d = q.shape
+    sl, hkv = kk.shape[1], kk.shape[2]
+    max_m, block_n = tile_sizes(q.dtype)
+    meta = dict(REP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                BLOCK_M=min(max_m, max(16, triton.next_power_of_2(L))), BLOCK_N=block_n,
+                FP32=q.dtype == torch.float32, num_warps=NUM_WARPS)
+    grid = (triton.cdiv(sl, block_n), b * hkv)
+    return q, kk, kp, meta, grid
+
+
+def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
+                        softmax_scale: float) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Local softmax statistics of the probe rows over this rank's keys (pass 1).
+
+    Args:
+        probe_q: ``[b, L, hq, d]`` the queries at global positions ``seq_len - L .. seq_len - 1``
+            (bf16/fp16/fp32, CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        k: ``[b, s_local, hkv, d]`` this rank's keys, same dtype and device (``hq % hkv == 0``).
+        k_pos: ``[s_local]`` integer global positions of the local keys.
+        seq_len: global sequence length ``S``.
+        softmax_scale: logit scale.
+
+    Returns:
+        ``(m, z)``, both ``[b, hq, L]`` fp64: ``m`` the row max of the scaled logits over the
+        visible local keys (``-inf`` where none), ``z = sum exp(s - m)`` (0 where none).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    q, kk, kp, meta, grid = _prep(probe_q, k, k_pos, seq_len)
+    b, L, hq, _ = q.shape
+    nt = grid[0]
+    mp = torch.empty((b, hq, nt, L), dtype=torch.float32, device=q.device)
+    zp = torch.empty_like(mp)
+    _probe_stats_kernel[grid](
+        q, kk, kp, mp, zp,
+        float(softmax_scale) * LOG2E, L, kk.shape[1], seq_len - L, kk.shape[2],
+        q.stride(0), q.stride(1), q.stride(2),
+        kk.stride(0), kk.stride(1), kk.stride(2),
+        mp.stride(0), mp.stride(1), mp.stride(2),
+        **meta)
+    mp, zp = mp.double(), zp.double()
+    m = mp.amax(2)
+    safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    z = (zp * torch.exp(mp - safe[:, :, None])).sum(2)
+    return m, z
+
+
+def probe_column_sums(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
+                      lse: torch.Tensor, softmax_scale: float, block_size: int) -> torch.Tensor:
+    """Probe probabilities summed per local key, split by global query block (pass 2).
+
+    Args:
+        probe_q, k, k_pos, seq_len, softmax_scale: as in :func:`probe_softmax_stats`.
+        lse: ``[b, hq, L]`` the (global) log-sum-exp of the probe rows (any float dtype; used in
+            fp32); ``-inf`` rows contribute zero.
+        block_size: the slash block size ``bs``.
+
+    Returns:
+        ``colu [b, hq, nu, s_local]`` fp32: ``colu[.., u, j] = sum_r exp(s[r, j] - lse[r])`` over the
+        probe rows of global query block ``u0 + u`` (``(u0, nu) = probe_block_range(S, L, bs)``);
+        invisible (future) keys get exactly 0.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    q, kk, kp, meta, grid = _prep(probe_q, k, k_pos, seq_len)
+    b, L, hq, _ = q.shape
+    if lse.shape != (b, hq, L):
+        raise ValueError(f"lse must be [b, hq, L] = {[b, hq, L]}, got {tuple(lse.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    u0, nu = probe_block_range(seq_len, L, block_size)
+    sl = kk.shape[1]
+    lse2 = (lse.to(device=q.device, dtype=torch.float64) * LOG2E).float().contiguous()
+    colu = torch.empty((b, hq, nu, sl), dtype=torch.float32, device=q.device)
+    _probe_colsum_kernel[grid](
+        q, kk, kp, lse2, colu,
+        float(softmax_scale) * LOG2E, L, sl, seq_len - L, kk.shape[2], block_size, u0, nu,
+        q.stride(0), q.stride(1), q.stride(2),
+        kk.stride(0), kk.stride(1), kk.stride(2),
+        lse2.stride(0), lse2.stride(1),
+        colu.stride(0), colu.stride(1), colu.stride(2),
+        **meta)
+    return colu

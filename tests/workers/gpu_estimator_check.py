@@ -1,0 +1,191 @@
+"""GPU accuracy and timing check of the fused estimator kernels (run on the H200 through the device tool).
+
+    python3 tests/workers/gpu_estimator_check.py --json $OUT/est_check.json
+    TRITON_INTERPRET=1 python3 tests/workers/gpu_estimator_check.py --device cpu --seqs 1024 --heads 4 \\
+        --kv-heads 2 --head-dim 64                                      # CPU smoke test of this script
+
+Per sequence length, Qwen2.5-3B attention shape by default (q ``[1, S, 16, 128]``, k ``[1, S, 2,
+128]``, bf16, structured vertical-slash inputs of ``tools.bench_e2e.structured_qkv``), CP=1:
+
+* scores: the Triton probe softmax / column sums / block-diagonal sums against the fp64 torch path
+  on the same bf16 values (``estimator._torch_scores``): ``lse`` max abs error, ``col`` and
+  ``slash`` errors ``max|a - b| / max|b|``; criterion <= 1e-5 (fp32 accumulation);
+* pattern: ``estimate_vertical_slash(impl="triton")`` vs ``impl="torch"`` (same lines, else the
+  number of differing slash / vertical lines; a difference is legitimate only for near-ties of
+  ~1e-6 relative, so it is reported, not failed);
+* time (CUDA events, median of ``--repeats``): the two kernels alone, and
+  ``estimate_vertical_slash`` for each impl.
+
+Plus a simulated CP=2 striped case (kernels on each rank's keys, (m, z) merged like the
+all-reduce) at the first length. Prints one line per case and a final ``RESULT`` line.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from megatron_mtraining.layout import Layout  # noqa: E402
+from megatron_mtraining.patterns import estimator as est  # noqa: E402
+from tools.bench_e2e import structured_qkv  # noqa: E402
+
+TOL = 1e-5
+
+
+def _timer(dev):
+    def run(fn, repeats):
+        ts = []
+        for _ in range(repeats + 1):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[1:])
+    return run
+
+
+def _err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def fused_scores(q, k, layout, L, bs, scale):
+    """Triton (lse, col [global positions], slash) over ``layout``'s ranks, merged like the all-reduce."""
+    from megatron_mtraining.ops.triton.estimator import probe_block_range, probe_column_sums, probe_softmax_stats
+
+    b, S, hq, _ = q.shape
+    probe = q[:, S - L:]
+    parts = []
+    for r in range(layout.cp_size):
+        k_loc = layout.shard(k, r, dim=1)
+        k_pos = layout.positions(r, S, device=q.device)
+        m, z = probe_softmax_stats(probe, k_loc, k_pos, S, scale)
+        parts.append((k_loc, k_pos, m, z))
+    gm = torch.stack([p[2] for p in parts]).amax(0)
+    safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
+    gz = sum(p[3] * torch.exp(p[2] - safe) for p in parts)
+    lse = safe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+    u0, nu = probe_block_range(S, L, bs)
+    col = torch.zeros(b, hq, S, dtype=torch.float64, device=q.device)
+    slash = torch.zeros(b, hq, S // bs, dtype=torch.float64, device=q.device)
+    for k_loc, k_pos, _, _ in parts:
+        colu = probe_column_sums(probe, k_loc, k_pos, S, lse, scale, bs).double()
+        col[:, :, k_pos] = colu.sum(2)
+        for i in range(nu):
+            slash.index_add_(-1, (u0 + i - k_pos // bs).clamp(min=0), colu[:, :, i])
+    return lse, col, slash
+
+
+def torch_scores(q, k, L, bs, scale):
+    """fp64 torch (lse, col, slash) of the estimator's own oracle path, CP=1."""
+    b, S, hq, _ = q.shape
+    k_pos = torch.arange(S, device=q.device)
+    q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L))) for u in range((S - L) // bs, S // bs)]
+    col, slash = est._torch_scores(q[:, S - L:], k, k_pos, q_blocks, S, bs, scale, None, 1)
+    # lse: fp64 logsumexp per head (the torch path keeps its own lse internal)
+    rep = hq // k.shape[2]
+    lse = torch.empty(b, hq, L, dtype=torch.float64, device=q.device)
+    for h in range(hq):
+        s = torch.einsum("bqd,bkd->bqk", q[:, S - L:, h].double(), k[:, :, h // rep].double()) * scale
+        s.masked_fill_(k_pos[None, None, :] > torch.arange(S - L, S, device=q.device)[None, :, None], float("-inf"))
+        lse[:, h] = torch.logsumexp(s, -1)
+    return lse, col, slash
+
+
+def check_len(S, args, dev, timeit, layout) -> dict:
+    q, k, _ = structured_qkv(S, args.heads, args.kv_heads, args.head_dim, dev, seed=S)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    q, k = q.to(dt), k.to(dt)
+    cfg = est.VerticalSlashConfig(**({} if args.config is None else _config_kwargs(args.config)))
+    L, bs = cfg.last_q, cfg.block_size
+    scale = 1.0 / math.sqrt(args.head_dim)
+    lse, col, slash = fused_scores(q, k, layout, L, bs, scale)
+    lse_r, col_r, slash_r = torch_scores(q, k, L, bs, scale)
+    row = {"seq": S, "cp": layout.cp_size, "layout": layout.kind, "dtype": args.dtype,
+           "lse_abs_err": float((lse - lse_r).abs().max()), "col_err": _err(col, col_r),
+           "slash_err": _err(slash, slash_r), "nan": bool(torch.isnan(col).any() or torch.isnan(slash).any())}
+    row["scores_ok"] = (not row["nan"] and row["col_err"] <= TOL and row["slash_err"] <= TOL
+                        and row["lse_abs_err"] <= TOL * max(1.0, float(lse_r.abs().max())))
+    if layout.cp_size == 1:
+        one = Layout("striped", 1, 64)
+        pt = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="triton")
+        pr = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="torch")
+        row["pattern_equal"] = bool(pt.same_selection(pr))
+        row["slash_lines_differing"] = int((pt.slash_mask() != pr.slash_mask()).sum())
+        row["vertical_lines_differing"] = int((pt.vertical_mask() != pr.vertical_mask()).sum())
+        from megatron_mtraining.ops.triton.estimator import probe_column_sums, probe_softmax_stats
+
+        probe = q[:, S - L:]
+        k_pos = torch.arange(S, device=dev)
+
+        def kernels_only():
+            m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
+            probe_column_sums(probe, k, k_pos, S, m + torch.log(z), scale, bs)
+
+        row["kernels_only_s"] = timeit(kernels_only, args.repeats)
+        for impl in ("triton", "torch"):
+            row[f"estimate_{impl}_s"] = timeit(
+                lambda: est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl=impl),
+                args.repeats)
+    return row
+
+
+def _config_kwargs(path):
+    from megatron_mtraining.config import load_mtraining_config
+    vs = load_mtraining_config(path).vertical_slash
+    return {f: getattr(vs, f) for f in ("recall", "last_q", "block_size", "sink_tokens", "local_blocks",
+                                         "max_vertical", "max_slash")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", default="8192,65536,131072")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "configs", "e2e_sparse.yaml"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if args.dtype == "bf16" and dev.type == "cpu":
+        args.dtype = "fp32"          # bf16 tl.dot is wrong in the interpreter
+    timeit = _timer(dev)
+    seqs = [int(x) for x in args.seqs.split(",")]
+    rows, ok = [], True
+    cases = [(s, Layout("striped", 1, 64)) for s in seqs] + [(seqs[0], Layout("striped", 2, 64))]
+    for S, layout in cases:
+        try:
+            r = check_len(S, args, dev, timeit, layout)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            r = {"seq": S, "cp": layout.cp_size, "error": f"{type(e).__name__}: {e}", "scores_ok": False}
+        ok &= bool(r.get("scores_ok"))
+        rows.append(r)
+        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    print("RESULT", "PASS" if ok else "FAIL", "(scores within 1e-5; see pattern_equal per length)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
