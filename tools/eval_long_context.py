@@ -477,9 +477,9 @@ class Evaluator:
         with torch.no_grad():
             return self.model(tokens, pos, self._mask(s), labels=labels).float().cpu()
 
-    def logprobs(self, ids: Sequence[int]):
-        """``[n, vocab]`` float32 log-softmax of the logits at every position of ``ids`` (right-padded
-        with EOD to the attention's length multiple; padded rows removed)."""
+    def _logits(self, ids: Sequence[int]):
+        """``[n, vocab]`` logits (model dtype, on the device) at every position of ``ids``, run
+        right-padded with EOD to the attention's length multiple (padded rows removed)."""
         torch = self._torch
         n = len(ids)
         s = -(-n // self.multiple) * self.multiple
@@ -487,13 +487,21 @@ class Evaluator:
         pos = torch.arange(s, device=self.device)[None]
         with torch.no_grad():
             logits = self.model(t, pos, self._mask(s))  # [1, s, vocab]
-        logits = logits[0, :n, : self.tokenizer.vocab_size].float()
-        return torch.log_softmax(logits, dim=-1).cpu()
+        return logits[0, :n, : self.tokenizer.vocab_size]
+
+    def logprobs(self, ids: Sequence[int], start: int = 0, stop: Optional[int] = None):
+        """``[stop - start, vocab]`` float32 log-softmax (on the CPU) of the logits at positions
+        ``start .. stop - 1`` of ``ids`` (default: all). Only those rows leave the device: all rows
+        of a 32K prompt would be 6.4 GB."""
+        rows = self._logits(ids)[start:stop].float()
+        return self._torch.log_softmax(rows, dim=-1).cpu()
 
     def greedy(self, prompt: Sequence[int], max_new: int) -> list[int]:
+        """Greedy continuation (no KV cache: one full forward per new token; only the argmax of the
+        last position leaves the device)."""
         ids, out = list(prompt), []
         for _ in range(max_new):
-            nxt = int(self.logprobs(ids)[-1].argmax())
+            nxt = int(self._logits(ids)[-1].float().argmax())
             if nxt == self.eod:
                 break
             out.append(nxt)
@@ -605,8 +613,7 @@ def run_niah(args, ev: Evaluator) -> dict:
     tgt = torch.tensor(gold, dtype=torch.long)
 
     def gold_scores(prompt: list[int]) -> dict:
-        lp = ev.logprobs(prompt + gold)
-        rows = lp[len(prompt) - 1:len(prompt) - 1 + len(gold)]  # row i predicts gold[i]
+        rows = ev.logprobs(prompt + gold, len(prompt) - 1, len(prompt) - 1 + len(gold))  # row i predicts gold[i]
         gold_lp = rows.gather(1, tgt[:, None])[:, 0].double()
         return {"ll_score": 100.0 * math.exp(float(gold_lp.mean())), "answer_logprob": float(gold_lp.sum()),
                 "answer_token_acc": float((rows.argmax(-1) == tgt).double().mean()) * 100.0}
