@@ -27,6 +27,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from megatron_mtraining.layout import Layout  # noqa: E402
@@ -45,6 +47,7 @@ def _interpreted_kernels(request):
         pytest.skip("triton was imported before the interpreter was enabled: run in a subprocess")
     mod = sys.modules.get("megatron_mtraining.ops.triton.estimator")
     if mod is not None and not type(mod._probe_stats_kernel).__name__.startswith("Interpreted"):
+        importlib.reload(sys.modules["megatron_mtraining.ops.triton.kernels"])  # its _dot is used here
         importlib.reload(mod)
     yield
 
@@ -56,11 +59,7 @@ def _ops():
 
 @pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="the tests below run in this process")
 def test_all_in_fresh_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    rerun_in_fresh_interpreter(__file__)
 
 
 # ------------------------------------------------------------------------------ independent fp64 oracle

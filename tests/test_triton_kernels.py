@@ -16,7 +16,6 @@ subprocess instead (one test, same checks).
 
 import importlib
 import os
-import subprocess
 import sys
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
@@ -24,6 +23,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -53,11 +54,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 @pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="the tests below run in this process")
 def test_all_in_fresh_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    rerun_in_fresh_interpreter(__file__)
 
 
 def _inputs(b, s, hq, hkv, d, dtype, gen):

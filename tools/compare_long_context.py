@@ -93,6 +93,16 @@ def loss_summary(curves: dict[str, dict[int, dict]], last: int) -> dict:
     return out
 
 
+def _bucket_names(with_ppl: dict[str, dict]) -> list[str]:
+    """Buckets with tokens in any of the evaluations, in first-seen order."""
+    names: list[str] = []
+    for p in with_ppl.values():
+        for b in p["buckets"]:
+            if b["tokens"] and b["bucket"] not in names:
+                names.append(b["bucket"])
+    return names
+
+
 def _rel(a: Optional[float], b: Optional[float]) -> str:
     if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b == 0:
         return ""
@@ -118,11 +128,7 @@ def report(evals: dict[str, dict], losses: Optional[dict], baseline: Optional[st
         lines.append("")
     with_ppl = {k: v["ppl"] for k, v in evals.items() if v.get("ppl")}
     if with_ppl:
-        buckets = []
-        for p in with_ppl.values():
-            for b in p["buckets"]:
-                if b["tokens"] and b["bucket"] not in buckets:
-                    buckets.append(b["bucket"])
+        buckets = _bucket_names(with_ppl)
         labels = list(with_ppl)
         lines += ["Held-out perplexity by position", "",
                   "| bucket | " + " | ".join(labels) + (f" | change vs {baseline}" if baseline in with_ppl else "") + " |",
@@ -200,11 +206,7 @@ def plots(out: Path, evals: dict[str, dict], curves: dict[str, dict[int, dict]],
         written.append(str(out / "loss_curves.png"))
     with_ppl = {k: v["ppl"] for k, v in evals.items() if v.get("ppl")}
     if with_ppl:
-        buckets = []
-        for p in with_ppl.values():
-            for b in p["buckets"]:
-                if b["tokens"] and b["bucket"] not in buckets:
-                    buckets.append(b["bucket"])
+        buckets = _bucket_names(with_ppl)
         fig, ax = plt.subplots(figsize=(7, 4))
         w = 0.8 / len(with_ppl)
         for j, (label, p) in enumerate(with_ppl.items()):

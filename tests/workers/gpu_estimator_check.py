@@ -24,9 +24,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -35,28 +33,9 @@ import torch  # noqa: E402
 from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.patterns import estimator as est  # noqa: E402
 from tools.bench_e2e import structured_qkv  # noqa: E402
+from tools.bench_estimator import _timer  # noqa: E402
 
 TOL = 1e-5
-
-
-def _timer(dev):
-    def run(fn, repeats):
-        ts = []
-        for _ in range(repeats + 1):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fn()
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts[1:])
-    return run
 
 
 def _err(a, b):
@@ -137,11 +116,11 @@ def check_len(S, args, dev, timeit, layout) -> dict:
             m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
             probe_column_sums(probe, k, k_pos, S, m + torch.log(z), scale, bs)
 
-        row["kernels_only_s"] = timeit(kernels_only, args.repeats)
+        row["kernels_only_s"] = timeit(kernels_only, 1, args.repeats)
         for impl in ("triton", "torch"):
             row[f"estimate_{impl}_s"] = timeit(
                 lambda: est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl=impl),
-                args.repeats)
+                1, args.repeats)
     return row
 
 
