@@ -475,3 +475,29 @@ def test_convert_matches_frozen_oracle(seed, cp, bs, kind, g, b, hq):
             o = rng.randrange(cp)
             assert_same_steps([step_indices(pat, layout, rank, o)], [old_step_indices(pat, layout, rank, o)],
                               (seed, rank, o, canonical))
+
+
+# ------------------------------------------------------------------------------ probe gather
+@pytest.mark.parametrize("kind,cp,g,L", [("striped", 1, 64, 64), ("striped", 2, 16, 64), ("striped", 4, 16, 40),
+                                         ("striped", 4, 1, 7), ("zigzag", 2, 64, 64), ("zigzag", 4, 64, 48),
+                                         ("contiguous", 4, 64, 96), ("striped", 2, 64, 128)])
+def test_probe_gather_every_layout(monkeypatch, kind, cp, g, L):
+    """The probe queries on every rank are the last L rows of the global q (the broadcast is faked:
+    a non-owner receives the owner's rows), as in the old code, for one and several owners."""
+    S = 256
+    layout = Layout(kind, cp, g)
+    gen = torch.Generator().manual_seed(cp * 100 + L)
+    q = torch.randn(2, S, 3, 8, generator=gen, dtype=F64)
+    shards = [layout.shard(q, r, 1) for r in range(cp)]
+    owners, local = layout.global_to_local(torch.arange(S - L, S), S)
+
+    def fake_broadcast(buf, src, group=None):
+        rows = local[owners == src]
+        buf.copy_(shards[src][:, rows])
+
+    monkeypatch.setattr(dist, "broadcast", fake_broadcast)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, o: o)
+    for r in range(cp):
+        new = E._gather_probe_queries(shards[r], layout, None, r, cp, S, L)
+        old = old_gather_probe_queries(shards[r], layout, None, r, cp, S, L)
+        assert same(new, q[:, S - L:]) and same(old, q[:, S - L:]), (r, kind, cp)

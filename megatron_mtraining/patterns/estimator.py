@@ -398,20 +398,36 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
 
 def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
                           last_q: int) -> torch.Tensor:
-    """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank."""
+    """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank.
+
+    The owner map is host arithmetic; runs of consecutive rows are sliced (no index tensor copied to
+    the device, which on CUDA synchronizes). One owner holding every probe (striped with
+    granularity >= last_q, zigzag, cp 1): its rows are the result (a view of ``q`` when contiguous)."""
     b, _, hq, d = q.shape
     glob = torch.arange(seq_len - last_q, seq_len)
     owners, local = layout.global_to_local(glob, seq_len)
-    out = torch.empty((b, last_q, hq, d), dtype=q.dtype, device=q.device)
+
+    def rows(idx: torch.Tensor):            # a slice when idx is a run of consecutive integers
+        i0 = int(idx[0])
+        return slice(i0, i0 + idx.numel()) if torch.equal(idx, torch.arange(i0, i0 + idx.numel())) \
+            else idx.to(q.device)
+
+    parts = []
     for o in torch.unique(owners).tolist():           # sorted: same order on every rank
         sel = (owners == o).nonzero().squeeze(1)
         if o == rank:
-            buf = q.index_select(1, local[sel].to(q.device)).contiguous()
+            r = rows(local[sel])
+            buf = (q[:, r] if isinstance(r, slice) else q.index_select(1, r)).contiguous()
         else:
             buf = torch.empty((b, sel.numel(), hq, d), dtype=q.dtype, device=q.device)
         if cp > 1:
             dist.broadcast(buf, src=dist.get_global_rank(group, o), group=group)
-        out[:, sel.to(q.device)] = buf
+        parts.append((sel, buf))
+    if len(parts) == 1:                               # sel == arange(last_q)
+        return parts[0][1]
+    out = torch.empty((b, last_q, hq, d), dtype=q.dtype, device=q.device)
+    for sel, buf in parts:
+        out[:, rows(sel)] = buf
     return out
 
 
