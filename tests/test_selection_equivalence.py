@@ -501,3 +501,16 @@ def test_probe_gather_every_layout(monkeypatch, kind, cp, g, L):
         new = E._gather_probe_queries(shards[r], layout, None, r, cp, S, L)
         old = old_gather_probe_queries(shards[r], layout, None, r, cp, S, L)
         assert same(new, q[:, S - L:]) and same(old, q[:, S - L:]), (r, kind, cp)
+
+
+def test_global_lse_cp1_bits():
+    """cp 1 skips the rescale: same lse bits for every (m, z) the score paths produce (finite m with
+    z >= 1; m = -inf with z = 0: no visible key; NaN / +inf from non-finite inputs)."""
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(2, 3, 50, generator=gen, dtype=F64) * 30
+    z = 1 + torch.rand(2, 3, 50, generator=gen, dtype=F64) * 60
+    m[0, 0, :5], z[0, 0, :5] = float("-inf"), 0.0
+    m[0, 1, :2], z[0, 1, :2] = float("inf"), float("nan")
+    m[1, 2, :3], z[1, 2, :3] = float("nan"), float("nan")
+    new, old = E._global_lse(m, z, None, 1), old_global_lse(m, z, None, 1)
+    assert new.dtype == old.dtype and torch.equal(new.view(torch.int64), old.view(torch.int64))

@@ -476,10 +476,13 @@ def resolve_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
 def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tensor:
     """fp64 ``[b, hq, L]`` log-sum-exp of the probe rows over the CP group from the local row max
     ``m`` and ``z = sum exp(s - m)``: ``all_reduce(MAX)`` then a rescaled ``all_reduce(SUM)``."""
-    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp)
-    gsafe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp)
-    return gsafe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp) if cp > 1 else m
+    gsafe = torch.where(torch.isneginf(gm), 0.0, gm)
+    # cp 1: gm == m, so the rescale factor exp(m - gsafe) is exactly 1 (finite m) or multiplies a
+    # zero sum (m = -inf: no visible key); for m = +inf / NaN both z and the product are NaN, which
+    # the where below maps to 1 -- the same lse bits either way
+    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp) if cp > 1 else z
+    return gsafe + torch.log(torch.where(gz > 0, gz, 1.0))
 
 
 def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int):
