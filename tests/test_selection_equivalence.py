@@ -461,12 +461,12 @@ def convert_cases(n):
     return out
 
 
-@pytest.mark.parametrize("seed,cp,bs,kind,g,b,hq", convert_cases(40))
+@pytest.mark.parametrize("seed,cp,bs,kind,g,b,hq", convert_cases(80))
 def test_convert_matches_frozen_oracle(seed, cp, bs, kind, g, b, hq):
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     layout = Layout(kind, cp, g)
     unit = {"striped": cp * g, "zigzag": 2 * cp * bs, "contiguous": cp * bs}[kind]
-    S = unit * rng.choice([1, 2, 3])
+    S = unit * rng.choice([1, 2, 3, 8])
     for canonical in (True, False):
         pat = random_pattern(gen, rng, b, hq, S, bs, canonical)
         for rank in range(cp):
