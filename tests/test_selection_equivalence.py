@@ -360,7 +360,8 @@ def test_estimate_matches_frozen_oracle_cp1(seed, b, S, hq, hkv, bs, L, kind):
 
 
 def test_estimate_matches_frozen_oracle_triton_impl():
-    """impl='triton' (fp32 scores; CPU interpreter): the same selection code after the scores."""
+    """impl='triton' (fp32 scores; CPU interpreter): the same selection after the scores (one probe
+    query block: fp32 column scores sorted as fp32)."""
     pytest.importorskip("triton", reason="triton is not installed")
     q0, k0 = tie_heavy_qkv(torch.Generator().manual_seed(5), random.Random(5), 2, 256, 4, 2, 16)
     q, k = q0.float(), k0.float()
@@ -370,7 +371,7 @@ def test_estimate_matches_frozen_oracle_triton_impl():
         pytest.skip(str(e))
     rng = random.Random(7)
     for layout in (Layout("striped", 1, 64), Layout("zigzag", 1)):
-        for L in (64, 96):
+        for L in (64, 64, 64, 96, 32):          # one probe query block (fp32 column scores) and two
             cfg = random_config(rng, 256, 64, L)
             new = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="triton")
             old = old_estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="triton")
@@ -396,15 +397,19 @@ def test_selection_matches_frozen_oracle_simulated_cp(seed):
     cfg = random_config(rng, S, bs, L)
     pos = [layout.positions(r, S) for r in range(cp)]
     assert all(torch.equal(p, old_positions(layout, r, S)) for r, p in enumerate(pos))
+    col32 = rng.random() < 0.5          # the fused path hands fp32 column scores to the selection
+    if col32:
+        col = col.float()
     cols = [col[..., p].contiguous() for p in pos]
+    ocols = [c.double() for c in cols]  # the old code saw their fp64 copies
 
     def old_gathered(r):
         def g(cand):
             parts = []
             for o in range(cp):
-                sl = cols[o].shape[-1]
-                lo = old_priority_order(cols[o], pos[o] < cfg.sink_tokens, pos[o])[..., :min(cfg.max_vertical, sl)]
-                parts.append(torch.stack([cols[o].gather(-1, lo), pos[o].expand(b, hq, sl).gather(-1, lo).to(F64)]))
+                sl = ocols[o].shape[-1]
+                lo = old_priority_order(ocols[o], pos[o] < cfg.sink_tokens, pos[o])[..., :min(cfg.max_vertical, sl)]
+                parts.append(torch.stack([ocols[o].gather(-1, lo), pos[o].expand(b, hq, sl).gather(-1, lo).to(F64)]))
             assert torch.equal(parts[r], cand)
             return torch.cat(parts, -1)
         return g
@@ -420,12 +425,12 @@ def test_selection_matches_frozen_oracle_simulated_cp(seed):
         return g
 
     for r in range(cp):
-        old = old_select(slash, cols[r], pos[r], S, L, cfg, gathered=old_gathered(r))
+        old = old_select(slash, ocols[r], pos[r], S, L, cfg, gathered=old_gathered(r))
         new = E._select(slash, cols[r], pos[r], layout, r, S, L, cfg, gather=new_gather(r))
         assert_same_pattern(new, old, (seed, r, cfg))
     one = Layout(kind, 1, layout.granularity)
     assert_same_pattern(E._select(slash, col, torch.arange(S), one, 0, S, L, cfg),
-                        old_select(slash, col, torch.arange(S), S, L, cfg), (seed, "cp1", cfg))
+                        old_select(slash, col.double(), torch.arange(S), S, L, cfg), (seed, "cp1", col32, cfg))
 
 
 # ------------------------------------------------------------------------------ convert_pattern

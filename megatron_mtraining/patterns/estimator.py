@@ -341,12 +341,12 @@ def _count_below(layout: Layout, rank: int, seq_len: int, t: int) -> int:
 
 
 def _local_candidates(col: torch.Tensor, k_pos: torch.Tensor, n_floor: int, kc: int, positions_are_local: bool):
-    """This rank's top-``kc`` columns in priority order: ``(score [b, hq, kc], global position int64)``.
+    """This rank's top-``kc`` columns in priority order: ``(score fp64 [b, hq, kc], global position int64)``.
 
     ``n_floor``: number of local sink columns (``k_pos < sink_tokens``, the first ones, since ``k_pos``
     ascends); ``positions_are_local``: ``k_pos == arange`` (cp 1), the order is then the position."""
     score, order = floor_first_sort(col, n_floor, kc)
-    return score, (order if positions_are_local else k_pos[order])
+    return score.to(torch.float64), (order if positions_are_local else k_pos[order])
 
 
 def _merge_candidates(c_score: torch.Tensor, c_pos: torch.Tensor, sink_tokens: int):
@@ -366,8 +366,9 @@ def _all_gather_candidates(score: torch.Tensor, pos: torch.Tensor, group, cp: in
 
 def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout: Layout, rank: int, S: int, L: int,
             config: VerticalSlashConfig, gather=None) -> VerticalSlashPattern:
-    """Budgets and selection (step 4/5 of the module docstring) from the fp64 scores: ``slash
-    [b, hq, S/bs]`` (all-reduced), this rank's ``col [b, hq, S_local]`` at ``k_pos``.
+    """Budgets and selection (step 4/5 of the module docstring) from the scores: ``slash [b, hq, S/bs]``
+    fp64 (all-reduced), this rank's ``col [b, hq, S_local]`` at ``k_pos`` (fp64, or fp32 values that
+    the fp64 path would hold exactly: the fused path with one probe query block).
 
     ``gather`` (cp > 1): ``(score, pos) -> (score, pos)`` concatenated over the CP group in rank order
     (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths)."""
@@ -598,9 +599,12 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
         lse = _global_lse(m, z, group, cp)
         # --- line scores: per-key sums split by probe query block (fp32), cast to fp64
-        colu = probe_column_sums(probe, k, k_pos, S, lse, scale, bs).to(f64)   # [b, hq, nu, sl]
+        colu32 = probe_column_sums(probe, k, k_pos, S, lse, scale, bs)          # [b, hq, nu, sl]
+        colu = colu32.to(f64)
         assert colu.shape[2] == len(q_blocks)
-        col = colu[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
+        # one query block: the column scores are fp32 values; the selection sorts them as fp32 (the
+        # fp64 copies are the same numbers: same order, ties included) and casts the kept ones
+        col = colu32[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
         slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
         k_blk = k_pos // bs
         for i, (u, _, _) in enumerate(q_blocks):
