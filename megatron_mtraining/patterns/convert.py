@@ -22,6 +22,8 @@ the maximum counts over (b, hq, query block), at least 1.
 Layouts must keep ``block_size`` blocks whole on one rank: striped with ``granularity %
 block_size == 0``, zigzag with ``(S / (2 * cp)) % block_size == 0``, contiguous with ``(S / cp) %
 block_size == 0``. Work is vectorized over (b, hq, blocks, columns); Python loops run only over owners.
+:func:`convert_pattern` reads from the device once (every output width of every owner; twice at
+cp > 1) and copies nothing to it.
 """
 
 from __future__ import annotations

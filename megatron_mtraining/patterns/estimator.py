@@ -72,7 +72,12 @@ probes span, 1 when ``last_q == block_size``); its GPU time has not been measure
 ``tools/bench_estimator.py --impl triton`` reports it), one broadcast of ``b * last_q * hq * d``
 values per owner rank, three all_reduces of ``b * hq * last_q`` / ``b * hq * S / block_size`` fp64
 values and one all_gather of ``2 * b * hq * min(max_vertical, S_local)`` fp64 values. The selection
-(sorts over ``[b, hq, S_local]`` fp64 scores) is the same in both paths. Peak extra memory of the
+is the same in both paths: per row, two stable sorts over disjoint segments (the floors, the rest)
+of the slash scores and of the local column scores (``[b, hq, S_local]``; fp32 keys on the Triton
+path when the probes span one query block, else fp64), at cp > 1 a merge of the gathered candidates
+(:func:`priority_order`), cumsums for the budgets, a sort of each kept set, and **one host sync**
+(the two output widths; the probe gather's owner map is host arithmetic, the key positions are built
+on the device). Peak extra memory of the
 torch path is bounded by key chunking (``_LOGIT_BUDGET`` elements); of the Triton path by the two
 fp32 outputs above (and their fp64 copies).
 """
