@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.ops.reference import default_softmax_scale
 from megatron_mtraining.patterns import estimator as E
-from megatron_mtraining.patterns.convert import check_block_layout, convert_pattern, step_indices
+from megatron_mtraining.patterns.convert import check_block_layout, convert_pattern, step_indices, without_columns
 from megatron_mtraining.patterns.estimator import (VerticalSlashConfig, VerticalSlashPattern,
                                                    estimate_vertical_slash, floor_first_sort, priority_order)
 from megatron_mtraining.patterns.indices import StepIndices
@@ -477,6 +477,11 @@ def test_convert_matches_frozen_oracle(seed, cp, bs, kind, g, b, hq):
         for rank in range(cp):
             new = convert_pattern(pat, layout, rank)
             assert_same_steps(new, old_convert_pattern(pat, layout, rank), (seed, rank, canonical))
+            for st in new:        # is_empty from the recorded maxima == from the device
+                assert st.known_max is not None and st.known_max.valid_for(st.block_count, st.column_count)
+                assert st.is_empty() == (int(st.block_count.max()) == 0 and int(st.column_count.max()) == 0)
+                nc = without_columns(st)
+                assert nc.known_max is not None and nc.is_empty() == (int(st.block_count.max()) == 0)
             o = rng.randrange(cp)
             assert_same_steps([step_indices(pat, layout, rank, o)], [old_step_indices(pat, layout, rank, o)],
                               (seed, rank, o, canonical))
@@ -519,3 +524,21 @@ def test_global_lse_cp1_bits():
     m[1, 2, :3], z[1, 2, :3] = float("nan"), float("nan")
     new, old = E._global_lse(m, z, None, 1), old_global_lse(m, z, None, 1)
     assert new.dtype == old.dtype and torch.equal(new.view(torch.int64), old.view(torch.int64))
+
+
+def test_is_empty_ignores_stale_maxima():
+    """The recorded maxima are used only for the count tensors they were read from, unmodified."""
+    import dataclasses
+
+    pat = VerticalSlashPattern.from_lists(256, 64, [[[0, 1]]], [[[3, 200]]])
+    layout = Layout("contiguous", 2)
+    full, empty = convert_pattern(pat, layout, 1)[1], convert_pattern(pat, layout, 0)[1]   # own step; future owner
+    assert not full.is_empty() and empty.is_empty()
+    other = dataclasses.replace(full, block_count=torch.zeros_like(full.block_count),
+                                column_count=torch.zeros_like(full.column_count))
+    assert other.is_empty()                                  # replaced counts: read from the tensors
+    full.block_count.zero_()
+    full.column_count.zero_()
+    assert full.is_empty()                                   # modified in place: version changed
+    with torch.inference_mode():
+        assert convert_pattern(pat, layout, 1)[1].known_max is None

@@ -34,7 +34,7 @@ import torch
 
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
-from .indices import StepIndices
+from .indices import KnownMax, StepIndices
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
            "without_columns", "step_column_positions", "column_phase_indices"]
@@ -90,14 +90,14 @@ def _pick(cs: torch.Tensor, values: torch.Tensor, fill: int, width: int) -> torc
     return ext.expand(*lead, ext.shape[-1]).gather(-1, torch.searchsorted(cs, want))
 
 
-def _widths(counts) -> list:
-    """``max(1, count.max())`` of every count tensor, one host sync for all (the widths are the output
-    shapes, data dependent)."""
+def _maxima(counts) -> list:
+    """``count.max()`` of every count tensor (0 when empty), one host sync for all (the output widths
+    ``max(1, .)`` are data dependent)."""
     live = [i for i, c in enumerate(counts) if c.numel()]
     maxes = torch.stack([counts[i].amax() for i in live]).tolist() if live else []
-    out = [1] * len(counts)
+    out = [0] * len(counts)
     for i, m in zip(live, maxes):
-        out[i] = max(1, int(m))
+        out[i] = int(m)
     return out
 
 
@@ -141,8 +141,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners) -
     else:
         o_rank, _ = layout.global_to_local(vert.clamp(min=0), S)
         pre = {o: _prefix((vert >= 0) & (o_rank == o)) for o in owners}
-        widths = _widths([pre[o][1] for o in owners])                   # host sync (cp > 1 only)
-        own_cols = {o: _pick(pre[o][0], vert, -1, w) for o, w in zip(owners, widths)}
+        widths = _maxima([pre[o][1] for o in owners])                   # host sync (cp > 1 only)
+        own_cols = {o: _pick(pre[o][0], vert, -1, max(1, w)) for o, w in zip(owners, widths)}
 
     pending = []
     for o in owners:
@@ -175,15 +175,16 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners) -
         c_cs, c_cnt = _prefix(kept)
         pending.append((o, table, b_cs, b_cnt, c_cs, c_cnt, loc))
 
-    widths = _widths([x for p in pending for x in (p[3], p[5])])       # the host sync
+    maxima = _maxima([x for p in pending for x in (p[3], p[5])])       # the host sync
     steps = []
     for j, (o, table, b_cs, b_cnt, c_cs, c_cnt, loc) in enumerate(pending):
-        kb = qB32 - _pick(b_cs, d_desc, big, widths[2 * j])             # ascending; padding: < 0
+        mb, mc = maxima[2 * j], maxima[2 * j + 1]
+        kb = qB32 - _pick(b_cs, d_desc, big, max(1, mb))                # ascending; padding: < 0
         kb = kb.clamp_(min=-1) if table is None else table[kb.clamp_(min=-1).add_(1)]
         steps.append(StepIndices(
             block_count=b_cnt, block_index=kb, column_count=c_cnt,
-            column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, widths[2 * j + 1]),
-            causal=(o == rank), block_size=bs))
+            column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
+            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc)))
     return steps
 
 
@@ -206,9 +207,12 @@ def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) ->
 def without_columns(idx: StepIndices) -> StepIndices:
     """``idx`` with its vertical columns removed (block/slash work only)."""
     b, hq, nqb = idx.column_count.shape
-    return StepIndices(idx.block_count, idx.block_index, torch.zeros_like(idx.column_count),
+    k = idx.known_max
+    known = k is not None and k.valid_for(idx.block_count, idx.column_count)
+    cc = torch.zeros_like(idx.column_count)
+    return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
-                       idx.causal, idx.block_size)
+                       idx.causal, idx.block_size, known_max=KnownMax.of(idx.block_count, cc, k.block, 0) if known else None)
 
 
 def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):
