@@ -25,6 +25,9 @@ from megatron_mtraining.patterns.estimator import (VerticalSlashConfig, Vertical
 from megatron_mtraining.patterns.indices import StepIndices
 
 F64 = torch.float64
+# the selection / conversion tests also run on a GPU when there is one (same scores for both sides:
+# the slash index_add_ on CUDA uses atomics, so end-to-end runs are compared on the CPU only)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 # =========================================================================================
@@ -379,8 +382,9 @@ def test_estimate_matches_frozen_oracle_triton_impl():
 
 
 # ------------------------------------------------------------------------------ selection, simulated cp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(40))
-def test_selection_matches_frozen_oracle_simulated_cp(seed):
+def test_selection_matches_frozen_oracle_simulated_cp(seed, device):
     """Each rank's local candidates (new code) concatenated in rank order (what the all_gather
     returns), merged: every rank selects the oracle's pattern; cp 1 on the same global scores too."""
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
@@ -392,11 +396,11 @@ def test_selection_matches_frozen_oracle_simulated_cp(seed):
     L = rng.choice([1, bs, min(S, 2 * bs)])
     b, hq = rng.choice([(1, 1), (2, 3)])
     kinds = ["quantized", "zeros", "sparse", "rand"]
-    col = tie_heavy_scores(gen, (b, hq, S), rng.choice(kinds))
-    slash = tie_heavy_scores(gen, (b, hq, S // bs), rng.choice(kinds))
+    col = tie_heavy_scores(gen, (b, hq, S), rng.choice(kinds)).to(device)
+    slash = tie_heavy_scores(gen, (b, hq, S // bs), rng.choice(kinds)).to(device)
     cfg = random_config(rng, S, bs, L)
-    pos = [layout.positions(r, S) for r in range(cp)]
-    assert all(torch.equal(p, old_positions(layout, r, S)) for r, p in enumerate(pos))
+    pos = [layout.positions(r, S, device=device) for r in range(cp)]
+    assert all(torch.equal(p, old_positions(layout, r, S, device=device)) for r, p in enumerate(pos))
     col32 = rng.random() < 0.5          # the fused path hands fp32 column scores to the selection
     if col32:
         col = col.float()
@@ -429,8 +433,9 @@ def test_selection_matches_frozen_oracle_simulated_cp(seed):
         new = E._select(slash, cols[r], pos[r], layout, r, S, L, cfg, gather=new_gather(r))
         assert_same_pattern(new, old, (seed, r, cfg))
     one = Layout(kind, 1, layout.granularity)
-    assert_same_pattern(E._select(slash, col, torch.arange(S), one, 0, S, L, cfg),
-                        old_select(slash, col.double(), torch.arange(S), S, L, cfg), (seed, "cp1", col32, cfg))
+    ar = torch.arange(S, device=device)
+    assert_same_pattern(E._select(slash, col, ar, one, 0, S, L, cfg),
+                        old_select(slash, col.double(), ar, S, L, cfg), (seed, "cp1", col32, cfg))
 
 
 # ------------------------------------------------------------------------------ convert_pattern
@@ -466,14 +471,15 @@ def convert_cases(n):
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed,cp,bs,kind,g,b,hq", convert_cases(80))
-def test_convert_matches_frozen_oracle(seed, cp, bs, kind, g, b, hq):
+def test_convert_matches_frozen_oracle(seed, cp, bs, kind, g, b, hq, device):
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     layout = Layout(kind, cp, g)
     unit = {"striped": cp * g, "zigzag": 2 * cp * bs, "contiguous": cp * bs}[kind]
     S = unit * rng.choice([1, 2, 3, 8])
     for canonical in (True, False):
-        pat = random_pattern(gen, rng, b, hq, S, bs, canonical)
+        pat = random_pattern(gen, rng, b, hq, S, bs, canonical).to(device)
         for rank in range(cp):
             new = convert_pattern(pat, layout, rank)
             assert_same_steps(new, old_convert_pattern(pat, layout, rank), (seed, rank, canonical))
