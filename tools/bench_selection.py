@@ -15,9 +15,11 @@ config's budgets (default ``configs/e2e_sparse.yaml``), CP=1, for each sequence 
 Counts (one call, under a ``TorchDispatchMode``): ``kernels`` = aten ops that launch work on a GPU
 (views and CPU-scalar wrappers excluded), ``sorts`` (sort/argsort/topk), ``syncs`` = device-to-host
 reads (``_local_scalar_dense``: ``.item()`` / ``int(t)``; ``Tensor.tolist``; ``nonzero``) plus
-host-to-device copies (``torch.tensor(..., device=)``, ``Tensor.to(device)``: a stream sync on CUDA
-unless pinned and non-blocking); reads of the probe gather's host-side owner map (CPU tensors on any
-machine: no device sync) are reported apart (``host_only``). Times: median wall clock of ``--repeats`` on the CPU -- only a proxy
+host-to-device copies (``torch.tensor(..., device=)``, and ``Tensor.to(device)`` of the probe
+gather's host index tensors: a stream sync on CUDA unless pinned and non-blocking; other
+``.to(device=...)`` calls here move tensors already on the device); reads of the probe gather's host-side owner map (CPU tensors on any
+machine: no device sync) are reported apart (``host_only``), ops of the Triton CPU interpreter
+(``impl="triton"``: one kernel launch each on a GPU) are not counted. Times: median wall clock of ``--repeats`` on the CPU -- only a proxy
 for the GPU, where these ops are launch- and sync-bound at small S and bandwidth-bound at large S.
 
     python3 tools/bench_selection.py --seqs 8192,65536 --repeats 5 [--profile] [--json out.json]
@@ -49,19 +51,25 @@ def count_ops(fn):
     ops = collections.Counter()
     extra = collections.Counter()
 
-    def on_host() -> bool:
-        """Called from the probe gather's owner map, whose index tensors live on the host anyway."""
+    def caller(names=_HOST_ONLY) -> str:
+        """``"host"``: called from the probe gather's owner map (index tensors on the host on any
+        machine); ``"triton"``: by the Triton CPU interpreter running a kernel (one launch on a GPU)."""
         f = sys._getframe(2)
         while f is not None:
-            if f.f_code.co_name in _HOST_ONLY:
-                return True
+            if f.f_code.co_name in names:
+                return "host"
+            if str(f.f_globals.get("__name__", "")).startswith("triton."):
+                return "triton"
             f = f.f_back
-        return False
+        return ""
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
-            if name in _D2H and on_host():
+            where = caller()
+            if where == "triton":
+                extra["interpreter"] += 1
+            elif name in _D2H and where == "host":
                 extra["host"] += 1
             else:
                 ops[name] += 1
@@ -70,11 +78,13 @@ def count_ops(fn):
     orig_tolist, orig_to, orig_tensor = torch.Tensor.tolist, torch.Tensor.to, torch.tensor
 
     def tolist(self):
-        extra["host" if on_host() else "tolist"] += 1
+        where = caller()
+        if where != "triton":
+            extra["host" if where == "host" else "tolist"] += 1
         return orig_tolist(self)
 
-    def to(self, *a, **kw):
-        if "device" in kw or any(isinstance(x, (torch.device, str)) for x in a):
+    def to(self, *a, **kw):     # a host index tensor of the probe gather sent to the device
+        if ("device" in kw or any(isinstance(x, (torch.device, str)) for x in a)) and caller() == "host":
             extra["h2d"] += 1
         return orig_to(self, *a, **kw)
 
@@ -129,8 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of the new conversion at each S")
     ap.add_argument("--estimate-seq", type=int, default=2048,
-                    help="also count the whole estimate_vertical_slash (impl torch, fp32 q [1, S, heads, 64], "
+                    help="also count the whole estimate_vertical_slash (fp32 q [1, S, heads, 64], "
                          "k [1, S, 2, 64]) at this S (0: skip)")
+    ap.add_argument("--estimate-impl", choices=("torch", "triton"), default="torch",
+                    help="score implementation of that count (triton on the CPU: set TRITON_INTERPRET=1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -177,11 +189,11 @@ def main(argv=None) -> int:
         S = args.estimate_seq
         q, k, _ = structured_qkv(S, args.heads, 2, 64, torch.device("cpu"), seed=S)
         q, k = q.float(), k.float()
-        kw = dict(layout=layout, config=cfg, impl="torch")
+        kw = dict(layout=layout, config=cfg, impl=args.estimate_impl)
         new, c_new = count_ops(lambda: E.estimate_vertical_slash(q, k, **kw))
         old, c_old = count_ops(lambda: oracle.old_estimate_vertical_slash(q, k, **kw))
         oracle.assert_same_pattern(new, old, "estimate")
-        est = {"seq": S, "estimate_old": c_old, "estimate_new": c_new}
+        est = {"seq": S, "impl": args.estimate_impl, "estimate_old": c_old, "estimate_new": c_new}
 
     print(f"{'seq':>7} {'slash':>6} {'vert':>6} | {'select old ms':>13} {'new ms':>8} | {'convert old ms':>14} "
           f"{'new ms':>8}")
@@ -193,7 +205,7 @@ def main(argv=None) -> int:
         c = rows[-1][name]
         print(f"{name:>12} {c['kernels']:>8} {c['sorts']:>6} {c['syncs']:>6}   {c['ops']}")
     if est:
-        print(f"whole estimate_vertical_slash (impl torch, S={est['seq']}; score ops included):")
+        print(f"whole estimate_vertical_slash (impl {est['impl']}, S={est['seq']}; score ops included):")
         for name in ("estimate_old", "estimate_new"):
             c = est[name]
             print(f"{name:>12} {c['kernels']:>8} {c['sorts']:>6} {c['syncs']:>6}   (of which h2d {c['h2d']}; "
