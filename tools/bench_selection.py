@@ -16,11 +16,12 @@ Counts (one call, under a ``TorchDispatchMode``): ``kernels`` = aten ops that la
 (views and CPU-scalar wrappers excluded), ``sorts`` (sort/argsort/topk), ``syncs`` = device-to-host
 reads (``_local_scalar_dense``: ``.item()`` / ``int(t)``; ``Tensor.tolist``; ``nonzero``) plus
 host-to-device copies (``torch.tensor(..., device=)``, and ``Tensor.to(device)`` of the probe
-gather's host index tensors: a stream sync on CUDA unless pinned and non-blocking; other
-``.to(device=...)`` calls here move tensors already on the device); reads of the probe gather's host-side owner map (CPU tensors on any
-machine: no device sync) are reported apart (``host_only``), ops of the Triton CPU interpreter
-(``impl="triton"``: one kernel launch each on a GPU) are not counted. Times: median wall clock of ``--repeats`` on the CPU -- only a proxy
-for the GPU, where these ops are launch- and sync-bound at small S and bandwidth-bound at large S.
+gather's host index tensors: a stream sync on CUDA unless pinned and non-blocking; the other
+``.to(device=...)`` calls here move tensors already on the device). Reads of the probe gather's
+host-side owner map (CPU tensors on any machine: no device sync) are reported apart
+(``host_only``); ops run by the Triton CPU interpreter (``impl="triton"``: one kernel launch each
+on a GPU) are not counted. Times: median wall clock of ``--repeats`` on the CPU -- only a proxy for
+the GPU, where these ops are launch- and sync-bound at small S and bandwidth-bound at large S.
 
     python3 tools/bench_selection.py --seqs 8192,65536 --repeats 5 [--profile] [--json out.json]
 """

@@ -208,11 +208,12 @@ def without_columns(idx: StepIndices) -> StepIndices:
     """``idx`` with its vertical columns removed (block/slash work only)."""
     b, hq, nqb = idx.column_count.shape
     k = idx.known_max
-    known = k is not None and k.valid_for(idx.block_count, idx.column_count)
     cc = torch.zeros_like(idx.column_count)
+    known = (KnownMax.of(idx.block_count, cc, k.block, 0)
+             if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
-                       idx.causal, idx.block_size, known_max=KnownMax.of(idx.block_count, cc, k.block, 0) if known else None)
+                       idx.causal, idx.block_size, known_max=known)
 
 
 def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):

@@ -95,8 +95,8 @@ from ..distributed import group_rank, group_size
 from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 
-__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "floor_first_sort", "priority_order",
-           "resolve_impl"]
+__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "floor_first_sort",
+           "priority_order", "resolve_impl"]
 
 # Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
 _LOGIT_BUDGET = 1 << 23
