@@ -107,10 +107,18 @@ class Layout:
 
     # ------------------------------------------------------------------ token maps
     def positions(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
-        """Global positions (int64, shape ``[seq_len // cp_size]``, ascending) held by ``rank``."""
+        """Global positions (int64, shape ``[seq_len // cp_size]``, ascending) held by ``rank``.
+
+        Built with ``torch.arange`` on ``device`` (no host-to-device copy, which on CUDA would
+        synchronize the stream)."""
         c = self.chunk_len(seq_len)
-        ids = torch.tensor(self.chunk_ids(rank, seq_len), dtype=torch.long, device=device)
-        return (ids[:, None] * c + torch.arange(c, device=device)[None, :]).reshape(-1)
+        ids = self.chunk_ids(rank, seq_len)
+        if self.cp_size == 1 or self.kind == "contiguous":          # one run of consecutive chunks
+            return torch.arange(ids[0] * c, (ids[0] + len(ids)) * c, device=device)
+        if self.kind == "zigzag":
+            return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+        starts = torch.arange(rank * c, self.num_chunks(seq_len) * c, self.cp_size * c, device=device)
+        return (starts[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
 
     def global_to_local(self, t, seq_len: int):
         """Map global position(s) ``t`` (int or LongTensor) to ``(rank, local_index)``."""

@@ -22,6 +22,8 @@ the maximum counts over (b, hq, query block), at least 1.
 Layouts must keep ``block_size`` blocks whole on one rank: striped with ``granularity %
 block_size == 0``, zigzag with ``(S / (2 * cp)) % block_size == 0``, contiguous with ``(S / cp) %
 block_size == 0``. Work is vectorized over (b, hq, blocks, columns); Python loops run only over owners.
+:func:`convert_pattern` reads from the device once (every output width of every owner; twice at
+cp > 1) and copies nothing to it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
-from .indices import StepIndices
+from .indices import KnownMax, StepIndices
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
            "without_columns", "step_column_positions", "column_phase_indices"]
@@ -65,46 +67,131 @@ def local_block_ids(layout: Layout, rank: int, seq_len: int, block_size: int, de
     return pos[::block_size] // block_size
 
 
-def _compact(mask: torch.Tensor, values: torch.Tensor):
-    """Keep ``values`` where ``mask`` (order preserved), left-aligned, padded with -1.
+def _prefix(mask: torch.Tensor):
+    """``(cs, count)`` of an order-preserving compaction along the last dim: ``cs`` the int32 inclusive
+    cumsum of ``mask``, ``count`` int32 ``[...]`` (its last column)."""
+    cs = torch.cumsum(mask, -1, dtype=torch.int32)
+    if mask.shape[-1] == 0:
+        return cs, torch.zeros(mask.shape[:-1], dtype=torch.int32, device=mask.device)
+    return cs, cs[..., -1].contiguous()
 
-    O(n) (cumsum + scatter, no sort). Returns ``(count int32 [...], packed int32 [..., max(1, max count)])``.
+
+def _pick(cs: torch.Tensor, values: torch.Tensor, fill: int, width: int) -> torch.Tensor:
+    """Compaction: slot ``m < width`` holds ``values`` (broadcastable to ``cs``; pass it unexpanded) at
+    the ``(m+1)``-th kept entry, in order, or ``fill`` past the row's count: ``[..., width]``,
+    contiguous, ``values.dtype``.
+
+    The ``(m+1)``-th kept entry is the first index where the cumsum reaches ``m + 1``: a binary search
+    per output slot (no sort, no int64 scatter index, nothing of the mask's size but the cumsum);
+    "not found" is index ``n``, where ``fill`` is appended to ``values``."""
+    lead = cs.shape[:-1]
+    ext = torch.cat([values, values.new_full((*values.shape[:-1], 1), fill)], -1)
+    want = torch.arange(1, width + 1, dtype=torch.int32, device=cs.device).expand(*lead, width).contiguous()
+    return ext.expand(*lead, ext.shape[-1]).gather(-1, torch.searchsorted(cs, want))
+
+
+def _maxima(counts) -> list:
+    """``count.max()`` of every count tensor (0 when empty), one host sync for all (the output widths
+    ``max(1, .)`` are data dependent)."""
+    live = [i for i, c in enumerate(counts) if c.numel()]
+    maxes = torch.stack([counts[i].amax() for i in live]).tolist() if live else []
+    out = [0] * len(counts)
+    for i, m in zip(live, maxes):
+        out[i] = int(m)
+    return out
+
+
+def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners) -> List[StepIndices]:
+    """:class:`StepIndices` of ``rank``'s queries against each owner in ``owners`` (layout checked).
+
+    The indices of the module docstring, built with few device ops and host syncs: one sync for all
+    widths of all owners (plus one at cp > 1, for the per-owner column lists).
+
+    * Blocks: the selected offsets ``d`` (from the slash mask: unique, descending, padded with a huge
+      value) give the key blocks ``QB_i - d`` of every query block in ascending order; those ``>= 0``
+      held by the owner (cp 1: all) are compacted. Work ``[b, hq, nqb, #offsets]`` instead of
+      ``[b, hq, nqb, nkb]``.
+    * Columns: visible (``t // bs <= QB_i``) and not in an active block (the owner's active-block
+      matrix gathered at the column's block), compacted in the order of ``pattern.vertical``.
+    * Compaction (:func:`_prefix`, :func:`_pick`): int32 cumsum of the mask, a binary search per
+      output slot, a gather.
     """
-    cnt = mask.sum(-1)
-    width = max(1, int(cnt.max())) if cnt.numel() else 1
-    slot = torch.where(mask, mask.cumsum(-1) - 1, torch.full_like(cnt[..., None], width))   # width = dump slot
-    out = torch.full((*mask.shape[:-1], width + 1), -1, dtype=torch.int64, device=mask.device)
-    out.scatter_(-1, slot, torch.where(mask, values.expand(mask.shape).long(), -1))
-    return cnt.to(torch.int32), out[..., :width].to(torch.int32)
+    S, bs = pattern.seq_len, pattern.block_size
+    dev = pattern.slash.device
+    b, hq, ns = pattern.slash.shape
+    nb, cp = S // bs, layout.cp_size
+    i32 = torch.int32
+    big = 1 << 30                                                       # > any block index
+    qB = local_block_ids(layout, rank, S, bs, dev)                      # [nqb] ascending
+    nqb = qB.numel()
+    qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
+    smask = pattern.slash_mask()                                        # [b, hq, nb]
+
+    # --- selected offsets, unique and descending, padded with `big` (entry j of the flipped mask is
+    # offset nb - 1 - j); ns slots always suffice (every selected offset is an entry of pattern.slash)
+    rc = torch.cumsum(smask.flip(-1), -1, dtype=i32)
+    d_desc = _pick(rc, torch.arange(nb - 1, -1, -1, dtype=i32, device=dev), big, ns)[:, :, None, :]
+    if cp > 1:
+        g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
+
+    # --- vertical columns: per owner (cp > 1: compacted to the owner's own columns first)
+    vert = pattern.vertical                                             # [b, hq, nv], -1 padded
+    if cp == 1:
+        own_cols = {owners[0]: vert}
+    else:
+        o_rank, _ = layout.global_to_local(vert.clamp(min=0), S)
+        pre = {o: _prefix((vert >= 0) & (o_rank == o)) for o in owners}
+        widths = _maxima([pre[o][1] for o in owners])                   # host sync (cp > 1 only)
+        own_cols = {o: _pick(pre[o][0], vert, -1, max(1, w)) for o, w in zip(owners, widths)}
+
+    pending = []
+    for o in owners:
+        kB = qB if o == rank else local_block_ids(layout, o, S, bs, dev)    # [nkb]
+        nkb = kB.numel()
+        # blocks: key block QB_i - d exists (d <= QB_i) and, at cp > 1, is held by o
+        table = None
+        if cp == 1:
+            blk_ok = d_desc <= qB32                                     # [b, hq, nqb, ns]
+        else:
+            table = torch.full((nb + 1,), -1, dtype=i32, device=dev)    # global block + 1 -> local block
+            table[1:] = torch.where(g_owner == o, g_loc // bs, -1).to(i32)
+            blk_ok = table[(qB32 - d_desc).clamp_(min=-1).add_(1)] >= 0
+        b_cs, b_cnt = _prefix(blk_ok)
+        # columns: visible (block <= QB_i) and not inside an active block of the owner
+        cols = own_cols[o]
+        t = cols.clamp(min=0)
+        if cp == 1:                                                     # local index = position
+            loc, tb = t, t // bs
+            gblk = torch.where(cols >= 0, tb, big)                      # padding: never visible
+            lkb = tb.clamp_(max=nkb - 1)
+        else:
+            loc = layout.global_to_local(t, S)[1]
+            gblk = torch.where(cols >= 0, t // bs, big)
+            lkb = (loc // bs).clamp_(max=nkb - 1)                       # only meaningful where owned
+        kept = gblk[:, :, None, :] <= qB[None, None, :, None]           # visible, [b, hq, nqb, nv]
+        # active[i, j] = slash mask at QB_i - KB_j (a negative offset only meets invisible columns)
+        active = smask[..., (qB[:, None] - kB[None, :]).clamp_(min=0)]  # [b, hq, nqb, nkb]
+        kept.masked_fill_(active.gather(-1, lkb[:, :, None, :].expand(b, hq, nqb, cols.shape[-1])), False)
+        c_cs, c_cnt = _prefix(kept)
+        pending.append((o, table, b_cs, b_cnt, c_cs, c_cnt, loc))
+
+    maxima = _maxima([x for p in pending for x in (p[3], p[5])])       # the host sync
+    steps = []
+    for j, (o, table, b_cs, b_cnt, c_cs, c_cnt, loc) in enumerate(pending):
+        mb, mc = maxima[2 * j], maxima[2 * j + 1]
+        kb = qB32 - _pick(b_cs, d_desc, big, max(1, mb))                # ascending; padding: < 0
+        kb = kb.clamp_(min=-1) if table is None else table[kb.clamp_(min=-1).add_(1)]
+        steps.append(StepIndices(
+            block_count=b_cnt, block_index=kb, column_count=c_cnt,
+            column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
+            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc)))
+    return steps
 
 
 def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner: int) -> StepIndices:
     """:class:`StepIndices` of queries on ``rank`` against the K/V shard of ``owner``."""
-    S, bs = pattern.seq_len, pattern.block_size
-    check_block_layout(layout, S, bs)
-    dev = pattern.slash.device
-    qB = local_block_ids(layout, rank, S, bs, dev)                      # [nqb]
-    kB = local_block_ids(layout, owner, S, bs, dev)                     # [nkb]
-    diff = qB[:, None] - kB[None, :]                                     # [nqb, nkb]
-    active = pattern.slash_mask()[..., diff.clamp(min=0)] & (diff >= 0)  # [b, hq, nqb, nkb]
-    nkb = kB.numel()
-    block_count, block_index = _compact(active, torch.arange(nkb, device=dev))
-
-    vert = pattern.vertical                                              # [b, hq, nv], -1 padded
-    o_rank, _ = layout.global_to_local(vert.clamp(min=0), S)
-    _, vert = _compact((vert >= 0) & (o_rank == owner), vert)            # this owner's columns only
-    vert = vert.long()
-    owned = vert >= 0
-    t = vert.clamp(min=0)
-    _, o_loc = layout.global_to_local(t, S)
-    lkb = (o_loc // bs).clamp(max=nkb - 1)                              # only meaningful where owned
-    b, hq, nv = vert.shape
-    nqb = qB.numel()
-    visible = owned[:, :, None, :] & ((t // bs)[:, :, None, :] <= qB[None, None, :, None])
-    covered = active.gather(-1, lkb[:, :, None, :].expand(b, hq, nqb, nv))
-    column_count, column_index = _compact(visible & ~covered, o_loc[:, :, None, :])
-    return StepIndices(block_count=block_count, block_index=block_index, column_count=column_count,
-                       column_index=column_index, causal=(owner == rank), block_size=bs)
+    check_block_layout(layout, pattern.seq_len, pattern.block_size)
+    return _convert(pattern, layout, rank, [owner])[0]
 
 
 def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) -> List[StepIndices]:
@@ -114,15 +201,19 @@ def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) ->
         ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`).
     """
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
-    return [step_indices(pattern, layout, rank, o) for o in range(layout.cp_size)]
+    return _convert(pattern, layout, rank, list(range(layout.cp_size)))
 
 
 def without_columns(idx: StepIndices) -> StepIndices:
     """``idx`` with its vertical columns removed (block/slash work only)."""
     b, hq, nqb = idx.column_count.shape
-    return StepIndices(idx.block_count, idx.block_index, torch.zeros_like(idx.column_count),
+    k = idx.known_max
+    cc = torch.zeros_like(idx.column_count)
+    known = (KnownMax.of(idx.block_count, cc, k.block, 0)
+             if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
+    return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
-                       idx.causal, idx.block_size)
+                       idx.causal, idx.block_size, known_max=known)
 
 
 def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):

@@ -72,7 +72,12 @@ probes span, 1 when ``last_q == block_size``); its GPU time has not been measure
 ``tools/bench_estimator.py --impl triton`` reports it), one broadcast of ``b * last_q * hq * d``
 values per owner rank, three all_reduces of ``b * hq * last_q`` / ``b * hq * S / block_size`` fp64
 values and one all_gather of ``2 * b * hq * min(max_vertical, S_local)`` fp64 values. The selection
-(sorts over ``[b, hq, S_local]`` fp64 scores) is the same in both paths. Peak extra memory of the
+is the same in both paths: per row, two stable sorts over disjoint segments (the floors, the rest)
+of the slash scores and of the local column scores (``[b, hq, S_local]``; fp32 keys on the Triton
+path when the probes span one query block, else fp64), at cp > 1 a merge of the gathered candidates
+(:func:`priority_order`), cumsums for the budgets, a sort of each kept set, and **one host sync**
+(the two output widths; the probe gather's owner map is host arithmetic, the key positions are built
+on the device). Peak extra memory of the
 torch path is bounded by key chunking (``_LOGIT_BUDGET`` elements); of the Triton path by the two
 fp32 outputs above (and their fp64 copies).
 """
@@ -90,7 +95,8 @@ from ..distributed import group_rank, group_size
 from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 
-__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "priority_order", "resolve_impl"]
+__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "floor_first_sort",
+           "priority_order", "resolve_impl"]
 
 # Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
 _LOGIT_BUDGET = 1 << 23
@@ -262,6 +268,32 @@ def priority_order(score: torch.Tensor, floor: torch.Tensor, key: torch.Tensor) 
     return order.gather(-1, o3)
 
 
+def floor_first_sort(score: torch.Tensor, n_floor: int, keep: Optional[int] = None):
+    """Lines sorted by :func:`priority_order` when their keys ascend along the last dim and their floors
+    are exactly the first ``n_floor`` lines (slash offsets ``0..nb-1``; a rank's local columns, whose
+    global positions ascend, with the sinks first).
+
+    Returns ``(sorted score, order)``, both truncated to the first ``keep`` entries (default: all).
+    The permutation is the one ``priority_order(score, idx < n_floor, idx)`` returns: that order is
+    the stable descending score order (ties: ascending key = ascending index) restricted first to the
+    floors, then to the other lines, and with ascending keys each restriction is the stable
+    descending sort of its own contiguous segment. Hence two sorts over disjoint segments (one when
+    either segment is empty) instead of three sorts and four gathers over the whole row, and the
+    sorted scores come out of the sorts (no gather).
+    """
+    n = score.shape[-1]
+    nf = min(max(n_floor, 0), n)
+    keep = n if keep is None else min(keep, n)
+    if nf == 0 or nf == n:
+        v, o = torch.sort(score, dim=-1, descending=True, stable=True)
+        return v[..., :keep], o[..., :keep]
+    vf, of = torch.sort(score[..., :nf], dim=-1, descending=True, stable=True)
+    if keep <= nf:
+        return vf[..., :keep], of[..., :keep]
+    vr, orr = torch.sort(score[..., nf:], dim=-1, descending=True, stable=True)
+    return torch.cat([vf, vr[..., :keep - nf]], -1), torch.cat([of, orr[..., :keep - nf] + nf], -1)
+
+
 def _budget(sorted_score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool):
     """Count of the shortest prefix reaching ``target`` (``#(cumsum < target) + 1``), floors/caps applied.
 
@@ -269,48 +301,139 @@ def _budget(sorted_score: torch.Tensor, n_floor: int, cap: int, target: float, t
     """
     n = sorted_score.shape[-1]
     shape, dev = sorted_score.shape[:-1], sorted_score.device
-    if n == 0:
+    lo, hi = min(n_floor, n), min(cap, n)
+    if hi <= 0:                                   # n == 0 or cap == 0: nothing is taken
         return (torch.zeros(shape, dtype=torch.long, device=dev),
                 torch.zeros(shape, dtype=sorted_score.dtype, device=dev))
     cum = torch.cumsum(sorted_score, dim=-1)
-    if take_all:
-        cnt = torch.full(shape, n, dtype=torch.long, device=dev)
-    else:
-        cnt = (cum < target).sum(-1) + 1
-    cnt = cnt.clamp(min=min(n_floor, n), max=min(cap, n))
-    covered = cum.gather(-1, (cnt - 1).clamp(min=0)[..., None]).squeeze(-1)
-    return cnt, torch.where(cnt > 0, covered, torch.zeros_like(covered))
+    if take_all:                                  # every line up to the cap: a constant count
+        return torch.full(shape, hi, dtype=torch.long, device=dev), cum[..., hi - 1]
+    # count - 1 = clamp(#(cum < target), lo - 1, hi - 1) (>= 0 since hi >= 1): the gather index
+    last = (cum < target).sum(-1).clamp_(min=lo - 1, max=hi - 1)
+    return last + 1, cum.gather(-1, last[..., None]).squeeze(-1)
 
 
-def _take_sorted(sorted_vals: torch.Tensor, cnt: torch.Tensor, sentinel: int) -> torch.Tensor:
-    """First ``cnt`` entries of each row, re-sorted ascending, padded with -1 to the max count (>= 1)."""
-    n = sorted_vals.shape[-1]
-    if n == 0:
+def _widths(*counts) -> list:
+    """Output widths of :func:`_take_sorted` for ``(count, n)`` pairs: ``max(1, min(n, count.max()))``
+    each, with one host sync for all of them (the output shapes are data dependent)."""
+    live = [i for i, (cnt, n) in enumerate(counts) if cnt.numel() and n]
+    maxes = torch.stack([counts[i][0].amax() for i in live]).tolist() if live else []
+    out = [1] * len(counts)
+    for i, m in zip(live, maxes):
+        out[i] = max(1, min(counts[i][1], int(m)))
+    return out
+
+
+def _take_sorted(sorted_vals: torch.Tensor, cnt: torch.Tensor, width: int, sentinel: int) -> torch.Tensor:
+    """First ``cnt`` entries of each row, re-sorted ascending, padded with -1 to ``width`` (the max
+    count, from :func:`_widths`). Entries are distinct and ``< sentinel``, so after the sort the
+    padding sits exactly at the slots ``>= cnt``."""
+    if sorted_vals.shape[-1] == 0:
         return torch.full((*sorted_vals.shape[:-1], 1), -1, dtype=torch.long, device=sorted_vals.device)
-    width = max(1, min(n, int(cnt.max()) if cnt.numel() else 1))
-    vals = sorted_vals[..., :width]
-    slot = torch.arange(width, device=vals.device)
-    vals = torch.where(slot < cnt[..., None], vals, torch.full_like(vals, sentinel))
-    vals = torch.sort(vals, dim=-1).values
-    return torch.where(vals == sentinel, torch.full_like(vals, -1), vals)
+    drop = torch.arange(width, device=sorted_vals.device) >= cnt[..., None]
+    vals = torch.sort(sorted_vals[..., :width].masked_fill(drop, sentinel), dim=-1).values
+    return vals.masked_fill_(drop, -1)
+
+
+def _count_below(layout: Layout, rank: int, seq_len: int, t: int) -> int:
+    """Number of ``rank``'s positions ``< t`` (host arithmetic on the chunk structure, no device op)."""
+    c, n = layout.chunk_len(seq_len), 0
+    for i in layout.chunk_ids(rank, seq_len):      # ascending
+        if i * c >= t:
+            break
+        n += min(c, t - i * c)
+    return n
+
+
+def _local_candidates(col: torch.Tensor, k_pos: torch.Tensor, n_floor: int, kc: int, positions_are_local: bool):
+    """This rank's top-``kc`` columns in priority order: ``(score fp64 [b, hq, kc], global position int64)``.
+
+    ``n_floor``: number of local sink columns (``k_pos < sink_tokens``, the first ones, since ``k_pos``
+    ascends); ``positions_are_local``: ``k_pos == arange`` (cp 1), the order is then the position."""
+    score, order = floor_first_sort(col, n_floor, kc)
+    return score.to(torch.float64), (order if positions_are_local else k_pos[order])
+
+
+def _merge_candidates(c_score: torch.Tensor, c_pos: torch.Tensor, sink_tokens: int):
+    """All ranks' candidates (concatenated, any order, distinct positions) in priority order."""
+    g_order = priority_order(c_score, c_pos < sink_tokens, c_pos)
+    return c_score.gather(-1, g_order), c_pos.gather(-1, g_order)
+
+
+def _all_gather_candidates(score: torch.Tensor, pos: torch.Tensor, group, cp: int):
+    """Concatenation over the CP group (rank order) of every rank's ``(score, pos)`` candidates."""
+    cand = torch.stack([score, pos.to(score.dtype)])
+    parts = [torch.empty_like(cand) for _ in range(cp)]
+    dist.all_gather(parts, cand.contiguous(), group=group)
+    cand = torch.cat(parts, dim=-1)
+    return cand[0], cand[1].round().long()
+
+
+def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout: Layout, rank: int, S: int, L: int,
+            config: VerticalSlashConfig, gather=None) -> VerticalSlashPattern:
+    """Budgets and selection (step 4/5 of the module docstring) from the scores: ``slash [b, hq, S/bs]``
+    fp64 (all-reduced), this rank's ``col [b, hq, S_local]`` at ``k_pos`` (fp64, or fp32 values that
+    the fp64 path would hold exactly: the fused path with one probe query block).
+
+    ``gather`` (cp > 1): ``(score, pos) -> (score, pos)`` concatenated over the CP group in rank order
+    (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths)."""
+    nb, sl = slash.shape[-1], col.shape[-1]
+    target = float(config.recall) * L
+    take_all = float(config.recall) >= 1.0
+
+    # --- slash selection (identical on every rank): floors = offsets 0 .. local_blocks - 1
+    s_score, s_order = floor_first_sort(slash, config.local_blocks)
+    s_cnt, s_cov = _budget(s_score, config.local_blocks, config.max_slash, target, take_all)
+
+    # --- vertical selection: local top-cap candidates, one all_gather, identical merge everywhere.
+    # At cp 1 the local candidates are already the whole selection order (the merge would sort an
+    # already sorted list: the identity), and the local index is the global position.
+    kc = min(config.max_vertical, sl)
+    v_score, v_pos = _local_candidates(col, k_pos, _count_below(layout, rank, S, config.sink_tokens), kc,
+                                       positions_are_local=layout.cp_size == 1)
+    if layout.cp_size > 1:
+        v_score, v_pos = _merge_candidates(*gather(v_score, v_pos), config.sink_tokens)
+    v_cnt, v_cov = _budget(v_score, min(config.sink_tokens, S), config.max_vertical, target, take_all)
+
+    ws, wv = _widths((s_cnt, nb), (v_cnt, v_pos.shape[-1]))              # the one host sync
+    s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
+    v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
+    return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
+                                est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
 
 
 def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
                           last_q: int) -> torch.Tensor:
-    """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank."""
+    """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank.
+
+    The owner map is host arithmetic; runs of consecutive rows are sliced (no index tensor copied to
+    the device, which on CUDA synchronizes). One owner holding every probe (striped with
+    granularity >= last_q, zigzag, cp 1): its rows are the result (a view of ``q`` when contiguous)."""
     b, _, hq, d = q.shape
     glob = torch.arange(seq_len - last_q, seq_len)
     owners, local = layout.global_to_local(glob, seq_len)
-    out = torch.empty((b, last_q, hq, d), dtype=q.dtype, device=q.device)
+
+    def rows(idx: torch.Tensor):            # a slice when idx is a run of consecutive integers
+        i0 = int(idx[0])
+        return slice(i0, i0 + idx.numel()) if torch.equal(idx, torch.arange(i0, i0 + idx.numel())) \
+            else idx.to(q.device)
+
+    parts = []
     for o in torch.unique(owners).tolist():           # sorted: same order on every rank
         sel = (owners == o).nonzero().squeeze(1)
         if o == rank:
-            buf = q.index_select(1, local[sel].to(q.device)).contiguous()
+            r = rows(local[sel])
+            buf = (q[:, r] if isinstance(r, slice) else q.index_select(1, r)).contiguous()
         else:
             buf = torch.empty((b, sel.numel(), hq, d), dtype=q.dtype, device=q.device)
         if cp > 1:
             dist.broadcast(buf, src=dist.get_global_rank(group, o), group=group)
-        out[:, sel.to(q.device)] = buf
+        parts.append((sel, buf))
+    if len(parts) == 1:                               # sel == arange(last_q)
+        return parts[0][1]
+    out = torch.empty((b, last_q, hq, d), dtype=q.dtype, device=q.device)
+    for sel, buf in parts:
+        out[:, rows(sel)] = buf
     return out
 
 
@@ -359,10 +482,13 @@ def resolve_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
 def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tensor:
     """fp64 ``[b, hq, L]`` log-sum-exp of the probe rows over the CP group from the local row max
     ``m`` and ``z = sum exp(s - m)``: ``all_reduce(MAX)`` then a rescaled ``all_reduce(SUM)``."""
-    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp)
-    gsafe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp)
-    return gsafe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp) if cp > 1 else m
+    gsafe = torch.where(torch.isneginf(gm), 0.0, gm)
+    # cp 1: gm == m, so the rescale factor exp(m - gsafe) is exactly 1 (finite m) or multiplies a
+    # zero sum (m = -inf: no visible key); for m = +inf / NaN both z and the product are NaN, which
+    # the where below maps to 1 -- the same lse bits either way
+    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp) if cp > 1 else z
+    return gsafe + torch.log(torch.where(gz > 0, gz, 1.0))
 
 
 def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int):
@@ -478,9 +604,12 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
         lse = _global_lse(m, z, group, cp)
         # --- line scores: per-key sums split by probe query block (fp32), cast to fp64
-        colu = probe_column_sums(probe, k, k_pos, S, lse, scale, bs).to(f64)   # [b, hq, nu, sl]
+        colu32 = probe_column_sums(probe, k, k_pos, S, lse, scale, bs)          # [b, hq, nu, sl]
+        colu = colu32.to(f64)
         assert colu.shape[2] == len(q_blocks)
-        col = colu[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
+        # one query block: the column scores are fp32 values; the selection sorts them as fp32 (the
+        # fp64 copies are the same numbers: same order, ties included) and casts the kept ones
+        col = colu32[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
         slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
         k_blk = k_pos // bs
         for i, (u, _, _) in enumerate(q_blocks):
@@ -490,29 +619,5 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp)
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp)
 
-    target = float(config.recall) * L
-    take_all = float(config.recall) >= 1.0
-
-    # --- slash selection: identical on every rank
-    offs = torch.arange(nb, device=dev)
-    s_order = priority_order(slash, offs < config.local_blocks, offs)
-    s_cnt, s_cov = _budget(slash.gather(-1, s_order), config.local_blocks, config.max_slash, target, take_all)
-    s_sel = _take_sorted(s_order, s_cnt, sentinel=nb)
-
-    # --- vertical selection: local top-cap candidates, one all_gather, identical merge everywhere
-    kc = min(config.max_vertical, sl)
-    v_floor = k_pos < config.sink_tokens
-    l_order = priority_order(col, v_floor, k_pos)[..., :kc]
-    cand = torch.stack([col.gather(-1, l_order), k_pos.expand(b, hq, sl).gather(-1, l_order).to(f64)])
-    if cp > 1:
-        parts = [torch.empty_like(cand) for _ in range(cp)]
-        dist.all_gather(parts, cand.contiguous(), group=group)
-        cand = torch.cat(parts, dim=-1)
-    c_score, c_pos = cand[0], cand[1].round().long()
-    g_order = priority_order(c_score, c_pos < config.sink_tokens, c_pos)
-    v_cnt, v_cov = _budget(c_score.gather(-1, g_order), min(config.sink_tokens, S), config.max_vertical,
-                           target, take_all)
-    v_sel = _take_sorted(c_pos.gather(-1, g_order), v_cnt, sentinel=S)
-
-    return VerticalSlashPattern(S, bs, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
+    gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
+    return _select(slash, col, k_pos, layout, rank, S, L, config, gather)

@@ -36,18 +36,47 @@ entries at positions ``>= count``); widths are the max counts, at least 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-__all__ = ["BLOCK_SIZE", "StepIndices"]
+__all__ = ["BLOCK_SIZE", "KnownMax", "StepIndices"]
 
 BLOCK_SIZE = 64
 
 
+class KnownMax:
+    """Host copies of ``block_count.max()`` and ``column_count.max()`` of one :class:`StepIndices`
+    (the converter reads them anyway for the index widths), valid only while its two count tensors
+    are the very tensors they were read from, unmodified (identity and version counter)."""
+
+    __slots__ = ("block", "column", "_refs", "_versions")
+
+    def __init__(self, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int):
+        self.block, self.column = int(block), int(column)
+        self._refs = (weakref.ref(block_count), weakref.ref(column_count))
+        self._versions = (block_count._version, column_count._version)
+
+    @classmethod
+    def of(cls, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int):
+        """A record, or ``None`` for inference tensors (they keep no version counter)."""
+        if block_count.is_inference() or column_count.is_inference():
+            return None
+        return cls(block_count, column_count, block, column)
+
+    def valid_for(self, block_count: torch.Tensor, column_count: torch.Tensor) -> bool:
+        return (self._refs[0]() is block_count and self._refs[1]() is column_count
+                and self._versions == (block_count._version, column_count._version))
+
+
 @dataclass
 class StepIndices:
-    """Sparse work of one (query rank, K/V owner) pair; see the module docstring for shapes."""
+    """Sparse work of one (query rank, K/V owner) pair; see the module docstring for shapes.
+
+    ``known_max`` (optional, set by the converter): the counts' maxima on the host, so that
+    :meth:`is_empty` needs no device read while they are valid (:class:`KnownMax`)."""
 
     block_count: torch.Tensor
     block_index: torch.Tensor
@@ -55,7 +84,12 @@ class StepIndices:
     column_index: torch.Tensor
     causal: bool
     block_size: int = BLOCK_SIZE
+    known_max: Optional[KnownMax] = field(default=None, compare=False, repr=False)
 
     def is_empty(self) -> bool:
-        """True when no query block has any key on this step (the step is skipped)."""
+        """True when no query block has any key on this step (the step is skipped). No host sync when
+        ``known_max`` is valid for the count tensors, else two."""
+        k = self.known_max
+        if k is not None and k.valid_for(self.block_count, self.column_count):
+            return k.block == 0 and k.column == 0
         return int(self.block_count.max()) == 0 and int(self.column_count.max()) == 0

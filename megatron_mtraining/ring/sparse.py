@@ -63,7 +63,7 @@ class SparseStepKernel:
         self.softmax_scale = softmax_scale
         self.forward_fn = forward_fn or sparse_attention_forward
         self.backward_fn = backward_fn or sparse_attention_backward
-        self.empty = [s.is_empty() for s in self.steps]     # one host sync per step, at construction
+        self.empty = [s.is_empty() for s in self.steps]     # no device read for convert_pattern steps (known_max)
         self.column_phase: Optional["ColumnPhase"] = None   # set by sparse_ring_attention (out_of_ring)
 
     @property

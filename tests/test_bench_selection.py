@@ -1,0 +1,21 @@
+"""tools/bench_selection.py runs on CPU (small shape), checks the new code against the frozen oracle
+and reports fewer sorts and host syncs."""
+import json
+
+from tests.helpers.dist import run_python
+
+
+def test_bench_selection_cpu_smoke(tmp_path):
+    out = tmp_path / "sel.json"
+    res = run_python("tools/bench_selection.py", ["--seqs", "512,1024", "--heads", "2", "--repeats", "1",
+                                                  "--estimate-seq", "256", "--json", str(out)], timeout=240)
+    assert res.returncode == 0, res.tail()
+    data = json.loads(out.read_text())
+    assert [r["seq"] for r in data["rows"]] == [512, 1024]
+    for r in data["rows"]:
+        assert r["select_new"]["sorts"] < r["select_old"]["sorts"]
+        assert r["select_new"]["syncs"] == 1 and r["convert_new"]["syncs"] == 1
+        assert r["select_new_s"] > 0 and r["convert_new_s"] > 0
+    est = data["estimate"]
+    assert est["estimate_new"]["syncs"] == 1 and est["estimate_new"]["h2d"] == 0
+    assert "convert old ms" in res.stdout
