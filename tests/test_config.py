@@ -30,6 +30,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "hierarchical.yaml": ("hierarchical", "dense", None, 64),
     "e2e_sparse.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r095.yaml": ("striped", "vertical_slash", 0.95, 64),
+    "long_context_r098.yaml": ("striped", "vertical_slash", 0.98, 64),
 }
 
 

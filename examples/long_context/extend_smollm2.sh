@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Long-context extension of SmolLM2-135M (issue #11): ONE resumable call of tools/extend_context.py.
 #
-#   MODE=dense|mtraining [SEQ=32768] [ITERS=80] [GBS=8] [BUDGET=540] [STOP_ITER=N] [DRY_RUN=1] \
+#   MODE=dense|mtraining [SEQ=32768] [ITERS=80] [GBS=8] [BUDGET=540] [STOP_ITER=N] [CONFIG=yaml] [DRY_RUN=1] \
 #       examples/long_context/extend_smollm2.sh [more pretrain_gpt.py flags]
 #
 # Call it again with the same MODE/SEQ/ITERS to continue: the first call loads the converted release
@@ -19,5 +19,7 @@ args=(--mode "${MODE:?set MODE=dense or MODE=mtraining}" --seq "$SEQ" --train-it
       --data-prefix "$DATA")
 if [ -n "${BUDGET:-540}" ]; then args+=(--time-budget-s "${BUDGET:-540}"); fi
 if [ -n "${STOP_ITER:-}" ]; then args+=(--stop-iter "$STOP_ITER"); fi
+# CONFIG: another mtraining config (default configs/long_context_r095.yaml), e.g. a recall-0.98 copy
+if [ -n "${CONFIG:-}" ]; then args+=(--mtraining-config "$CONFIG"); fi
 if [ -n "${DRY_RUN:-}" ]; then args+=(--dry-run); fi
 exec "${PYTHON:-python3}" tools/extend_context.py "${args[@]}" -- "$@"
