@@ -27,6 +27,7 @@ the CPU). Prints a table; ``--json OUT`` writes the rows.
 
     python3 tools/bench_estimator.py --seqs 65536,131072,262144 --json est.json     # H200
     python3 tools/bench_estimator.py --seqs 65536,131072 --impl torch               # the fp64 path
+    python3 tools/bench_estimator.py --seqs 131072 --impl triton --profile 30       # where the time goes
     python3 tools/bench_estimator.py --device cpu --seqs 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
 from __future__ import annotations
@@ -125,6 +126,9 @@ def measure(seq: int, args) -> dict:
             ring_sparse.estimate_vertical_slash = orig
 
     t_est = timeit(estimate, args.warmup, args.repeats)
+    if args.profile:
+        print(f"--- profile: estimate (scores + convert) at seq {seq}, impl {impl}, one call after warm-up ---")
+        print(profile_table(estimate, dev, args.profile))
     t_scores = timeit(scores, args.warmup, args.repeats)
     t_conv = timeit(lambda: convert(pattern), args.warmup, args.repeats)
     t_ker = timeit(kernels, args.warmup, args.repeats)
@@ -135,6 +139,21 @@ def measure(seq: int, args) -> dict:
             "kept_fraction": kept_fraction(pattern),
             "mean_slash_blocks": float(pattern.slash_count.float().mean()),
             "mean_vertical": float(pattern.vertical_count.float().mean())}
+
+
+def profile_table(fn, device, rows: int) -> str:
+    """``torch.profiler`` table of one call of ``fn``: the ``rows`` ops with the most device time
+    (self CUDA time on the GPU, self CPU time on the CPU), with call counts."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def check_args(ap, args) -> list:
@@ -193,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impl", choices=("auto", "torch", "triton"), default="auto",
                     help="estimator score implementation (estimate_vertical_slash impl=)")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="also print a torch.profiler table (top ROWS ops) of one estimate at each seq")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch

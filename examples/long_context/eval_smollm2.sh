@@ -3,13 +3,14 @@
 # tools/eval_long_context.py: perplexity by position on the held-out long documents
 # (data/long_context/heldout_text_document, document-disjoint from training) and needle-in-a-haystack.
 #
-#   WHICH=base|dense|mtraining [SEQ=32768] [OUTDIR=runs/long_context] [ATTN=dense|sparse] [DRY_RUN=1] \
+#   WHICH=base|dense|mtraining [SEQ=32768] [OUTDIR=runs/long_context] [ATTN=dense|sparse] [CONFIG=yaml] [DRY_RUN=1] \
 #       examples/long_context/eval_smollm2.sh [more eval_long_context.py flags]
 #
 # The RoPE base must be the one the checkpoint was trained with (the tool checks it): base 1e5
 # (SmolLM2 as converted, 8K), extended runs tools/extend_context.abf_rotary_base(SEQ).
 # ATTN=dense: the exact dense striped ring (SDPA at CP=1 on GPU); ATTN=sparse: the run's
-# vertical-slash config (configs/long_context_r095.yaml) at inference as well.
+# vertical-slash config at inference as well (CONFIG=, default configs/long_context_r095.yaml: pass the
+# config the run was trained with, e.g. CONFIG=configs/long_context_r098.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -26,7 +27,7 @@ else
   ROPE=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import extend_context as e; print(e.abf_rotary_base($SEQ))")
 fi
 CFG=()
-if [ "${ATTN:-dense}" = sparse ]; then CFG=(--mtraining-config configs/long_context_r095.yaml); fi
+if [ "${ATTN:-dense}" = sparse ]; then CFG=(--mtraining-config "${CONFIG:-configs/long_context_r095.yaml}"); fi
 TAG=${WHICH}_$((SEQ / 1024))k_${ATTN:-dense}
 CURVES=()
 for m in dense mtraining; do
