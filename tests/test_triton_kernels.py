@@ -253,3 +253,53 @@ def test_sparse_ring_with_triton_kernels_and_column_phase(columns):
     ref.backward(dout)
     _check_all((out, qa.grad, ka.grad, va.grad), (ref, qr.grad, kr.grad, vr.grad), TOL[torch.float32],
                names=("out", "dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(deterministic):
+    """make_sparse_step_kernel(prebuild=True) builds each step's backward plans right after its
+    forward kernel (on a CUDA side stream on the GPU; here in place): out and dQ/dK/dV are bitwise
+    those of prebuild=False, the plans exist after the forward (negative control: not without
+    prebuild, nor under no_grad, where no backward follows) and the backward reuses them."""
+    from megatron_mtraining.ops.triton import make_sparse_step_kernel
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+    from tests.workers.vs_data import make_qkv
+
+    s, hq, hkv, d = 256, 2, 1, 64
+    q, k, v = make_qkv(1, s, hq, hkv, d, seed=7)
+    dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(8))
+    kernels, results = {}, {}
+
+    def factory_for(pre):
+        def factory(steps, scale):
+            kernels[pre] = make_sparse_step_kernel(steps, scale, deterministic=deterministic, prebuild=pre)
+            return kernels[pre]
+        return factory
+
+    def plans(pre):
+        (st,) = kernels[pre].steps
+        return plan_for(st)
+
+    for pre in (False, True):
+        qa, ka, va = (t.float().requires_grad_(True) for t in (q, k, v))
+        out = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
+                                    config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
+                                    kernel_factory=factory_for(pre))
+        plan = plans(pre)
+        assert plan.has_columns
+        uses_col_plan = deterministic or not launch.CONFIG.col_atomic_fast     # fast mode may add columns by atomics
+        assert bool(plan._kv) == pre and bool(plan._col) == (pre and uses_col_plan)
+        kv_before = dict(plan._kv)
+        out.backward(dout)
+        assert plan._pending is None and len(plan._kv) == 1
+        if pre:   # reused, not rebuilt
+            assert all(plan._kv[key] is val for key, val in kv_before.items())
+        results[pre] = (out.detach(), qa.grad, ka.grad, va.grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results[False], results[True]):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        sparse_ring_attention(*(t.float() for t in (q, k, v)), layout=Layout("striped", 1, 64), group=None,
+                              config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
+                              kernel_factory=factory_for(True))
+    assert kernels[True].expect_backward is False and not plans(True)._kv

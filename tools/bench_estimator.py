@@ -19,6 +19,11 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 * ``total_s``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` fwd+bwd
   (estimation included, as in training; the config's ``columns`` schedule — ``kernels_s`` always
   runs the columns inside the step, which at CP=1 is the same work);
+* ``backward_plans_s`` (CUDA only): building the backward's index plans of the step from scratch
+  (:func:`~megatron_mtraining.ops.triton.launch.prebuild_backward_plans`: inverted block index,
+  column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
+  only): ``total_s`` with ``PREBUILD_BACKWARD_PLANS = False``, i.e. those plans built inside the
+  backward instead of on a side stream during the forward kernel;
 * ``estimate_share`` = ``estimate_s / kernels_s`` (the issue's ratio) and
   ``estimate_s / total_s``.
 
@@ -133,8 +138,26 @@ def measure(seq: int, args) -> dict:
     t_conv = timeit(lambda: convert(pattern), args.warmup, args.repeats)
     t_ker = timeit(kernels, args.warmup, args.repeats)
     t_tot = timeit(total, args.warmup, args.repeats)
+    t_plans = t_tot_late = None
+    if dev.type == "cuda":
+        import megatron_mtraining.ops.triton as ops_triton
+        from megatron_mtraining.ops.triton.launch import plan_from_indices, prebuild_backward_plans
+
+        def plans():     # the backward's index plans of the step, from scratch (no cache)
+            st = steps[0]
+            plan = plan_from_indices(st.block_count, st.block_index, st.column_count, st.column_index, st.causal)
+            prebuild_backward_plans(plan, q.shape, k.shape, deterministic=True)
+            torch.cuda.current_stream().wait_event(plan._pending)
+
+        t_plans = timeit(plans, args.warmup, args.repeats)
+        ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them (before this change)
+        try:
+            t_tot_late = timeit(total, args.warmup, args.repeats)
+        finally:
+            ops_triton.PREBUILD_BACKWARD_PLANS = True
     return {"seq": seq, "device": str(dev), "impl": impl, "estimate_s": t_est, "scores_s": t_scores,
             "convert_s": t_conv, "kernels_s": t_ker, "total_s": t_tot,
+            "backward_plans_s": t_plans, "total_plans_in_backward_s": t_tot_late,
             "estimate_share": t_est / t_ker, "estimate_share_of_total": t_est / t_tot,
             "kept_fraction": kept_fraction(pattern),
             "mean_slash_blocks": float(pattern.slash_count.float().mean()),
@@ -221,11 +244,16 @@ def main(argv=None) -> int:
         ap.error("--device cuda but CUDA is not available (use --device cpu for a small check)")
     seqs = check_args(ap, args)
     rows = [measure(s, args) for s in seqs]
-    print(f"{'seq':>8} {'impl':>6} {'estimate ms':>12} {'scores ms':>10} {'convert ms':>11} {'kernels ms':>11} "
-          f"{'total ms':>9} {'est/kernels':>11} {'kept':>6} {'slash':>6} {'vert':>6}")
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.2f}"
+
+    print(f"{'seq':>8} {'impl':>6} {'estimate ms':>12} {'scores ms':>10} {'convert ms':>11} {'bwd plans ms':>12} "
+          f"{'kernels ms':>11} {'total ms':>9} {'total, plans in bwd':>19} {'est/kernels':>11} {'kept':>6} "
+          f"{'slash':>6} {'vert':>6}")
     for r in rows:
         print(f"{r['seq']:>8} {r['impl']:>6} {r['estimate_s'] * 1e3:>12.2f} {r['scores_s'] * 1e3:>10.2f} "
-              f"{r['convert_s'] * 1e3:>11.2f} {r['kernels_s'] * 1e3:>11.2f} {r['total_s'] * 1e3:>9.2f} "
+              f"{r['convert_s'] * 1e3:>11.2f} {ms(r['backward_plans_s']):>12} {r['kernels_s'] * 1e3:>11.2f} "
+              f"{r['total_s'] * 1e3:>9.2f} {ms(r['total_plans_in_backward_s']):>19} "
               f"{r['estimate_share']:>11.3f} {r['kept_fraction']:>6.3f} {r['mean_slash_blocks']:>6.1f} "
               f"{r['mean_vertical']:>6.0f}")
     if args.json:

@@ -65,6 +65,9 @@ class SparseStepKernel:
         self.backward_fn = backward_fn or sparse_attention_backward
         self.empty = [s.is_empty() for s in self.steps]     # no device read for convert_pattern steps (known_max)
         self.column_phase: Optional["ColumnPhase"] = None   # set by sparse_ring_attention (out_of_ring)
+        # a backward will follow the forward (set by sparse_ring_attention from the grad mode): kernels
+        # may prepare for it during the forward (the Triton kernel builds its backward plans)
+        self.expect_backward = True
 
     @property
     def computed_steps(self) -> int:
@@ -237,6 +240,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         col_steps = steps
         steps = [without_columns(st) for st in steps]
     kernel = (kernel_factory or SparseStepKernel)(steps, scale)
+    kernel.expect_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if columns == "out_of_ring":
         kernel.column_phase = ColumnPhase(col_steps, pattern, layout, rank, group,
                                           getattr(kernel, "forward_fn", sparse_attention_forward),

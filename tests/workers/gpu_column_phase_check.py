@@ -1,11 +1,14 @@
 """GPU check (device tool): the sparse ring at CP=1 with the Triton kernels, vertical columns in the
 ring vs out of the ring (ColumnPhase), bf16, against fp64 attention masked with the same estimated
-pattern; error of each compared with that of a bf16 torch reference (masked SDPA-free einsum).
+pattern; error of each compared with that of a bf16 torch reference (masked SDPA-free einsum). Also:
+the backward plans built during the forward on a side stream (the default) give bitwise the same
+out/dQ/dK/dV as plans built inside the backward (``prebuild=False``).
 
     python3 tests/workers/gpu_column_phase_check.py      # prints one line per quantity and RESULT
 """
 import json
 import sys
+from functools import partial
 
 import torch
 
@@ -28,14 +31,15 @@ def main():
     scale = d ** -0.5
     res = {}
     pat = None
-    for columns in ("in_ring", "out_of_ring"):
+    for run, columns, factory in (("in_ring", "in_ring", make_sparse_step_kernel),
+                                  ("out_of_ring", "out_of_ring", make_sparse_step_kernel),
+                                  ("in_ring_plans_in_bwd", "in_ring", partial(make_sparse_step_kernel, prebuild=False))):
         qa, ka, va = (t.cuda().bfloat16().requires_grad_(True) for t in (q, k, v))
         out, pat = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
                                          config=VerticalSlashConfig(recall=0.9), softmax_scale=scale,
-                                         return_pattern=True, kernel_factory=make_sparse_step_kernel,
-                                         columns=columns)
+                                         return_pattern=True, kernel_factory=factory, columns=columns)
         out.backward(dout.cuda().bfloat16())
-        res[columns] = [t.detach().double().cpu() for t in (out, qa.grad, ka.grad, va.grad)]
+        res[run] = [t.detach().double().cpu() for t in (out, qa.grad, ka.grad, va.grad)]
     mask = pat.dense_mask().cpu()
     refs = []
     for dt in (torch.float64, torch.bfloat16):
@@ -50,7 +54,10 @@ def main():
         good = e_in <= 2 * e_bf and e_out <= 2 * e_bf
         ok &= good
         print(f"{name}: in_ring {e_in:.2e} out_of_ring {e_out:.2e} bf16 torch ref {e_bf:.2e} {'ok' if good else 'FAIL'}")
-    print("RESULT " + json.dumps({"pass": bool(ok), "density": float(mask.float().mean())}))
+    same = all(torch.equal(a, b) for a, b in zip(res["in_ring"], res["in_ring_plans_in_bwd"]))
+    print(f"backward plans built during the forward (side stream) vs in the backward: {'bitwise equal' if same else 'DIFFER'}")
+    ok &= same
+    print("RESULT " + json.dumps({"pass": bool(ok), "density": float(mask.float().mean()), "prebuild_bitwise": same}))
 
 
 if __name__ == "__main__":

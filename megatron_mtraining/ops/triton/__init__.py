@@ -34,12 +34,13 @@ from typing import Optional, Sequence
 import torch
 
 from ...patterns.indices import StepIndices
-from .launch import CONFIG, KernelConfig, SparsePlan, dense_plan, plan_from_indices, sparse_backward, sparse_forward
+from .launch import (CONFIG, KernelConfig, SparsePlan, dense_plan, plan_from_indices, prebuild_backward_plans,
+                     sparse_backward, sparse_forward)
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
     "triton_usable", "plan_for", "SparsePlan", "KernelConfig", "CONFIG", "dense_plan", "sparse_forward",
-    "sparse_backward",
+    "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS",
 ]
 
 
@@ -192,11 +193,38 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     return out.to(q.dtype)
 
 
-def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True):
-    """A :class:`~megatron_mtraining.ring.sparse.SparseStepKernel` running these kernels."""
+PREBUILD_BACKWARD_PLANS = True   # default of make_sparse_step_kernel(prebuild=None)
+
+
+def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
+                            prebuild: Optional[bool] = None):
+    """A :class:`~megatron_mtraining.ring.sparse.SparseStepKernel` running these kernels.
+
+    ``prebuild`` (default :data:`PREBUILD_BACKWARD_PLANS`): after each step's forward kernel is
+    launched, build that step's backward index plans (:func:`~.launch.prebuild_backward_plans`, on
+    a CUDA side stream overlapping the kernel) when the kernel's ``expect_backward`` is true (set by
+    :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` from the grad mode). The results
+    are bitwise the same either way; the plans live from the forward to the backward.
+    """
     from ...ring.sparse import SparseStepKernel
+
+    prebuild = PREBUILD_BACKWARD_PLANS if prebuild is None else bool(prebuild)
 
     def bwd(dout, q, k, v, lse, delta, idx, scale):
         return sparse_attention_backward(dout, q, k, v, lse, delta, idx, scale, deterministic)
 
-    return SparseStepKernel(steps, softmax_scale, forward_fn=sparse_attention_forward, backward_fn=bwd)
+    kernel = SparseStepKernel(steps, softmax_scale, forward_fn=None, backward_fn=bwd)
+
+    def fwd(q, k, v, idx, scale):
+        early = prebuild and kernel.expect_backward and triton_usable(q)
+        ready = None
+        if early and q.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()            # the index tensors are written; the forward kernel comes next
+        out = sparse_attention_forward(q, k, v, idx, scale)
+        if early:
+            prebuild_backward_plans(plan_for(idx), q.shape, k.shape, deterministic, after=ready)
+        return out
+
+    kernel.forward_fn = fwd
+    return kernel

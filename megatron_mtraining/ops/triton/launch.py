@@ -4,7 +4,8 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
 
 * forward / dQ side (per 64-row query tile): ``block_count``, ``block_split`` (how many leading
   slots need no mask), ``block_index``, ``column_count``, ``column_index`` and the mask mode;
-* dK/dV side (built on the first backward): the *inverted* block index in CSR form
+* dK/dV side (built on the first backward, or ahead of it by :func:`prebuild_backward_plans`):
+  the *inverted* block index in CSR form
   (``kv_offsets``, ``kv_entries``: for each (batch, KV head, key block) the ascending list of
   ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block);
 * deterministic vertical-column side (built on the first deterministic backward): per query head
@@ -50,6 +51,7 @@ class SparsePlan:
     kv_plan: Optional["SparsePlan"] = None  # plan with 64-row tiles for the dK/dV kernel (if row_block != 64)
     _kv: dict = field(default_factory=dict, repr=False)
     _col: dict = field(default_factory=dict, repr=False)
+    _pending: Optional[object] = field(default=None, repr=False)  # CUDA event: backward plans built on a side stream
 
     @property
     def has_columns(self) -> bool:
@@ -213,6 +215,87 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     return res
 
 
+# ----------------------------------------------------------------------------- backward plans, ahead of time
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(idx)
+    if s is None:
+        s = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)   # high priority
+    return s
+
+
+def _plan_tensors(plan: SparsePlan):
+    return [t for t in (plan.block_count, plan.block_split, plan.block_index, plan.column_count,
+                        plan.column_index, plan.q_pos, plan.k_pos) if t is not None]
+
+
+def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: bool = True,
+                            config: Optional["KernelConfig"] = None, after=None) -> None:
+    """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
+
+    The plans (the inverted block index in CSR form, and for the deterministic mode the column
+    union and its per-tile bit masks) take about 75 small torch ops and 3-5 host syncs
+    (``nonzero``, ``bincount``, the column-union width). Built inside the backward they stall the
+    GPU on the host; built here, right after the forward kernel is launched, their host work and
+    syncs overlap that kernel. On CUDA they run on a high-priority side stream that first waits for
+    ``after`` (a ``torch.cuda.Event`` recorded on the current stream once the index tensors were
+    written and before the forward kernel was launched; ``None``: wait for all work queued so far),
+    and :func:`sparse_backward` makes its stream wait for them. Elsewhere (the Triton CPU
+    interpreter) they are built in place.
+
+    Args:
+        plan: the step's forward plan (:func:`~megatron_mtraining.ops.triton.plan_for`).
+        q_shape, k_shape: ``(b, sq, hq, d)`` and ``(b, sk, hkv, d)`` of the step's q and k/v.
+        deterministic, config: as for :func:`sparse_backward` (which plans it will read).
+    """
+    cfg = config or CONFIG
+    b, _, hq, _ = q_shape
+    sk, hkv = k_shape[1], k_shape[2]
+    kv_src = plan.kv_plan if plan.kv_plan is not None else plan
+    col_atomic = (not deterministic) and plan.has_columns and cfg.col_atomic_fast
+    need_col = plan.has_columns and not col_atomic and plan.mask_mode != 2
+
+    def build():
+        _kv_csr(kv_src, sk // BLOCK, hq, hkv)
+        if need_col:
+            _col_plan(plan, sk, b, hq)
+
+    dev = plan.block_index.device
+    if dev.type != "cuda":
+        build()
+        return
+    side = _side_stream(dev)
+    if after is not None:
+        side.wait_event(after)
+    else:
+        side.wait_stream(torch.cuda.current_stream(dev))
+    for t in _plan_tensors(plan) + (_plan_tensors(kv_src) if kv_src is not plan else []):
+        t.record_stream(side)          # read on the side stream: not reused before it is done
+    with torch.cuda.stream(side):
+        build()
+    done = torch.cuda.Event()
+    done.record(side)
+    plan._pending = done
+
+
+def _await_prebuilt(plan: SparsePlan) -> None:
+    """Make the current stream wait for plans built by :func:`prebuild_backward_plans` (no-op otherwise)."""
+    ev = plan._pending
+    if ev is None:
+        return
+    cur = torch.cuda.current_stream(plan.block_index.device)
+    cur.wait_event(ev)
+    kv_src = plan.kv_plan if plan.kv_plan is not None else plan
+    for res in list(kv_src._kv.values()) + list(plan._col.values()):
+        for t in res:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(cur)   # allocated on the side stream, used on this one
+    plan._pending = None
+
+
 # ----------------------------------------------------------------------------- helpers
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
@@ -344,6 +427,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
     if dq_atomic:
         dq.zero_()
+    _await_prebuilt(plan)
 
     # 1) dK/dV of the blocks, column-parallel over key blocks (stores every row of dk/dv)
     kv_src = plan.kv_plan if plan.kv_plan is not None else plan
