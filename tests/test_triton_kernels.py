@@ -303,33 +303,3 @@ def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(determin
                               config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
                               kernel_factory=factory_for(True))
     assert kernels[True].expect_backward is False and not plans(True)._kv
-
-
-def test_static_width_indices_give_bitwise_the_same_attention():
-    """The Triton kernels read index lists up to their counts: the static-width (-1 padded further)
-    indices of the graphed estimate give bitwise the out and dQ/dK/dV of the default widths."""
-    from megatron_mtraining.ops.triton import make_sparse_step_kernel
-    from megatron_mtraining.patterns.convert import convert_pattern
-    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
-    from megatron_mtraining.patterns.graphed import estimate_and_convert_graphed
-    from megatron_mtraining.ring import RingAttentionFunc
-    from tests.workers.vs_data import make_qkv
-
-    s, hq, hkv, d = 256, 2, 1, 64
-    q, k, v = make_qkv(1, s, hq, hkv, d, seed=9)
-    dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(10))
-    layout, cfg = Layout("striped", 1, 64), VerticalSlashConfig(recall=0.9, max_vertical=200, max_slash=4)
-    q, k, v = q.float(), k.float(), v.float()
-    _, static_steps = estimate_and_convert_graphed(q, k, layout=layout, config=cfg, softmax_scale=d ** -0.5,
-                                                   use_graph=False)
-    dyn_steps = convert_pattern(estimate_vertical_slash(q, k, layout=layout, config=cfg, softmax_scale=d ** -0.5),
-                                layout, 0)
-    assert static_steps[0].column_index.shape[-1] > dyn_steps[0].column_index.shape[-1]    # really padded
-    res = []
-    for steps in (static_steps, dyn_steps):
-        qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out = RingAttentionFunc.apply(qa, ka, va, make_sparse_step_kernel(steps, d ** -0.5), None)
-        out.backward(dout)
-        res.append((out.detach(), qa.grad, ka.grad, va.grad))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *res):
-        assert torch.equal(a, b), name

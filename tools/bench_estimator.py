@@ -24,10 +24,6 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
   column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
   only): ``total_s`` with ``PREBUILD_BACKWARD_PLANS = False``, i.e. those plans built inside the
   backward instead of on a side stream during the forward kernel;
-* ``estimate_graph_s`` / ``total_graph_s`` (CUDA only): the same two with the estimate and the
-  conversion replayed from a CUDA graph (:mod:`megatron_mtraining.patterns.graphed`, static index
-  widths; input copies and output clones included), and ``estimate_graph_share`` =
-  ``estimate_graph_s / kernels_s``;
 * ``estimate_share`` = ``estimate_s / kernels_s`` (the issue's ratio) and
   ``estimate_s / total_s``.
 
@@ -123,14 +119,14 @@ def measure(seq: int, args) -> dict:
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
         RingAttentionFunc.apply(qq, kk, vv, kernel, None).backward(dout)
 
-    def total(graph: bool = False):
+    def total():
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
         # the ring calls the estimator with its default impl: pin it to this run's for the timing
         orig = ring_sparse.estimate_vertical_slash
         ring_sparse.estimate_vertical_slash = lambda *a, **kw: orig(*a, **kw, impl=impl)
         try:
             sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
-                                  kernel_factory=factory, columns=cfg.columns, cuda_graph_estimate=graph).backward(dout)
+                                  kernel_factory=factory, columns=cfg.columns).backward(dout)
         finally:
             ring_sparse.estimate_vertical_slash = orig
 
@@ -142,16 +138,8 @@ def measure(seq: int, args) -> dict:
     t_conv = timeit(lambda: convert(pattern), args.warmup, args.repeats)
     t_ker = timeit(kernels, args.warmup, args.repeats)
     t_tot = timeit(total, args.warmup, args.repeats)
-    t_plans = t_tot_late = t_graph = t_tot_graph = None
+    t_plans = t_tot_late = None
     if dev.type == "cuda":
-        from megatron_mtraining.patterns.graphed import estimate_and_convert_graphed
-
-        def estimate_graph():      # replay of the captured estimate + conversion (static widths)
-            with torch.no_grad():
-                return estimate_and_convert_graphed(q, k, layout=layout, config=vs, softmax_scale=scale, impl=impl)
-
-        t_graph = timeit(estimate_graph, args.warmup + 1, args.repeats)      # +1: the capture
-        t_tot_graph = timeit(lambda: total(graph=True), args.warmup, args.repeats)
         import megatron_mtraining.ops.triton as ops_triton
         from megatron_mtraining.ops.triton.launch import plan_from_indices, prebuild_backward_plans
 
@@ -170,8 +158,6 @@ def measure(seq: int, args) -> dict:
     return {"seq": seq, "device": str(dev), "impl": impl, "estimate_s": t_est, "scores_s": t_scores,
             "convert_s": t_conv, "kernels_s": t_ker, "total_s": t_tot,
             "backward_plans_s": t_plans, "total_plans_in_backward_s": t_tot_late,
-            "estimate_graph_s": t_graph, "total_graph_s": t_tot_graph,
-            "estimate_graph_share": None if t_graph is None else t_graph / t_ker,
             "estimate_share": t_est / t_ker, "estimate_share_of_total": t_est / t_tot,
             "kept_fraction": kept_fraction(pattern),
             "mean_slash_blocks": float(pattern.slash_count.float().mean()),
@@ -262,15 +248,13 @@ def main(argv=None) -> int:
         return "-" if x is None else f"{x * 1e3:.2f}"
 
     print(f"{'seq':>8} {'impl':>6} {'estimate ms':>12} {'scores ms':>10} {'convert ms':>11} {'bwd plans ms':>12} "
-          f"{'kernels ms':>11} {'total ms':>9} {'total, plans in bwd':>19} {'est/kernels':>11} "
-          f"{'graph est ms':>12} {'graph total ms':>14} {'graph est/kernels':>17} {'kept':>6} {'slash':>6} {'vert':>6}")
+          f"{'kernels ms':>11} {'total ms':>9} {'total, plans in bwd':>19} {'est/kernels':>11} {'kept':>6} "
+          f"{'slash':>6} {'vert':>6}")
     for r in rows:
         print(f"{r['seq']:>8} {r['impl']:>6} {r['estimate_s'] * 1e3:>12.2f} {r['scores_s'] * 1e3:>10.2f} "
               f"{r['convert_s'] * 1e3:>11.2f} {ms(r['backward_plans_s']):>12} {r['kernels_s'] * 1e3:>11.2f} "
               f"{r['total_s'] * 1e3:>9.2f} {ms(r['total_plans_in_backward_s']):>19} "
-              f"{r['estimate_share']:>11.3f} {ms(r['estimate_graph_s']):>12} {ms(r['total_graph_s']):>14} "
-              f"{'-' if r['estimate_graph_share'] is None else format(r['estimate_graph_share'], '.3f'):>17} "
-              f"{r['kept_fraction']:>6.3f} {r['mean_slash_blocks']:>6.1f} "
+              f"{r['estimate_share']:>11.3f} {r['kept_fraction']:>6.3f} {r['mean_slash_blocks']:>6.1f} "
               f"{r['mean_vertical']:>6.0f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -101,14 +101,11 @@ def _maxima(counts) -> list:
     return out
 
 
-def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners,
-             static_widths: bool = False) -> List[StepIndices]:
+def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners) -> List[StepIndices]:
     """:class:`StepIndices` of ``rank``'s queries against each owner in ``owners`` (layout checked).
 
     The indices of the module docstring, built with few device ops and host syncs: one sync for all
-    widths of all owners (plus one at cp > 1, for the per-owner column lists); none with
-    ``static_widths``, where the widths are the pattern's (a query block lists at most every
-    selected offset and every selected column) and ``known_max`` is left unset.
+    widths of all owners (plus one at cp > 1, for the per-owner column lists).
 
     * Blocks: the selected offsets ``d`` (from the slash mask: unique, descending, padded with a huge
       value) give the key blocks ``QB_i - d`` of every query block in ascending order; those ``>= 0``
@@ -144,8 +141,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners,
     else:
         o_rank, _ = layout.global_to_local(vert.clamp(min=0), S)
         pre = {o: _prefix((vert >= 0) & (o_rank == o)) for o in owners}
-        widths = ([vert.shape[-1]] * len(owners) if static_widths
-                  else _maxima([pre[o][1] for o in owners]))            # host sync (cp > 1 only)
+        widths = _maxima([pre[o][1] for o in owners])                   # host sync (cp > 1 only)
         own_cols = {o: _pick(pre[o][0], vert, -1, max(1, w)) for o, w in zip(owners, widths)}
 
     pending = []
@@ -179,10 +175,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners,
         c_cs, c_cnt = _prefix(kept)
         pending.append((o, table, b_cs, b_cnt, c_cs, c_cnt, loc))
 
-    if static_widths:
-        maxima = [w for p in pending for w in (ns, p[4].shape[-1])]
-    else:
-        maxima = _maxima([x for p in pending for x in (p[3], p[5])])   # the host sync
+    maxima = _maxima([x for p in pending for x in (p[3], p[5])])       # the host sync
     steps = []
     for j, (o, table, b_cs, b_cnt, c_cs, c_cnt, loc) in enumerate(pending):
         mb, mc = maxima[2 * j], maxima[2 * j + 1]
@@ -191,8 +184,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners,
         steps.append(StepIndices(
             block_count=b_cnt, block_index=kb, column_count=c_cnt,
             column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
-            causal=(o == rank), block_size=bs,
-            known_max=None if static_widths else KnownMax.of(b_cnt, c_cnt, mb, mc)))
+            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc)))
     return steps
 
 
@@ -202,18 +194,14 @@ def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner
     return _convert(pattern, layout, rank, [owner])[0]
 
 
-def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int,
-                    static_widths: bool = False) -> List[StepIndices]:
+def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) -> List[StepIndices]:
     """Per-owner :class:`StepIndices` of ``rank``: element ``o`` is the step against owner ``o``'s K/V.
-
-    ``static_widths``: index widths from the pattern's shapes, not the data (no host sync; the
-    same lists, padded further with -1; for CUDA graphs, :mod:`megatron_mtraining.patterns.graphed`).
 
     Raises:
         ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`).
     """
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
-    return _convert(pattern, layout, rank, list(range(layout.cp_size)), static_widths)
+    return _convert(pattern, layout, rank, list(range(layout.cp_size)))
 
 
 def without_columns(idx: StepIndices) -> StepIndices:

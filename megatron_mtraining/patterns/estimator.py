@@ -369,14 +369,13 @@ def _all_gather_candidates(score: torch.Tensor, pos: torch.Tensor, group, cp: in
 
 
 def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout: Layout, rank: int, S: int, L: int,
-            config: VerticalSlashConfig, gather=None, static_widths: bool = False) -> VerticalSlashPattern:
+            config: VerticalSlashConfig, gather=None) -> VerticalSlashPattern:
     """Budgets and selection (step 4/5 of the module docstring) from the scores: ``slash [b, hq, S/bs]``
     fp64 (all-reduced), this rank's ``col [b, hq, S_local]`` at ``k_pos`` (fp64, or fp32 values that
     the fp64 path would hold exactly: the fused path with one probe query block).
 
     ``gather`` (cp > 1): ``(score, pos) -> (score, pos)`` concatenated over the CP group in rank order
-    (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths), none
-    with ``static_widths`` (widths = the caps ``min(max_slash, S/bs)``, ``min(max_vertical, #candidates)``)."""
+    (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths)."""
     nb, sl = slash.shape[-1], col.shape[-1]
     target = float(config.recall) * L
     take_all = float(config.recall) >= 1.0
@@ -395,10 +394,7 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
         v_score, v_pos = _merge_candidates(*gather(v_score, v_pos), config.sink_tokens)
     v_cnt, v_cov = _budget(v_score, min(config.sink_tokens, S), config.max_vertical, target, take_all)
 
-    if static_widths:      # the counts never exceed the caps (_budget): no device read
-        ws, wv = max(1, min(nb, config.max_slash)), max(1, min(v_pos.shape[-1], config.max_vertical))
-    else:
-        ws, wv = _widths((s_cnt, nb), (v_cnt, v_pos.shape[-1]))          # the one host sync
+    ws, wv = _widths((s_cnt, nb), (v_cnt, v_pos.shape[-1]))              # the one host sync
     s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
@@ -545,8 +541,7 @@ def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, grou
 @torch.no_grad()
 def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
                             config: VerticalSlashConfig = VerticalSlashConfig(),
-                            softmax_scale: Optional[float] = None, impl: str = "auto",
-                            static_widths: bool = False) -> VerticalSlashPattern:
+                            softmax_scale: Optional[float] = None, impl: str = "auto") -> VerticalSlashPattern:
     """Estimate the global vertical-slash pattern of this forward pass (identical on every rank).
 
     Args:
@@ -563,10 +558,6 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             (fp32 scores from bf16/fp16/fp32 inputs; CUDA, or CPU under ``TRITON_INTERPRET=1``);
             ``"auto"`` (default): ``"triton"`` for CUDA bf16/fp16/fp32 inputs when Triton imports,
             else ``"torch"``. The selection is always fp64 torch.
-        static_widths: pad ``slash`` / ``vertical`` to the caps (``min(max_slash, S/bs)``,
-            ``min(max_vertical, S)`` columns at cp 1) instead of the largest count: the same
-            selection, no host sync (what a CUDA graph of the estimate needs,
-            :mod:`megatron_mtraining.patterns.graphed`).
 
     Returns:
         :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
@@ -594,25 +585,13 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
     if L > S:
         raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
     fused = resolve_impl(impl, q, k) == "triton"
+    nb = S // bs
     dev = q.device
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
+    f64 = torch.float64
 
     k_pos = layout.positions(rank, S, device=dev)                       # ascending
     probe = _gather_probe_queries(q, layout, group, rank, cp, S, L)      # [b, L, hq, d]
-    return _estimate_from_probe(probe, k, k_pos, layout=layout, group=group, rank=rank, cp=cp, S=S,
-                                config=config, scale=scale, fused=fused, static_widths=static_widths)
-
-
-def _estimate_from_probe(probe: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, *, layout: Layout, group,
-                         rank: int, cp: int, S: int, config: VerticalSlashConfig, scale: float, fused: bool,
-                         static_widths: bool) -> VerticalSlashPattern:
-    """Scores and selection of :func:`estimate_vertical_slash` from the gathered probe queries
-    ``[b, last_q, hq, d]`` (checked arguments; ``fused``: the Triton score kernels)."""
-    b, hq = probe.shape[0], probe.shape[2]
-    bs, L = config.block_size, config.last_q
-    nb = S // bs
-    dev = probe.device
-    f64 = torch.float64
     # probe rows of global query block u are the contiguous range [max(0, u*bs - (S-L)), (u+1)*bs - (S-L))
     q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
                 for u in range((S - L) // bs, nb)]
@@ -640,4 +619,4 @@ def _estimate_from_probe(probe: torch.Tensor, k: torch.Tensor, k_pos: torch.Tens
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp)
 
     gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
-    return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths)
+    return _select(slash, col, k_pos, layout, rank, S, L, config, gather)

@@ -191,8 +191,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
                           return_pattern: bool = False, kernel_factory: Optional[Callable] = None,
-                          hierarchical_groups: Optional[tuple] = None, columns: str = "in_ring",
-                          cuda_graph_estimate: bool = False):
+                          hierarchical_groups: Optional[tuple] = None, columns: str = "in_ring"):
     """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
 
     Args:
@@ -215,9 +214,6 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         columns: ``"in_ring"`` (each ring step computes the columns its owner holds) or
             ``"out_of_ring"`` (:class:`ColumnPhase`: columns gathered once and computed outside the
             ring, which balances the steps; needs ``config.local_blocks >= 1``).
-        cuda_graph_estimate: experimental: at CP=1 on CUDA, estimate and convert the pattern by
-            replaying a cached CUDA graph (:mod:`megatron_mtraining.patterns.graphed`: the same
-            selection, index lists padded to static widths); ignored elsewhere.
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
@@ -234,15 +230,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                            columns=COLUMN_SCHEDULES.index(columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if cuda_graph_estimate and cp == 1 and q.is_cuda:
-        from ..patterns.graphed import estimate_and_convert_graphed
-
-        pattern, steps = estimate_and_convert_graphed(q.detach(), k.detach(), layout=layout, config=config,
-                                                      softmax_scale=scale)
-    else:
-        pattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group, config=config,
-                                          softmax_scale=scale)
-        steps = convert_pattern(pattern, layout, group_rank(group))
+    pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
+                                                            config=config, softmax_scale=scale)
+    steps = convert_pattern(pattern, layout, group_rank(group))
     if kernel_factory is None and q.is_cuda:
         from ..ops.triton import make_sparse_step_kernel as kernel_factory   # Triton kernels on the GPU
     rank = group_rank(group)
