@@ -101,7 +101,30 @@ def _maxima(counts) -> list:
     return out
 
 
-def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners) -> List[StepIndices]:
+_IMPLS = ("auto", "torch", "triton")
+
+
+def _use_triton(impl: str, t: torch.Tensor, cp: int) -> bool:
+    """Whether :func:`convert_pattern` runs the Triton kernel (:mod:`megatron_mtraining.ops.triton.convert`):
+    ``"auto"`` on CUDA at cp 1; ``"triton"`` at cp 1 where Triton runs (CUDA, or the CPU under
+    ``TRITON_INTERPRET=1``); ``"torch"`` never."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return False
+    from ..ops.triton import triton_runs_on
+
+    if impl == "triton":
+        if cp != 1:
+            raise ValueError(f"impl='triton': the conversion kernel supports cp 1 only, got cp {cp}")
+        if not triton_runs_on(t.device):
+            raise ValueError(f"impl='triton' cannot run on {t.device}: it needs Triton and a CUDA tensor, or a CPU "
+                             "tensor with TRITON_INTERPRET=1 set before triton is imported")
+        return True
+    return cp == 1 and t.is_cuda and triton_runs_on(t.device)
+
+
+def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, impl: str = "torch") -> List[StepIndices]:
     """:class:`StepIndices` of ``rank``'s queries against each owner in ``owners`` (layout checked).
 
     The indices of the module docstring, built with few device ops and host syncs: one sync for all
@@ -131,6 +154,14 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners) -
     # offset nb - 1 - j); ns slots always suffice (every selected offset is an entry of pattern.slash)
     rc = torch.cumsum(smask.flip(-1), -1, dtype=i32)
     d_desc = _pick(rc, torch.arange(nb - 1, -1, -1, dtype=i32, device=dev), big, ns)[:, :, None, :]
+    if _use_triton(impl, d_desc, cp):      # cp 1: one owner, the rank itself; the same lists in one launch
+        from ..ops.triton.convert import convert_rows
+
+        b_cnt, b_idx, c_cnt, c_idx = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs)
+        mb, mc = _maxima([b_cnt, c_cnt])                                # the host sync
+        return [StepIndices(block_count=b_cnt, block_index=b_idx[..., :max(1, mb)].contiguous(), column_count=c_cnt,
+                            column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
+                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc)) for _ in owners]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
 
@@ -194,14 +225,19 @@ def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner
     return _convert(pattern, layout, rank, [owner])[0]
 
 
-def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int) -> List[StepIndices]:
+def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int, impl: str = "auto") -> List[StepIndices]:
     """Per-owner :class:`StepIndices` of ``rank``: element ``o`` is the step against owner ``o``'s K/V.
 
+    ``impl``: ``"torch"`` (the reference, any device and cp), ``"triton"`` (one kernel launch,
+    :mod:`megatron_mtraining.ops.triton.convert`; cp 1 only; bitwise the same tensors) or ``"auto"``
+    (default: the kernel on CUDA at cp 1, else torch).
+
     Raises:
-        ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`).
+        ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`); an unknown
+            ``impl``, or ``impl="triton"`` at cp > 1 or where Triton cannot run.
     """
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
-    return _convert(pattern, layout, rank, list(range(layout.cp_size)))
+    return _convert(pattern, layout, rank, list(range(layout.cp_size)), impl)
 
 
 def without_columns(idx: StepIndices) -> StepIndices:

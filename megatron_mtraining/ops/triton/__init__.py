@@ -39,7 +39,8 @@ from .launch import (CONFIG, KernelConfig, SparsePlan, dense_plan, plan_from_ind
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
-    "triton_usable", "plan_for", "SparsePlan", "KernelConfig", "CONFIG", "dense_plan", "sparse_forward",
+    "triton_usable", "triton_runs_on", "plan_for", "SparsePlan", "KernelConfig", "CONFIG", "dense_plan",
+    "sparse_forward",
     "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS",
 ]
 
@@ -55,13 +56,18 @@ def _triton_importable() -> bool:
 _HAS_TRITON = _triton_importable()
 
 
-def triton_usable(t: torch.Tensor) -> bool:
-    """True when the Triton kernels can run on ``t``'s device and dtype."""
-    if not _HAS_TRITON or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+def triton_runs_on(device: torch.device) -> bool:
+    """True when Triton kernels can run on ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
+    if not _HAS_TRITON:
         return False
-    if t.is_cuda:
+    if device.type == "cuda":
         return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """True when the attention kernels can run on ``t``'s device and dtype."""
+    return t.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_runs_on(t.device)
 
 
 _PLAN_CACHE: "dict[int, tuple]" = {}

@@ -1,0 +1,108 @@
+"""Triton index conversion of a vertical-slash pattern at CP=1 (MTraining §3.3): the per-query-block
+block and column lists of :func:`megatron_mtraining.patterns.convert.convert_pattern`, bitwise the
+torch path's, in one kernel launch.
+
+The torch path builds ``[b, hq, nqb, width]`` masks, int32 cumsums and a binary search per output slot
+(three ``searchsorted`` at 128K tokens: about 1 ms on an H200, docs/benchmarks.md). Here one program
+owns one (sample·head, query block) row: it streams the row's candidates in chunks of ``CHUNK``,
+compacts the kept ones with an in-register prefix sum and writes them at their final slots; slots past
+the row's count get -1. Per row ``i`` (query block ``i``, keys in local = global order at CP=1):
+
+* blocks: the selected block-diagonal offsets ``d`` (unique, descending, padded with a value > any
+  block) with ``d <= i``, in that order, as key blocks ``i - d`` (ascending);
+* columns: the pattern's vertical positions ``t`` (in the pattern's order; -1 = padding) with
+  ``t // bs <= i`` whose block ``t // bs`` is not active for ``i`` (offset ``i - t // bs`` not selected).
+
+Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["convert_rows", "CHUNK"]
+
+CHUNK = 1024        # candidates per step of a program's loop (one tl.cumsum)
+
+
+@triton.jit
+def _convert_rows_kernel(
+    DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx,
+    NS, NV, NQB, BS,
+    s_dr, s_vr, s_mr,
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0)                 # query block = local row
+    r = tl.program_id(1)                 # sample * hq + head
+    offs = tl.arange(0, CHUNK)
+    out_row = (r * NQB + i).to(tl.int64)
+    # --- blocks: offsets d <= i, order kept (descending d = ascending key block)
+    base = i * 0
+    for c0 in range(0, NS, CHUNK):
+        idx = c0 + offs
+        d = tl.load(DDesc + r * s_dr + idx, mask=idx < NS, other=2147483647)
+        ok = (d <= i) & (idx < NS)
+        ok32 = ok.to(tl.int32)
+        pos = base + tl.cumsum(ok32, 0) - 1
+        tl.store(BIdx + out_row * NS + pos, (i - d).to(tl.int32), mask=ok)
+        base += tl.sum(ok32, 0)
+    tl.store(BCnt + out_row, base)
+    for c0 in range(0, NS, CHUNK):
+        idx = c0 + offs
+        tl.store(BIdx + out_row * NS + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < NS))
+    # --- columns: visible (t // bs <= i) and not in an active block, in the pattern's order
+    base = i * 0
+    for c0 in range(0, NV, CHUNK):
+        idx = c0 + offs
+        t = tl.load(Vert + r * s_vr + idx, mask=idx < NV, other=-1)
+        valid = t >= 0
+        tb = tl.where(valid, t // BS, 0)
+        vis = valid & (tb <= i)
+        act = tl.load(SMask + r * s_mr + (i - tb), mask=vis, other=0)
+        keep = vis & (act == 0)
+        keep32 = keep.to(tl.int32)
+        pos = base + tl.cumsum(keep32, 0) - 1
+        tl.store(CIdx + out_row * NV + pos, t.to(tl.int32), mask=keep)
+        base += tl.sum(keep32, 0)
+    tl.store(CCnt + out_row, base)
+    for c0 in range(0, NV, CHUNK):
+        idx = c0 + offs
+        tl.store(CIdx + out_row * NV + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < NV))
+
+
+def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int):
+    """Block and column lists of every (sample, head, query block) row at CP=1.
+
+    Args:
+        d_desc: ``[b, hq, ns]`` int32, the selected offsets unique and descending, padded with a value
+            larger than any block index.
+        vertical: ``[b, hq, nv]`` int64 (or int32) column positions, -1 = padding.
+        slash_mask: ``[b, hq, nb]`` bool, offset ``d`` selected.
+        nqb: query blocks (= key blocks = ``S / block_size``); block_size: tokens per block.
+
+    Returns:
+        ``(block_count [b, hq, nqb] int32, block_index [b, hq, nqb, ns] int32, column_count [b, hq, nqb]
+        int32, column_index [b, hq, nqb, nv] int32)``; index slots past the count hold -1 (the caller
+        trims the widths to the largest count).
+    """
+    b, hq, ns = d_desc.shape
+    nv = vertical.shape[-1]
+    dev = d_desc.device
+    dd = d_desc.reshape(b * hq, ns).contiguous()
+    vt = vertical.reshape(b * hq, nv).contiguous()
+    sm = slash_mask.reshape(b * hq, slash_mask.shape[-1]).to(torch.int8).contiguous()
+    bcnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
+    ccnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
+    bidx = torch.empty((b, hq, nqb, ns), dtype=torch.int32, device=dev)
+    cidx = torch.empty((b, hq, nqb, nv), dtype=torch.int32, device=dev)
+    if b * hq * nqb == 0:
+        return bcnt, bidx, ccnt, cidx
+    _convert_rows_kernel[(nqb, b * hq)](
+        dd, vt, sm, bcnt, bidx, ccnt, cidx,
+        ns, nv, nqb, block_size,
+        dd.stride(0), vt.stride(0), sm.stride(0),
+        CHUNK=CHUNK, num_warps=4,
+    )
+    return bcnt, bidx, ccnt, cidx

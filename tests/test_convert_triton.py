@@ -1,0 +1,119 @@
+"""Triton index conversion (ops/triton/convert.py), run by the Triton CPU interpreter: at cp 1,
+``convert_pattern(impl="triton")`` returns bitwise the tensors of the torch reference
+(``impl="torch"``, itself checked against a frozen copy of the original code in
+tests/test_selection_equivalence.py) and the same recorded maxima, on the randomized patterns of
+that file (canonical, and unsorted / duplicated / extra-padded ones), on estimated patterns, and on
+rows longer than one kernel chunk; bad ``impl`` values raise; a corrupted kernel output is caught
+(negative control).
+
+The interpreter must be chosen before triton is imported (same mechanism as
+test_triton_kernels.py): if another test module imported triton earlier in this pytest process,
+the tests re-run this file in a fresh subprocess instead.
+"""
+
+import importlib
+import os
+import random
+import sys
+
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from megatron_mtraining.layout import Layout  # noqa: E402
+from megatron_mtraining.patterns.convert import convert_pattern  # noqa: E402
+from megatron_mtraining.patterns.estimator import (  # noqa: E402
+    VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash,
+)
+from tests.test_selection_equivalence import assert_same_steps, random_pattern, tie_heavy_qkv  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_kernels(request):
+    if _TRITON_PREIMPORTED and request.node.name != "test_all_in_fresh_interpreter":
+        pytest.skip("triton was imported before the interpreter was enabled: run in a subprocess")
+    mod = sys.modules.get("megatron_mtraining.ops.triton.convert")
+    if mod is not None and not type(mod._convert_rows_kernel).__name__.startswith("Interpreted"):
+        importlib.reload(mod)
+    yield
+
+
+@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="the tests below run in this process")
+def test_all_in_fresh_interpreter():
+    rerun_in_fresh_interpreter(__file__)
+
+
+def assert_same_with_maxima(new, ref, ctx):
+    assert_same_steps(new, ref, ctx)
+    for a, b in zip(new, ref):
+        assert a.known_max is not None and a.known_max.valid_for(a.block_count, a.column_count), ctx
+        assert (a.known_max.block, a.known_max.column) == (b.known_max.block, b.known_max.column), ctx
+        assert a.is_empty() == b.is_empty(), ctx
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_triton_conversion_matches_torch_on_random_patterns(seed):
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    bs = rng.choice([16, 64])
+    g = bs * rng.choice([1, 2])
+    kind = rng.choice(["striped", "zigzag", "contiguous"])
+    layout = Layout(kind, 1, g)
+    unit = {"striped": g, "zigzag": 2 * bs, "contiguous": bs}[kind]
+    S = unit * rng.choice([1, 2, 3, 8])
+    b, hq = rng.choice([1, 2]), rng.choice([1, 3])
+    for canonical in (True, False):
+        pat = random_pattern(gen, rng, b, hq, S, bs, canonical)
+        assert_same_with_maxima(convert_pattern(pat, layout, 0, impl="triton"),
+                                convert_pattern(pat, layout, 0, impl="torch"), (seed, canonical))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_conversion_matches_torch_on_estimated_patterns(seed):
+    gen, rng = torch.Generator().manual_seed(100 + seed), random.Random(100 + seed)
+    S, bs = 512, 32
+    q, k = tie_heavy_qkv(gen, rng, 2, S, 4, 2, 16)
+    cfg = VerticalSlashConfig(recall=rng.choice([0.5, 0.9, 1.0]), last_q=48, block_size=bs, sink_tokens=rng.choice([0, 8]),
+                              local_blocks=rng.choice([1, 2]), max_vertical=rng.choice([16, 200, 600]),
+                              max_slash=rng.choice([2, 5, 16]))
+    layout = Layout("striped", 1, 64)
+    pat = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="torch")
+    assert_same_with_maxima(convert_pattern(pat, layout, 0, impl="triton"),
+                            convert_pattern(pat, layout, 0, impl="torch"), (seed, cfg))
+
+
+def test_triton_conversion_rows_longer_than_a_chunk():
+    """Candidate lists over several kernel chunks (the running offset between chunks)."""
+    from megatron_mtraining.ops.triton.convert import CHUNK
+
+    gen, rng = torch.Generator().manual_seed(7), random.Random(7)
+    S, bs = 2 * CHUNK + 3 * 16, 16
+    nb = S // bs
+    slash = [[sorted(rng.sample(range(nb), nb // 2)) for _ in range(2)]]
+    vert = [[sorted(rng.sample(range(S), CHUNK + CHUNK // 2)), sorted(rng.sample(range(S), 2 * CHUNK + 5))]]
+    pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)
+    layout = Layout("striped", 1, bs)
+    new, ref = convert_pattern(pat, layout, 0, impl="triton"), convert_pattern(pat, layout, 0, impl="torch")
+    assert ref[0].column_index.shape[-1] > CHUNK
+    assert_same_with_maxima(new, ref, "long rows")
+    # negative control: one corrupted column entry is caught
+    bad = new[0].column_index.clone()
+    bad[0, 0, -1, 0] += 1
+    with pytest.raises(AssertionError):
+        assert torch.equal(bad, ref[0].column_index)
+
+
+def test_impl_errors():
+    pat = VerticalSlashPattern.from_lists(128, 16, [[[0, 1]]], [[[3, 40]]])
+    with pytest.raises(ValueError, match="impl must be one of"):
+        convert_pattern(pat, Layout("striped", 1, 16), 0, impl="cuda")
+    with pytest.raises(ValueError, match="cp 1 only"):
+        convert_pattern(pat, Layout("striped", 2, 16), 0, impl="triton")
+    # auto on the CPU: the torch path (same result)
+    assert_same_steps(convert_pattern(pat, Layout("striped", 1, 16), 0),
+                      convert_pattern(pat, Layout("striped", 1, 16), 0, impl="torch"), "auto")
