@@ -11,7 +11,6 @@ test_triton_kernels.py): if another test module imported triton earlier in this 
 the tests re-run this file in a fresh subprocess instead.
 """
 
-import importlib
 import os
 import random
 import sys
@@ -22,7 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from tests.helpers.triton_interp import rerun_in_fresh_interpreter
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter, use_interpreted_kernels
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -36,11 +35,7 @@ from tests.test_selection_equivalence import assert_same_steps, random_pattern, 
 
 @pytest.fixture(autouse=True)
 def _interpreted_kernels(request):
-    if _TRITON_PREIMPORTED and request.node.name != "test_all_in_fresh_interpreter":
-        pytest.skip("triton was imported before the interpreter was enabled: run in a subprocess")
-    mod = sys.modules.get("megatron_mtraining.ops.triton.convert")
-    if mod is not None and not type(mod._convert_rows_kernel).__name__.startswith("Interpreted"):
-        importlib.reload(mod)
+    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.ops.triton.convert", "_convert_rows_kernel")
     yield
 
 
@@ -91,7 +86,7 @@ def test_triton_conversion_rows_longer_than_a_chunk():
     """Candidate lists over several kernel chunks (the running offset between chunks)."""
     from megatron_mtraining.ops.triton.convert import CHUNK
 
-    gen, rng = torch.Generator().manual_seed(7), random.Random(7)
+    rng = random.Random(7)
     S, bs = 2 * CHUNK + 3 * 16, 16
     nb = S // bs
     slash = [[sorted(rng.sample(range(nb), nb // 2)) for _ in range(2)]]

@@ -16,7 +16,6 @@ test_triton_kernels.py): if another test module imported triton earlier in this 
 the tests re-run this file in a fresh subprocess instead.
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from tests.helpers.triton_interp import rerun_in_fresh_interpreter
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter, use_interpreted_kernels
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -43,12 +42,8 @@ TOL = 1e-5          # relative, fp32 accumulation (fp32 and fp16 inputs)
 
 @pytest.fixture(autouse=True)
 def _interpreted_kernels(request):
-    if _TRITON_PREIMPORTED and request.node.name != "test_all_in_fresh_interpreter":
-        pytest.skip("triton was imported before the interpreter was enabled: run in a subprocess")
-    mod = sys.modules.get("megatron_mtraining.ops.triton.estimator")
-    if mod is not None and not type(mod._probe_stats_kernel).__name__.startswith("Interpreted"):
-        importlib.reload(sys.modules["megatron_mtraining.ops.triton.kernels"])  # its _dot is used here
-        importlib.reload(mod)
+    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.ops.triton.estimator", "_probe_stats_kernel",
+                            also=("megatron_mtraining.ops.triton.kernels",))   # its _dot is used here
     yield
 
 

@@ -14,7 +14,6 @@ test module imported triton earlier in this pytest process, these tests re-run t
 subprocess instead (one test, same checks).
 """
 
-import importlib
 import os
 import sys
 
@@ -24,7 +23,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from tests.helpers.triton_interp import rerun_in_fresh_interpreter
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter, use_interpreted_kernels
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -41,11 +40,7 @@ from tests.workers.gpu_common import dense_mask_rows, oracle, random_step_indice
 
 @pytest.fixture(autouse=True)
 def _interpreted_kernels(request):
-    if _TRITON_PREIMPORTED and request.node.name != "test_all_in_fresh_interpreter":
-        pytest.skip("triton was imported before the interpreter was enabled: run in a subprocess")
-    mod = sys.modules.get("megatron_mtraining.ops.triton.kernels")
-    if mod is not None and not type(mod._sparse_fwd_kernel).__name__.startswith("Interpreted"):
-        importlib.reload(mod)
+    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.ops.triton.kernels", "_sparse_fwd_kernel")
     yield
 
 

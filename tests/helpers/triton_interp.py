@@ -1,9 +1,27 @@
-"""Shared by the Triton interpreter test modules (test_triton_kernels.py, test_estimator_triton.py)."""
+"""Shared by the Triton interpreter test modules (test_triton_kernels.py, test_estimator_triton.py,
+test_convert_triton.py)."""
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+
+import pytest
+
+
+def use_interpreted_kernels(request, preimported: bool, module: str, kernel: str, also=()) -> None:
+    """Autouse-fixture body: skip when triton was imported compiled before this module set
+    ``TRITON_INTERPRET=1`` (``preimported``; the module's ``test_all_in_fresh_interpreter`` runs it in
+    a subprocess instead); else reload ``module`` (and first the modules ``also``) if its ``kernel``
+    was decorated in compiled mode."""
+    if preimported and request.node.name != "test_all_in_fresh_interpreter":
+        pytest.skip("triton was imported before the interpreter was enabled: run in a subprocess")
+    mod = sys.modules.get(module)
+    if mod is not None and not type(getattr(mod, kernel)).__name__.startswith("Interpreted"):
+        for name in also:
+            importlib.reload(sys.modules[name])
+        importlib.reload(mod)
 
 
 def rerun_in_fresh_interpreter(test_file: str, timeout: float = 900) -> None:
