@@ -3,14 +3,15 @@
 (``impl="torch"``, itself checked against a frozen copy of the original code in
 tests/test_selection_equivalence.py) and the same recorded maxima, on the randomized patterns of
 that file (canonical, and unsorted / duplicated / extra-padded ones), on estimated patterns, and on
-rows longer than one kernel chunk; bad ``impl`` values raise; a corrupted kernel output is caught
-(negative control).
+rows longer than one kernel chunk, on zero-width lists; ``auto`` stays on torch on the CPU; bad
+``impl`` values raise; a corrupted kernel output is caught (negative control).
 
 The interpreter must be chosen before triton is imported (same mechanism as
 test_triton_kernels.py): if another test module imported triton earlier in this pytest process,
 the tests re-run this file in a fresh subprocess instead.
 """
 
+import dataclasses
 import os
 import random
 import sys
@@ -83,24 +84,47 @@ def test_triton_conversion_matches_torch_on_estimated_patterns(seed):
 
 
 def test_triton_conversion_rows_longer_than_a_chunk():
-    """Candidate lists over several kernel chunks (the running offset between chunks)."""
+    """Offset and column lists over several kernel chunks (the running offset between chunks), b=2, hq=2;
+    negative control: one corrupted column entry fails the comparison."""
     from megatron_mtraining.ops.triton.convert import CHUNK
 
     rng = random.Random(7)
-    S, bs = 2 * CHUNK + 3 * 16, 16
-    nb = S // bs
-    slash = [[sorted(rng.sample(range(nb), nb // 2)) for _ in range(2)]]
-    vert = [[sorted(rng.sample(range(S), CHUNK + CHUNK // 2)), sorted(rng.sample(range(S), 2 * CHUNK + 5))]]
+    bs = 16
+    nb = CHUNK + 80
+    S = nb * bs
+    # head 0: more offsets than a chunk; head 1: few offsets, so that most of its columns are kept
+    slash = [[sorted(rng.sample(range(nb), CHUNK + 20)), sorted(rng.sample(range(nb), 40))] for _ in range(2)]
+    vert = [[sorted(rng.sample(range(S), CHUNK + CHUNK // 2)), sorted(rng.sample(range(S), 2 * CHUNK + 5))]
+            for _ in range(2)]
     pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)
     layout = Layout("striped", 1, bs)
     new, ref = convert_pattern(pat, layout, 0, impl="triton"), convert_pattern(pat, layout, 0, impl="torch")
-    assert ref[0].column_index.shape[-1] > CHUNK
+    assert ref[0].block_index.shape[-1] > CHUNK and ref[0].column_index.shape[-1] > CHUNK
     assert_same_with_maxima(new, ref, "long rows")
-    # negative control: one corrupted column entry is caught
     bad = new[0].column_index.clone()
     bad[0, 0, -1, 0] += 1
+    corrupted = [dataclasses.replace(new[0], column_index=bad)]
     with pytest.raises(AssertionError):
-        assert torch.equal(bad, ref[0].column_index)
+        assert_same_steps(corrupted, ref, "corrupted")
+
+
+@pytest.mark.parametrize("empty", ["slash", "vertical", "both"])
+def test_triton_conversion_zero_width_lists(empty):
+    """Hand-built patterns with zero-width slash and/or vertical lists: width-1 (-1) index lists, as the
+    torch path."""
+    S, bs, b, hq = 256, 16, 1, 2
+    nb = S // bs
+    slash = torch.tensor([[[0, 3], [1, -1]]])
+    vert = torch.tensor([[[5, 100], [-1, -1]]])
+    if empty in ("slash", "both"):
+        slash = torch.zeros(b, hq, 0, dtype=torch.long)
+    if empty in ("vertical", "both"):
+        vert = torch.zeros(b, hq, 0, dtype=torch.long)
+    cnt = lambda x: (x >= 0).sum(-1)  # noqa: E731
+    pat = VerticalSlashPattern(S, bs, slash, cnt(slash), vert, cnt(vert))
+    assert nb == 16
+    assert_same_with_maxima(convert_pattern(pat, Layout("striped", 1, bs), 0, impl="triton"),
+                            convert_pattern(pat, Layout("striped", 1, bs), 0, impl="torch"), empty)
 
 
 def test_impl_errors():
@@ -109,6 +133,16 @@ def test_impl_errors():
         convert_pattern(pat, Layout("striped", 1, 16), 0, impl="cuda")
     with pytest.raises(ValueError, match="cp 1 only"):
         convert_pattern(pat, Layout("striped", 2, 16), 0, impl="triton")
-    # auto on the CPU: the torch path (same result)
-    assert_same_steps(convert_pattern(pat, Layout("striped", 1, 16), 0),
-                      convert_pattern(pat, Layout("striped", 1, 16), 0, impl="torch"), "auto")
+    # auto on the CPU: the torch path, the kernel is not called
+    import megatron_mtraining.ops.triton.convert as kc
+
+    def refuse(*a, **k):
+        raise AssertionError("auto ran the kernel on the CPU")
+    orig, kc.convert_rows = kc.convert_rows, refuse
+    try:
+        assert_same_steps(convert_pattern(pat, Layout("striped", 1, 16), 0),
+                          convert_pattern(pat, Layout("striped", 1, 16), 0, impl="torch"), "auto")
+        with pytest.raises(AssertionError, match="kernel"):      # and impl="triton" does call it
+            convert_pattern(pat, Layout("striped", 1, 16), 0, impl="triton")
+    finally:
+        kc.convert_rows = orig

@@ -110,8 +110,8 @@ def _use_triton(impl: str, t: torch.Tensor, cp: int) -> bool:
     ``TRITON_INTERPRET=1``); ``"torch"`` never."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return False
+    if impl == "torch" or (impl == "auto" and not (cp == 1 and t.is_cuda)):
+        return False             # decided before importing triton (its interpreter mode is fixed at import)
     from ..ops.triton import triton_runs_on
 
     if impl == "triton":
@@ -121,7 +121,7 @@ def _use_triton(impl: str, t: torch.Tensor, cp: int) -> bool:
             raise ValueError(f"impl='triton' cannot run on {t.device}: it needs Triton and a CUDA tensor, or a CPU "
                              "tensor with TRITON_INTERPRET=1 set before triton is imported")
         return True
-    return cp == 1 and t.is_cuda and triton_runs_on(t.device)
+    return triton_runs_on(t.device)
 
 
 def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, impl: str = "torch") -> List[StepIndices]:

@@ -240,7 +240,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         col_steps = steps
         steps = [without_columns(st) for st in steps]
     kernel = (kernel_factory or SparseStepKernel)(steps, scale)
-    kernel.expect_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    try:       # a hint for kernels that prepare their backward during the forward (custom kernels may refuse it)
+        kernel.expect_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    except AttributeError:
+        pass
     if columns == "out_of_ring":
         kernel.column_phase = ColumnPhase(col_steps, pattern, layout, rank, group,
                                           getattr(kernel, "forward_fn", sparse_attention_forward),

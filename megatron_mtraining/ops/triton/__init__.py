@@ -223,13 +223,15 @@ def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, 
 
     def fwd(q, k, v, idx, scale):
         early = prebuild and kernel.expect_backward and triton_usable(q)
-        ready = None
-        if early and q.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()            # the index tensors are written; the forward kernel comes next
-        out = sparse_attention_forward(q, k, v, idx, scale)
+        plan = ready = None
         if early:
-            prebuild_backward_plans(plan_for(idx), q.shape, k.shape, deterministic, after=ready)
+            plan = plan_for(idx)      # its int32 copies of the indices are written before `ready`
+            if q.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(q.device))   # the forward kernel comes next
+        out = sparse_attention_forward(q, k, v, idx, scale)      # reuses the cached plan
+        if early:
+            prebuild_backward_plans(plan, q.shape, k.shape, deterministic, after=ready)
         return out
 
     kernel.forward_fn = fwd

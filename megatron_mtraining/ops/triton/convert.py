@@ -30,7 +30,7 @@ CHUNK = 1024        # candidates per step of a program's loop (one tl.cumsum)
 @triton.jit
 def _convert_rows_kernel(
     DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx,
-    NS, NV, NQB, BS,
+    NS, NV, WB, WC, NQB, BS,
     s_dr, s_vr, s_mr,
     CHUNK: tl.constexpr,
 ):
@@ -46,12 +46,12 @@ def _convert_rows_kernel(
         ok = (d <= i) & (idx < NS)
         ok32 = ok.to(tl.int32)
         pos = base + tl.cumsum(ok32, 0) - 1
-        tl.store(BIdx + out_row * NS + pos, (i - d).to(tl.int32), mask=ok)
+        tl.store(BIdx + out_row * WB + pos, (i - d).to(tl.int32), mask=ok)
         base += tl.sum(ok32, 0)
     tl.store(BCnt + out_row, base)
-    for c0 in range(0, NS, CHUNK):
+    for c0 in range(0, WB, CHUNK):
         idx = c0 + offs
-        tl.store(BIdx + out_row * NS + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < NS))
+        tl.store(BIdx + out_row * WB + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WB))
     # --- columns: visible (t // bs <= i) and not in an active block, in the pattern's order
     base = i * 0
     for c0 in range(0, NV, CHUNK):
@@ -64,12 +64,12 @@ def _convert_rows_kernel(
         keep = vis & (act == 0)
         keep32 = keep.to(tl.int32)
         pos = base + tl.cumsum(keep32, 0) - 1
-        tl.store(CIdx + out_row * NV + pos, t.to(tl.int32), mask=keep)
+        tl.store(CIdx + out_row * WC + pos, t.to(tl.int32), mask=keep)
         base += tl.sum(keep32, 0)
     tl.store(CCnt + out_row, base)
-    for c0 in range(0, NV, CHUNK):
+    for c0 in range(0, WC, CHUNK):
         idx = c0 + offs
-        tl.store(CIdx + out_row * NV + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < NV))
+        tl.store(CIdx + out_row * WC + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WC))
 
 
 def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int):
@@ -83,9 +83,9 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
         nqb: query blocks (= key blocks = ``S / block_size``); block_size: tokens per block.
 
     Returns:
-        ``(block_count [b, hq, nqb] int32, block_index [b, hq, nqb, ns] int32, column_count [b, hq, nqb]
-        int32, column_index [b, hq, nqb, nv] int32)``; index slots past the count hold -1 (the caller
-        trims the widths to the largest count).
+        ``(block_count [b, hq, nqb] int32, block_index [b, hq, nqb, max(1, ns)] int32, column_count
+        [b, hq, nqb] int32, column_index [b, hq, nqb, max(1, nv)] int32)``; index slots past the count hold
+        -1 (the caller trims the widths to the largest count, at least 1).
     """
     b, hq, ns = d_desc.shape
     nv = vertical.shape[-1]
@@ -95,13 +95,14 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
     sm = slash_mask.reshape(b * hq, slash_mask.shape[-1]).to(torch.int8).contiguous()
     bcnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
     ccnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
-    bidx = torch.empty((b, hq, nqb, ns), dtype=torch.int32, device=dev)
-    cidx = torch.empty((b, hq, nqb, nv), dtype=torch.int32, device=dev)
+    wb, wc = max(1, ns), max(1, nv)        # at least one (-1) slot, as the torch path
+    bidx = torch.empty((b, hq, nqb, wb), dtype=torch.int32, device=dev)
+    cidx = torch.empty((b, hq, nqb, wc), dtype=torch.int32, device=dev)
     if b * hq * nqb == 0:
         return bcnt, bidx, ccnt, cidx
     _convert_rows_kernel[(nqb, b * hq)](
         dd, vt, sm, bcnt, bidx, ccnt, cidx,
-        ns, nv, nqb, block_size,
+        ns, nv, wb, wc, nqb, block_size,
         dd.stride(0), vt.stride(0), sm.stride(0),
         CHUNK=CHUNK, num_warps=4,
     )
