@@ -43,6 +43,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_long_context import draw_niah_grid, read_metrics_rows as read_metrics  # noqa: E402  (light imports)
+
 
 def _pairs(specs: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> dict[str, str]:
     out: dict[str, str] = {}
@@ -56,20 +59,6 @@ def _pairs(specs: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> 
             parser.error(f"{flag} {label}={path}: file not found")
         out[label] = path
     return out
-
-
-def read_metrics(path: str) -> dict[int, dict]:
-    """``{iteration: row}`` of a metrics JSONL; the last row of a repeated iteration wins."""
-    rows: dict[int, dict] = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            rows[int(rec["iteration"])] = rec
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}, line {n}: not a pretrain_gpt.py metrics line ({e})") from None
-    return rows
 
 
 def loss_summary(curves: dict[str, dict[int, dict]], last: int) -> dict:
@@ -228,15 +217,9 @@ def plots(out: Path, evals: dict[str, dict], curves: dict[str, dict[int, dict]],
         fig, axes = plt.subplots(len(with_niah), 2, figsize=(9, 1.2 + 0.45 * len(lengths) * len(with_niah) + 0.4),
                                  squeeze=False)
         for r, (label, n) in enumerate(with_niah.items()):
-            by = {(c["length"], c["depth"]): c for c in n["cells"]}
             for col, (key, name) in enumerate((("greedy_score", "greedy retrieval"), ("ll_score", "answer likelihood"))):
-                grid = np.array([[by[(L, d)][key] if (L, d) in by else np.nan for d in depths] for L in lengths])
                 ax = axes[r][col]
-                ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-                for (i, j), v in np.ndenumerate(grid):
-                    ax.text(j, i, "not run" if np.isnan(v) else f"{v:.0f}", ha="center", va="center", fontsize=7)
-                ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
-                ax.set_yticks(range(len(lengths)), [str(x) for x in lengths])
+                draw_niah_grid(ax, n["cells"], lengths, depths, key)
                 ax.set_title(f"{label}: {name}", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / "niah.png", dpi=100)

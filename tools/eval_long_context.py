@@ -662,19 +662,48 @@ def format_niah_table(niah: dict, key: str, digits: int = 1) -> str:
     return "\n".join(lines)
 
 
-def read_metrics(path: str) -> tuple[list[int], list[float]]:
-    """``(iterations, lm_loss)`` of a pretrain_gpt.py --metrics-file (blank lines ignored)."""
-    its, losses = [], []
+def read_metrics_rows(path: str) -> dict[int, dict]:
+    """``{iteration: row}`` of a pretrain_gpt.py --metrics-file (blank lines ignored); the last row of
+    a repeated iteration wins (a call killed after logging it, before its checkpoint).
+
+    Raises:
+        ValueError: a line that is not JSON with an integer ``iteration`` and a numeric ``lm_loss``
+            (naming the file and line).
+    """
+    rows: dict[int, dict] = {}
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-            its.append(int(rec["iteration"]))
-            losses.append(float(rec["lm_loss"]))
+            float(rec["lm_loss"])
+            rows[int(rec["iteration"])] = rec
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--loss-curves {path}, line {n}: not a pretrain_gpt.py metrics line ({e})") from None
-    return its, losses
+    return rows
+
+
+def read_metrics(path: str) -> tuple[list[int], list[float]]:
+    """``(iterations ascending, lm_loss)`` of a pretrain_gpt.py --metrics-file (:func:`read_metrics_rows`)."""
+    rows = read_metrics_rows(path)
+    its = sorted(rows)
+    return its, [float(rows[i]["lm_loss"]) for i in its]
+
+
+def draw_niah_grid(ax, cells: Sequence[dict], lengths: Sequence[int], depths: Sequence[int], key: str):
+    """Heat map of ``cell[key]`` (0-100) on ``ax``: rows = context lengths, columns = depths, each cell
+    labelled; a (length, depth) without a cell is blank and labelled "not run". Returns the image."""
+    import numpy as np
+
+    by = {(c["length"], c["depth"]): c[key] for c in cells}
+    grid = np.array([[by.get((n, dd), np.nan) for dd in depths] for n in lengths], dtype=float)
+    im = ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        ax.text(j, i, "not run" if np.isnan(v) else (f"{v:.0f}" if v >= 10 else f"{v:.1f}"),
+                ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{x}%" for x in depths])
+    ax.set_yticks(range(len(lengths)), [str(x) for x in lengths])
+    return im
 
 
 def _label_path(spec: str) -> tuple[str, str]:
@@ -689,7 +718,6 @@ def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -714,13 +742,7 @@ def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) ->
         niah = results["niah"]
         fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * len(niah["lengths"]) + 2.5))
         for ax, key, name in zip(axes, ("greedy_score", "ll_score"), ("greedy retrieval", "answer likelihood")):
-            by = {(c["length"], c["depth"]): c[key] for c in niah["cells"]}
-            grid = np.array([[by[(n, dd)] for dd in niah["depths"]] for n in niah["lengths"]])
-            im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-            for (i, j), v in np.ndenumerate(grid):
-                ax.text(j, i, f"{v:.0f}" if v >= 10 else f"{v:.1f}", ha="center", va="center", fontsize=8)
-            ax.set_xticks(range(len(niah["depths"])), [str(x) for x in niah["depths"]])
-            ax.set_yticks(range(len(niah["lengths"])), [str(x) for x in niah["lengths"]])
+            im = draw_niah_grid(ax, niah["cells"], niah["lengths"], niah["depths"], key)
             ax.set_xlabel("needle depth (%)")
             ax.set_ylabel("context length (tokens)")
             ax.set_title(f"{name} (mean {niah['mean'][key]:.1f})", fontsize=9)
