@@ -137,7 +137,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     * Columns: visible (``t // bs <= QB_i``) and not in an active block (the owner's active-block
       matrix gathered at the column's block), compacted in the order of ``pattern.vertical``.
     * Compaction (:func:`_prefix`, :func:`_pick`): int32 cumsum of the mask, a binary search per
-      output slot, a gather.
+      output slot, a gather. With ``impl`` resolving to Triton (cp 1, ``owners == [rank]``), the
+      kernel of :mod:`megatron_mtraining.ops.triton.convert` builds the same lists in one launch.
     """
     S, bs = pattern.seq_len, pattern.block_size
     dev = pattern.slash.device
@@ -147,7 +148,6 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     big = 1 << 30                                                       # > any block index
     qB = local_block_ids(layout, rank, S, bs, dev)                      # [nqb] ascending
     nqb = qB.numel()
-    qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     smask = pattern.slash_mask()                                        # [b, hq, nb]
 
     # --- selected offsets, unique and descending, padded with `big` (entry j of the flipped mask is
@@ -161,7 +161,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         mb, mc = _maxima([b_cnt, c_cnt])                                # the host sync
         return [StepIndices(block_count=b_cnt, block_index=b_idx[..., :max(1, mb)].contiguous(), column_count=c_cnt,
                             column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
-                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc)) for _ in owners]
+                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc))]
+    qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
 
