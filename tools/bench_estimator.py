@@ -244,6 +244,7 @@ def main(argv=None) -> int:
         ap.error("--device cuda but CUDA is not available (use --device cpu for a small check)")
     seqs = check_args(ap, args)
     rows = [measure(s, args) for s in seqs]
+
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.2f}"
 

@@ -40,8 +40,7 @@ from .launch import (CONFIG, KernelConfig, SparsePlan, dense_plan, plan_from_ind
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
     "triton_usable", "triton_runs_on", "plan_for", "SparsePlan", "KernelConfig", "CONFIG", "dense_plan",
-    "sparse_forward",
-    "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS",
+    "sparse_forward", "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS",
 ]
 
 

@@ -57,6 +57,16 @@ class SparsePlan:
     def has_columns(self) -> bool:
         return self.column_index is not None and self.column_index.shape[-1] > 0
 
+    @property
+    def kv_source(self) -> "SparsePlan":
+        """The plan the dK/dV kernel reads (``kv_plan`` if set, else this one)."""
+        return self.kv_plan if self.kv_plan is not None else self
+
+    def columns_by_atomics(self, deterministic: bool, config: "KernelConfig") -> bool:
+        """Whether the backward adds the columns' dK/dV with atomics (fast mode) instead of the
+        deterministic column kernel and its plan."""
+        return (not deterministic) and self.has_columns and config.col_atomic_fast
+
 
 def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmasked: torch.Tensor) -> torch.Tensor:
     """Number of leading valid slots whose block satisfies ``unmasked`` (robust to any order)."""
@@ -254,9 +264,8 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     cfg = config or CONFIG
     b, _, hq, _ = q_shape
     sk, hkv = k_shape[1], k_shape[2]
-    kv_src = plan.kv_plan if plan.kv_plan is not None else plan
-    col_atomic = (not deterministic) and plan.has_columns and cfg.col_atomic_fast
-    need_col = plan.has_columns and not col_atomic and plan.mask_mode != 2
+    kv_src = plan.kv_source
+    need_col = plan.has_columns and not plan.columns_by_atomics(deterministic, cfg) and plan.mask_mode != 2
 
     def build():
         _kv_csr(kv_src, sk // BLOCK, hq, hkv)
@@ -288,8 +297,7 @@ def _await_prebuilt(plan: SparsePlan) -> None:
         return
     cur = torch.cuda.current_stream(plan.block_index.device)
     cur.wait_event(ev)
-    kv_src = plan.kv_plan if plan.kv_plan is not None else plan
-    for res in list(kv_src._kv.values()) + list(plan._col.values()):
+    for res in list(plan.kv_source._kv.values()) + list(plan._col.values()):
         for t in res:
             if isinstance(t, torch.Tensor):
                 t.record_stream(cur)   # allocated on the side stream, used on this one
@@ -430,7 +438,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     _await_prebuilt(plan)
 
     # 1) dK/dV of the blocks, column-parallel over key blocks (stores every row of dk/dv)
-    kv_src = plan.kv_plan if plan.kv_plan is not None else plan
+    kv_src = plan.kv_source
     if dq_atomic and kv_src is not plan:
         raise ValueError("dq_atomic_fast needs a plan with 64-row tiles")
     offsets, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
@@ -450,7 +458,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     bm = plan.row_block
     nqt = sq // bm
     tensors, istr = _idx_args(plan, b, hq, nqt)
-    col_atomic = (not deterministic) and plan.has_columns and cfg.col_atomic_fast
+    col_atomic = plan.columns_by_atomics(deterministic, cfg)
     if (not dq_atomic) or plan.has_columns:
         K._sparse_bwd_dq_kernel[(nqt * hq, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
