@@ -298,3 +298,75 @@ def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(determin
                               config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
                               kernel_factory=factory_for(True))
     assert kernels[True].expect_backward is False and not plans(True)._kv
+
+
+@pytest.mark.parametrize("kind", ["random causal", "random non-causal", "synthetic vertical-slash"])
+def test_unmasked_column_chunks_match_masked_path_and_fp64(kind):
+    """Whole 64-column chunks that every row of the tile sees run without a mask: in the forward and
+    dQ kernels (``column_split``; bitwise the all-masked path) and in the column dK/dV kernel (its
+    leading entries; fp64 oracle). The unmasked paths really run here (negative control: a split that
+    counts the tile's own columns lets rows see their future)."""
+    causal = "non-causal" not in kind
+    gen = torch.Generator().manual_seed(11 + causal)
+    b, s, hq, hkv, d = 1, 512, 2, 1, 64
+    if kind.startswith("random"):
+        idx = random_step_indices(b, hq, s // 64, s // 64, causal, gen, p_block=0.25, p_col=0.35, empty_frac=0.0)
+    else:   # per-head column sets shared by every tile, as the estimator's: full chunks of the union
+        s = 1024
+        idx, _ = vertical_slash_indices(s, hq, sparsity=0.6, window=1, sinks=3, seed=5)
+    q, k, v, dout = _inputs(b, s, hq, hkv, d, torch.float32, gen)
+    scale = d ** -0.5
+    plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, causal)
+    split = plan.column_split()
+    assert int((split >= 64).sum()) >= 4                        # the unmasked loop runs
+    if kind == "random causal":
+        assert bool((split < plan.column_count).any())          # and some columns lie inside their tile
+    configs = {"split": None, "masked": launch.KernelConfig(column_split=False)}
+    res = {}
+    for name, cfg in configs.items():
+        out, lse = launch.sparse_forward(q, k, v, plan, scale, config=cfg)
+        delta = (dout.float() * out).sum(-1).transpose(1, 2).contiguous()
+        res[name] = (out, lse) + launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, True, config=cfg)
+    assert all(torch.equal(x, y) for x, y in zip(res["split"], res["masked"]))
+    if kind.startswith("synthetic"):
+        offsets, mid = launch._col_plan(plan, s, b, hq)[2:4]
+        assert bool((mid > offsets[:-1]).any())                 # the column kernel's unmasked entries run
+    mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s)
+    o_ref, l_ref = oracle(q, k, v, mask_fn, scale)
+    delta_ref = (dout.double() * o_ref).sum(-1).transpose(1, 2)
+    *_, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask_fn, scale, dout, l_ref, delta_ref)
+    _check_all(res["split"], (o_ref, l_ref, dq_r, dk_r, dv_r), TOL[torch.float32])
+    if kind == "random causal":   # negative control: a chunk that holds the tile's own keys, claimed unmasked, sees the future
+        nqb = s // 64
+        z = torch.zeros(b, hq, nqb, dtype=torch.int32)
+        cc = z.clone()
+        cc[:, :, 1] = 64
+        ci = torch.arange(32, 96, dtype=torch.int32).expand(b, hq, nqb, 64).contiguous()   # tile 1: rows 64..127
+        one = StepIndices(z, torch.zeros(b, hq, nqb, 1, dtype=torch.int32), cc, ci, True)
+        good_plan = launch.plan_from_indices(z, one.block_index, cc, ci, True)
+        assert int(good_plan.column_split()[0, 0, 1]) == 32
+        o_one, _ = oracle(q, k, v, lambda r0, r1: dense_mask_rows(one, r0, r1, s), scale)
+        good, _ = launch.sparse_forward(q, k, v, good_plan, scale)
+        assert rel_err(good, o_one) <= TOL[torch.float32]
+        good_plan._column_split = cc.clone()
+        bad, _ = launch.sparse_forward(q, k, v, good_plan, scale)
+        assert rel_err(bad, o_one) > 1e-2
+
+
+@pytest.mark.parametrize("dtype,d,s", [(torch.float32, 64, 200), (torch.float16, 128, 257), (torch.float32, 32, 64)])
+def test_attention_delta_kernel_matches_fp64(dtype, d, s):
+    """``rowsum(dout * out)`` by the Triton kernel (inputs read in their own dtype, strided views):
+    against fp64 within the fp32 tolerance; fp64 inputs stay on the torch path in fp64."""
+    from megatron_mtraining.ops.triton import attention_delta
+    gen = torch.Generator().manual_seed(d + s)
+    b, h = 2, 3
+    out = torch.randn(b, h, s, d, generator=gen).to(dtype).transpose(1, 2)       # [b, s, h, d], strided
+    dout = torch.randn(b, s, h, d, generator=gen).to(dtype)
+    got = attention_delta(dout, out)
+    ref = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+    assert got.dtype == torch.float32 and got.shape == (b, h, s) and got.is_contiguous()
+    assert rel_err(got, ref) <= 1e-6
+    bad = attention_delta(dout, out.roll(1, dims=1))                                # negative control
+    assert rel_err(bad, ref) > 0.1
+    got64 = attention_delta(dout.double(), out.double())
+    assert got64.dtype == torch.float64 and torch.allclose(got64, ref, rtol=1e-12, atol=1e-12)

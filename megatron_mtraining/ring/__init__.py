@@ -140,8 +140,8 @@ def column_phase_of(kernel):
 
 
 def _delta(dout, out):
-    acc = acc_dtype(out.dtype)
-    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [b, hq, sq]
+    from ..ops.triton import attention_delta     # Triton on CUDA, torch elsewhere
+    return attention_delta(dout, out)            # [b, hq, sq] in acc_dtype(out.dtype)
 
 
 class RingAttentionFunc(torch.autograd.Function):

@@ -54,7 +54,7 @@ def check_case(name, q, k, v, dout, mask_fn, fwd, bwd, scale, results, bits_runs
     ref = bf16_reference(q, k, v, mask_fn, scale, dout)
     out, lse = _poisoned_run(lambda: fwd(q, k, v))
     # the step's backward with its own final lse/delta (from our forward, as the ring does)
-    delta = (dout.float() * out).sum(-1).transpose(1, 2).contiguous()
+    delta = launch.attention_delta(dout, out)          # the Triton delta kernel, as the ring computes it
     grads = [_poisoned_run(lambda: bwd(dout, q, k, v, lse, delta, True)) for _ in range(bits_runs)]
     det_equal = all(all(torch.equal(a, b) for a, b in zip(grads[0], g)) for g in grads[1:])
     fast = bwd(dout, q, k, v, lse, delta, False)
@@ -75,6 +75,23 @@ def check_case(name, q, k, v, dout, mask_fn, fwd, bwd, scale, results, bits_runs
     print(f"{'OK ' if ok else 'BAD'} {name:42s} {row['dtype']:8s} "
           + " ".join(f"{n}={e_ours[n]:.2e}/{e_ref[n]:.2e}" for n in NAMES)
           + f" det={det_equal} nan={nan} ({row['seconds']}s)", flush=True)
+    return ok
+
+
+def delta_case(name, s, hq, d, dtype, results):
+    """The delta kernel (``rowsum(dout * out)``, fp32) against fp64 and against torch in fp32."""
+    t0 = time.time()
+    g = torch.Generator(device=DEV).manual_seed(s + d)
+    out = torch.randn(1, s, hq, d, generator=g, device=DEV).to(dtype)
+    dout = torch.randn(1, s, hq, d, generator=g, device=DEV).to(dtype)
+    ref = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+    ours = launch.attention_delta(dout, out)
+    torch32 = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    e_ours, e_t = rel_err(ours, ref), rel_err(torch32, ref)
+    ok = bool(torch.isfinite(ours).all()) and e_ours <= max(2 * e_t, 1e-6)
+    results.append(dict(case=name, dtype=str(dtype).replace("torch.", ""), err_ours=e_ours, err_torch_fp32=e_t, ok=ok,
+                        seconds=round(time.time() - t0, 1)))
+    print(f"{'OK ' if ok else 'BAD'} {name:42s} delta={e_ours:.2e}/torch fp32 {e_t:.2e}", flush=True)
     return ok
 
 
@@ -111,7 +128,15 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp16 cases on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--config", default="",
+                    help="launch.KernelConfig overrides, e.g. column_split=0,col_warps=4")
     args = ap.parse_args()
+    for kv in filter(None, args.config.split(",")):
+        key, val = kv.split("=")
+        cur = getattr(launch.CONFIG, key)          # AttributeError names an unknown field
+        setattr(launch.CONFIG, key, type(cur)(int(val)) if isinstance(cur, (bool, int)) else type(cur)(val))
+    if args.config:
+        print("KernelConfig", launch.CONFIG, flush=True)
     global DEV
     if args.cpu_smoke:
         DEV = "cpu"
@@ -142,6 +167,8 @@ def main():
                                torch.bfloat16, results),
             lambda: dense_case("dense causal 32K d128 h16/2", Layout("striped", 1, 64), 0, 0, 32768, 16, 2, 128,
                                torch.bfloat16, results),
+            lambda: delta_case("delta 128K d128 h16", 131072, 16, 128, torch.bfloat16, results),
+            lambda: delta_case("delta 32K d64 h16 fp16", 32768, 16, 64, torch.float16, results),
         ]
     if args.quick:
         cases = cases[:2]

@@ -34,13 +34,14 @@ from typing import Optional, Sequence
 import torch
 
 from ...patterns.indices import StepIndices
-from .launch import (CONFIG, KernelConfig, SparsePlan, dense_plan, plan_from_indices, prebuild_backward_plans,
-                     sparse_backward, sparse_forward)
+from ..reference import acc_dtype
+from .launch import (CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, dense_plan,
+                     plan_from_indices, prebuild_backward_plans, sparse_backward, sparse_forward)
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
     "triton_usable", "triton_runs_on", "plan_for", "SparsePlan", "KernelConfig", "CONFIG", "dense_plan",
-    "sparse_forward", "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS",
+    "sparse_forward", "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS", "attention_delta",
 ]
 
 
@@ -148,6 +149,37 @@ def _(dout, q, k, v, lse, delta, block_count, block_index, column_count, column_
     return q.new_empty(q.shape, dtype=acc), k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
 
 
+@torch.library.custom_op("mtraining::attn_delta", mutates_args=())
+def _attn_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    d = out.shape[-1]
+    if (triton_usable(out) and triton_usable(dout) and out.dim() == 4 and dout.shape == out.shape
+            and d & (d - 1) == 0 and d <= 256 and out.stride(-1) == 1 and dout.stride(-1) == 1):
+        return _delta_kernel(dout, out)
+    acc = acc_dtype(out.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+
+
+@_attn_delta.register_fake
+def _(dout, out):
+    b, s, h, _ = out.shape
+    return out.new_empty((b, h, s), dtype=acc_dtype(out.dtype))
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dout * out)`` of the attention backward (FlashAttention-2, Dao 2023, Alg. 2).
+
+    Args:
+        dout, out: ``[b, s, hq, d]``, any float dtypes (the final output of the attention and its
+            gradient).
+    Returns:
+        ``[b, hq, s]`` contiguous, in :func:`~megatron_mtraining.ops.reference.acc_dtype` of
+        ``out.dtype`` (fp32, or fp64 for fp64). On CUDA (bf16/fp16/fp32, ``d`` a power of two) one
+        Triton launch that reads the inputs as they are; elsewhere torch in the accumulation dtype.
+        Custom op ``torch.ops.mtraining.attn_delta`` (fake implementation registered).
+    """
+    return _attn_delta(dout, out)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, bc, bi, cc, ci, causal, scale, det = inputs
     out, lse = output
@@ -158,7 +190,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, bc, bi, cc, ci, out, lse = ctx.saved_tensors
     acc = out.dtype
-    delta = (dout.to(acc) * out).sum(-1).transpose(1, 2)
+    delta = attention_delta(dout, out)
     if dlse is not None:      # d lse / d s = p: folds into delta
         delta = delta - dlse.to(acc)
     dq, dk, dv = _sparse_attn_bwd(dout.to(q.dtype) if q.dtype != torch.float32 else dout, q, k, v, lse,

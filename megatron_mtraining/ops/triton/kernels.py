@@ -14,8 +14,9 @@ Masks (``MASK_MODE``):
     2  positions: key position <= query position, read from ``QPos``/``KPos`` (dense ring steps of
        any layout).
 Blocks are visited in two loops: slots ``[0, split)`` need no mask (the caller guarantees it),
-slots ``[split, count)`` are masked. Vertical columns are always masked by their validity (slot
-< count) and, in mode 1, causally. Rows that see no key end with ``out = 0`` and ``lse = -inf``;
+slots ``[split, count)`` are masked. Vertical columns are visited the same way (``COL_SPLIT``): whole
+64-column chunks among the first ``column_split`` slots (columns every row of the tile sees) run
+unmasked, the rest are masked by their validity (slot < count) and, in mode 1, causally. Rows that see no key end with ``out = 0`` and ``lse = -inf``;
 the backward treats ``lse = -inf`` as "probability 0" so such rows give exact zero gradients.
 """
 
@@ -52,7 +53,7 @@ def _online_step(qk, m_i, l_i, acc, v, MASKED: tl.constexpr, FP32: tl.constexpr)
 @triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, Out, Lse,
-    BlockCount, BlockSplit, BlockIndex, ColCount, ColIndex, QPos, KPos,
+    BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos,
     scale_log2,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -63,9 +64,10 @@ def _sparse_fwd_kernel(
     s_bsb, s_bsh,
     s_bib, s_bih, s_biq,
     s_ccb, s_cch,
+    s_csb, s_csh,
     s_cib, s_cih, s_ciq,
     num_heads, num_q_blocks, rep,
-    MASK_MODE: tl.constexpr, HAS_COLS: tl.constexpr, FP32: tl.constexpr,
+    MASK_MODE: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -119,7 +121,17 @@ def _sparse_fwd_kernel(
     if HAS_COLS:
         ccnt = tl.load(ColCount + bz * s_ccb + h * s_cch + qb)
         cptr = ColIndex + bz * s_cib + h * s_cih + qb * s_ciq
-        for j in range(0, ccnt, BLOCK_C):
+        if COL_SPLIT:   # whole chunks of columns visible to every row of the tile: no mask
+            nsafe = (tl.load(ColSplit + bz * s_csb + h * s_csh + qb) // BLOCK_C) * BLOCK_C
+        else:
+            nsafe = 0
+        for j in range(0, nsafe, BLOCK_C):
+            cols = tl.load(cptr + j + tl.arange(0, BLOCK_C))
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            qk = _dot(q, tl.trans(k), FP32) * scale_log2
+            m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
+        for j in range(nsafe, ccnt, BLOCK_C):
             offs_c = j + tl.arange(0, BLOCK_C)
             cvalid = offs_c < ccnt
             cols = tl.load(cptr + offs_c, mask=cvalid, other=0)
@@ -155,7 +167,7 @@ def _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, MASKED: tl.constex
 @triton.jit
 def _sparse_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV,
-    BlockCount, BlockSplit, BlockIndex, ColCount, ColIndex, QPos, KPos,
+    BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos,
     scale_log2, sm_scale,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -168,9 +180,11 @@ def _sparse_bwd_dq_kernel(
     s_bsb, s_bsh,
     s_bib, s_bih, s_biq,
     s_ccb, s_cch,
+    s_csb, s_csh,
     s_cib, s_cih, s_ciq,
     num_heads, num_q_blocks, rep,
-    MASK_MODE: tl.constexpr, DO_BLOCKS: tl.constexpr, HAS_COLS: tl.constexpr, COL_ATOMIC: tl.constexpr,
+    MASK_MODE: tl.constexpr, DO_BLOCKS: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr,
+    COL_ATOMIC: tl.constexpr,
     ACCUM_DQ: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -227,7 +241,16 @@ def _sparse_bwd_dq_kernel(
     if HAS_COLS:
         ccnt = tl.load(ColCount + bz * s_ccb + h * s_cch + qb)
         cptr = ColIndex + bz * s_cib + h * s_cih + qb * s_ciq
-        for j in range(0, ccnt, BLOCK_C):
+        nsafe = 0
+        if COL_SPLIT and not COL_ATOMIC:   # whole chunks visible to every row: no mask
+            nsafe = (tl.load(ColSplit + bz * s_csb + h * s_csh + qb) // BLOCK_C) * BLOCK_C
+            for j in range(0, nsafe, BLOCK_C):
+                cols = tl.load(cptr + j + tl.arange(0, BLOCK_C))
+                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
+                dq += _dot(ds.to(k.dtype), k, FP32)
+        for j in range(nsafe, ccnt, BLOCK_C):
             offs_c = j + tl.arange(0, BLOCK_C)
             cvalid = offs_c < ccnt
             cols = tl.load(cptr + offs_c, mask=cvalid, other=0)
@@ -338,9 +361,33 @@ def _sparse_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, scale_log2,
+                   s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+    do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
+    lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    if MASKED:
+        valid = member[:, None]
+        if CAUSAL:
+            valid = valid & (cols[:, None] <= offs_m[None, :])
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
+    else:
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
+    dv += _dot(pT.to(do.dtype), do, FP32)
+    dk += _dot(dsT.to(q.dtype), q, FP32)
+    return dk, dv
+
+
+@triton.jit
 def _sparse_bwd_col_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
-    ColU, ColUCount, ColOffsets, ColEntries, ColBits,
+    ColU, ColUCount, ColOffsets, ColMid, ColEntries, ColBits,
     scale_log2, sm_scale,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -358,20 +405,23 @@ def _sparse_bwd_col_kernel(
     """Deterministic dK/dV of the vertical columns.
 
     Program (chunk c of the union U of query head h's columns, query-tile split sp): gathers the
-    64 keys U[c*64:(c+1)*64] and visits, in ascending order, the query tiles of split sp that list
-    at least one of them (``ColEntries``, with ``ColBits`` = which of the 64 columns the tile lists),
-    accumulating dK/dV in registers. Writes one partial per split, DKP[sp, b, h, u, :]; the caller
+    64 keys U[c*64:(c+1)*64] and visits the query tiles of split sp that list at least one of them
+    (``ColEntries``), accumulating dK/dV in registers. Entries ``[start, mid)`` list all 64 columns,
+    all left of the tile's first row: no mask; entries ``[mid, end)`` are masked by ``ColBits`` (which
+    of the 64 columns the tile lists) and, causally, by position; each range in ascending tile order.
+    Programs are ordered chunk-fastest, so the programs running together read the same query tiles
+    (Q, dO) of one (head, split) from L2. Writes one partial per split, DKP[sp, b, h, u, :]; the caller
     sums the splits and scatters to key rows in a fixed order."""
     pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    bz = tl.program_id(2)
-    h = pid % num_heads
-    c = pid // num_heads
+    bz = tl.program_id(1)
+    c = pid % num_chunks
+    hs = pid // num_chunks
+    sp = hs % num_splits
+    h = hs // num_splits
     g = h // rep
     ucount = tl.load(ColUCount + bz * s_ucb + h)
     offs_u = c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_r = tl.arange(0, BLOCK_M)
     uvalid = offs_u < ucount
     cols = tl.load(ColU + bz * s_ub + h * s_uh + offs_u, mask=uvalid, other=0)
     k = tl.load(K + bz * s_kb + g * s_kh + cols[:, None] * s_ks + offs_d[None, :], mask=uvalid[:, None], other=0.0)
@@ -380,25 +430,22 @@ def _sparse_bwd_col_kernel(
     dv = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
     lanes = tl.arange(0, BLOCK_C).to(tl.int64)
 
-    off_ptr = ColOffsets + bz * s_ofb + h * s_ofh + c * num_splits + sp
-    start = tl.load(off_ptr)
-    end = tl.load(off_ptr + 1)
-    for e in range(start, end):
+    seg = bz * s_ofb + h * s_ofh + c * num_splits + sp
+    start = tl.load(ColOffsets + seg)
+    mid = tl.load(ColMid + seg)
+    end = tl.load(ColOffsets + seg + 1)
+    for e in range(start, mid):
+        qb = tl.load(ColEntries + e)
+        dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, None, scale_log2,
+                                s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                                False, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
+    for e in range(mid, end):
         qb = tl.load(ColEntries + e)
         bits = tl.load(ColBits + e)
         member = ((bits >> lanes) & 1) != 0
-        offs_m = qb * BLOCK_M + offs_r
-        q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
-        do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
-        lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
-        valid = member[:, None]
-        if CAUSAL:
-            valid = valid & (cols[:, None] <= offs_m[None, :])
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
-        dv += _dot(pT.to(do.dtype), do, FP32)
-        dk += _dot(dsT.to(q.dtype), q, FP32)
+        dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, scale_log2,
+                                s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                                True, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
 
     dst = sp * s_pp + bz * s_pb + h * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
     tl.store(DKP + dst, dk * sm_scale)
@@ -435,3 +482,20 @@ def _col_scatter_kernel(
     m = uvalid[:, None]
     tl.store(DK + dst, tl.load(DK + dst, mask=m, other=0.0) + acc_k, mask=m)
     tl.store(DV + dst, tl.load(DV + dst, mask=m, other=0.0) + acc_v, mask=m)
+
+
+@triton.jit
+def _delta_kernel(DO, O, Delta, s_db, s_ds, s_dh, s_ob, s_os, s_oh, s_lb, s_lh, seqlen, num_heads,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``delta[b, h, s] = sum_d dout[b, s, h, d] * out[b, s, h, d]`` in fp32 (FlashAttention-2's
+    backward preprocessing, Dao 2023, Algorithm 2 line 4), read in the inputs' own dtype."""
+    ps = tl.program_id(0)
+    bh = tl.program_id(1)
+    bz = bh // num_heads
+    h = bh % num_heads
+    offs_s = ps * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = offs_s < seqlen
+    do = tl.load(DO + bz * s_db + h * s_dh + offs_s[:, None] * s_ds + offs_d[None, :], mask=m[:, None], other=0.0)
+    o = tl.load(O + bz * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :], mask=m[:, None], other=0.0)
+    tl.store(Delta + bz * s_lb + h * s_lh + offs_s, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=m)

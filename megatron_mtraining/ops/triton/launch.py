@@ -52,6 +52,7 @@ class SparsePlan:
     _kv: dict = field(default_factory=dict, repr=False)
     _col: dict = field(default_factory=dict, repr=False)
     _pending: Optional[object] = field(default=None, repr=False)  # CUDA event: backward plans built on a side stream
+    _column_split: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def has_columns(self) -> bool:
@@ -61,6 +62,25 @@ class SparsePlan:
     def kv_source(self) -> "SparsePlan":
         """The plan the dK/dV kernel reads (``kv_plan`` if set, else this one)."""
         return self.kv_plan if self.kv_plan is not None else self
+
+    def column_split(self) -> Optional[torch.Tensor]:
+        """``[B', H', nqb]`` int32: number of leading column slots that every row of the tile sees
+        (mode 0: all of them; mode 1: the columns left of the tile's first row, a prefix because the
+        lists are ascending). The kernels run whole 64-column chunks of them unmasked. ``None`` for
+        position masks (mode 2) or 128-row tiles, where every column chunk is masked. Cached."""
+        if not self.has_columns or self.mask_mode == 2 or self.row_block != BLOCK:
+            return None
+        if self._column_split is None:
+            ci, cc = self.column_index, self.column_count
+            if self.mask_mode == 0:
+                self._column_split = cc
+            else:
+                nqb, width = ci.shape[-2], ci.shape[-1]
+                first_row = torch.arange(nqb, device=ci.device, dtype=torch.int32)[:, None] * BLOCK
+                slot = torch.arange(width, device=ci.device, dtype=torch.int32)
+                ok = (ci < first_row) & (slot < cc[..., None])
+                self._column_split = ok.sum(-1, dtype=torch.int32)
+        return self._column_split
 
     def columns_by_atomics(self, deterministic: bool, config: "KernelConfig") -> bool:
         """Whether the backward adds the columns' dK/dV with atomics (fast mode) instead of the
@@ -171,10 +191,12 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
 def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     """Per-head column union ``U`` and the inverted column index of the deterministic kernel.
 
-    Returns ``(col_u [B',H',upad], ucount [B',H'], offsets, entries_qb, entries_bits, upad, nchunks,
+    Returns ``(col_u [B',H',upad], ucount [B',H'], offsets, mid, entries_qb, entries_bits, upad, nchunks,
     nsplit, B', H')``: for segment ``((b'*H' + h')*nchunks + c)*nsplit + sp`` the entries are the
-    query tiles of split ``sp`` (``qbps`` tiles each) that list a column of chunk ``c`` of ``U``,
-    ascending, each with the 64-bit mask of the chunk's columns it lists."""
+    query tiles of split ``sp`` (``qbps`` tiles each) that list a column of chunk ``c`` of ``U``, each
+    with the 64-bit mask of the chunk's columns it lists: first (``[offsets[seg], mid[seg])``) the
+    tiles that list all 64 columns, every one left of the tile's first row (computed unmasked),
+    then the others, each group in ascending tile order."""
     ci, cc = plan.column_index, plan.column_count
     B_, H_, nqb, max_nc = ci.shape
     key = ("col", sk, b, hq)
@@ -210,17 +232,23 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         qbps //= 2
     nsplit = math.ceil(nqb / qbps)
     bb, hh, qq, c = (bits != 0).nonzero(as_tuple=True)
+    ebits = bits[bb, hh, qq, c]
+    full = ebits == -1                                # all 64 columns of the chunk listed
+    if plan.mask_mode == 1:                           # ... and left of the tile's first row
+        full &= col_u[bb, hh, c * BLOCK_C + BLOCK_C - 1] < qq * BLOCK
+    nseg = B_ * H_ * nchunks * nsplit
     seg = ((bb * H_ + hh) * nchunks + c) * nsplit + qq // qbps
-    order = torch.sort(seg * nqb + qq, stable=True).indices
+    order = torch.sort((seg * 2 + (~full).long()) * nqb + qq, stable=True).indices
     entries_qb = qq[order].to(torch.int32).contiguous()
-    entries_bits = bits[bb, hh, qq, c][order].contiguous()
-    counts = torch.bincount(seg, minlength=B_ * H_ * nchunks * nsplit)
-    offsets = torch.zeros(B_ * H_ * nchunks * nsplit + 1, dtype=torch.int32, device=dev)
+    entries_bits = ebits[order].contiguous()
+    counts = torch.bincount(seg, minlength=nseg)
+    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    mid = (offsets[:-1] + torch.bincount(seg[full], minlength=nseg)).to(torch.int32)
     if entries_qb.numel() == 0:
         entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
         entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)
-    res = (col_u, ucount.contiguous(), offsets, entries_qb, entries_bits, upad, nchunks, nsplit, B_, H_)
+    res = (col_u, ucount.contiguous(), offsets, mid, entries_qb, entries_bits, upad, nchunks, nsplit, B_, H_)
     plan._col[key] = res
     return res
 
@@ -305,6 +333,17 @@ def _await_prebuilt(plan: SparsePlan) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+KERNEL_STATS: Optional[dict] = None   # set to {} to record registers / spills of each launched kernel
+
+
+def _record(name: str, compiled):
+    """Record the compiled kernel's registers per thread and spilled bytes in :data:`KERNEL_STATS`
+    (when it is a dict: tools/bench_attention.py --profile). Returns ``compiled``."""
+    if KERNEL_STATS is not None and compiled is not None:
+        KERNEL_STATS[name] = dict(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
+    return compiled
+
+
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"q [b,s,hq,d], k/v [b,s,hkv,d] expected; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -320,21 +359,26 @@ def _check(q, k, v):
             raise ValueError("last dimension must be contiguous")
 
 
-def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int):
+def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int, col_split: bool = True):
+    """Index tensors and strides of the forward / dQ kernels, and whether the column split is passed."""
     bc = plan.block_count.expand(b, hq, nqb)
     bs = plan.block_split.expand(b, hq, nqb)
     bi = plan.block_index.expand(b, hq, nqb, plan.block_index.shape[-1])
+    csp = None
     if plan.has_columns:
         cc = plan.column_count.expand(b, hq, nqb)
         ci = plan.column_index.expand(b, hq, nqb, plan.column_index.shape[-1])
+        csp = plan.column_split() if col_split else None
     else:
         cc, ci = bc, bi           # dummies, never read
+    csp = csp.expand(b, hq, nqb) if csp is not None else None
+    cs = csp if csp is not None else bc            # dummy when not passed
     qp = plan.q_pos if plan.q_pos is not None else bc
     kp = plan.k_pos if plan.k_pos is not None else bc
-    tensors = (bc, bs, bi, cc, ci, qp, kp)
+    tensors = (bc, bs, bi, cc, cs, ci, qp, kp)
     strides = (bc.stride(0), bc.stride(1), bs.stride(0), bs.stride(1), bi.stride(0), bi.stride(1), bi.stride(2),
-               cc.stride(0), cc.stride(1), ci.stride(0), ci.stride(1), ci.stride(2))
-    return tensors, strides
+               cc.stride(0), cc.stride(1), cs.stride(0), cs.stride(1), ci.stride(0), ci.stride(1), ci.stride(2))
+    return tensors, strides, csp is not None
 
 
 @dataclass
@@ -346,11 +390,12 @@ class KernelConfig:
     dq_stages: int = 2
     dkdv_warps: int = 4
     dkdv_stages: int = 2
-    col_warps: int = 8
+    col_warps: int = 4
     col_stages: int = 2
     dq_atomic_fast: bool = False   # fast mode: dQ of blocks by atomics in the dK/dV kernel
     col_atomic_fast: bool = False  # fast mode: columns' dK/dV by atomics in the dQ kernel (slower on
                                    # the H200 at 128K/512K: contention on the shared column rows)
+    column_split: bool = True      # run whole column chunks that every row sees without a mask
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -375,9 +420,9 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
     out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    tensors, istr = _idx_args(plan, b, hq, nqb)
+    tensors, istr, col_split = _idx_args(plan, b, hq, nqb, cfg.column_split)
     grid = (nqb * hq, b)
-    K._sparse_fwd_kernel[grid](
+    _record("_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
         q, k, v, out, lse, *tensors,
         softmax_scale * K.LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -387,11 +432,11 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         lse.stride(0), lse.stride(1),
         *istr,
         hq, nqb, hq // hkv,
-        MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, FP32=q.dtype == torch.float32,
+        MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
         HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
         num_warps=cfg.fwd_warps if bm == BLOCK else cfg.fwd128_warps,
         num_stages=cfg.fwd_stages if bm == BLOCK else cfg.fwd128_stages,
-    )
+    ))
     return out, lse
 
 
@@ -444,7 +489,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     offsets, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
     qp = plan.q_pos if plan.q_pos is not None else offsets
     kp = plan.k_pos if plan.k_pos is not None else offsets
-    K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
+    _record("_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
         q, k, v, dout, lse, delta, dq, dk, dv, offsets, entries, qp, kp,
         scale_log2, softmax_scale, *common,
         (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0,
@@ -452,36 +497,36 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32,
         HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-    )
+    ))
 
     # 2) dQ (row-parallel); fast mode also adds the columns' dK/dV with atomics
     bm = plan.row_block
     nqt = sq // bm
-    tensors, istr = _idx_args(plan, b, hq, nqt)
     col_atomic = plan.columns_by_atomics(deterministic, cfg)
+    tensors, istr, col_split = _idx_args(plan, b, hq, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
-        K._sparse_bwd_dq_kernel[(nqt * hq, b)](
+        _record("_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hq, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
             hq, nqt, rep,
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
-            COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
+            COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
             num_warps=cfg.dq_warps if bm == BLOCK else cfg.dq128_warps,
             num_stages=cfg.dq_stages if bm == BLOCK else cfg.dq128_stages,
-        )
+        ))
 
     # 3) deterministic columns: per-head partials, fixed-order reduction
     if plan.has_columns and not col_atomic:
         if plan.mask_mode == 2:
             raise ValueError("vertical columns are not supported with position masks")
-        col_u, ucount, offsets_c, ent_qb, ent_bits, upad, nchunks, nsplit, B_, H_ = _col_plan(plan, sk, b, hq)
+        col_u, ucount, offsets_c, mid_c, ent_qb, ent_bits, upad, nchunks, nsplit, B_, H_ = _col_plan(plan, sk, b, hq)
         col_u_e = col_u.expand(b, hq, upad)
         ucount_e = ucount.expand(b, hq)
         dkp = torch.empty((nsplit, b, hq, upad, d), dtype=torch.float32, device=dev)
         dvp = torch.empty_like(dkp)
-        K._sparse_bwd_col_kernel[(nchunks * hq, nsplit, b)](
-            q, k, v, dout, lse, delta, dkp, dvp, col_u_e, ucount_e, offsets_c, ent_qb, ent_bits,
+        _record("_sparse_bwd_col_kernel", K._sparse_bwd_col_kernel[(nchunks * nsplit * hq, b)](
+            q, k, v, dout, lse, delta, dkp, dvp, col_u_e, ucount_e, offsets_c, mid_c, ent_qb, ent_bits,
             scale_log2, softmax_scale,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -495,7 +540,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             CAUSAL=plan.mask_mode == 1, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_C=BLOCK_C,
             num_warps=cfg.col_warps, num_stages=cfg.col_stages,
-        )
+        ))
         for r in range(rep):   # heads of a group one after another: each key row updated once per launch
             K._col_scatter_kernel[(nchunks, hkv, b)](
                 dk, dv, dkp, dvp, col_u_e, ucount_e, r,
@@ -506,3 +551,22 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
                 HEAD_DIM=d, BLOCK_C=BLOCK_C, num_warps=4, num_stages=1,
             )
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- delta
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dout * out)`` of the backward: ``[b, hq, s]`` fp32 from ``[b, s, hq, d]`` inputs
+    of any float dtype (read as they are, no fp32 copies). One Triton launch; ``d`` a power of two."""
+    if dout.shape != out.shape or dout.dim() != 4:
+        raise ValueError(f"dout and out must both be [b, s, hq, d]; got {tuple(dout.shape)}, {tuple(out.shape)}")
+    b, s, h, d = out.shape
+    if d & (d - 1) or d > 256:
+        raise ValueError(f"head_dim {d} not supported by the delta kernel (a power of two <= 256)")
+    if dout.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("last dimension must be contiguous")
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
+    block_s = max(16, min(128, 8192 // d))
+    _kernels()._delta_kernel[(-(-s // block_s), b * h)](
+        dout, out, delta, dout.stride(0), dout.stride(1), dout.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        delta.stride(0), delta.stride(1), s, h, HEAD_DIM=d, BLOCK_S=block_s, num_warps=4)
+    return delta
