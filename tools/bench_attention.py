@@ -175,7 +175,7 @@ def ours_fns(q, k, v, dout, plan, scale, deterministic, config=None):
 
     def fwd_bwd():
         o, lse = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config)
-        delta = (dout.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+        delta = launch.attention_delta(dout, o)          # as the ring computes it
         return launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, deterministic, config=config)
 
     return fwd, fwd_bwd
@@ -210,10 +210,17 @@ def main():
     ap.add_argument("--dense", action="store_true", help="also time our dense position-mask kernel")
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed repetitions per measurement")
     ap.add_argument("--sweep", action="store_true", help="launch-config sweep at the first seq/sparsity/head_dim")
+    ap.add_argument("--sweep-only", default="",
+                    help="comma list: run only the sweep variants whose name contains one of these (and the default)")
     ap.add_argument("--breakdown", action="store_true", help="time blocks-only / columns-only")
     ap.add_argument("--flex-slash", action="store_true",
                     help="also FlexAttention on the slash blocks alone (columns removed), vs ours blocks-only")
-    ap.add_argument("--detail-sparsity", type=float, default=0.95, help="sparsity of --breakdown / --flex-slash")
+    ap.add_argument("--detail-sparsity", type=float, default=0.95,
+                    help="sparsity of --breakdown / --flex-slash / --profile")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel CUDA time of our deterministic fwd+bwd (torch.profiler) with executed TFLOP/s")
+    ap.add_argument("--once", action="store_true",
+                    help="run our deterministic fwd+bwd once per case, no timing (for ncu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)   # CPU + Triton interpreter
@@ -246,7 +253,10 @@ def main():
               f"fwd={f(row.get('fwd_ms'))}ms fb={f(row.get('fwd_bwd_ms'))}ms "
               f"TF fwd={f(row.get('tflops_fwd'))} fb={f(row.get('tflops_fwd_bwd'))} "
               f"useful fb={f(row.get('tflops_useful_fwd_bwd'))} speedup={f(row.get('speedup_fwd_bwd_vs_cudnn'))} "
-              f"{row.get('note', '')}", flush=True)
+              + (f"kernel={f(row['kernel_ms'])}ms share={f(row.get('share'))} "
+                 f"TF exec={f(row.get('tflops_executed'))} regs={f(row.get('n_regs'))} "
+                 f"spills={f(row.get('n_spills'))} " if 'kernel_ms' in row else "")
+              + f"{row.get('note', '')}", flush=True)
 
     for s in [int(x) for x in args.seqs.split(",")]:
         for d in [int(x) for x in args.head_dims.split(",")]:
@@ -300,6 +310,13 @@ def main():
                 pms = prep_ms(plan, 1, hq, s, hkv, True)
                 pattern = dict(keep=st.keep, mean_offsets=st.mean_offsets, mean_columns=st.mean_columns,
                                block_tiles=st.block_tiles, column_tiles=st.column_tiles, gen_s=round(gen_s, 1))
+                if args.once:
+                    f1, f2 = ours_fns(q, k, v, dout, plan, scale, True)
+                    f2()
+                    torch.cuda.synchronize()
+                    print(f"ONCE S={s} d={d} sp={sp} done", flush=True)
+                    del idx, plan
+                    continue
                 if "ours" in impls:
                     pairs = st.computed_pairs
                     for det in (True, False):
@@ -318,8 +335,10 @@ def main():
                             emit(dict(impl="ours", seq=s, d=d, sparsity=sp, error=repr(e)[:300]))
                     if args.breakdown and sp == args.detail_sparsity:
                         breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st)
+                    if args.profile and sp == args.detail_sparsity:
+                        profile(q, k, v, dout, plan, scale, s, d, sp, emit, st)
                     if args.sweep:
-                        sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, args.budget)
+                        sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, args.budget, args.sweep_only)
                         args.sweep = False
                 flex_runs = [("", pats)]
                 if args.flex_slash and sp == args.detail_sparsity:
@@ -367,17 +386,69 @@ def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):
                       reps=n2))
 
 
-def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget):
+def profile(q, k, v, dout, plan, scale, s, d, sp, emit, st, iters=5):
+    """Per-kernel CUDA time of our deterministic fwd+bwd (``torch.profiler``), mean per iteration.
+
+    Executed TFLOP/s count the matrix products each kernel runs per 64x64 tile (2·64·64·d FLOP each):
+    forward 2 (QK^T, PV) on block + column tiles; dQ 3 (QK^T, dO·V^T, dS·K) on block + column tiles;
+    dK/dV 4 (K·Q^T, V·dO^T, P^T·dO, dS^T·Q) on block tiles; column dK/dV 4 on the (union chunk,
+    query tile) pairs of the deterministic column plan. Other kernels (the column scatter, the
+    ``delta`` of the benchmark, fills) get their time only."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    _, f2 = ours_fns(q, k, v, dout, plan, scale, True)
+    launch.KERNEL_STATS = {}
+    f2()
+    torch.cuda.synchronize()
+    stats, launch.KERNEL_STATS = launch.KERNEL_STATS, None
+    col = launch._col_plan(plan, s, q.shape[0], q.shape[2]) if plan.has_columns else None
+    col_pairs = int(col[2][-1]) if col is not None else 0           # offsets[-1] = number of entries
+    tile_flop = 2 * 64 * 64 * d
+    gemms = {"_sparse_fwd_kernel": (2, st.block_tiles + st.column_tiles),
+             "_sparse_bwd_dq_kernel": (3, st.block_tiles + st.column_tiles),
+             "_sparse_bwd_dkdv_kernel": (4, st.block_tiles),
+             "_sparse_bwd_col_kernel": (4, col_pairs)}
+    acts = [ProfilerActivity.CUDA] if q.is_cuda else [ProfilerActivity.CPU]     # CPU: --cpu-dry-run
+    with tprofile(activities=acts) as prof:
+        for _ in range(iters):
+            f2()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0)
+        if t and ev.key not in ("ProfilerStep*",):
+            per[ev.key] = per.get(ev.key, 0.0) + t / 1e3 / iters          # us -> ms per iteration
+    total = sum(per.values())
+    for name, ms in sorted(per.items(), key=lambda x: -x[1]):
+        if ms < 0.005 * total:
+            continue
+        short = next((g for g in gemms if g in name), name[:60])
+        n_gemm, tiles = gemms.get(short, (0, 0))
+        emit(dict(impl="profile", seq=s, d=d, sparsity=sp, note=short, kernel_ms=ms, share=ms / total,
+                  tiles=tiles or None, tflops_executed=tflops(n_gemm * tile_flop * tiles, ms) if tiles else None,
+                  **stats.get(short, {})))
+    emit(dict(impl="profile", seq=s, d=d, sparsity=sp, note="total (sum of kernels)", kernel_ms=total,
+              column_kernel_pairs=col_pairs, block_tiles=st.block_tiles, column_tiles=st.column_tiles))
+
+
+def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
     """One kernel's launch parameters at a time, the others at their defaults."""
     base = KernelConfig()
     variants = [("default", {}, True)]
-    variants += [(f"fwd w{w} s{st}", dict(fwd_warps=w, fwd_stages=st), True) for w, st in [(4, 3), (8, 2)]]
-    variants += [(f"dkdv w{w} s{st}", dict(dkdv_warps=w, dkdv_stages=st), True) for w, st in [(4, 1), (8, 2)]]
+    variants += [(f"fwd w{w} s{st}", dict(fwd_warps=w, fwd_stages=st), True) for w, st in [(4, 3), (4, 4), (8, 2)]]
+    variants += [(f"dkdv w{w} s{st}", dict(dkdv_warps=w, dkdv_stages=st), True)
+                 for w, st in [(4, 1), (4, 3), (8, 2)]]
     variants += [(f"dq w{w} s{st}", dict(dq_warps=w, dq_stages=st), True) for w, st in [(4, 3), (8, 2)]]
-    variants += [(f"col w{w} s{st}", dict(col_warps=w, col_stages=st), True) for w, st in [(4, 1), (8, 2)]]
+    variants += [(f"col w{w} s{st}", dict(col_warps=w, col_stages=st), True)
+                 for w, st in [(4, 1), (4, 2), (4, 3), (8, 2), (8, 3)]]
     variants += [("fast col_atomic", dict(col_atomic_fast=True, dq_atomic_fast=False), False),
                  ("fast dq_atomic", dict(col_atomic_fast=False, dq_atomic_fast=True), False),
                  ("fast dq_atomic+col_atomic", dict(col_atomic_fast=True, dq_atomic_fast=True), False)]
+    variants += [("column_split off (every column chunk masked)", dict(column_split=False), True)]
+    keep = [x for x in only.split(",") if x]
+    if keep:
+        variants = [v for v in variants if v[0] == "default" or any(x in v[0] for x in keep)]
     for name, kw, det in variants:
         cfg = KernelConfig(**{**base.__dict__, **kw})
         try:
