@@ -6,6 +6,9 @@ matching rows of a naive fp64 causal attention computed on the whole sequence. R
 one line ``RESULT {json}`` with the worst relative error of each quantity over all ranks.
 
     torchrun --nproc-per-node 2 tests/workers/ring_check.py --layout striped --granularity 16
+
+``--backend nccl`` runs the ring on ``cuda:LOCAL_RANK`` over NCCL (multi-GPU machines); the fp64
+reference stays on the CPU.
 """
 import argparse
 import itertools
@@ -39,7 +42,8 @@ def masked_attention(q, k, v, mask, scale):
 
 
 def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def main():
@@ -64,9 +68,18 @@ def main():
                     help="with --sparse: where the vertical columns are computed (both runs use it)")
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                    help="nccl: the ring runs on cuda:LOCAL_RANK (the reference stays on the CPU)")
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.backend == "nccl":
+        import os
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        args.device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        args.device = torch.device("cpu")
+    dist.init_process_group(args.backend)
     world = dist.get_world_size()
     args.hier_groups = None
     if args.hier:
@@ -136,7 +149,8 @@ def check(args, group):
 
     layout = Layout(args.layout, world, args.granularity)
     ring_layout = Layout(args.wrong_layout, world, args.granularity) if args.wrong_layout else layout
-    ql, kl, vl, dl = (layout.shard(t, rank, 1).to(dtype).requires_grad_(True) for t in (q, k, v, dout))
+    dev = getattr(args, "device", torch.device("cpu"))
+    ql, kl, vl, dl = (layout.shard(t, rank, 1).to(dev, dtype).requires_grad_(True) for t in (q, k, v, dout))
     if rank == args.mismatch_rank:
         ql, kl, vl = (t[:, :-layout.granularity].detach().requires_grad_(True) for t in (ql, kl, vl))
     flat = None
@@ -153,7 +167,7 @@ def check(args, group):
                                         hierarchical_groups=args.hier_groups, columns=args.columns)
             # the reference becomes fp64 attention masked with the same (global) pattern
             qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (qr, kr, vr))
-            mask = pattern.dense_mask()
+            mask = pattern.dense_mask().cpu()
             ref = masked_attention(qr, kr, vr, mask, scale)
             ref.backward(dout)
             args.density = (mask.sum() / (mask.shape[0] * mask.shape[1] * s * (s + 1) / 2)).item()

@@ -18,6 +18,9 @@ on global rank 0:
   different data each (group-local → global rank translation in the estimator and the ring).
 
     torchrun --nproc-per-node 2 tests/workers/sparse_ring_check.py --seq 512
+
+``--backend nccl`` runs the rings on ``cuda:LOCAL_RANK`` over NCCL (the Triton kernels and the GPU
+estimator); the problems, patterns and fp64 references stay on the CPU.
 """
 import argparse
 import dataclasses
@@ -35,8 +38,12 @@ from megatron_mtraining.ring.sparse import SparseStepKernel, sparse_ring_attenti
 from tests.workers.vs_data import make_qkv, naive_masked_attention
 
 
+DEVICE = torch.device("cpu")      # where the rings run (--backend nccl: cuda:LOCAL_RANK)
+
+
 def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def make_layout(kind, cp):
@@ -64,8 +71,8 @@ class Problem:
         self.grads = (qr.grad, kr.grad, vr.grad)
 
     def shards(self, layout, rank, dtype=torch.float32):
-        return [layout.shard(t, rank, 1).to(dtype).requires_grad_(True) for t in (self.q, self.k, self.v)] + \
-               [layout.shard(self.dout, rank, 1).to(dtype)]
+        return [layout.shard(t, rank, 1).to(DEVICE, dtype).requires_grad_(True) for t in (self.q, self.k, self.v)] + \
+               [layout.shard(self.dout, rank, 1).to(DEVICE, dtype)]
 
     def errors(self, layout, rank, out, ql, kl, vl):
         sh = lambda t: layout.shard(t.detach(), rank, 1)  # noqa: E731
@@ -94,11 +101,11 @@ def masked_check(prob, layout, group, config, columns="in_ring"):
     out.backward(dl)
     res = prob.errors(layout, rank, out, ql, kl, vl)
     if columns == "out_of_ring":     # the ring steps carry no columns; the column phase carries them all
-        steps = convert_pattern(pat, layout, rank)
+        steps = convert_pattern(pat.to("cpu"), layout, rank)
         ring_cols = sum(int(st.column_count.sum()) for st in steps)
         res["columns_in_steps"] = float(ring_cols)      # max over ranks in emit()
         config = {**config, "columns": columns}
-    res["same_pattern"] = bool(pat.same_selection(prob.pattern))
+    res["same_pattern"] = bool(pat.to("cpu").same_selection(prob.pattern))
     res["density"] = prob.density
     res["distinct_samples"] = bool(prob.pattern.batch < 2 or not torch.equal(
         prob.pattern.dense_mask()[0], prob.pattern.dense_mask()[1]))
@@ -112,12 +119,12 @@ def oracle_check(seq, batch, hq, hkv, d, seed, layout, group, config):
     rank = dist.get_rank(group) if group is not None else 0
     runs = []
     for sparse in (True, False):
-        ql, kl, vl = (layout.shard(t, rank, 1).float().requires_grad_(True) for t in (q, k, v))
+        ql, kl, vl = (layout.shard(t, rank, 1).to(DEVICE, torch.float32).requires_grad_(True) for t in (q, k, v))
         if sparse:
             out = sparse_ring_attention(ql, kl, vl, layout=layout, group=group, config=cfg, softmax_scale=d ** -0.5)
         else:
             out = ring_attention(ql, kl, vl, layout=layout, group=group, softmax_scale=d ** -0.5)
-        out.backward(layout.shard(dout, rank, 1).float())
+        out.backward(layout.shard(dout, rank, 1).to(DEVICE, torch.float32))
         runs.append((out.detach(), ql.grad, kl.grad, vl.grad))
     res = {key: rel_err(a, b) for key, a, b in zip(("out", "dq", "dk", "dv"), runs[0], runs[1])}
     emit(res, "oracle", config)
@@ -127,7 +134,9 @@ def negative_check(prob, layout, group, config):
     rank = dist.get_rank(group) if group is not None else 0
     for mode in ("no_causal_on_own_step", "shifted_block_index", "columns_dropped"):
         ql, kl, vl, dl = prob.shards(layout, rank)
-        steps = convert_pattern(prob.pattern, layout, rank)
+        steps = [dataclasses.replace(st, known_max=None, **{f: getattr(st, f).to(DEVICE) for f in (
+            "block_count", "block_index", "column_count", "column_index")})
+            for st in convert_pattern(prob.pattern, layout, rank)]
         own = steps[rank]
         if mode == "no_causal_on_own_step":
             steps[rank] = dataclasses.replace(own, causal=False)
@@ -136,7 +145,7 @@ def negative_check(prob, layout, group, config):
 
             steps = [without_columns(st) for st in steps]
         else:
-            slot = torch.arange(own.block_index.shape[-1])
+            slot = torch.arange(own.block_index.shape[-1], device=own.block_index.device)
             valid = slot < own.block_count[..., None]
             shifted = torch.where(valid, (own.block_index - 1).clamp(min=0), own.block_index)
             steps[rank] = dataclasses.replace(own, block_index=shifted.to(own.block_index.dtype))
@@ -150,8 +159,15 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--subgroups", action="store_true", help="also run on strided CP sub-groups (world 4)")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    if args.backend == "nccl":
+        import os
+
+        global DEVICE
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        DEVICE = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(args.backend)
     world = dist.get_world_size()
     group = dist.new_group(list(range(world))) if world > 1 else None
     cfg = VerticalSlashConfig(recall=0.9)
