@@ -65,9 +65,11 @@ class SparsePlan:
 
     def column_split(self) -> Optional[torch.Tensor]:
         """``[B', H', nqb]`` int32: number of leading column slots that every row of the tile sees
-        (mode 0: all of them; mode 1: the columns left of the tile's first row, a prefix because the
-        lists are ascending). The kernels run whole 64-column chunks of them unmasked. ``None`` for
-        position masks (mode 2) or 128-row tiles, where every column chunk is masked. Cached."""
+        (mode 0: all of them; mode 1: the leading columns left of the tile's first row, all of the
+        columns before the tile when the lists are ascending, as StepIndices requires; any order
+        stays correct, it only leaves more chunks masked). The kernels run whole 64-column chunks of
+        them unmasked. ``None`` for position masks (mode 2) or 128-row tiles, where every column
+        chunk is masked. Cached."""
         if not self.has_columns or self.mask_mode == 2 or self.row_block != BLOCK:
             return None
         if self._column_split is None:
@@ -75,11 +77,8 @@ class SparsePlan:
             if self.mask_mode == 0:
                 self._column_split = cc
             else:
-                nqb, width = ci.shape[-2], ci.shape[-1]
-                first_row = torch.arange(nqb, device=ci.device, dtype=torch.int32)[:, None] * BLOCK
-                slot = torch.arange(width, device=ci.device, dtype=torch.int32)
-                ok = (ci < first_row) & (slot < cc[..., None])
-                self._column_split = ok.sum(-1, dtype=torch.int32)
+                first_row = torch.arange(ci.shape[-2], device=ci.device, dtype=torch.int32)[:, None] * BLOCK
+                self._column_split = _leading_split(ci, cc, ci < first_row)
         return self._column_split
 
     def columns_by_atomics(self, deterministic: bool, config: "KernelConfig") -> bool:
