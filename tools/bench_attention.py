@@ -22,6 +22,10 @@ causal work. Effective TFLOP/s count the tiles each implementation computes (our
 + 64-column gathered tiles; flex: its listed blocks; dense: half the square), with
 ``fwd = 4*d*pairs`` and ``fwd+bwd = 3.5 * fwd``. ``tflops_useful`` counts only the pattern's useful
 pairs. Times: median of CUDA-event timings after warm-up.
+
+``--pattern-file P`` times the kernels on a saved pattern instead (e.g. one the online estimator made on real text
+with ``tools/pattern_recall.py --save-pattern``): layer by layer, ``--heads`` rows of the file per layer, the file's
+sequence length, random q/k/v; cuDNN dense causal on one layer of the same shape is the comparison.
 """
 
 from __future__ import annotations
@@ -219,6 +223,11 @@ def main():
                     help="sparsity of --breakdown / --flex-slash / --profile")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our deterministic fwd+bwd (torch.profiler) with executed TFLOP/s")
+    ap.add_argument("--pattern-file", default=None, metavar="NPZ",
+                    help="time ours (and cuDNN) on a saved pattern instead of synthetic ones: a file of "
+                         "tools/pattern_recall.py / tools/imbalance.py --save-pattern, whose rows are layers x "
+                         "heads (--heads per layer); its seq_len is used, --seqs/--sparsity are ignored")
+    ap.add_argument("--layers", type=int, default=0, help="with --pattern-file: only the first N layers (0: all)")
     ap.add_argument("--once", action="store_true",
                     help="run our deterministic fwd+bwd once per case, no timing (for ncu)")
     ap.add_argument("--seed", type=int, default=0)
@@ -258,6 +267,11 @@ def main():
                  f"spills={f(row.get('n_spills'))} " if 'kernel_ms' in row else "")
               + f"{row.get('note', '')}", flush=True)
 
+    if args.pattern_file:
+        for d in [int(x) for x in args.head_dims.split(",")]:
+            file_bench(args, d, dev, dt, impls, emit)
+        summary(rows)
+        return
     for s in [int(x) for x in args.seqs.split(",")]:
         for d in [int(x) for x in args.head_dims.split(",")]:
             hq, hkv = args.heads, args.kv_heads
@@ -367,6 +381,68 @@ def main():
                 del idx, plan
                 torch.cuda.empty_cache()
     summary(rows)
+
+
+def file_bench(args, d, dev, dt, impls, emit):
+    """Ours (deterministic and fast) per layer on the layers of a saved pattern, and cuDNN dense causal on the
+    same shape; the last row sums the layers. Random q/k/v: the pattern alone decides the kernels' work."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+    from tools.imbalance import load_pattern
+
+    pat, meta = load_pattern(args.pattern_file)
+    s, hq, hkv = pat.seq_len, args.heads, args.kv_heads
+    rows = pat.slash.shape[1]
+    if rows % hq or hq % hkv:
+        raise SystemExit(f"error: {args.pattern_file} has {rows} head rows: not layers x --heads {hq} "
+                         f"(or --heads not a multiple of --kv-heads {hkv})")
+    nl = rows // hq if args.layers <= 0 else min(args.layers, rows // hq)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    q = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
+    k = torch.randn(1, s, hkv, d, device=dev, generator=g).to(dt)
+    v = torch.randn(1, s, hkv, d, device=dev, generator=g).to(dt)
+    dout = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
+    scale = d ** -0.5
+    dense_pairs = hq * s * (s + 1) / 2
+    cud = None
+    if "cudnn" in impls:
+        f1, f2, note = cudnn_fns(q, k, v, dout)
+        t1, _ = bench(f1, args.budget, warmup=1)
+        cud, n2 = bench(f2, args.budget, warmup=1)
+        emit(dict(impl="cudnn_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=cud, tflops_fwd=tflops(4 * d * dense_pairs, t1),
+                  tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, cud), reps=n2, note=f"one layer; {note}"))
+    tot = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    tiles_sum = 0
+    for layer in range(nl):
+        hs = slice(layer * hq, (layer + 1) * hq)
+        sub = VerticalSlashPattern(s, pat.block_size, pat.slash[:, hs], pat.slash_count[:, hs], pat.vertical[:, hs],
+                                   pat.vertical_count[:, hs]).to(dev)
+        idx = convert_pattern(sub, Layout("striped", 1, 64), 0)[0]
+        plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True)
+        block_tiles = int(idx.block_count.sum())
+        column_tiles = int(((idx.column_count + 63) // 64).sum())
+        tiles = block_tiles + column_tiles
+        tiles_sum += tiles
+        pairs = tiles * 64 * 64
+        for det in (True, False):
+            f1, f2 = ours_fns(q, k, v, dout, plan, scale, det)
+            t1, _ = bench(f1, args.budget)
+            t2, n2 = bench(f2, args.budget)
+            tot[det][0] += t1
+            tot[det][1] += t2
+            emit(dict(impl="ours_det" if det else "ours_fast", seq=s, d=d, layer=layer, fwd_ms=t1, fwd_bwd_ms=t2,
+                      tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2), reps=n2,
+                      computed_over_causal=pairs / dense_pairs, block_tiles=block_tiles, column_tiles=column_tiles,
+                      speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None, note=f"layer {layer}"))
+    for det in (True, False):
+        t1, t2 = tot[det]
+        pairs = tiles_sum * 64 * 64
+        emit(dict(impl=("ours_det" if det else "ours_fast") + "_all_layers", seq=s, d=d, layers=nl, fwd_ms=t1,
+                  fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
+                  computed_over_causal=pairs / (nl * dense_pairs),
+                  speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None, pattern_meta=meta,
+                  note=f"{nl} layers of {args.pattern_file}"))
 
 
 def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):
