@@ -14,6 +14,7 @@ test module imported triton earlier in this pytest process, these tests re-run t
 subprocess instead (one test, same checks).
 """
 
+import dataclasses
 import os
 import sys
 
@@ -300,7 +301,8 @@ def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(determin
     assert kernels[True].expect_backward is False and not plans(True)._kv
 
 
-@pytest.mark.parametrize("kind", ["random causal", "random non-causal", "synthetic vertical-slash"])
+@pytest.mark.parametrize("kind", ["random causal", "random non-causal", "synthetic vertical-slash",
+                                  "synthetic non-causal"])
 def test_unmasked_column_chunks_match_masked_path_and_fp64(kind):
     """Whole 64-column chunks that every row of the tile sees run without a mask: in the forward and
     dQ kernels (``column_split``; bitwise the all-masked path) and in the column dK/dV kernel (its
@@ -314,6 +316,8 @@ def test_unmasked_column_chunks_match_masked_path_and_fp64(kind):
     else:   # per-head column sets shared by every tile, as the estimator's: full chunks of the union
         s = 1024
         idx, _ = vertical_slash_indices(s, hq, sparsity=0.6, window=1, sinks=3, seed=5)
+        if not causal:    # the same lists as a step against another owner: every listed key visible
+            idx = dataclasses.replace(idx, causal=False)
     q, k, v, dout = _inputs(b, s, hq, hkv, d, torch.float32, gen)
     scale = d ** -0.5
     plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, causal)
@@ -329,13 +333,22 @@ def test_unmasked_column_chunks_match_masked_path_and_fp64(kind):
         res[name] = (out, lse) + launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, True, config=cfg)
     assert all(torch.equal(x, y) for x, y in zip(res["split"], res["masked"]))
     if kind.startswith("synthetic"):
-        offsets, mid = launch._col_plan(plan, s, b, hq)[2:4]
+        key = ("col", s, b, hq)
+        offsets, mid = plan._col[key][2:4]
         assert bool((mid > offsets[:-1]).any())                 # the column kernel's unmasked entries run
     mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s)
     o_ref, l_ref = oracle(q, k, v, mask_fn, scale)
     delta_ref = (dout.double() * o_ref).sum(-1).transpose(1, 2)
     *_, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask_fn, scale, dout, l_ref, delta_ref)
     _check_all(res["split"], (o_ref, l_ref, dq_r, dk_r, dv_r), TOL[torch.float32])
+    if kind == "synthetic vertical-slash":   # negative control: every column entry declared unmasked
+        key = ("col", s, b, hq)
+        good = plan._col[key]
+        plan._col[key] = good[:3] + (good[2][1:].clone(),) + good[4:]          # mid = end of each segment
+        delta = (dout.float() * res["split"][0]).sum(-1).transpose(1, 2).contiguous()
+        _, dk_bad, dv_bad = launch.sparse_backward(dout, q, k, v, res["split"][1], delta, plan, scale, True)
+        plan._col[key] = good
+        assert max(rel_err(dk_bad, dk_r), rel_err(dv_bad, dv_r)) > 1e-2
     if kind == "random causal":   # lists out of order (against the StepIndices contract): still exact
         perm = torch.randperm(idx.column_index.shape[-1], generator=gen)
         ci = idx.column_index.clone()
@@ -366,18 +379,41 @@ def test_unmasked_column_chunks_match_masked_path_and_fp64(kind):
 
 @pytest.mark.parametrize("dtype,d,s", [(torch.float32, 64, 200), (torch.float16, 128, 257), (torch.float32, 32, 64)])
 def test_attention_delta_kernel_matches_fp64(dtype, d, s):
-    """``rowsum(dout * out)`` by the Triton kernel (inputs read in their own dtype, strided views):
-    against fp64 within the fp32 tolerance; fp64 inputs stay on the torch path in fp64."""
+    """``rowsum(dout * out)`` by the Triton kernel (``launch.attention_delta`` itself, inputs read in
+    their own dtype, strided views) and through the custom op: against fp64 within the fp32
+    tolerance; fp64 inputs stay on the torch path in fp64."""
     from megatron_mtraining.ops.triton import attention_delta
     gen = torch.Generator().manual_seed(d + s)
     b, h = 2, 3
     out = torch.randn(b, h, s, d, generator=gen).to(dtype).transpose(1, 2)       # [b, s, h, d], strided
     dout = torch.randn(b, s, h, d, generator=gen).to(dtype)
-    got = attention_delta(dout, out)
     ref = (dout.double() * out.double()).sum(-1).transpose(1, 2)
-    assert got.dtype == torch.float32 and got.shape == (b, h, s) and got.is_contiguous()
-    assert rel_err(got, ref) <= 1e-6
-    bad = attention_delta(dout, out.roll(1, dims=1))                                # negative control
+    for got in (launch.attention_delta(dout, out), attention_delta(dout, out)):
+        assert got.dtype == torch.float32 and got.shape == (b, h, s) and got.is_contiguous()
+        assert rel_err(got, ref) <= 1e-6
+    bad = launch.attention_delta(dout, out.roll(1, dims=1))     # negative control: rows shifted
     assert rel_err(bad, ref) > 0.1
     got64 = attention_delta(dout.double(), out.double())
     assert got64.dtype == torch.float64 and torch.allclose(got64, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_delta_fallbacks_and_op_checks():
+    """Shapes the kernel does not take go to torch (head_dim 48, a strided last dimension); the
+    launcher itself refuses them with a clear error; the custom op passes ``torch.library.opcheck``."""
+    from megatron_mtraining.ops.triton import attention_delta
+    gen = torch.Generator().manual_seed(5)
+    out48 = torch.randn(1, 70, 2, 48, generator=gen)
+    dout48 = torch.randn(1, 70, 2, 48, generator=gen)
+    ref48 = (dout48.double() * out48.double()).sum(-1).transpose(1, 2)
+    assert rel_err(attention_delta(dout48, out48), ref48) <= 1e-6
+    with pytest.raises(ValueError, match="power of two"):
+        launch.attention_delta(dout48, out48)
+    wide = torch.randn(1, 70, 2, 128, generator=gen)
+    out_s, dout_s = wide[..., ::2], torch.randn(1, 70, 2, 64, generator=gen)      # last-dim stride 2
+    ref_s = (dout_s.double() * out_s.double()).sum(-1).transpose(1, 2)
+    assert rel_err(attention_delta(dout_s, out_s), ref_s) <= 1e-6
+    with pytest.raises(ValueError, match="contiguous"):
+        launch.attention_delta(dout_s, out_s)
+    x = torch.randn(1, 64, 2, 32, generator=gen)
+    torch.library.opcheck(torch.ops.mtraining.attn_delta, (x, torch.randn_like(x)))
+    torch.library.opcheck(torch.ops.mtraining.attn_delta, (x.double(), torch.randn_like(x).double()))

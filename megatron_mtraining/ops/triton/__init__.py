@@ -153,7 +153,8 @@ def _(dout, q, k, v, lse, delta, block_count, block_index, column_count, column_
 def _attn_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     d = out.shape[-1]
     if (triton_usable(out) and triton_usable(dout) and out.dim() == 4 and dout.shape == out.shape
-            and d & (d - 1) == 0 and d <= 256 and out.stride(-1) == 1 and dout.stride(-1) == 1):
+            and 0 < d <= 256 and d & (d - 1) == 0 and out.stride(-1) == 1 and dout.stride(-1) == 1
+            and out.numel() < 2 ** 31):
         return _delta_kernel(dout, out)
     acc = acc_dtype(out.dtype)
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
@@ -173,8 +174,10 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             gradient).
     Returns:
         ``[b, hq, s]`` contiguous, in :func:`~megatron_mtraining.ops.reference.acc_dtype` of
-        ``out.dtype`` (fp32, or fp64 for fp64). On CUDA (bf16/fp16/fp32, ``d`` a power of two) one
-        Triton launch that reads the inputs as they are; elsewhere torch in the accumulation dtype.
+        ``out.dtype`` (fp32, or fp64 for fp64). One Triton launch that reads the inputs as they are
+        where the kernels run (:func:`triton_usable`: CUDA, or the CPU under ``TRITON_INTERPRET=1``),
+        for bf16/fp16/fp32 inputs of the same shape with ``d`` a power of two <= 256, a contiguous last
+        dimension and fewer than 2**31 elements; otherwise torch in the accumulation dtype.
         Custom op ``torch.ops.mtraining.attn_delta`` (fake implementation registered).
     """
     return _attn_delta(dout, out)

@@ -16,8 +16,9 @@ Masks (``MASK_MODE``):
 Blocks are visited in two loops: slots ``[0, split)`` need no mask (the caller guarantees it),
 slots ``[split, count)`` are masked. Vertical columns are visited the same way (``COL_SPLIT``): whole
 64-column chunks among the first ``column_split`` slots (columns every row of the tile sees) run
-unmasked, the rest are masked by their validity (slot < count) and, in mode 1, causally. Rows that see no key end with ``out = 0`` and ``lse = -inf``;
-the backward treats ``lse = -inf`` as "probability 0" so such rows give exact zero gradients.
+unmasked, the rest are masked by their validity (slot < count) and, in mode 1, causally. Rows
+that see no key end with ``out = 0`` and ``lse = -inf``; the backward treats ``lse = -inf`` as
+"probability 0" so such rows give exact zero gradients.
 """
 
 import triton
@@ -396,7 +397,7 @@ def _sparse_bwd_col_kernel(
     s_lb, s_lh,
     s_pp, s_pb, s_ph, s_pu,
     s_ub, s_uh,
-    s_ucb,
+    s_ucb, s_uch,
     s_ofb, s_ofh,
     num_heads, num_chunks, num_splits, rep,
     CAUSAL: tl.constexpr, FP32: tl.constexpr,
@@ -406,8 +407,8 @@ def _sparse_bwd_col_kernel(
 
     Program (chunk c of the union U of query head h's columns, query-tile split sp): gathers the
     64 keys U[c*64:(c+1)*64] and visits the query tiles of split sp that list at least one of them
-    (``ColEntries``), accumulating dK/dV in registers. Entries ``[start, mid)`` list all 64 columns,
-    all left of the tile's first row: no mask; entries ``[mid, end)`` are masked by ``ColBits`` (which
+    (``ColEntries``), accumulating dK/dV in registers. Entries ``[start, mid)`` list all 64 columns
+    (causal steps: all left of the tile's first row): no mask; entries ``[mid, end)`` are masked by ``ColBits`` (which
     of the 64 columns the tile lists) and, causally, by position; each range in ascending tile order.
     Programs are ordered chunk-fastest, so the programs running together read the same query tiles
     (Q, dO) of one (head, split) from L2. Writes one partial per split, DKP[sp, b, h, u, :]; the caller
@@ -419,7 +420,7 @@ def _sparse_bwd_col_kernel(
     sp = hs % num_splits
     h = hs // num_splits
     g = h // rep
-    ucount = tl.load(ColUCount + bz * s_ucb + h)
+    ucount = tl.load(ColUCount + bz * s_ucb + h * s_uch)
     offs_u = c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, HEAD_DIM)
     uvalid = offs_u < ucount
@@ -457,7 +458,7 @@ def _col_scatter_kernel(
     DK, DV, DKP, DVP, ColU, ColUCount, r,
     s_dkb, s_dks, s_dkh,
     s_pp, s_pb, s_ph, s_pu,
-    s_ub, s_uh, s_ucb,
+    s_ub, s_uh, s_ucb, s_uch,
     num_splits, rep,
     HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -470,7 +471,7 @@ def _col_scatter_kernel(
     h = g * rep + r
     offs_u = c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, HEAD_DIM)
-    uvalid = offs_u < tl.load(ColUCount + bz * s_ucb + h)
+    uvalid = offs_u < tl.load(ColUCount + bz * s_ucb + h * s_uch)
     cols = tl.load(ColU + bz * s_ub + h * s_uh + offs_u, mask=uvalid, other=0)
     src = bz * s_pb + h * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
     acc_k = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)

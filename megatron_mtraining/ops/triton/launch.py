@@ -194,8 +194,8 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     nsplit, B', H')``: for segment ``((b'*H' + h')*nchunks + c)*nsplit + sp`` the entries are the
     query tiles of split ``sp`` (``qbps`` tiles each) that list a column of chunk ``c`` of ``U``, each
     with the 64-bit mask of the chunk's columns it lists: first (``[offsets[seg], mid[seg])``) the
-    tiles that list all 64 columns, every one left of the tile's first row (computed unmasked),
-    then the others, each group in ascending tile order."""
+    tiles that list all 64 columns (causal plans: every one left of the tile's first row), computed
+    unmasked, then the others, each group in ascending tile order."""
     ci, cc = plan.column_index, plan.column_count
     B_, H_, nqb, max_nc = ci.shape
     key = ("col", sk, b, hq)
@@ -533,7 +533,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             dout.stride(0), dout.stride(1), dout.stride(2),
             lse.stride(0), lse.stride(1),
             dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
-            col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0),
+            col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0), ucount_e.stride(1),
             (H_ * nchunks * nsplit) if B_ > 1 else 0, (nchunks * nsplit) if H_ > 1 else 0,
             hq, nchunks, nsplit, rep,
             CAUSAL=plan.mask_mode == 1, FP32=fp32,
@@ -545,7 +545,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
                 dk, dv, dkp, dvp, col_u_e, ucount_e, r,
                 dk.stride(0), dk.stride(1), dk.stride(2),
                 dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
-                col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0),
+                col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0), ucount_e.stride(1),
                 nsplit, rep,
                 HEAD_DIM=d, BLOCK_C=BLOCK_C, num_warps=4, num_stages=1,
             )
@@ -559,7 +559,9 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if dout.shape != out.shape or dout.dim() != 4:
         raise ValueError(f"dout and out must both be [b, s, hq, d]; got {tuple(dout.shape)}, {tuple(out.shape)}")
     b, s, h, d = out.shape
-    if d & (d - 1) or d > 256:
+    if out.numel() >= 2 ** 31:
+        raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
+    if d <= 0 or d & (d - 1) or d > 256:
         raise ValueError(f"head_dim {d} not supported by the delta kernel (a power of two <= 256)")
     if dout.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("last dimension must be contiguous")
