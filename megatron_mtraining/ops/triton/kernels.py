@@ -154,6 +154,18 @@ def _sparse_fwd_kernel(
 
 
 @triton.jit
+def _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh):
+    """The backward's query-side operands of rows ``offs_m`` of head ``h``: ``q``, ``do``, the LSE in
+    base-2 units (``+inf`` for rows that saw no key: probability 0) and ``delta``."""
+    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+    do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
+    lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, MASKED: tl.constexpr, FP32: tl.constexpr):
     # returns p [M, N] (fp32) and ds [M, N] (fp32) of one tile; valid: [M, N] bool (MASKED only)
     qk = _dot(q, tl.trans(k), FP32) * scale_log2
@@ -200,11 +212,8 @@ def _sparse_bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
 
-    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
-    do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
-    lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
     k_base = K + bz * s_kb + g * s_kh
     v_base = V + bz * s_vb + g * s_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -335,11 +344,8 @@ def _sparse_bwd_dkdv_kernel(
         qb = ent - r * num_q_blocks
         h = g * rep + r
         offs_m = qb * BLOCK_M + offs_r
-        q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
-        do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
-        lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+        q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                              s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
         if MASK_MODE == 0:
             pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
         else:
@@ -368,11 +374,8 @@ def _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, sca
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
-    do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
-    lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
     if MASKED:
         valid = member[:, None]
         if CAUSAL:
