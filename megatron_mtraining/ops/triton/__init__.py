@@ -35,8 +35,8 @@ import torch
 
 from ...patterns.indices import StepIndices
 from ..reference import acc_dtype
-from .launch import (CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, dense_plan,
-                     plan_from_indices, prebuild_backward_plans, sparse_backward, sparse_forward)
+from .launch import (CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, delta_unsupported,
+                     dense_plan, plan_from_indices, prebuild_backward_plans, sparse_backward, sparse_forward)
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
@@ -151,10 +151,7 @@ def _(dout, q, k, v, lse, delta, block_count, block_index, column_count, column_
 
 @torch.library.custom_op("mtraining::attn_delta", mutates_args=())
 def _attn_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    d = out.shape[-1]
-    if (triton_usable(out) and triton_usable(dout) and out.dim() == 4 and dout.shape == out.shape
-            and 0 < d <= 256 and d & (d - 1) == 0 and out.stride(-1) == 1 and dout.stride(-1) == 1
-            and out.numel() < 2 ** 31):
+    if triton_usable(out) and triton_usable(dout) and delta_unsupported(dout, out) is None:
         return _delta_kernel(dout, out)
     acc = acc_dtype(out.dtype)
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()

@@ -363,15 +363,13 @@ def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int, col_split: bool = Tru
     bc = plan.block_count.expand(b, hq, nqb)
     bs = plan.block_split.expand(b, hq, nqb)
     bi = plan.block_index.expand(b, hq, nqb, plan.block_index.shape[-1])
-    csp = None
     if plan.has_columns:
         cc = plan.column_count.expand(b, hq, nqb)
         ci = plan.column_index.expand(b, hq, nqb, plan.column_index.shape[-1])
-        csp = plan.column_split() if col_split else None
     else:
         cc, ci = bc, bi           # dummies, never read
-    csp = csp.expand(b, hq, nqb) if csp is not None else None
-    cs = csp if csp is not None else bc            # dummy when not passed
+    csp = plan.column_split() if col_split else None     # None without columns too
+    cs = csp.expand(b, hq, nqb) if csp is not None else bc      # dummy when not passed
     qp = plan.q_pos if plan.q_pos is not None else bc
     kp = plan.k_pos if plan.k_pos is not None else bc
     tensors = (bc, bs, bi, cc, cs, ci, qp, kp)
@@ -553,18 +551,31 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
 
 
 # ----------------------------------------------------------------------------- delta
+def delta_unsupported(dout: torch.Tensor, out: torch.Tensor) -> Optional[str]:
+    """Why :func:`attention_delta` cannot take these shapes (``None``: it can)."""
+    if dout.shape != out.shape or dout.dim() != 4:
+        return f"dout and out must both be [b, s, hq, d]; got {tuple(dout.shape)}, {tuple(out.shape)}"
+    d = out.shape[-1]
+    if out.numel() >= 2 ** 31:
+        return "tensors of 2**31 or more elements are not supported (int32 offsets)"
+    if d <= 0 or d & (d - 1) or d > 256:
+        return f"head_dim {d} not supported by the delta kernel (a power of two <= 256)"
+    if dout.stride(-1) != 1 or out.stride(-1) != 1:
+        return "last dimension must be contiguous"
+    return None
+
+
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``delta = rowsum(dout * out)`` of the backward: ``[b, hq, s]`` fp32 from ``[b, s, hq, d]`` inputs
-    of any float dtype (read as they are, no fp32 copies). One Triton launch; ``d`` a power of two."""
-    if dout.shape != out.shape or dout.dim() != 4:
-        raise ValueError(f"dout and out must both be [b, s, hq, d]; got {tuple(dout.shape)}, {tuple(out.shape)}")
+    of any float dtype (read as they are, no fp32 copies). One Triton launch.
+
+    Raises:
+        ValueError: the shapes :func:`delta_unsupported` names (``d`` not a power of two <= 256, a
+            strided last dimension, 2**31 or more elements, mismatched shapes)."""
+    why = delta_unsupported(dout, out)
+    if why is not None:
+        raise ValueError(why)
     b, s, h, d = out.shape
-    if out.numel() >= 2 ** 31:
-        raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
-    if d <= 0 or d & (d - 1) or d > 256:
-        raise ValueError(f"head_dim {d} not supported by the delta kernel (a power of two <= 256)")
-    if dout.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("last dimension must be contiguous")
     delta = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
     block_s = max(16, min(128, 8192 // d))
     _kernels()._delta_kernel[(-(-s // block_s), b * h)](
