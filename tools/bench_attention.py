@@ -228,6 +228,10 @@ def main():
                          "tools/pattern_recall.py / tools/imbalance.py --save-pattern, whose rows are layers x "
                          "heads (--heads per layer); its seq_len is used, --seqs/--sparsity are ignored")
     ap.add_argument("--layers", type=int, default=0, help="with --pattern-file: only the first N layers (0: all)")
+    ap.add_argument("--regroup-heads", action="store_true",
+                    help="with --pattern-file: take the file's head rows in order, --heads at a time, as layers of "
+                         "another model's shape (e.g. SmolLM2's 30 x 9 rows as 16 layers of 16 Qwen2.5-3B heads); "
+                         "the rows left over are dropped")
     ap.add_argument("--once", action="store_true",
                     help="run our deterministic fwd+bwd once per case, no timing (for ncu)")
     ap.add_argument("--seed", type=int, default=0)
@@ -394,9 +398,13 @@ def file_bench(args, d, dev, dt, impls, emit):
     pat, meta = load_pattern(args.pattern_file)
     s, hq, hkv = pat.seq_len, args.heads, args.kv_heads
     rows = pat.slash.shape[1]
-    if rows % hq or hq % hkv:
+    if hq % hkv:
+        raise SystemExit(f"error: --heads {hq} is not a multiple of --kv-heads {hkv}")
+    if rows % hq and not args.regroup_heads:
         raise SystemExit(f"error: {args.pattern_file} has {rows} head rows: not layers x --heads {hq} "
-                         f"(or --heads not a multiple of --kv-heads {hkv})")
+                         f"(--regroup-heads takes them {hq} at a time)")
+    if rows < hq:
+        raise SystemExit(f"error: {args.pattern_file} has {rows} head rows, fewer than --heads {hq}")
     nl = rows // hq if args.layers <= 0 else min(args.layers, rows // hq)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     q = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
@@ -442,7 +450,8 @@ def file_bench(args, d, dev, dt, impls, emit):
                   fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
                   computed_over_causal=pairs / (nl * dense_pairs),
                   speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None, pattern_meta=meta,
-                  note=f"{nl} layers of {args.pattern_file}"))
+                  note=f"{nl} layers of {args.pattern_file}" + (f" regrouped {hq} rows per layer, {rows - nl * hq} "
+                                                                  f"rows dropped" if args.regroup_heads else "")))
 
 
 def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):

@@ -20,7 +20,14 @@ layer and head:
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
 (``tools.imbalance.save_pattern`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
-text with a trained checkpoint (``tools/imbalance.py --pattern file --pattern-file P``).
+text with a trained checkpoint (``tools/imbalance.py --pattern file --pattern-file P``), or the
+kernel benchmark can time them (``tools/bench_attention.py --pattern-file P``).
+
+``--device cuda`` runs the model, the estimator and the recall on the GPU (needed from about 32K
+tokens on: the exact recall is O(seq^2) per head in fp64). ``--timing-repeats 0`` skips the
+estimator/attention timings (the torch dense reference materializes ``[seq, seq]`` scores per
+head), and ``--recall-stride K`` computes the exact recall on every K-th chunk of 256 query rows
+only (a uniform sample; the report records the stride).
 
 Writes ``OUT.json`` and ``OUT.png`` (a few heads' attention, log scale, with the chosen vertical
 columns and slash diagonals drawn over it)::
@@ -86,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     out = ap.add_argument_group("output")
     out.add_argument("--out", default="pattern_recall", help="writes OUT.json and OUT.png")
     out.add_argument("--plot-heads", type=int, default=4, help="number of heads drawn in the PNG (0: no PNG)")
-    out.add_argument("--timing-repeats", type=int, default=3)
+    out.add_argument("--timing-repeats", type=int, default=3, help="0: skip the timings (long sequences)")
+    out.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                     help="where the model, the estimator and the exact recall run")
+    out.add_argument("--recall-stride", type=int, default=1,
+                     help="exact recall on every K-th chunk of 256 query rows (1: all rows)")
     out.add_argument("--save-pattern", default=None, metavar="PATH",
                      help="also write every layer's estimated pattern (.npz/.pt, rows = layer x sample x head) "
                           "for tools/imbalance.py --pattern file")
@@ -236,16 +247,21 @@ def load_weights(model, info: dict, ckpt_dir: str) -> None:
 
 
 # --------------------------------------------------------------------------------------- metrics
-def exact_mass_inside(q, k, mask_fn, scale, rows=256):
-    """Per (b, head): sum over all query rows of the exact causal attention mass inside the mask,
-    divided by the number of rows; and the same over the last ``last_q`` rows only (via mask_fn)."""
+def exact_mass_inside(q, k, mask_fn, scale, rows=256, stride=1, last_q=0):
+    """Per (b, head, query row): the exact causal attention mass (fp64) inside the mask.
+
+    Rows are taken in chunks of ``rows``; with ``stride`` > 1 only every ``stride``-th chunk and
+    the chunks holding the last ``last_q`` rows are computed, the others are NaN (callers average
+    with ``nanmean``)."""
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
     kk = k.double().repeat_interleave(rep, 2)
-    inside = torch.zeros(b, hq, s, dtype=torch.float64)
-    pos = torch.arange(s)
-    for r0 in range(0, s, rows):
+    inside = torch.full((b, hq, s), float("nan") if stride > 1 else 0.0, dtype=torch.float64, device=q.device)
+    pos = torch.arange(s, device=q.device)
+    for ci, r0 in enumerate(range(0, s, rows)):
         r1 = min(s, r0 + rows)
+        if ci % stride and r1 <= s - last_q:
+            continue
         sc = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].double(), kk[:, :r1]) * scale
         sc = sc.masked_fill(pos[None, :r1] > pos[r0:r1, None], float("-inf"))
         p = torch.softmax(sc, -1)
@@ -256,8 +272,9 @@ def exact_mass_inside(q, k, mask_fn, scale, rows=256):
 def pattern_rows(pattern, r0: int, r1: int) -> torch.Tensor:
     """Rows ``r0:r1`` of the pattern's token mask, keys ``0:r1`` (``[b, hq, r1-r0, r1]``)."""
     bs = pattern.block_size
-    qp = torch.arange(r0, r1)
-    kp = torch.arange(r1)
+    dev = pattern.slash.device
+    qp = torch.arange(r0, r1, device=dev)
+    kp = torch.arange(r1, device=dev)
     d = qp[:, None] // bs - kp[None, :] // bs
     on_slash = pattern.slash_mask()[..., d.clamp(min=0)] & (d >= 0)
     on_vert = pattern.vertical_mask()[..., :r1][:, :, None, :]
@@ -328,6 +345,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"error: --seq-length must be a positive multiple of {cfg.block_size}")
     if args.num_samples < 1:
         raise SystemExit(f"error: --num-samples must be >= 1, got {args.num_samples}")
+    if args.recall_stride < 1:
+        raise SystemExit(f"error: --recall-stride must be >= 1, got {args.recall_stride}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: CUDA is not available on this machine")
     if args.save_pattern:
         if not args.save_pattern.endswith((".npz", ".pt")):   # numpy would append .npz to any other name
             raise SystemExit(f"error: --save-pattern {args.save_pattern}: the name must end in .npz or .pt")
@@ -362,6 +383,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         load_weights(model, info, ckpt_dir)
         source = f"{ckpt_dir} ({info['format']}, iteration {info['iteration']})"
     model.eval()
+    dev = torch.device(args.device)
+    model.to(dev)
 
     captured = []
 
@@ -372,8 +395,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     hooks = [layer.self_attention.core_attention.register_forward_pre_hook(grab, with_kwargs=True)
              for layer in model.decoder.layers]
     seq = args.seq_length
-    inp = tokens[:, :seq]
-    pos = torch.arange(seq).expand(inp.shape[0], -1)
+    inp = tokens[:, :seq].to(dev)
+    pos = torch.arange(seq, device=dev).expand(inp.shape[0], -1)
     with torch.no_grad():
         model(inp, pos, None)
     for h in hooks:
@@ -382,9 +405,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     one = Layout("striped", 1, 64)
     bs = cfg.block_size
     nb = seq // bs
-    pos1 = torch.arange(seq)
+    pos1 = torch.arange(seq, device=dev)
     report = {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
-              "num_samples": args.num_samples, "config": cfg.__dict__, "layers": []}
+              "num_samples": args.num_samples, "config": cfg.__dict__, "device": args.device,
+              "recall_stride": args.recall_stride, "layers": []}
     picks = []
     saved_rows = ([], [])                  # (slash offsets, vertical positions) per layer x sample x head
     for li, (q, k, v) in enumerate(captured):
@@ -393,14 +417,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         for rows, t in zip(saved_rows, (pattern.slash, pattern.vertical)):
             rows.extend(r[r >= 0].numpy() for r in t.reshape(-1, t.shape[-1]).cpu())
         steps = convert_pattern(pattern, one, 0)
-        t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale),
-                      args.timing_repeats)
-        t_att = timed(lambda: attention_forward(q, k, v, pos1, pos1, scale), args.timing_repeats)
-        t_sparse = timed(lambda: sparse_attention_forward(q, k, v, steps[0], scale), args.timing_repeats)
-        inside = exact_mass_inside(q, k, lambda r0, r1: pattern_rows(pattern, r0, r1).double(), scale)
-        recall = inside.mean(-1)                                      # [b, hq]
+        t_est = t_att = t_sparse = float("nan")
+        if args.timing_repeats > 0:
+            t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale),
+                          args.timing_repeats)
+            t_att = timed(lambda: attention_forward(q, k, v, pos1, pos1, scale), args.timing_repeats)
+            t_sparse = timed(lambda: sparse_attention_forward(q, k, v, steps[0], scale), args.timing_repeats)
+        inside = exact_mass_inside(q, k, lambda r0, r1: pattern_rows(pattern, r0, r1).double(), scale,
+                                   stride=args.recall_stride, last_q=cfg.last_q).cpu()
+        recall = inside.nanmean(-1)                                   # [b, hq]
         probe_recall = inside[..., seq - cfg.last_q:].mean(-1)
-        work = work_fraction(steps, nb, bs)
+        work = work_fraction(steps, nb, bs).cpu()
         heads = []
         for h in range(q.shape[2]):
             heads.append({
