@@ -45,8 +45,14 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
     from tools.pattern_recall import main
 
     base = ["--data-path", str(tmp_path / "none"), "--seq-length", "256", "--out", str(tmp_path / "rec")]
-    for extra, needle in ((["--save-pattern", str(tmp_path / "pat")], "--save-pattern"),
-                          (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples")):
+    cases = [(["--save-pattern", str(tmp_path / "pat")], "--save-pattern"),
+             (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples"),
+             (["--recall-stride", "0"], "--recall-stride")]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda"))
+    for extra, needle in cases:
         with pytest.raises(SystemExit) as exc:
             main(base + extra)
         assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)
@@ -68,3 +74,30 @@ def test_vocab_of_a_huggingface_tokenizer_checkpoint(tmp_path):
     assert tokenizer_vocab_size(str(path)) == 37
     _, spm_model = make_tiny_dataset(tmp_path / "data")
     assert tokenizer_vocab_size(spm_model, "SentencePieceTokenizer") == 128
+
+
+def test_recall_stride_samples_whole_chunks_and_keeps_the_probe_rows():
+    """--recall-stride K: every K-th chunk of rows and the chunks holding the last last_q rows are
+    bitwise the full computation's; the other rows are NaN (the report averages with nanmean).
+    Negative control: the full computation has no NaN, so the sampled rows are a strict subset."""
+    import math
+
+    import torch
+
+    from tools.pattern_recall import exact_mass_inside
+
+    g = torch.Generator().manual_seed(0)
+    b, s, hq, hkv, d = 1, 640, 4, 2, 16
+    q = torch.randn(b, s, hq, d, generator=g)
+    k = torch.randn(b, s, hkv, d, generator=g)
+    keep = torch.rand(b, hq, s, s, generator=g) < 0.5
+    mask = lambda r0, r1: keep[:, :, r0:r1, :r1].double()  # noqa: E731
+    full = exact_mass_inside(q, k, mask, 1 / math.sqrt(d), rows=64)
+    part = exact_mass_inside(q, k, mask, 1 / math.sqrt(d), rows=64, stride=3, last_q=100)
+    assert not full.isnan().any()
+    computed = ~part[0, 0].isnan()
+    chunk = torch.arange(s) // 64
+    want = (chunk % 3 == 0) | (chunk >= (s - 100) // 64)
+    assert torch.equal(computed, want)
+    assert torch.equal(part[..., want], full[..., want])
+    assert part.isnan().sum() > 0
