@@ -10,12 +10,13 @@ from tests.helpers.dist import run_python
 pytest.importorskip("triton", reason="triton is not installed")
 
 
-def _pattern(path, rows: int, seq: int = 128):
+def _pattern(path, rows: int, seq: int = 512):
+    """Row r: the diagonal plus r far diagonals (offsets 1..r), no columns: row r has
+    8 + (8-1) + ... + (8-r) block tiles at 8 query blocks, a distinct count per row."""
     from tools.imbalance import pattern_from_arrays, save_pattern
 
-    rng = np.random.default_rng(0)
-    slash = [np.array([0] + ([1] if r % 2 else [])) for r in range(rows)]          # diagonal (+ one far diagonal)
-    vertical = [rng.choice(seq, size=3, replace=False) for _ in range(rows)]
+    slash = [np.arange(r + 1) for r in range(rows)]
+    vertical = [np.zeros(0, dtype=np.int64) for _ in range(rows)]
     save_pattern(str(path), pattern_from_arrays(seq, slash, vertical), {"test": True})
 
 
@@ -34,11 +35,12 @@ def test_regroup_heads_runs_the_rows_as_layers_of_another_shape(tmp_path):
     assert res.returncode == 0, res.tail()
     rows = json.loads(out.read_text())["rows"]
     det = [r for r in rows if r["impl"] == "ours_det"]
-    assert [r["layer"] for r in det] == [0]                 # 6 rows, 4 per layer: one layer, 2 rows dropped
-    # rows 0-3: two with the diagonal only, two with one more diagonal; 2 query blocks of 64
+    assert [r["layer"] for r in det] == [0]                 # 6 rows, 4 per layer: one layer, 2 rows left over
     (total,) = [r for r in rows if r["impl"] == "ours_det_all_layers"]
-    assert total["layers"] == 1 and "2 rows dropped" in total["note"]
-    assert det[0]["block_tiles"] == 4 * 2 + 2 * 1           # 2 diagonal tiles per head + 1 far tile for 2 heads
+    assert total["layers"] == 1 and "2 rows left over" in total["note"]
+    tiles = [sum(8 - o for o in range(r + 1)) for r in range(6)]      # 8, 15, 21, 26, 30, 33
+    assert det[0]["block_tiles"] == sum(tiles[:4])           # rows 0-3, not any other four
+    assert det[0]["column_tiles"] == 0
 
 
 def test_rows_that_do_not_fit_are_clear_errors(tmp_path):

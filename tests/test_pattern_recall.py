@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from tests.helpers.dist import run_python
 from tests.helpers.tiny_data import make_tiny_dataset
@@ -47,7 +48,8 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
     base = ["--data-path", str(tmp_path / "none"), "--seq-length", "256", "--out", str(tmp_path / "rec")]
     cases = [(["--save-pattern", str(tmp_path / "pat")], "--save-pattern"),
              (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples"),
-             (["--recall-stride", "0"], "--recall-stride")]
+             (["--recall-stride", "0"], "--recall-stride"),
+             (["--seq-length", "32768"], "--plot-heads")]
     import torch
 
     if not torch.cuda.is_available():
@@ -77,14 +79,14 @@ def test_vocab_of_a_huggingface_tokenizer_checkpoint(tmp_path):
 
 
 def test_recall_stride_samples_whole_chunks_and_keeps_the_probe_rows():
-    """--recall-stride K: every K-th chunk of rows and the chunks holding the last last_q rows are
+    """--recall-stride K: every K-th chunk of rows (centred) and the chunks holding the last last_q rows are
     bitwise the full computation's; the other rows are NaN (the report averages with nanmean).
     Negative control: the full computation has no NaN, so the sampled rows are a strict subset."""
     import math
 
     import torch
 
-    from tools.pattern_recall import exact_mass_inside
+    from tools.pattern_recall import exact_mass_inside, sampled_rows
 
     g = torch.Generator().manual_seed(0)
     b, s, hq, hkv, d = 1, 640, 4, 2, 16
@@ -97,7 +99,38 @@ def test_recall_stride_samples_whole_chunks_and_keeps_the_probe_rows():
     assert not full.isnan().any()
     computed = ~part[0, 0].isnan()
     chunk = torch.arange(s) // 64
-    want = (chunk % 3 == 0) | (chunk >= (s - 100) // 64)
+    grid = chunk % 3 == 1                           # centred in each stride: chunks 1, 4, 7
+    assert torch.equal(sampled_rows(s, 3, rows=64), grid)
+    assert torch.equal(sampled_rows(s, 1, rows=64), torch.ones(s, dtype=torch.bool))
+    want = grid | (chunk >= (s - 100) // 64)
     assert torch.equal(computed, want)
     assert torch.equal(part[..., want], full[..., want])
     assert part.isnan().sum() > 0
+
+
+def test_strided_recall_without_timings_end_to_end(tmp_path):
+    """--recall-stride 2 --timing-repeats 0 through main(): strict JSON (no NaN), null timings, the
+    probe recall equal to the stride-1 run's (bitwise: the same rows), the budgets and sparsity
+    unchanged, and recall over the sampled rows only (recall_rows)."""
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    reports = {}
+    for stride in (1, 2):
+        out = tmp_path / f"rec{stride}"
+        res = run_python("tools/pattern_recall.py", [
+            "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "1024", "--recall", "0.9",
+            "--timing-repeats", "0", "--plot-heads", "0", "--recall-stride", str(stride), "--out", str(out)],
+            timeout=300)
+        assert res.returncode == 0, res.tail()
+        text = (tmp_path / f"rec{stride}.json").read_text()
+        reports[stride] = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    one, two = reports[1], reports[2]
+    assert (one["recall_stride"], one["recall_rows"]) == (1, 1024)
+    assert (two["recall_stride"], two["recall_rows"]) == (2, 512)            # chunks 1 and 3 of 4
+    assert two["summary"]["est_time_ratio_mean"] is None
+    (l1,), (l2,) = one["layers"], two["layers"]
+    assert l2["estimator_s"] is None and l2["est_time_ratio"] is None
+    for h1, h2 in zip(l1["heads"], l2["heads"]):
+        assert h2["probe_recall"] == h1["probe_recall"]
+        assert (h2["vertical"], h2["slash"], h2["sparsity"]) == (h1["vertical"], h1["slash"], h1["sparsity"])
+        assert 0 < h2["recall"] <= 1

@@ -400,11 +400,11 @@ def file_bench(args, d, dev, dt, impls, emit):
     rows = pat.slash.shape[1]
     if hq % hkv:
         raise SystemExit(f"error: --heads {hq} is not a multiple of --kv-heads {hkv}")
+    if rows < hq:
+        raise SystemExit(f"error: {args.pattern_file} has {rows} head rows, fewer than --heads {hq}")
     if rows % hq and not args.regroup_heads:
         raise SystemExit(f"error: {args.pattern_file} has {rows} head rows: not layers x --heads {hq} "
                          f"(--regroup-heads takes them {hq} at a time)")
-    if rows < hq:
-        raise SystemExit(f"error: {args.pattern_file} has {rows} head rows, fewer than --heads {hq}")
     nl = rows // hq if args.layers <= 0 else min(args.layers, rows // hq)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     q = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
@@ -450,8 +450,8 @@ def file_bench(args, d, dev, dt, impls, emit):
                   fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
                   computed_over_causal=pairs / (nl * dense_pairs),
                   speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None, pattern_meta=meta,
-                  note=f"{nl} layers of {args.pattern_file}" + (f" regrouped {hq} rows per layer, {rows - nl * hq} "
-                                                                  f"rows dropped" if args.regroup_heads else "")))
+                  note=f"{nl} layers of {args.pattern_file}" + (f" regrouped {hq} rows per layer, {rows % hq} "
+                                                                  f"rows left over" if args.regroup_heads else "")))
 
 
 def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):

@@ -15,7 +15,9 @@ layer and head:
   64x64 tile (the diagonal tile in full) plus 64 query rows per extra vertical column;
 * ``vertical`` / ``slash``: the chosen budgets (columns, block diagonals);
 * ``est_time_ratio``: the estimator's time / the exact (dense) attention forward's time of the
-  layer, both the project's torch implementations on the same device.
+  layer on the same device (the estimator's default implementation there: torch on the CPU, the
+  fused Triton score kernels on CUDA; the dense attention is the torch reference). ``null`` when
+  ``--timing-repeats 0``.
 
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
 (``tools.imbalance.save_pattern`` format; rows in layer, sample, head order; ``meta`` names the
@@ -27,7 +29,10 @@ kernel benchmark can time them (``tools/bench_attention.py --pattern-file P``).
 tokens on: the exact recall is O(seq^2) per head in fp64). ``--timing-repeats 0`` skips the
 estimator/attention timings (the torch dense reference materializes ``[seq, seq]`` scores per
 head), and ``--recall-stride K`` computes the exact recall on every K-th chunk of 256 query rows
-only (a uniform sample; the report records the stride).
+only (chunks ``K//2, K//2 + K, ...``: a systematic sample centred in each stride, so the first rows,
+whose recall is near 1 from the local window, are not over-weighted; the probe rows are always
+computed for ``probe_recall`` but count in ``recall`` only if their chunk is on the grid; the
+report records the stride and the number of rows behind ``recall``).
 
 Writes ``OUT.json`` and ``OUT.png`` (a few heads' attention, log scale, with the chosen vertical
 columns and slash diagonals drawn over it)::
@@ -247,12 +252,18 @@ def load_weights(model, info: dict, ckpt_dir: str) -> None:
 
 
 # --------------------------------------------------------------------------------------- metrics
+def sampled_rows(seq: int, stride: int, rows: int = 256) -> torch.Tensor:
+    """Bool ``[seq]``: the query rows of the recall sample, chunks ``c`` of ``rows`` rows with
+    ``c % stride == stride // 2`` (all rows when ``stride == 1``)."""
+    return (torch.arange(seq) // rows) % stride == stride // 2
+
+
 def exact_mass_inside(q, k, mask_fn, scale, rows=256, stride=1, last_q=0):
     """Per (b, head, query row): the exact causal attention mass (fp64) inside the mask.
 
-    Rows are taken in chunks of ``rows``; with ``stride`` > 1 only every ``stride``-th chunk and
-    the chunks holding the last ``last_q`` rows are computed, the others are NaN (callers average
-    with ``nanmean``)."""
+    Rows are taken in chunks of ``rows``; with ``stride`` > 1 only the chunks of
+    :func:`sampled_rows` and those holding the last ``last_q`` rows are computed, the others are
+    NaN."""
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
     kk = k.double().repeat_interleave(rep, 2)
@@ -260,7 +271,7 @@ def exact_mass_inside(q, k, mask_fn, scale, rows=256, stride=1, last_q=0):
     pos = torch.arange(s, device=q.device)
     for ci, r0 in enumerate(range(0, s, rows)):
         r1 = min(s, r0 + rows)
-        if ci % stride and r1 <= s - last_q:
+        if ci % stride != stride // 2 and r1 <= s - last_q:
             continue
         sc = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].double(), kk[:, :r1]) * scale
         sc = sc.masked_fill(pos[None, :r1] > pos[r0:r1, None], float("-inf"))
@@ -288,13 +299,20 @@ def work_fraction(steps, nb: int, bs: int) -> torch.Tensor:
 
 
 def timed(fn, repeats: int) -> float:
+    """Best wall time of ``repeats`` calls after one warm-up; CUDA work is synchronized."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     best = float("inf")
     for _ in range(max(1, repeats)):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+PLOT_MAX_SEQ = 16384   # --plot-heads builds [seq, seq] fp64 probabilities per drawn head (2 GiB at 16K)
 
 
 def plot_heads(path: str, picks, seq: int) -> None:
@@ -349,6 +367,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"error: --recall-stride must be >= 1, got {args.recall_stride}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: CUDA is not available on this machine")
+    if args.plot_heads > 0 and args.seq_length > PLOT_MAX_SEQ:
+        raise SystemExit(f"error: --plot-heads draws a [seq, seq] map per head: --seq-length must be <= "
+                         f"{PLOT_MAX_SEQ}, or pass --plot-heads 0")
     if args.save_pattern:
         if not args.save_pattern.endswith((".npz", ".pt")):   # numpy would append .npz to any other name
             raise SystemExit(f"error: --save-pattern {args.save_pattern}: the name must end in .npz or .pt")
@@ -409,6 +430,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
               "num_samples": args.num_samples, "config": cfg.__dict__, "device": args.device,
               "recall_stride": args.recall_stride, "layers": []}
+    grid = sampled_rows(seq, args.recall_stride)
+    report["recall_rows"] = int(grid.sum())
     picks = []
     saved_rows = ([], [])                  # (slash offsets, vertical positions) per layer x sample x head
     for li, (q, k, v) in enumerate(captured):
@@ -417,7 +440,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for rows, t in zip(saved_rows, (pattern.slash, pattern.vertical)):
             rows.extend(r[r >= 0].numpy() for r in t.reshape(-1, t.shape[-1]).cpu())
         steps = convert_pattern(pattern, one, 0)
-        t_est = t_att = t_sparse = float("nan")
+        t_est = t_att = t_sparse = None
         if args.timing_repeats > 0:
             t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale),
                           args.timing_repeats)
@@ -425,7 +448,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             t_sparse = timed(lambda: sparse_attention_forward(q, k, v, steps[0], scale), args.timing_repeats)
         inside = exact_mass_inside(q, k, lambda r0, r1: pattern_rows(pattern, r0, r1).double(), scale,
                                    stride=args.recall_stride, last_q=cfg.last_q).cpu()
-        recall = inside.nanmean(-1)                                   # [b, hq]
+        recall = inside[..., grid].mean(-1)                           # [b, hq]
         probe_recall = inside[..., seq - cfg.last_q:].mean(-1)
         work = work_fraction(steps, nb, bs).cpu()
         heads = []
@@ -441,10 +464,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             })
         layer = {"layer": li, "heads": heads, "recall_mean": recall.mean().item(),
                  "sparsity_mean": 1.0 - work.mean().item(), "estimator_s": t_est, "dense_attention_s": t_att,
-                 "sparse_reference_s": t_sparse, "est_time_ratio": t_est / t_att}
+                 "sparse_reference_s": t_sparse, "est_time_ratio": None if t_est is None else t_est / t_att}
         report["layers"].append(layer)
         print(f"layer {li}: recall {layer['recall_mean']:.4f}  sparsity {layer['sparsity_mean']:.3f}  "
-              f"estimator/attention time {layer['est_time_ratio']:.3f}  "
+              f"estimator/attention time {'-' if t_est is None else format(layer['est_time_ratio'], '.3f')}  "
               f"budgets v={[hh['vertical'][0] for hh in heads]} s={[hh['slash'][0] for hh in heads]}", flush=True)
         if li in (0, len(captured) - 1):
             for h in range(q.shape[2]):
@@ -454,11 +477,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "recall_mean": sum(l["recall_mean"] for l in layers) / len(layers),
         "recall_min_head": min(hh["recall"] for l in layers for hh in l["heads"]),
         "sparsity_mean": sum(l["sparsity_mean"] for l in layers) / len(layers),
-        "est_time_ratio_mean": sum(l["est_time_ratio"] for l in layers) / len(layers),
+        "est_time_ratio_mean": (None if args.timing_repeats <= 0 else
+                                sum(l["est_time_ratio"] for l in layers) / len(layers)),
     }
     out_json, out_png = Path(args.out + ".json"), Path(args.out + ".png")   # OUT may contain dots
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(report, indent=1))
+    out_json.write_text(json.dumps(report, indent=1, allow_nan=False))
     print("summary:", json.dumps(report["summary"]), flush=True)
     print(f"wrote {out_json}", flush=True)
     if args.save_pattern:
@@ -474,8 +498,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         chosen = []
         for li, h, sp, q, k, pattern in picks[:args.plot_heads]:
             rep = q.shape[2] // k.shape[2]
-            sc = torch.einsum("qd,kd->qk", q[0, :, h].double(), k[0, :, h // rep].double()) / math.sqrt(q.shape[-1])
-            sc = sc.masked_fill(pos1[None, :] > pos1[:, None], float("-inf"))
+            qh, kh = q[0, :, h].double().cpu(), k[0, :, h // rep].double().cpu()   # the plot is drawn from the CPU
+            sc = torch.einsum("qd,kd->qk", qh, kh) / math.sqrt(q.shape[-1])
+            pc = torch.arange(seq)
+            sc = sc.masked_fill(pc[None, :] > pc[:, None], float("-inf"))
             probs = torch.softmax(sc, -1).float()
             slash = pattern.slash[0, h, :pattern.slash_count[0, h]].tolist()
             vert = pattern.vertical[0, h, :pattern.vertical_count[0, h]].tolist()
