@@ -269,9 +269,11 @@ def exact_mass_inside(q, k, mask_fn, scale, rows=256, stride=1, last_q=0):
     kk = k.double().repeat_interleave(rep, 2)
     inside = torch.full((b, hq, s), float("nan") if stride > 1 else 0.0, dtype=torch.float64, device=q.device)
     pos = torch.arange(s, device=q.device)
-    for ci, r0 in enumerate(range(0, s, rows)):
+    need = sampled_rows(s, stride, rows)
+    need[s - min(last_q, s):] = True
+    for r0 in range(0, s, rows):
         r1 = min(s, r0 + rows)
-        if ci % stride != stride // 2 and r1 <= s - last_q:
+        if not bool(need[r0:r1].any()):
             continue
         sc = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].double(), kk[:, :r1]) * scale
         sc = sc.masked_fill(pos[None, :r1] > pos[r0:r1, None], float("-inf"))
