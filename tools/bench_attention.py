@@ -289,13 +289,9 @@ def main():
             cud = None
             if "cudnn" in impls and s <= args.cudnn_max_seq:
                 try:
-                    f1, f2, note = cudnn_fns(q, k, v, dout)
-                    t1, _ = bench(f1, args.budget, warmup=1)
-                    t2, n2 = bench(f2, args.budget, warmup=1)
-                    cud = t2
-                    emit(dict(impl="cudnn_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2,
-                              tflops_fwd=tflops(4 * d * dense_pairs, t1),
-                              tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, t2), reps=n2, note=note))
+                    row = cudnn_row(q, k, v, dout, args.budget)
+                    cud = row["fwd_bwd_ms"]
+                    emit(row)
                 except Exception as e:
                     traceback.print_exc()
                     emit(dict(impl="cudnn_dense", seq=s, d=d, error=repr(e)[:300]))
@@ -387,6 +383,17 @@ def main():
     summary(rows)
 
 
+def cudnn_row(q, k, v, dout, budget, note=""):
+    """Time SDPA cuDNN dense causal fwd and fwd+bwd on ``q`` ``[1, s, hq, d]``; the JSON row."""
+    s, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    dense_pairs = hq * s * (s + 1) / 2
+    f1, f2, how = cudnn_fns(q, k, v, dout)
+    t1, _ = bench(f1, budget, warmup=1)
+    t2, n2 = bench(f2, budget, warmup=1)
+    return dict(impl="cudnn_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * dense_pairs, t1),
+                tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, t2), reps=n2, note=note + how)
+
+
 def file_bench(args, d, dev, dt, impls, emit):
     """Ours (deterministic and fast) per layer on the layers of a saved pattern, and cuDNN dense causal on the
     same shape; the last row sums the layers. Random q/k/v: the pattern alone decides the kernels' work."""
@@ -415,11 +422,9 @@ def file_bench(args, d, dev, dt, impls, emit):
     dense_pairs = hq * s * (s + 1) / 2
     cud = None
     if "cudnn" in impls:
-        f1, f2, note = cudnn_fns(q, k, v, dout)
-        t1, _ = bench(f1, args.budget, warmup=1)
-        cud, n2 = bench(f2, args.budget, warmup=1)
-        emit(dict(impl="cudnn_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=cud, tflops_fwd=tflops(4 * d * dense_pairs, t1),
-                  tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, cud), reps=n2, note=f"one layer; {note}"))
+        row = cudnn_row(q, k, v, dout, args.budget, note="one layer; ")
+        cud = row["fwd_bwd_ms"]
+        emit(row)
     tot = {True: [0.0, 0.0], False: [0.0, 0.0]}
     tiles_sum = 0
     for layer in range(nl):
