@@ -146,6 +146,23 @@ def run_python(
     return _run(cmd, timeout, worker_env(env), cwd)
 
 
+def start_process_group(backend: str = "gloo"):
+    """Start a torchrun worker's default group and return the device its ring runs on.
+
+    ``"gloo"``: the CPU. ``"nccl"``: ``cuda:LOCAL_RANK``, set as the current device before the
+    group starts (multi-GPU machines). The counterpart of :func:`finish_process_group`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend)
+    return device
+
+
 def finish_process_group() -> None:
     """End a worker: barrier on the default group, then ``destroy_process_group``.
 

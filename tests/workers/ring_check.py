@@ -72,14 +72,9 @@ def main():
                     help="nccl: the ring runs on cuda:LOCAL_RANK (the reference stays on the CPU)")
     args = ap.parse_args()
 
-    if args.backend == "nccl":
-        import os
+    from tests.helpers.dist import start_process_group
 
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        args.device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        args.device = torch.device("cpu")
-    dist.init_process_group(args.backend)
+    args.device = start_process_group(args.backend)
     world = dist.get_world_size()
     args.hier_groups = None
     if args.hier:

@@ -161,13 +161,10 @@ def main():
     ap.add_argument("--subgroups", action="store_true", help="also run on strided CP sub-groups (world 4)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
-    if args.backend == "nccl":
-        import os
+    from tests.helpers.dist import start_process_group
 
-        global DEVICE
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        DEVICE = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(args.backend)
+    global DEVICE
+    DEVICE = start_process_group(args.backend)
     world = dist.get_world_size()
     group = dist.new_group(list(range(world))) if world > 1 else None
     cfg = VerticalSlashConfig(recall=0.9)
