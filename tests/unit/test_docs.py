@@ -1,0 +1,201 @@
+"""The product documentation stays true to the code and free of development-history wording.
+
+* The config reference table of ``docs/user_guide.md`` lists exactly the fields of
+  :class:`megatron_mtraining.config.MTrainingConfig` and its nested dataclass sections (walked
+  generically), each with its real default.
+* ``docs/results.md`` is what ``tools/build_results_page.py`` generates from ``docs/results/*.json``.
+* No tracked text file contains development-history wording (numbered work periods or runs,
+  device-time accounting, issue numbers) or names the removed development-machine work-around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_mtraining.config import MTrainingConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "user_guide.md"
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+SECTION = object()   # default marker of a nested dataclass section
+
+
+# ----------------------------------------------------------------------------- config reference
+def _dataclass_of(hint, default) -> type | None:
+    """The dataclass type of a field, from its annotation (``Optional[...]`` unwrapped) or its default."""
+    candidates = [hint] + list(typing.get_args(hint))
+    for c in candidates:
+        if isinstance(c, type) and dataclasses.is_dataclass(c):
+            return c
+    if dataclasses.is_dataclass(default) and not isinstance(default, type):
+        return type(default)
+    return None
+
+
+def config_fields(cls: type = MTrainingConfig, prefix: str = "") -> dict[str, object]:
+    """Every key of the config tree as ``{"dotted.key": default}``; a nested dataclass is a section
+    (its own key maps to :data:`SECTION`) followed by its fields."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        key = prefix + f.name
+        sub = _dataclass_of(hints.get(f.name), default)
+        if sub is not None:
+            out[key] = SECTION
+            out.update(config_fields(sub, key + "."))
+        else:
+            out[key] = default
+    return out
+
+
+def documented_fields(text: str) -> dict[str, str]:
+    """``{key: default cell}`` of the table between the config-reference markers."""
+    assert START in text and END in text, f"{GUIDE.name}: config reference markers {START} / {END} not found"
+    table = text[text.index(START) + len(START):text.index(END)]
+    rows = {}
+    for line in table.strip().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.fullmatch(r"`([\w.]+)`", cells[0])
+        if not m:
+            continue   # header and separator rows
+        assert m.group(1) not in rows, f"{GUIDE.name}: config key {m.group(1)!r} documented twice"
+        rows[m.group(1)] = cells[2]
+    return rows
+
+
+def _yaml_form(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def test_config_reference_lists_exactly_the_dataclass_fields():
+    actual = config_fields()
+    documented = documented_fields(GUIDE.read_text())
+    missing = sorted(set(actual) - set(documented))
+    unknown = sorted(set(documented) - set(actual))
+    assert not missing and not unknown, (
+        f"{GUIDE.relative_to(ROOT)} config reference is out of date: fields not documented {missing}; "
+        f"documented keys that are not fields {unknown}")
+
+
+def test_config_reference_defaults_match_the_dataclass():
+    actual = config_fields()
+    documented = documented_fields(GUIDE.read_text())
+    wrong = []
+    for key, default in actual.items():
+        if key not in documented or default is SECTION:
+            continue
+        if documented[key] != f"`{_yaml_form(default)}`":
+            wrong.append(f"{key}: documented {documented[key]}, dataclass default `{_yaml_form(default)}`")
+    assert not wrong, f"{GUIDE.relative_to(ROOT)}: wrong defaults: " + "; ".join(wrong)
+
+
+def test_config_walk_finds_nested_sections():
+    # negative control for the walk itself: the nested sections and their leaves are found
+    keys = config_fields()
+    assert keys["vertical_slash"] is SECTION and keys["hierarchical"] is SECTION
+    assert keys["vertical_slash.recall"] == 0.95 and keys["hierarchical.inner"] is None
+    assert "implementation" in keys and "granularity" in keys
+
+
+def test_documented_fields_rejects_a_table_with_an_extra_key():
+    # negative control: a documented key that does not exist is reported
+    text = GUIDE.read_text().replace(END, "| `no_such_key` | int | `1` | x | x |\n" + END)
+    assert "no_such_key" in set(documented_fields(text)) - set(config_fields())
+
+
+# ----------------------------------------------------------------------------- results page
+def test_results_page_is_generated_from_the_records():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "build_results_page.py"), "--check"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- wording
+HISTORY_PATTERNS = [
+    (r"\bsession ?[0-9]", "numbered work period"),
+    (r"\bwork period", "work period"),
+    (r"\bcalls? [0-9]+\b", "numbered run or call"),
+    (r"\bissue ?#?[0-9]+", "issue number"),
+    (r"(?<!PR )(?<![\w/.-])#[0-9]{1,4}\b(?![\w-])", "issue number"),
+    (r"\bdevice[- ](tool|calls?|minutes?)\b", "device accounting"),
+    (r"\bdevice-minutes\b", "device accounting"),
+    (r"\bGPU[- ]minutes?\b", "GPU-time accounting"),
+    (r"\bdevice_bundle\b", "development-machine work-around"),
+    (r"\bcarry \[", "file-moving step"),
+]
+_WORDING = re.compile("|".join(f"(?:{p})" for p, _ in HISTORY_PATTERNS), re.IGNORECASE)
+_TEXT_SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".patch", ""}
+_SKIP_DIRS = ("docs/results/raw/",)   # raw run output is kept as the runs wrote it
+
+
+def _tracked_text_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"not a git checkout ({e})")
+    files = []
+    for name in out.decode().split("\0"):
+        if not name or name.startswith(_SKIP_DIRS):
+            continue
+        p = ROOT / name
+        if p.suffix in _TEXT_SUFFIXES or p.name == "Makefile":
+            files.append(p)
+    return files
+
+
+def find_history_wording(paths, root: Path = ROOT) -> list[str]:
+    """``file:line: text`` for every line that matches a development-history pattern."""
+    hits = []
+    for p in paths:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if _WORDING.search(line):
+                hits.append(f"{p.relative_to(root)}:{i}: {line.strip()[:160]}")
+    return hits
+
+
+def test_no_development_history_wording():
+    hits = [h for h in find_history_wording(_tracked_text_files()) if not h.startswith("tests/unit/test_docs.py:")]
+    assert not hits, "development-history wording in tracked files:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("line", [
+    "measured in session 5 on the H200", "see call 9's log", "fixes issue #18", "as in issue 11",
+    "used 26.3 device-minutes", "7.4 GPU minutes", "the device tool kind", "one work period",
+    "carry [data/x] first", "examples/long_context/device_bundle.sh pack",
+])
+def test_wording_patterns_catch_history(tmp_path, line):
+    # negative controls: each kind of wording is found
+    f = tmp_path / "x.md"
+    f.write_text("fine line\n" + line + "\n")
+    assert find_history_wording([f], root=tmp_path) == [f"x.md:2: {line}"]
+
+
+@pytest.mark.parametrize("line", [
+    "calls the kernel 3 times", "the session's process group", "#!/usr/bin/env bash", "color #fff",
+    "a ring of 8 GPUs", "issue a warning", "Megatron-LM PR #7513", "the most device time", "GPU memory", "`recall: 0.9`",
+])
+def test_wording_patterns_allow_product_text(tmp_path, line):
+    f = tmp_path / "x.md"
+    f.write_text(line + "\n")
+    assert find_history_wording([f], root=tmp_path) == []
