@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Evaluate base / dense / mtraining checkpoints of the long-context extension (issue #11) with
+# Evaluate base / dense / mtraining checkpoints of the long-context extension with
 # tools/eval_long_context.py: perplexity by position on the held-out long documents
 # (data/long_context/heldout_text_document, document-disjoint from training) and needle-in-a-haystack.
 #

@@ -199,3 +199,42 @@ def test_wording_patterns_allow_product_text(tmp_path, line):
     f = tmp_path / "x.md"
     f.write_text(line + "\n")
     assert find_history_wording([f], root=tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- references
+_DOC_PATH = re.compile(r"(?<![\w/.-])(docs/[\w/.-]+\.(?:md|png|jsonl|json|npz))\b")
+_MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def find_dangling_references(paths, root: Path = ROOT) -> list[str]:
+    """``file:line: path`` for every ``docs/...`` path named in a text file, and every relative
+    Markdown link, that does not exist in the repository."""
+    hits = []
+    for p in paths:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            missing = [m.group(1) for m in _DOC_PATH.finditer(line) if not (root / m.group(1)).exists()]
+            if p.suffix == ".md":
+                missing += [t for t in (m.group(1) for m in _MD_LINK.finditer(line))
+                            if "://" not in t and not t.startswith("mailto:") and not (p.parent / t).exists()]
+            for target in dict.fromkeys(missing):
+                hits.append(f"{p.relative_to(root)}:{i}: {target}")
+    return hits
+
+
+def test_referenced_docs_exist():
+    files = [p for p in _tracked_text_files() if p != Path(__file__).resolve()]
+    hits = find_dangling_references(files)
+    assert not hits, "references to files that are not in the repository:\n" + "\n".join(hits)
+
+
+def test_dangling_reference_is_found(tmp_path):
+    # negative control
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("x\n")
+    f = tmp_path / "README.md"
+    f.write_text("see docs/a.md and docs/gone.md, [a](docs/a.md#x), [b](docs/b.md), [w](https://x.org/y)\n")
+    assert find_dangling_references([f], root=tmp_path) == ["README.md:1: docs/gone.md", "README.md:1: docs/b.md"]
