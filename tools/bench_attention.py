@@ -16,7 +16,7 @@ All in one process, same inputs (bf16, batch 1, Qwen2.5-3B attention: 16 query h
   and the fast (atomic) one;
 * ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``).
 
-Patterns: :func:`megatron_mtraining.ops.triton.synthetic.vertical_slash_indices` (sinks, local
+Patterns: :func:`megatron_mtraining.patterns.synthetic.vertical_slash_indices` (sinks, local
 window, heavy-tailed vertical positions and slash offsets; documented there). Sparsity is relative to
 causal work. Effective TFLOP/s count the tiles each implementation computes (ours: 64x64 block tiles
 + 64-column gathered tiles; flex: its listed blocks; dense: half the square), with
@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_mtraining.ops.triton import launch  # noqa: E402
 from megatron_mtraining.ops.triton.launch import KernelConfig  # noqa: E402
-from megatron_mtraining.ops.triton.synthetic import vertical_slash_indices  # noqa: E402
+from megatron_mtraining.patterns.synthetic import vertical_slash_indices  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- timing
@@ -400,7 +400,7 @@ def file_bench(args, d, dev, dt, impls, emit):
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns.convert import convert_pattern
     from megatron_mtraining.patterns.estimator import VerticalSlashPattern
-    from tools.imbalance import load_pattern
+    from megatron_mtraining.patterns.io import load_pattern
 
     pat, meta = load_pattern(args.pattern_file)
     s, hq, hkv = pat.seq_len, args.heads, args.kv_heads

@@ -20,7 +20,7 @@ layer and head:
   ``--timing-repeats 0``.
 
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
-(``tools.imbalance.save_pattern`` format; rows in layer, sample, head order; ``meta`` names the
+(``megatron_mtraining.patterns.io`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
 text with a trained checkpoint (``tools/imbalance.py --pattern file --pattern-file P``), or the
 kernel benchmark can time them (``tools/bench_attention.py --pattern-file P``).
@@ -488,7 +488,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("summary:", json.dumps(report["summary"]), flush=True)
     print(f"wrote {out_json}", flush=True)
     if args.save_pattern:
-        from tools.imbalance import pattern_from_arrays, save_pattern
+        from megatron_mtraining.patterns.io import pattern_from_arrays, save_pattern
 
         save_pattern(args.save_pattern, pattern_from_arrays(seq, *saved_rows),
                      {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
