@@ -60,7 +60,7 @@ Patterns (``--pattern``): ``dense`` (full causal), ``synthetic`` (seeded per hea
 (worker, step) it builds the worker's query shard, the owner's K/V shard and the converter's
 StepIndices, and times the sparse forward and backward (Triton kernels of
 ``megatron_mtraining.ops.triton`` where usable, else the torch sparse reference), median of
-``--repeats`` after ``--warmup`` (CUDA events on GPU). ``W`` is then milliseconds (fwd + bwd);
+``--repeats`` after ``--warmup`` (:func:`megatron_mtraining.bench.measure`: CUDA events on GPU). ``W`` is then milliseconds (fwd + bwd);
 the JSON adds ``W_fwd_ms``, ``W_bwd_ms``, ``step_ms_fwd_max``, ``step_ms_bwd_max`` (max over
 workers per ring step, read by tools/simulate_hierarchy.py) and the FLOP model of the same run.
 
@@ -77,25 +77,21 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict
+from typing import Callable, Dict, List, Optional, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from megatron_mtraining.layout import Layout  # noqa: E402
-from megatron_mtraining.patterns.estimator import VerticalSlashPattern  # noqa: E402
-from megatron_mtraining.patterns.convert import without_columns  # noqa: E402
-from megatron_mtraining.patterns.io import head_lines, load_pattern, pattern_from_arrays, save_pattern  # noqa: E402,F401
-from megatron_mtraining.patterns.synthetic import SyntheticConfig, dense_pattern, synthetic_pattern  # noqa: E402
+from megatron_mtraining.bench import measure, pyplot, result_record, save_figure, write_json
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.patterns.convert import without_columns
+from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+from megatron_mtraining.patterns.io import head_lines, load_pattern, pattern_from_arrays, save_pattern  # noqa: F401
+from megatron_mtraining.patterns.synthetic import SyntheticConfig, dense_pattern, synthetic_pattern
 
 BLOCK = 64
 TILE = BLOCK * BLOCK
@@ -392,24 +388,9 @@ def flop_model(pattern: VerticalSlashPattern, layout: Layout, unit: str, vertica
 
 # ============================================================================ GPU model
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int, int], float]:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup`` (CUDA events on GPU)."""
+    """``run(fn, repeats, warmup)``: median milliseconds of ``fn`` on ``device`` (:func:`megatron_mtraining.bench.measure`)."""
     def run(fn, repeats: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(max(1, repeats)):
-            if device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize(device)
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return float(statistics.median(times))
+        return measure(fn, device=device, warmup=warmup, repeats=max(1, repeats)).median_ms
     return run
 
 
@@ -531,11 +512,7 @@ def pattern_stats(pattern: VerticalSlashPattern) -> dict:
 def plot(results: List[dict], path: str, title: str, ncols: Optional[int] = None) -> None:
     """Heatmaps (workers x ring steps) of ``W / mean ring cell``, one panel per result, like
     MTraining Fig. 13. A columns phase (out-of-ring / deferred) is summarised in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = len(results)
     ncols = ncols or min(n, 4)
     nrows = math.ceil(n / ncols)
@@ -561,8 +538,7 @@ def plot(results: List[dict], path: str, title: str, ncols: Optional[int] = None
         cb.ax.tick_params(labelsize=6)
     fig.suptitle(title + " — work per cell / mean ring cell", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def row_text(r: dict) -> str:
@@ -712,8 +688,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result["elapsed_s"] = time.perf_counter() - t0
     print(f"done in {result['elapsed_s']:.2f} s", flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result_record(result, device=args.device if args.model == "gpu" else "cpu", argv=argv))
         print(f"wrote {args.json}")
     return 0
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
-__all__ = ["pyplot", "save_figure"]
+__all__ = ["pyplot", "save_figure", "draw_niah_grid"]
 
 
 def pyplot():
@@ -35,3 +35,20 @@ def save_figure(fig: Any, path: Union[str, os.PathLike], dpi: int = 120) -> None
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def draw_niah_grid(ax: Any, cells: Sequence[dict], lengths: Sequence[int], depths: Sequence[int], key: str):
+    """Needle-in-a-haystack heat map of ``cell[key]`` (a score 0-100) on the matplotlib axes ``ax``:
+    rows = context lengths (tokens), columns = needle depths (%), each cell labelled; a (length,
+    depth) without a cell is blank and labelled "not run". Returns the image (for a colour bar)."""
+    import numpy as np
+
+    by = {(c["length"], c["depth"]): c[key] for c in cells}
+    grid = np.array([[by.get((n, dd), np.nan) for dd in depths] for n in lengths], dtype=float)
+    im = ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        ax.text(j, i, "not run" if np.isnan(v) else (f"{v:.0f}" if v >= 10 else f"{v:.1f}"),
+                ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{x}%" for x in depths])
+    ax.set_yticks(range(len(lengths)), [str(x) for x in lengths])
+    return im
