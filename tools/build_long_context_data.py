@@ -42,8 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 GROUPS = {"books": "prose", "austen": "prose", "bible": "prose", "canterbury": "prose", "gutenberg": "prose",
           "web_bible": "prose", "python_docs": "docs", "perl_docs": "docs", "postgres_docs": "docs",
