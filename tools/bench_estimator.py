@@ -128,7 +128,7 @@ def measure(seq: int, args) -> dict:
             st = steps[0]
             plan = plan_from_indices(st.block_count, st.block_index, st.column_count, st.column_index, st.causal)
             prebuild_backward_plans(plan, q.shape, k.shape, deterministic=True)
-            torch.cuda.current_stream().wait_event(plan._pending)
+            torch.cuda.synchronize()       # the plans are built on a side stream: the end event follows them
 
         t_plans = timeit(plans, args.warmup, args.repeats)
         ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them (before this change)
