@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Single-GPU end-to-end benchmark: dense (SDPA/cuDNN) vs MTraining sparse attention in
-``examples/pretrain_gpt.py`` (MTraining issue "Balanced sparse ring", part 3).
+``examples/pretrain_gpt.py``.
 
 For every sequence length: two training runs of a Qwen2.5-3B-shaped model (hidden 2048, 16 heads,
 2 query groups, ffn 11008, SwiGLU, RMSNorm, RoPE base 1e6, untied; ``--num-layers`` layers, no

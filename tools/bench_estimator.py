@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Share of the online pattern estimation in MTraining's sparse attention (issue "Triton kernels":
-"pattern estimation <= 5 % of the sparse attention time").
+"""Share of the online pattern estimation in MTraining's sparse attention (target: pattern estimation
+<= 5 % of the sparse attention time).
 
 For every sequence length, on structured synthetic q/k with vertical-slash structure
 (:func:`megatron_mtraining.bench.structured_qkv`, Qwen2.5-3B attention shape: q ``[1, S, 16, 128]``,
@@ -24,7 +24,7 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
   column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
   only): ``total_s`` with ``PREBUILD_BACKWARD_PLANS = False``, i.e. those plans built inside the
   backward instead of on a side stream during the forward kernel;
-* ``estimate_share`` = ``estimate_s / kernels_s`` (the issue's ratio) and
+* ``estimate_share`` = ``estimate_s / kernels_s`` (the target's ratio) and
   ``estimate_s / total_s``.
 
 Times: seconds, median of ``--repeats`` after ``--warmup`` (:func:`megatron_mtraining.bench.measure`:
@@ -131,7 +131,7 @@ def measure(seq: int, args) -> dict:
             torch.cuda.synchronize()       # the plans are built on a side stream: the end event follows them
 
         t_plans = timeit(plans, args.warmup, args.repeats)
-        ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them (before this change)
+        ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them
         try:
             t_tot_late = timeit(total, args.warmup, args.repeats)
         finally:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Long-document train / held-out split for the long-context extension runs (issue #11).
+"""Long-document train / held-out split for the long-context extension runs.
 
 Reads the JSONL corpora of ``tools/prepare_corpus.py`` (``{"source", "id", "license", "text"}`` per
 line), tokenizes every document with a ``tokenizer.json`` (the SmolLM2 tokenizer of

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compare long-context runs side by side (issue "Model quality"): training loss at equal tokens,
+"""Compare long-context runs side by side: training loss at equal tokens,
 held-out perplexity by position bucket and needle-in-a-haystack cells, for several checkpoints
 evaluated by ``tools/eval_long_context.py --json``.
 
