@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 def _pattern(path, rows: int, seq: int = 512):
     """Row r: the diagonal plus r far diagonals (offsets 1..r), no columns: row r has
     8 + (8-1) + ... + (8-r) block tiles at 8 query blocks, a distinct count per row."""
-    from tools.imbalance import pattern_from_arrays, save_pattern
+    from megatron_mtraining.patterns.io import pattern_from_arrays, save_pattern
 
     slash = [np.arange(r + 1) for r in range(rows)]
     vertical = [np.zeros(0, dtype=np.int64) for _ in range(rows)]

@@ -1,17 +1,11 @@
 """tools/bench_e2e.py on CPU: argument handling (--dry-run) and the exact kept-fraction count."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import bench_e2e as be  # noqa: E402
-
-from megatron_mtraining.patterns.estimator import VerticalSlashPattern  # noqa: E402
+from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+from tools import bench_e2e as be
 
 
 def test_dry_run_prints_one_command_per_mode(capsys):

@@ -3,15 +3,11 @@ repeated metric rows (last wins), plots, and errors."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import compare_long_context as clc  # noqa: E402
+from tools import compare_long_context as clc
 
 
 def _metrics(path: Path, losses, times=None, repeat_last_with=None):

@@ -23,9 +23,8 @@ import pytest
 
 from tests.helpers.dist import REPO_ROOT, run_python
 
-sys.path.insert(0, str(REPO_ROOT / "tools"))
 
-import convert_smollm2 as cs  # noqa: E402
+from tools import convert_smollm2 as cs  # noqa: E402
 
 TINY = dict(layers=2, d=64, heads=4, kv=2, hd=16, ffn=128, base=10000.0, eps=1e-5, ctx=256)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -186,7 +185,7 @@ def tiny_tokenizer_json(tiny_gguf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_data(tiny_tokenizer_json, tmp_path_factory) -> Path:
     """preprocess_data.py --tokenizer-type HuggingFaceTokenizer on a small JSONL corpus."""
-    import preprocess_data
+    from tools import preprocess_data
 
     d = tmp_path_factory.mktemp("hfdata")
     texts = [" ".join(_texts(8, 100 + i)) for i in range(30)]

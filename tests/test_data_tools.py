@@ -1,4 +1,4 @@
-"""Tests for tools/prepare_corpus.py, tools/preprocess_data.py and tools/_corpus_utils.py.
+"""Tests for tools/prepare_corpus.py, tools/preprocess_data.py and megatron_mtraining/data/corpus.py.
 
 All tests run offline with a tiny sentencepiece model trained here, except the one marked
 ``network``, which fetches the real books corpus and runs only with MTRAINING_NETWORK_TESTS=1.
@@ -18,12 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))
+from megatron_mtraining.data import corpus as _corpus_utils
+from tools import prepare_corpus, preprocess_data
 
-import _corpus_utils  # noqa: E402
-import prepare_corpus  # noqa: E402
-import preprocess_data  # noqa: E402
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 WORDS = ("the quick brown fox jumps over a lazy dog while context parallel attention reads "
          "long documents and sparse blocks stripe across ranks in Megatron").split()

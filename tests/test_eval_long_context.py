@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers.dist import REPO_ROOT, run_python
+from tests.helpers.dist import run_python
 from tests.helpers.tiny_data import make_tiny_dataset
 
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import eval_long_context as elc  # noqa: E402
+from tools import eval_long_context as elc
 
 TOOL = "tools/eval_long_context.py"
 SEQ = 256

@@ -2,18 +2,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import imbalance as im  # noqa: E402
-
-from megatron_mtraining.layout import Layout  # noqa: E402
+from megatron_mtraining.layout import Layout
+from tools import imbalance as im
 
 S = 1024
 

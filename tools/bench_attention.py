@@ -16,12 +16,12 @@ All in one process, same inputs (bf16, batch 1, Qwen2.5-3B attention: 16 query h
   and the fast (atomic) one;
 * ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``).
 
-Patterns: :func:`megatron_mtraining.ops.triton.synthetic.vertical_slash_indices` (sinks, local
+Patterns: :func:`megatron_mtraining.patterns.synthetic.vertical_slash_indices` (sinks, local
 window, heavy-tailed vertical positions and slash offsets; documented there). Sparsity is relative to
 causal work. Effective TFLOP/s count the tiles each implementation computes (ours: 64x64 block tiles
 + 64-column gathered tiles; flex: its listed blocks; dense: half the square), with
 ``fwd = 4*d*pairs`` and ``fwd+bwd = 3.5 * fwd``. ``tflops_useful`` counts only the pattern's useful
-pairs. Times: median of CUDA-event timings after warm-up.
+pairs. Times: :func:`megatron_mtraining.bench.measure` (median of CUDA-event timings after warm-up).
 
 ``--pattern-file P`` times the kernels on a saved pattern instead (e.g. one the online estimator made on real text
 with ``tools/pattern_recall.py --save-pattern``): layer by layer, ``--heads`` rows of the file per layer, the file's
@@ -31,45 +31,26 @@ sequence length, random q/k/v; cuDNN dense causal on one layer of the same shape
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megatron_mtraining.ops.triton import launch  # noqa: E402
-from megatron_mtraining.ops.triton.launch import KernelConfig  # noqa: E402
-from megatron_mtraining.ops.triton.synthetic import vertical_slash_indices  # noqa: E402
+from megatron_mtraining.bench import environment, measure, write_json
+from megatron_mtraining.ops.triton import launch
+from megatron_mtraining.ops.triton.launch import KernelConfig
+from megatron_mtraining.patterns.synthetic import vertical_slash_indices
 
 
 # ----------------------------------------------------------------------------- timing
 def bench(fn, budget_s=2.0, max_reps=50, min_reps=3, warmup=2):
-    """Median ms of ``fn`` (CUDA events), adaptive repetitions within ``budget_s`` (runs longer than
-    1 s: one warm-up, the sizing run counts as a sample)."""
-    def once():
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e)
-
-    first = once()                      # includes compilation / autotuning
-    long = first > 1000
-    for _ in range(0 if long else max(0, warmup - 1)):
-        once()
-    est = once()
-    times = [est]
-    reps = int(max(min_reps, min(max_reps, budget_s * 1e3 / max(est, 1e-3))))
-    times += [once() for _ in range(reps - 1)]
-    times.sort()
-    return times[len(times) // 2], len(times)
+    """``(median ms, samples)`` of ``fn`` (:func:`megatron_mtraining.bench.measure`: CUDA events),
+    repetitions adapted to ``budget_s``; ``warmup`` untimed calls, cut to one when a call takes over 1 s."""
+    t = measure(fn, device="cuda" if torch.cuda.is_available() else "cpu", warmup=max(1, warmup), budget_s=budget_s,
+                min_repeats=min_reps, max_repeats=max_reps, long_call_ms=1000)
+    return t.median_ms, t.reps
 
 
 def tflops(flop, ms):
@@ -185,15 +166,13 @@ def ours_fns(q, k, v, dout, plan, scale, deterministic, config=None):
     return fwd, fwd_bwd
 
 
-def prep_ms(plan, b, hq, sk, hkv, has_cols):
-    """Time to build the backward's inverted indices (once per step; cached on the plan)."""
+def prep_ms(idx, q_shape, k_shape):
+    """Time to build the deterministic backward's index plans (inverted block index, column union) of a fresh
+    plan of ``idx``: once per step in training, cached on the plan."""
+    plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    plan._kv.clear()
-    plan._col.clear()
-    launch._kv_csr(plan, sk // 64, hq, hkv)
-    if has_cols:
-        launch._col_plan(plan, sk, b, hq)
+    launch.prebuild_backward_plans(plan, q_shape, k_shape, deterministic=True)
     torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e3
 
@@ -246,17 +225,10 @@ def main():
     dt = getattr(torch, args.dtype)
     impls = args.impls.split(",")
     rows = []
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                argv=sys.argv[1:])
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except Exception:
-        pass
+    meta = environment(device=dev, tool="bench_attention")
 
     def save():
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        write_json(args.json, dict(meta=meta, rows=rows))
 
     def emit(row):
         rows.append(row)
@@ -320,8 +292,8 @@ def main():
                 useful = st.keep * dense_pairs
                 plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count,
                                                 idx.column_index, True)
-                prep_ms(plan, 1, hq, s, hkv, True)                 # first call: lazy CUDA module loads
-                pms = prep_ms(plan, 1, hq, s, hkv, True)
+                prep_ms(idx, q.shape, k.shape)                     # first call: lazy CUDA module loads
+                pms = prep_ms(idx, q.shape, k.shape)
                 pattern = dict(keep=st.keep, mean_offsets=st.mean_offsets, mean_columns=st.mean_columns,
                                block_tiles=st.block_tiles, column_tiles=st.column_tiles, gen_s=round(gen_s, 1))
                 if args.once:
@@ -400,7 +372,7 @@ def file_bench(args, d, dev, dt, impls, emit):
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns.convert import convert_pattern
     from megatron_mtraining.patterns.estimator import VerticalSlashPattern
-    from tools.imbalance import load_pattern
+    from megatron_mtraining.patterns.io import load_pattern
 
     pat, meta = load_pattern(args.pattern_file)
     s, hq, hkv = pat.seq_len, args.heads, args.kv_heads
@@ -553,21 +525,11 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
 
 
 def _cpu_dry_run():
-    """Exercise this script's Python on a CPU (Triton interpreter; CUDA timing calls stubbed)."""
-    import types
+    """Exercise this script's Python on a CPU (Triton interpreter; the timer runs on the wall clock, the other
+    CUDA calls are stubbed)."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
 
-    class _Ev:
-        def __init__(self, **kw):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    torch.cuda.Event = _Ev
+    torch.cuda.is_available = lambda: False            # the timer: wall clock
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
     torch.cuda.get_device_name = lambda *a, **k: "cpu-dry-run"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Single-GPU end-to-end benchmark: dense (SDPA/cuDNN) vs MTraining sparse attention in
-``examples/pretrain_gpt.py`` (MTraining issue "Balanced sparse ring", part 3).
+``examples/pretrain_gpt.py``.
 
 For every sequence length: two training runs of a Qwen2.5-3B-shaped model (hidden 2048, 16 heads,
 2 query groups, ffn 11008, SwiGLU, RMSNorm, RoPE base 1e6, untied; ``--num-layers`` layers, no
@@ -17,7 +17,8 @@ the speedup), peak ``torch.cuda.max_memory_allocated``.
 
 Then, in this process, the Amdahl bound: one layer's attention fwd+bwd at the same shape,
 dense (SDPA) and sparse (``sparse_ring_attention``, group=None, same config), on structured
-synthetic q/k (a rotary local half + a content "vertical" half; see :func:`structured_qkv`):
+synthetic q/k (a rotary local half + a content "vertical" half; see
+:func:`megatron_mtraining.bench.structured_qkv`):
 ``f = layers * t_attn_dense / t_step_dense``, ``s = t_attn_dense / t_attn_sparse``,
 ``bound = 1 / ((1 - f) + f / s)``, and achieved ``t_step_dense / t_step_sparse`` / bound.
 The sparsity reported is the fraction of causal (query, key) pairs the estimated pattern keeps on
@@ -37,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from megatron_mtraining.bench import kept_fraction, measure, result_record, structured_qkv, write_json  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,83 +82,17 @@ def read_metrics(path: str, median_of: int) -> dict:
 
 
 # ------------------------------------------------------------------ attention microbenchmark
-def structured_qkv(s: int, hq: int, hkv: int, d: int, device, seed: int = 0, n_vertical: int = 256):
-    """q, k, v ``[1, s, h, d]`` bf16 with vertical-slash structure: the first d/2 dims carry a
-    shared vector under RoPE (base 1e4) -> attention concentrated near the diagonal; the last d/2
-    carry a content direction that a few keys (the first 64 tokens and ``n_vertical`` random
-    positions per KV head) match strongly -> vertical columns."""
-    import torch
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    half = d // 2
-    pos = torch.arange(s, dtype=torch.float64)
-    inv = 1.0 / (1e4 ** (torch.arange(0, half, 2, dtype=torch.float64) / half))
-    ang = pos[:, None] * inv[None]                              # [s, half/2]
-    cos, sin = ang.cos().float(), ang.sin().float()
-
-    def rope(x):                                                # x [s, h, half]
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        c, sn = cos[:, None], sin[:, None]
-        return torch.stack((x1 * c - x2 * sn, x1 * sn + x2 * c), -1).flatten(-2)
-
-    c = torch.randn(hkv, half, generator=g) * 1.2
-    u = torch.randn(hkv, half, generator=g)
-    rep = hq // hkv
-    qa = rope(c.repeat_interleave(rep, 0)[None] + 0.5 * torch.randn(s, hq, half, generator=g))
-    ka = rope(c[None] + 0.5 * torch.randn(s, hkv, half, generator=g))
-    qb = u.repeat_interleave(rep, 0)[None] + 0.3 * torch.randn(s, hq, half, generator=g)
-    kb = 0.3 * torch.randn(s, hkv, half, generator=g)
-    for h in range(hkv):
-        cols = torch.cat((torch.arange(64), torch.randint(64, s, (n_vertical,), generator=g)))
-        kb[cols, h] += 1.8 * u[h]
-    q = torch.cat((qa, qb), -1)[None].to(device=device, dtype=torch.bfloat16)
-    k = torch.cat((ka, kb), -1)[None].to(device=device, dtype=torch.bfloat16)
-    v = torch.randn(1, s, hkv, d, generator=g).to(device=device, dtype=torch.bfloat16)
-    return q, k, v
-
-
-def kept_fraction(pattern) -> float:
-    """Fraction of the causal (query, key) pairs inside the pattern's mask (exact, averaged over
-    samples x heads): slash block diagonals plus vertical columns not already covered."""
-    import torch
-    S, bs = pattern.seq_len, pattern.block_size
-    nb = S // bs
-    causal = S * (S + 1) / 2
-    sl = pattern.slash.reshape(-1, pattern.slash.shape[-1]).cpu()
-    vt = pattern.vertical.reshape(-1, pattern.vertical.shape[-1]).cpu()
-    fr = []
-    for h in range(sl.shape[0]):
-        d = sl[h][sl[h] >= 0]
-        slash_pairs = sum((nb * bs * (bs + 1) / 2) if int(x) == 0 else (nb - int(x)) * bs * bs for x in d)
-        t = vt[h][vt[h] >= 0]
-        dset = torch.zeros(nb, dtype=torch.bool)
-        dset[d] = True
-        kb, r = t // bs, t % bs
-        col = (S - t).double()                                   # rows p >= t
-        # subtract rows already covered by slash blocks: offset 0 covers bs - r rows, d>0 covers bs
-        covered = torch.zeros_like(col)
-        offs = d.tolist()
-        for x in offs:
-            ok = (kb + x) < nb
-            covered += torch.where(ok, torch.full_like(col, bs) if x else (bs - r).double(), torch.zeros_like(col))
-        fr.append((slash_pairs + float((col - covered).clamp(min=0).sum())) / causal)
-    return float(sum(fr) / len(fr))
-
-
 def time_fwd_bwd(fn, q, k, v, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn(q, k, v).backward(ones)`` on fresh leaf copies of ``q, k, v``
+    (:func:`megatron_mtraining.bench.measure`)."""
     import torch
-    ts = []
-    for i in range(warmup + repeats):
+
+    def step():
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
         out = fn(qq, kk, vv)
         out.backward(torch.ones_like(out))
-        e1.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            ts.append(e0.elapsed_time(e1) / 1e3)
-    return statistics.median(ts)
+
+    return measure(step, device=q.device, warmup=warmup, repeats=repeats).median_s
 
 
 def attention_microbench(args, seq: int) -> dict:
@@ -227,8 +164,7 @@ def main(argv=None) -> int:
 
     def dump():
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json(args.json, result_record(results))
 
     tmp = tempfile.mkdtemp(prefix="bench_e2e_")
     for seq, L in zip(seqs, lay):

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Share of the online pattern estimation in MTraining's sparse attention (issue "Triton kernels":
-"pattern estimation <= 5 % of the sparse attention time").
+"""Share of the online pattern estimation in MTraining's sparse attention (target: pattern estimation
+<= 5 % of the sparse attention time).
 
 For every sequence length, on structured synthetic q/k with vertical-slash structure
-(:func:`tools.bench_e2e.structured_qkv`, Qwen2.5-3B attention shape: q ``[1, S, 16, 128]``,
+(:func:`megatron_mtraining.bench.structured_qkv`, Qwen2.5-3B attention shape: q ``[1, S, 16, 128]``,
 k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 ``configs/e2e_sparse.yaml``):
 
@@ -24,11 +24,11 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
   column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
   only): ``total_s`` with ``PREBUILD_BACKWARD_PLANS = False``, i.e. those plans built inside the
   backward instead of on a side stream during the forward kernel;
-* ``estimate_share`` = ``estimate_s / kernels_s`` (the issue's ratio) and
+* ``estimate_share`` = ``estimate_s / kernels_s`` (the target's ratio) and
   ``estimate_s / total_s``.
 
-Times: seconds, median of ``--repeats`` after ``--warmup`` (CUDA events on the GPU, wall clock on
-the CPU). Prints a table; ``--json OUT`` writes the rows.
+Times: seconds, median of ``--repeats`` after ``--warmup`` (:func:`megatron_mtraining.bench.measure`:
+CUDA events on the GPU, wall clock on the CPU). Prints a table; ``--json OUT`` writes the rows.
 
     python3 tools/bench_estimator.py --seqs 65536,131072,262144 --json est.json     # H200
     python3 tools/bench_estimator.py --seqs 65536,131072 --impl torch               # the fp64 path
@@ -38,38 +38,20 @@ the CPU). Prints a table; ``--json OUT`` writes the rows.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import statistics
 import sys
-import time
+
+from megatron_mtraining import bench
+from megatron_mtraining.bench import kept_fraction, result_record, structured_qkv, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def _timer(device):
-    import torch
-
+    """``run(fn, warmup, repeats)``: median seconds of ``fn`` on ``device`` (:func:`megatron_mtraining.bench.measure`)."""
     def run(fn, warmup: int, repeats: int) -> float:
-        ts = []
-        for i in range(warmup + repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fn()
-                e1.record()
-                torch.cuda.synchronize()
-                dt = e0.elapsed_time(e1) / 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-            if i >= warmup:
-                ts.append(dt)
-        return statistics.median(ts)
+        return bench.measure(fn, device=device, warmup=warmup, repeats=repeats).median_s
     return run
 
 
@@ -82,7 +64,6 @@ def measure(seq: int, args) -> dict:
     from megatron_mtraining.ring import RingAttentionFunc
     from megatron_mtraining.ring import sparse as ring_sparse
     from megatron_mtraining.ring.sparse import SparseStepKernel, sparse_ring_attention
-    from tools.bench_e2e import kept_fraction, structured_qkv
 
     dev = torch.device(args.device)
     cfg = load_mtraining_config(args.config)
@@ -147,10 +128,10 @@ def measure(seq: int, args) -> dict:
             st = steps[0]
             plan = plan_from_indices(st.block_count, st.block_index, st.column_count, st.column_index, st.causal)
             prebuild_backward_plans(plan, q.shape, k.shape, deterministic=True)
-            torch.cuda.current_stream().wait_event(plan._pending)
+            torch.cuda.synchronize()       # the plans are built on a side stream: the end event follows them
 
         t_plans = timeit(plans, args.warmup, args.repeats)
-        ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them (before this change)
+        ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them
         try:
             t_tot_late = timeit(total, args.warmup, args.repeats)
         finally:
@@ -258,8 +239,8 @@ def main(argv=None) -> int:
               f"{r['estimate_share']:>11.3f} {r['kept_fraction']:>6.3f} {r['mean_slash_blocks']:>6.1f} "
               f"{r['mean_vertical']:>6.0f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "impl": args.impl, "rows": rows}, f, indent=1)
+        write_json(args.json, result_record({"config": args.config, "impl": args.impl, "rows": rows},
+                                            device=args.device))
     return 0
 
 

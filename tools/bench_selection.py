@@ -23,20 +23,18 @@ host-side owner map (CPU tensors on any machine: no device sync) are reported ap
 on a GPU) are not counted. Times: median wall clock of ``--repeats`` on the CPU -- only a proxy for
 the GPU, where these ops are launch- and sync-bound at small S and bandwidth-bound at large S.
 
-    python3 tools/bench_selection.py --seqs 8192,65536 --repeats 5 [--profile] [--json out.json]
+    python3 -m tools.bench_selection --seqs 8192,65536 --repeats 5 [--profile] [--json out.json]   # from the checkout
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
-import statistics
 import sys
-import time
+
+from megatron_mtraining.bench import measure, result_record, structured_qkv, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 _NO_KERNEL = {"view", "unsqueeze", "squeeze", "expand", "slice", "select", "alias", "permute", "reshape",
               "_unsafe_view", "as_strided", "t", "transpose", "detach", "lift_fresh", "scalar_tensor"}
@@ -122,13 +120,19 @@ def synthetic_scores(S: int, heads: int, last_q: int, block_size: int, seed: int
 
 
 def median_time(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median wall-clock seconds of ``repeats`` calls after one warm-up (:func:`megatron_mtraining.bench.measure`)."""
+    return measure(fn, device="cpu", warmup=1, repeats=repeats).median_s
+
+
+def _oracle():
+    """The frozen oracle module (``tests/test_selection_equivalence.py``): importable from a checkout."""
+    try:
+        import tests.test_selection_equivalence as oracle
+    except ImportError as e:
+        raise SystemExit("error: bench_selection compares against tests/test_selection_equivalence.py: run it from the "
+                         "repository root as `python -m tools.bench_selection` (or with PYTHONPATH=<checkout>); "
+                         f"{e}") from e
+    return oracle
 
 
 def main(argv=None) -> int:
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    import tests.test_selection_equivalence as oracle
+    oracle = _oracle()
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns import estimator as E
@@ -185,8 +189,6 @@ def main(argv=None) -> int:
 
     est = None
     if args.estimate_seq:
-        from tools.bench_e2e import structured_qkv
-
         S = args.estimate_seq
         q, k, _ = structured_qkv(S, args.heads, 2, 64, torch.device("cpu"), seed=S)
         q, k = q.float(), k.float()
@@ -212,8 +214,7 @@ def main(argv=None) -> int:
             print(f"{name:>12} {c['kernels']:>8} {c['sorts']:>6} {c['syncs']:>6}   (of which h2d {c['h2d']}; "
                   f"host-only reads apart: {c['host_only']})  {c['ops']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "rows": rows, "estimate": est}, f, indent=1)
+        write_json(args.json, result_record({"config": args.config, "rows": rows, "estimate": est}, device="cpu"))
     return 0
 
 

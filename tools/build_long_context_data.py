@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Long-document train / held-out split for the long-context extension runs (issue #11).
+"""Long-document train / held-out split for the long-context extension runs.
 
 Reads the JSONL corpora of ``tools/prepare_corpus.py`` (``{"source", "id", "license", "text"}`` per
 line), tokenizes every document with a ``tokenizer.json`` (the SmolLM2 tokenizer of
@@ -42,8 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 GROUPS = {"books": "prose", "austen": "prose", "bible": "prose", "canterbury": "prose", "gutenberg": "prose",
           "web_bible": "prose", "python_docs": "docs", "perl_docs": "docs", "postgres_docs": "docs",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compare long-context runs side by side (issue "Model quality"): training loss at equal tokens,
+"""Compare long-context runs side by side: training loss at equal tokens,
 held-out perplexity by position bucket and needle-in-a-haystack cells, for several checkpoints
 evaluated by ``tools/eval_long_context.py --json``.
 
@@ -43,8 +43,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_long_context import draw_niah_grid, read_metrics_rows as read_metrics  # noqa: E402  (light imports)
+from megatron_mtraining.bench import draw_niah_grid, pyplot, result_record, save_figure, write_json
+from megatron_mtraining.bench import read_metrics_rows as read_metrics
 
 
 def _pairs(specs: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -162,11 +162,9 @@ def report(evals: dict[str, dict], losses: Optional[dict], baseline: Optional[st
 
 
 def plots(out: Path, evals: dict[str, dict], curves: dict[str, dict[int, dict]], baseline: Optional[str]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot()
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -190,8 +188,7 @@ def plots(out: Path, evals: dict[str, dict], curves: dict[str, dict[int, dict]],
             axes[1].legend(fontsize=8)
         axes[1].set_xlabel("iteration (same batches in every run)")
         fig.tight_layout()
-        fig.savefig(out / "loss_curves.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, out / "loss_curves.png", dpi=100)
         written.append(str(out / "loss_curves.png"))
     with_ppl = {k: v["ppl"] for k, v in evals.items() if v.get("ppl")}
     if with_ppl:
@@ -207,8 +204,7 @@ def plots(out: Path, evals: dict[str, dict], curves: dict[str, dict[int, dict]],
         ax.set_ylabel("held-out perplexity (log scale)")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / "ppl_by_position.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, out / "ppl_by_position.png", dpi=100)
         written.append(str(out / "ppl_by_position.png"))
     with_niah = {k: v["niah"] for k, v in evals.items() if v.get("niah") and v["niah"].get("cells")}
     if with_niah:
@@ -222,8 +218,7 @@ def plots(out: Path, evals: dict[str, dict], curves: dict[str, dict[int, dict]],
                 draw_niah_grid(ax, n["cells"], lengths, depths, key)
                 ax.set_title(f"{label}: {name}", fontsize=9)
         fig.tight_layout()
-        fig.savefig(out / "niah.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, out / "niah.png", dpi=100)
         written.append(str(out / "niah.png"))
     return written
 
@@ -253,8 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if written:
         print(" > plots: " + ", ".join(written))
     if args.json:
-        Path(args.json).write_text(json.dumps({"losses": losses, "evals": {k: {"ppl": v.get("ppl"), "niah": v.get("niah")}
-                                                                           for k, v in evals.items()}}, indent=1))
+        write_json(args.json, result_record({"losses": losses, "evals": {k: {"ppl": v.get("ppl"), "niah": v.get("niah")}
+                                                                         for k, v in evals.items()}}, device="cpu",
+                                            argv=argv))
     return 0
 
 

@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import re
@@ -100,6 +99,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
 import pretrain_gpt as pg  # noqa: E402  (light: imports only megatron_mtraining.megatron.args)
+from megatron_mtraining.bench import (  # noqa: E402
+    draw_niah_grid, pyplot, read_metrics, read_metrics_rows, result_record, save_figure, write_json,
+)
 from megatron_mtraining.megatron.args import (  # noqa: E402  (light: no megatron import)
     ArgumentValidationError, build_parser as build_pretrain_parser, parse_split, validate_args,
 )
@@ -662,50 +664,6 @@ def format_niah_table(niah: dict, key: str, digits: int = 1) -> str:
     return "\n".join(lines)
 
 
-def read_metrics_rows(path: str) -> dict[int, dict]:
-    """``{iteration: row}`` of a pretrain_gpt.py --metrics-file (blank lines ignored); the last row of
-    a repeated iteration wins (a call killed after logging it, before its checkpoint).
-
-    Raises:
-        ValueError: a line that is not JSON with an integer ``iteration`` and a numeric ``lm_loss``
-            (naming the file and line).
-    """
-    rows: dict[int, dict] = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            float(rec["lm_loss"])
-            rows[int(rec["iteration"])] = rec
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--loss-curves {path}, line {n}: not a pretrain_gpt.py metrics line ({e})") from None
-    return rows
-
-
-def read_metrics(path: str) -> tuple[list[int], list[float]]:
-    """``(iterations ascending, lm_loss)`` of a pretrain_gpt.py --metrics-file (:func:`read_metrics_rows`)."""
-    rows = read_metrics_rows(path)
-    its = sorted(rows)
-    return its, [float(rows[i]["lm_loss"]) for i in its]
-
-
-def draw_niah_grid(ax, cells: Sequence[dict], lengths: Sequence[int], depths: Sequence[int], key: str):
-    """Heat map of ``cell[key]`` (0-100) on ``ax``: rows = context lengths, columns = depths, each cell
-    labelled; a (length, depth) without a cell is blank and labelled "not run". Returns the image."""
-    import numpy as np
-
-    by = {(c["length"], c["depth"]): c[key] for c in cells}
-    grid = np.array([[by.get((n, dd), np.nan) for dd in depths] for n in lengths], dtype=float)
-    im = ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-    for (i, j), v in np.ndenumerate(grid):
-        ax.text(j, i, "not run" if np.isnan(v) else (f"{v:.0f}" if v >= 10 else f"{v:.1f}"),
-                ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(depths)), [f"{x}%" for x in depths])
-    ax.set_yticks(range(len(lengths)), [str(x) for x in lengths])
-    return im
-
-
 def _label_path(spec: str) -> tuple[str, str]:
     if "=" in spec and not Path(spec).is_file():
         label, path = spec.split("=", 1)
@@ -714,11 +672,7 @@ def _label_path(spec: str) -> tuple[str, str]:
 
 
 def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     written = []
@@ -735,8 +689,7 @@ def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) ->
         ax.set_title(f"PPL by position, L={ppl['seq_length']}, {ppl['windows']} windows\n{title}", fontsize=9)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(d / "ppl_by_position.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, d / "ppl_by_position.png", dpi=100)
         written.append(str(d / "ppl_by_position.png"))
     if results.get("niah"):
         niah = results["niah"]
@@ -749,8 +702,7 @@ def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) ->
             fig.colorbar(im, ax=ax)
         fig.suptitle(title, fontsize=9)
         fig.tight_layout()
-        fig.savefig(d / "niah_heatmap.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, d / "niah_heatmap.png", dpi=100)
         written.append(str(d / "niah_heatmap.png"))
     if loss_curves:
         fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -763,8 +715,7 @@ def make_plots(out_dir: str, results: dict, loss_curves: Optional[list[str]]) ->
         ax.set_title("training loss")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(d / "loss_curves.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, d / "loss_curves.png", dpi=100)
         written.append(str(d / "loss_curves.png"))
     return written
 
@@ -828,8 +779,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results["plots"] = make_plots(args.plots, results, args.loss_curves)
         print(" > plots: " + ", ".join(results["plots"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, result_record(results, argv=argv))
         print(f" > {args.json}")
     import torch.distributed as dist
 

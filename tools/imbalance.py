@@ -53,13 +53,14 @@ Vertical (column) work placement (``--vertical``):
   first, and what is left runs in the extra phase.
 
 Patterns (``--pattern``): ``dense`` (full causal), ``synthetic`` (seeded per head, see
-:func:`synthetic_pattern`), ``file`` (``--pattern-file``, format in :func:`save_pattern`).
+:func:`megatron_mtraining.patterns.synthetic.synthetic_pattern`), ``file`` (``--pattern-file``, format in
+:mod:`megatron_mtraining.patterns.io`).
 
 ``--model gpu`` runs the same schedule as real kernels on one device (virtual CP): for each
 (worker, step) it builds the worker's query shard, the owner's K/V shard and the converter's
 StepIndices, and times the sparse forward and backward (Triton kernels of
 ``megatron_mtraining.ops.triton`` where usable, else the torch sparse reference), median of
-``--repeats`` after ``--warmup`` (CUDA events on GPU). ``W`` is then milliseconds (fwd + bwd);
+``--repeats`` after ``--warmup`` (:func:`megatron_mtraining.bench.measure`: CUDA events on GPU). ``W`` is then milliseconds (fwd + bwd);
 the JSON adds ``W_fwd_ms``, ``W_bwd_ms``, ``step_ms_fwd_max``, ``step_ms_bwd_max`` (max over
 workers per ring step, read by tools/simulate_hierarchy.py) and the FLOP model of the same run.
 
@@ -76,214 +77,26 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict
+from typing import Callable, Dict, List, Optional, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from megatron_mtraining.layout import Layout  # noqa: E402
-from megatron_mtraining.patterns.estimator import VerticalSlashPattern  # noqa: E402
-from megatron_mtraining.patterns.convert import without_columns  # noqa: E402
+from megatron_mtraining.bench import measure, pyplot, result_record, save_figure, write_json
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.patterns.convert import without_columns
+from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+from megatron_mtraining.patterns.io import head_lines, load_pattern, pattern_from_arrays, save_pattern  # noqa: F401
+from megatron_mtraining.patterns.synthetic import SyntheticConfig, dense_pattern, synthetic_pattern
 
 BLOCK = 64
 TILE = BLOCK * BLOCK
 UNITS = ("tiles", "pairs")
 VERTICAL_MODES = ("in-ring", "out-of-ring", "deferred")
-
-
-# ============================================================================ patterns
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """Generator of a RoPE-like vertical-slash pattern (see :func:`synthetic_pattern`).
-
-    Args:
-        heads: number of query heads (one pattern each).
-        sparsity: target fraction of causal work skipped per head, in kernel tiles (64x64 tiles
-            of the causal block triangle; a vertical column costs 1/64 tile per query block).
-        sinks: attention-sink columns ``0 .. sinks-1`` (tokens).
-        window: minimum local window in 64-token blocks; head ``h`` keeps block diagonals
-            ``0 .. w_h-1`` with ``w_h`` uniform in ``[window, 2*window]``.
-        max_vertical: cap on columns per head (the estimator's default cap).
-        seed: base seed; head ``h`` uses ``numpy.random.default_rng([seed, h])``.
-    """
-
-    heads: int = 16
-    sparsity: float = 0.95
-    sinks: int = 64
-    window: int = 16
-    max_vertical: int = 4096
-    seed: int = 0
-
-
-def _power_law(rng: np.random.Generator, n: int, lo: int, hi: int, gamma: float) -> np.ndarray:
-    """``n`` integers in ``[lo, hi)`` with ``x = lo * (hi/lo) ** (u ** gamma)``, u ~ U(0, 1).
-
-    ``gamma = 1`` is log-uniform (density ~ 1/x: heavy-tailed, scale-free); ``gamma > 1`` moves
-    mass toward ``lo`` while keeping the tail up to ``hi``."""
-    if hi <= lo:
-        return np.zeros(0, dtype=np.int64)
-    u = rng.random(n)
-    x = lo * np.exp(np.log(hi / lo) * u ** gamma)
-    return np.clip(np.floor(x).astype(np.int64), lo, hi - 1)
-
-
-def _first_unique(x: np.ndarray) -> np.ndarray:
-    """Unique values of ``x`` in order of first occurrence."""
-    _, idx = np.unique(x, return_index=True)
-    return x[np.sort(idx)]
-
-
-def _take_budget(cost: np.ndarray, budget: float) -> int:
-    """Length of the shortest prefix of ``cost`` whose sum reaches ``budget`` (all if never)."""
-    if budget <= 0 or cost.size == 0:
-        return 0
-    return int(min(cost.size, np.searchsorted(np.cumsum(cost), budget) + 1))
-
-
-def _synthetic_head(seq_len: int, cfg: SyntheticConfig, h: int) -> Tuple[np.ndarray, np.ndarray]:
-    nb = seq_len // BLOCK
-    rng = np.random.default_rng([cfg.seed, h])
-    w = int(min(nb, rng.integers(cfg.window, 2 * cfg.window + 1)))
-    rho = rng.uniform(0.1, 0.4)                # share of the head's work on vertical columns
-    gamma_s = rng.uniform(1.0, 3.0)
-    gamma_v = rng.uniform(1.0, 2.0)
-    budget = (1.0 - cfg.sparsity) * nb * (nb + 1) / 2           # tiles
-    # slash: local window, then a power-law stream of farther offsets
-    window = np.arange(w, dtype=np.int64)
-    stream = _first_unique(_power_law(rng, 8 * nb, w, nb, gamma_s)) if w < nb else np.zeros(0, np.int64)
-    s_cost = (nb - stream).astype(np.float64)
-    n_s = _take_budget(s_cost, (1.0 - rho) * budget - float((nb - window).sum()))
-    offsets = np.concatenate([window, stream[:n_s]])
-
-    def column_cost(t: np.ndarray, offs: np.ndarray) -> np.ndarray:
-        # query blocks at or after the column's block whose tile is not already a slash tile, / 64
-        dmask = np.zeros(nb + 1, dtype=np.int64)
-        dmask[offs] = 1
-        before = np.concatenate([[0], np.cumsum(dmask)])          # before[L] = #offsets < L
-        tb = t // BLOCK
-        return ((nb - tb) - before[nb - tb]) / BLOCK
-
-    # vertical: sinks, then bursts (mean 4 consecutive tokens) at power-law anchors
-    sinks = np.arange(min(cfg.sinks, seq_len), dtype=np.int64)
-    anchors = _power_law(rng, 4 * cfg.max_vertical, max(cfg.sinks, 1), seq_len, gamma_v)
-    lengths = rng.geometric(0.25, anchors.size)                  # >= 1, mean 4
-    starts = np.repeat(anchors, lengths)
-    within = np.arange(starts.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    burst = _first_unique(np.clip(starts + within, 0, seq_len - 1))
-    burst = burst[burst >= sinks.size][: max(0, cfg.max_vertical - sinks.size)]
-    used = float((nb - offsets).sum()) + float(column_cost(sinks, offsets).sum())
-    n_v = _take_budget(column_cost(burst, offsets), budget - used)
-    columns = np.concatenate([sinks, burst[:n_v]])
-    used += float(column_cost(burst[:n_v], offsets).sum())
-    if used < budget and n_s < stream.size:      # column cap reached: the rest goes to slashes
-        extra = _take_budget(s_cost[n_s:], budget - used)
-        offsets = np.concatenate([offsets, stream[n_s:n_s + extra]])
-    return np.unique(offsets), np.unique(columns)
-
-
-def _pad(rows: Sequence[np.ndarray]) -> Tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(r.size for r in rows))
-    out = torch.full((1, len(rows), width), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[0, i, :r.size] = torch.from_numpy(r)
-    return out, torch.tensor([[r.size for r in rows]], dtype=torch.long)
-
-
-def pattern_from_arrays(seq_len: int, slash: Sequence[np.ndarray],
-                        vertical: Sequence[np.ndarray]) -> VerticalSlashPattern:
-    """A batch-1 :class:`VerticalSlashPattern` from per-head offset / position arrays (unique)."""
-    s, sc = _pad([np.unique(np.asarray(x, dtype=np.int64)) for x in slash])
-    v, vc = _pad([np.unique(np.asarray(x, dtype=np.int64)) for x in vertical])
-    nb = seq_len // BLOCK
-    if bool((s >= nb).any() or (v >= seq_len).any() or (s < -1).any() or (v < -1).any()):
-        raise ValueError("pattern entries out of range (slash offsets in [0, S/64), vertical in [0, S))")
-    return VerticalSlashPattern(seq_len, BLOCK, s, sc, v, vc)
-
-
-def synthetic_pattern(seq_len: int, cfg: SyntheticConfig = SyntheticConfig()) -> VerticalSlashPattern:
-    """A RoPE-like vertical-slash pattern, one per head, seeded per head.
-
-    Per head ``h`` (``rng = default_rng([seed, h])``), with ``nb = seq_len / 64`` blocks and a
-    budget of ``(1 - sparsity) * nb (nb + 1) / 2`` tiles (a column costs one tile per 64 query
-    blocks it is gathered for):
-
-    * slash offsets: the local window ``0 .. w_h - 1`` (``w_h ~ U[window, 2 window]`` blocks),
-      then offsets from a power law over ``[w_h, nb)`` (log-uniform warped by ``gamma_s ~
-      U[1, 3]``: most near the window, a heavy tail up to the whole sequence) until the head's
-      slash share ``1 - rho_h`` of the budget is used (``rho_h ~ U[0.1, 0.4]``);
-    * vertical columns: the ``sinks`` attention sinks, then bursts of consecutive tokens (length
-      1 + Geometric(0.25), mean 4: a salient phrase) at anchors from a power law over
-      ``[sinks, seq_len)`` (``gamma_v ~ U[1, 2]``: dense early, heavy tail to the end) until the
-      budget or ``max_vertical`` is reached; a budget left by the cap goes to more slashes.
-
-    At short sequences the floors (window, sinks) alone exceed the budget and the pattern is
-    denser than asked; the achieved sparsity is what the tool reports.
-    """
-    if seq_len % BLOCK:
-        raise ValueError(f"seq_len must be a multiple of {BLOCK}")
-    heads = [_synthetic_head(seq_len, cfg, h) for h in range(cfg.heads)]
-    return pattern_from_arrays(seq_len, [s for s, _ in heads], [v for _, v in heads])
-
-
-def dense_pattern(seq_len: int, heads: int) -> VerticalSlashPattern:
-    """Full causal attention as a vertical-slash pattern (every block diagonal, no columns)."""
-    nb = seq_len // BLOCK
-    return pattern_from_arrays(seq_len, [np.arange(nb)] * heads, [np.zeros(0, np.int64)] * heads)
-
-
-def save_pattern(path: str, pattern: VerticalSlashPattern, meta: Optional[dict] = None) -> None:
-    """Write a pattern file (``.npz`` or ``.pt``) that ``--pattern file`` reads.
-
-    Keys: ``seq_len`` (int, tokens), ``block_size`` (int, must be 64), ``slash`` (int64 ``[H, ns]``
-    block-diagonal offsets ``d >= 0`` of query block minus key block, -1 padded), ``vertical``
-    (int64 ``[H, nv]`` global key positions, -1 padded), ``meta`` (JSON string, optional:
-    provenance). A ``[B, H, n]`` batch of patterns (``VerticalSlashPattern``) is stored with
-    ``B * H`` rows. ``.pt`` is ``torch.save`` of the same dict with tensors.
-    """
-    s = pattern.slash.reshape(-1, pattern.slash.shape[-1]).cpu()
-    v = pattern.vertical.reshape(-1, pattern.vertical.shape[-1]).cpu()
-    m = json.dumps(meta or {})
-    if str(path).endswith(".pt"):
-        torch.save({"seq_len": pattern.seq_len, "block_size": pattern.block_size, "slash": s, "vertical": v,
-                    "meta": m}, path)
-    else:
-        np.savez_compressed(path, seq_len=pattern.seq_len, block_size=pattern.block_size, slash=s.numpy(),
-                            vertical=v.numpy(), meta=m)
-
-
-def load_pattern(path: str) -> Tuple[VerticalSlashPattern, dict]:
-    """Read a file written by :func:`save_pattern`; returns ``(pattern with batch 1, meta)``."""
-    if str(path).endswith(".pt"):
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        get = lambda k: d[k].numpy() if isinstance(d[k], torch.Tensor) else np.asarray(d[k])  # noqa: E731
-        meta = json.loads(d.get("meta", "{}"))
-    else:
-        z = np.load(path)
-        get = lambda k: z[k]  # noqa: E731
-        meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-    bs = int(get("block_size"))
-    if bs != BLOCK:
-        raise ValueError(f"{path}: block_size {bs}, the kernels and this tool use {BLOCK}")
-    seq_len = int(get("seq_len"))
-    s = get("slash").reshape(-1, get("slash").shape[-1])
-    v = get("vertical").reshape(-1, get("vertical").shape[-1])
-    return pattern_from_arrays(seq_len, [r[r >= 0] for r in s], [r[r >= 0] for r in v]), meta
-
-
-def head_lines(pattern: VerticalSlashPattern) -> List[Tuple[np.ndarray, np.ndarray]]:
-    """Per (batch, head): ``(slash offsets, vertical positions)`` as int64 numpy arrays."""
-    s = pattern.slash.reshape(-1, pattern.slash.shape[-1]).cpu().numpy()
-    v = pattern.vertical.reshape(-1, pattern.vertical.shape[-1]).cpu().numpy()
-    return [(a[a >= 0], b[b >= 0]) for a, b in zip(s, v)]
 
 
 # ============================================================================ FLOP model
@@ -575,24 +388,9 @@ def flop_model(pattern: VerticalSlashPattern, layout: Layout, unit: str, vertica
 
 # ============================================================================ GPU model
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int, int], float]:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup`` (CUDA events on GPU)."""
+    """``run(fn, repeats, warmup)``: median milliseconds of ``fn`` on ``device`` (:func:`megatron_mtraining.bench.measure`)."""
     def run(fn, repeats: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(max(1, repeats)):
-            if device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize(device)
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return float(statistics.median(times))
+        return measure(fn, device=device, warmup=warmup, repeats=max(1, repeats)).median_ms
     return run
 
 
@@ -714,11 +512,7 @@ def pattern_stats(pattern: VerticalSlashPattern) -> dict:
 def plot(results: List[dict], path: str, title: str, ncols: Optional[int] = None) -> None:
     """Heatmaps (workers x ring steps) of ``W / mean ring cell``, one panel per result, like
     MTraining Fig. 13. A columns phase (out-of-ring / deferred) is summarised in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = len(results)
     ncols = ncols or min(n, 4)
     nrows = math.ceil(n / ncols)
@@ -744,8 +538,7 @@ def plot(results: List[dict], path: str, title: str, ncols: Optional[int] = None
         cb.ax.tick_params(labelsize=6)
     fig.suptitle(title + " — work per cell / mean ring cell", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def row_text(r: dict) -> str:
@@ -773,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vertical", choices=VERTICAL_MODES, default="in-ring", help="where column work runs")
     pat = ap.add_argument_group("pattern")
     pat.add_argument("--pattern", choices=["dense", "synthetic", "file"], default="synthetic")
-    pat.add_argument("--pattern-file", default=None, help="--pattern file: .npz/.pt written by save_pattern")
+    pat.add_argument("--pattern-file", default=None, help="--pattern file: .npz/.pt pattern file (megatron_mtraining.patterns.io format)")
     pat.add_argument("--save-pattern", default=None, help="write the pattern used (.npz or .pt) and continue")
     pat.add_argument("--heads", type=int, default=16, help="query heads of dense/synthetic patterns")
     pat.add_argument("--seed", type=int, default=0)
@@ -895,8 +688,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result["elapsed_s"] = time.perf_counter() - t0
     print(f"done in {result['elapsed_s']:.2f} s", flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result_record(result, device=args.device if args.model == "gpu" else "cpu", argv=argv))
         print(f"wrote {args.json}")
     return 0
 

@@ -100,8 +100,9 @@ def main() -> None:
         print(f"{r['cp']:>3} | {max(r['peak_delta_mib_per_rank']):>38.1f} | {r['kv_shard_mib']:>13.1f} | "
               f"{r['q_shard_mib']:>11.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+        from megatron_mtraining.bench import result_record, write_json
+
+        write_json(args.json, result_record({"config": vars(args), "rows": rows}, device="cpu"))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ layer and head:
   ``--timing-repeats 0``.
 
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
-(``tools.imbalance.save_pattern`` format; rows in layer, sample, head order; ``meta`` names the
+(``megatron_mtraining.patterns.io`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
 text with a trained checkpoint (``tools/imbalance.py --pattern file --pattern-file P``), or the
 kernel benchmark can time them (``tools/bench_attention.py --pattern-file P``).
@@ -52,14 +52,13 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import torch
 
-import torch  # noqa: E402
+from megatron_mtraining.bench import measure, pyplot, result_record, save_figure, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,29 +299,16 @@ def work_fraction(steps, nb: int, bs: int) -> torch.Tensor:
     return work / (nb * (nb + 1) / 2 * bs * bs)
 
 
-def timed(fn, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls after one warm-up; CUDA work is synchronized."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def timed(fn, repeats: int, device="cpu") -> float:
+    """Median seconds of ``repeats`` calls after one warm-up on ``device`` (:func:`megatron_mtraining.bench.measure`)."""
+    return measure(fn, device=device, warmup=1, repeats=max(1, repeats)).median_s
 
 
 PLOT_MAX_SEQ = 16384   # --plot-heads builds [seq, seq] fp64 probabilities per drawn head (2 GiB at 16K)
 
 
 def plot_heads(path: str, picks, seq: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = len(picks)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 4.4), squeeze=False)
     for ax, (title, probs, pattern_bh, bs) in zip(axes[0], picks):
@@ -341,8 +327,7 @@ def plot_heads(path: str, picks, seq: int) -> None:
         ax.set_ylabel("query position")
     fig.suptitle("exact attention (log10) with the estimated vertical (cyan) and slash (green) lines", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -445,9 +430,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         t_est = t_att = t_sparse = None
         if args.timing_repeats > 0:
             t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale),
-                          args.timing_repeats)
-            t_att = timed(lambda: attention_forward(q, k, v, pos1, pos1, scale), args.timing_repeats)
-            t_sparse = timed(lambda: sparse_attention_forward(q, k, v, steps[0], scale), args.timing_repeats)
+                          args.timing_repeats, dev)
+            t_att = timed(lambda: attention_forward(q, k, v, pos1, pos1, scale), args.timing_repeats, dev)
+            t_sparse = timed(lambda: sparse_attention_forward(q, k, v, steps[0], scale), args.timing_repeats, dev)
         inside = exact_mass_inside(q, k, lambda r0, r1: pattern_rows(pattern, r0, r1).double(), scale,
                                    stride=args.recall_stride, last_q=cfg.last_q).cpu()
         recall = inside[..., grid].mean(-1)                           # [b, hq]
@@ -483,12 +468,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 sum(l["est_time_ratio"] for l in layers) / len(layers)),
     }
     out_json, out_png = Path(args.out + ".json"), Path(args.out + ".png")   # OUT may contain dots
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(report, indent=1, allow_nan=False))
+    write_json(out_json, result_record(report, device=dev, argv=argv))
     print("summary:", json.dumps(report["summary"]), flush=True)
     print(f"wrote {out_json}", flush=True)
     if args.save_pattern:
-        from tools.imbalance import pattern_from_arrays, save_pattern
+        from megatron_mtraining.patterns.io import pattern_from_arrays, save_pattern
 
         save_pattern(args.save_pattern, pattern_from_arrays(seq, *saved_rows),
                      {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,

@@ -48,8 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _corpus_utils import (  # noqa: E402
+from megatron_mtraining.data.corpus import (
     Document,
     default_data_dir,
     format_licenses_md,

@@ -105,8 +105,9 @@ def main() -> None:
               f"{r['flat_ms']:>8.2f} | {r['hier_ms']:>8.2f} | {r['compute_only_ms']:>15.2f} | "
               f"{r['speedup_hier_over_flat']:>11.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        from megatron_mtraining.bench import result_record, write_json
+
+        write_json(args.json, result_record({"args": vars(args), "rows": rows}, device="cpu"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Shared helpers for the data tools: JSONL corpus I/O, cache locations and the licence table.
+"""JSONL corpus I/O, the data cache location and the licence table (used by ``tools/prepare_corpus.py``).
 
 A corpus is a JSONL file with one document per line, each a JSON object with the keys
 ``source`` (which fetcher produced it), ``id`` (unique within the source), ``license`` (a
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, TypedDict
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_ENV_VAR = "MTRAINING_DATA"
 
 

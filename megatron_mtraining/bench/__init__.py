@@ -1,0 +1,22 @@
+"""Shared base of the benchmark and evaluation tools (``tools/``).
+
+* :mod:`.timer` — :func:`measure`, the one timer (CUDA events / wall clock, warm-up, median);
+* :mod:`.record` — :func:`environment` (GPU, clocks, versions, git commit, date, command line),
+  :func:`result_record` and :func:`write_json` (strict JSON, atomic);
+* :mod:`.plotting` — :func:`pyplot` (matplotlib on Agg, imported lazily), :func:`save_figure`,
+  :func:`draw_niah_grid`;
+* :mod:`.metrics` — :func:`read_metrics_rows`, :func:`read_metrics` (the trainer's metrics file);
+* :mod:`.inputs` — :func:`structured_qkv` (synthetic vertical-slash inputs), :func:`kept_fraction`.
+
+Imports only torch, the standard library and the package's layers up to the kernels (``layout``,
+``patterns``, ``ops``); never ``ring``, ``megatron`` or ``training``.
+"""
+
+from .inputs import kept_fraction, structured_qkv
+from .metrics import read_metrics, read_metrics_rows
+from .plotting import draw_niah_grid, pyplot, save_figure
+from .record import environment, result_record, to_jsonable, write_json
+from .timer import Timing, measure
+
+__all__ = ["Timing", "measure", "environment", "result_record", "to_jsonable", "write_json", "pyplot", "save_figure",
+           "draw_niah_grid", "read_metrics_rows", "read_metrics", "structured_qkv", "kept_fraction"]

@@ -1,0 +1,70 @@
+"""Synthetic attention inputs with vertical-slash structure, and the exact kept fraction of a pattern
+(MTraining §3.2: the estimator looks for vertical lines and slash lines; these inputs have both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["structured_qkv", "kept_fraction"]
+
+
+def structured_qkv(s: int, hq: int, hkv: int, d: int, device, seed: int = 0, n_vertical: int = 256):
+    """bf16 ``q [1, s, hq, d]``, ``k, v [1, s, hkv, d]`` on ``device`` (GQA: ``hkv`` divides ``hq``;
+    ``d`` even), seeded by ``seed``, with vertical-slash structure: the first d/2 dims carry a
+    shared vector under RoPE (base 1e4) -> attention concentrated near the diagonal; the last d/2
+    carry a content direction that a few keys (the first 64 tokens and ``n_vertical`` random
+    positions per KV head) match strongly -> vertical columns."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    half = d // 2
+    pos = torch.arange(s, dtype=torch.float64)
+    inv = 1.0 / (1e4 ** (torch.arange(0, half, 2, dtype=torch.float64) / half))
+    ang = pos[:, None] * inv[None]                              # [s, half/2]
+    cos, sin = ang.cos().float(), ang.sin().float()
+
+    def rope(x):                                                # x [s, h, half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, sn = cos[:, None], sin[:, None]
+        return torch.stack((x1 * c - x2 * sn, x1 * sn + x2 * c), -1).flatten(-2)
+
+    c = torch.randn(hkv, half, generator=g) * 1.2
+    u = torch.randn(hkv, half, generator=g)
+    rep = hq // hkv
+    qa = rope(c.repeat_interleave(rep, 0)[None] + 0.5 * torch.randn(s, hq, half, generator=g))
+    ka = rope(c[None] + 0.5 * torch.randn(s, hkv, half, generator=g))
+    qb = u.repeat_interleave(rep, 0)[None] + 0.3 * torch.randn(s, hq, half, generator=g)
+    kb = 0.3 * torch.randn(s, hkv, half, generator=g)
+    for h in range(hkv):
+        cols = torch.cat((torch.arange(64), torch.randint(64, s, (n_vertical,), generator=g)))
+        kb[cols, h] += 1.8 * u[h]
+    q = torch.cat((qa, qb), -1)[None].to(device=device, dtype=torch.bfloat16)
+    k = torch.cat((ka, kb), -1)[None].to(device=device, dtype=torch.bfloat16)
+    v = torch.randn(1, s, hkv, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    return q, k, v
+
+
+def kept_fraction(pattern) -> float:
+    """Fraction of the causal (query, key) pairs inside the pattern's mask (exact, averaged over
+    samples x heads): slash block diagonals plus vertical columns not already covered."""
+    S, bs = pattern.seq_len, pattern.block_size
+    nb = S // bs
+    causal = S * (S + 1) / 2
+    sl = pattern.slash.reshape(-1, pattern.slash.shape[-1]).cpu()
+    vt = pattern.vertical.reshape(-1, pattern.vertical.shape[-1]).cpu()
+    fr = []
+    for h in range(sl.shape[0]):
+        d = sl[h][sl[h] >= 0]
+        slash_pairs = sum((nb * bs * (bs + 1) / 2) if int(x) == 0 else (nb - int(x)) * bs * bs for x in d)
+        t = vt[h][vt[h] >= 0]
+        dset = torch.zeros(nb, dtype=torch.bool)
+        dset[d] = True
+        kb, r = t // bs, t % bs
+        col = (S - t).double()                                   # rows p >= t
+        # subtract rows already covered by slash blocks: offset 0 covers bs - r rows, d>0 covers bs
+        covered = torch.zeros_like(col)
+        offs = d.tolist()
+        for x in offs:
+            ok = (kb + x) < nb
+            covered += torch.where(ok, torch.full_like(col, bs) if x else (bs - r).double(), torch.zeros_like(col))
+        fr.append((slash_pairs + float((col - covered).clamp(min=0).sum())) / causal)
+    return float(sum(fr) / len(fr))
