@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long-context extension of SmolLM2-135M (issue #11): ONE resumable call of tools/extend_context.py.
+# Long-context extension of SmolLM2-135M: ONE resumable call of tools/extend_context.py.
 #
 #   MODE=dense|mtraining [SEQ=32768] [ITERS=80] [GBS=8] [BUDGET=540] [STOP_ITER=N] [CONFIG=yaml] [DRY_RUN=1] \
 #       examples/long_context/extend_smollm2.sh [more pretrain_gpt.py flags]
