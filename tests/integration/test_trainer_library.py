@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,19 @@ def test_stop_hook_on_one_rank_stops_all_and_layout_is_built_once(tmp_path):
     assert " > exiting after iteration 2 (" in r.stdout
     assert "iteration        3/" not in r.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_cli_and_tools_import_the_package():
+    """examples/pretrain_gpt.py is a thin command line over the package, and nothing loads it as a
+    module or puts examples/ on sys.path."""
+    from tests.helpers.dist import REPO_ROOT
+
+    cli = (REPO_ROOT / "examples" / "pretrain_gpt.py").read_text()
+    assert len(cli.splitlines()) <= 80 and "from megatron_mtraining.training import main" in cli
+    assert "sys.path" not in cli
+    for path in [*(REPO_ROOT / "tools").glob("*.py"), *(REPO_ROOT / "tests").rglob("*.py")]:
+        if path.resolve() == Path(__file__).resolve():
+            continue
+        lines = path.read_text().splitlines()
+        assert not [ln for ln in lines if "sys.path" in ln and "examples" in ln], path
+        assert not [ln for ln in lines if "spec_from_file_location" in ln and "pretrain" in ln.lower()], path
