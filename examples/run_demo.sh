@@ -11,6 +11,7 @@ set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's megatron_mtraining
 PYTHON="${PYTHON:-python}"
 DATA_DIR="${MTRAINING_DATA:-$REPO_ROOT/data}"
 SOURCES="${DEMO_SOURCES:-books}"
@@ -35,7 +36,7 @@ echo "== data 2/2: tokenize -> $DATA_DIR/megatron/${CORPUS_NAME}_text_document.{
 export DATA_PREFIX="$DATA_DIR/megatron/${CORPUS_NAME}_text_document"
 export TOKENIZER_MODEL="$DATA_DIR/tokenizer/mistral_v1.model"
 
-# Training step.
+# Training step (examples/pretrain_gpt.py).
 # A 4-layer GQA GPT (hidden 256, 8 query heads / 2 KV groups, SwiGLU ffn 768, RoPE, RMSNorm,
 # untied 32k-vocab embeddings; ~19M parameters) trained on 4096-token sequences that are split over
 # CP=2 CPU processes (gloo): striped layout (granularity 64), exact ring attention

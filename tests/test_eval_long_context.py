@@ -116,8 +116,7 @@ warnings.filterwarnings("ignore")
 import numpy as np
 import torch
 import torch.distributed as dist
-sys.path.insert(0, os.path.join(os.getcwd(), "examples"))
-import pretrain_gpt as pg
+import megatron_mtraining.training as pg
 from megatron.core import dist_checkpointing, parallel_state as ps
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.models.gpt import GPTModel

@@ -1,4 +1,4 @@
-"""The long-context extension recipe (issue #11) at tiny scale on CPU, offline.
+"""The long-context extension recipe at tiny scale on CPU, offline.
 
 * ``tools/build_long_context_data.py``: a document-disjoint train / held-out split of long documents,
   written exactly as ``tools/preprocess_data.py --append-eod`` writes them.

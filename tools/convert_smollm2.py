@@ -30,7 +30,7 @@ pairwise rotation); they are put back into the rotate-half order that megatron-c
 g; k_g; v_g]`` for each KV group g, ``linear_fc1`` is ``[gate; up]``, the embedding (and an untied
 output layer) is zero-padded to ``--make-vocab-size-divisible-by``.
 
-With ``--eval-text FILE`` the checkpoint is loaded back through ``pretrain_gpt.load_checkpoint``
+With ``--eval-text FILE`` the checkpoint is loaded back through ``megatron_mtraining.training.load_checkpoint``
 into a fresh GPTModel and the perplexity of the first ``--eval-tokens`` tokens of FILE is printed.
 
 Exit codes: 0 ok; 1 unusable GGUF (not llama, missing tensor/metadata, shape mismatch,
@@ -54,9 +54,6 @@ from typing import Optional
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "examples"))
 
 __all__ = ["LlamaHParams", "read_gguf", "rope_pairs_to_halves", "megatron_state_dict", "pretrain_flags",
            "build_bpe_tokenizer", "convert", "evaluate_perplexity", "main"]
@@ -337,11 +334,11 @@ def _init_single_process(args) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    import pretrain_gpt
+    from megatron_mtraining import training
     from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches, cpu_seed
 
     if not dist.is_initialized():
-        pretrain_gpt.init_distributed(args)
+        training.init_distributed(args)
     apply_cpu_patches()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel()
@@ -349,7 +346,7 @@ def _init_single_process(args) -> None:
 
 
 class _Unwrapped:
-    """What ``pretrain_gpt.load_checkpoint`` expects of a DDP model: ``.module``."""
+    """What ``megatron_mtraining.training.load_checkpoint`` expects of a DDP model: ``.module``."""
 
     def __init__(self, module):
         self.module = module
@@ -359,11 +356,11 @@ def build_model(args, vocab_padded: int):
     """The GPTModel ``pretrain_gpt.py`` builds for ``args`` (CPU/GPU as pretrain_gpt decides)."""
     import torch
 
-    import pretrain_gpt
+    from megatron_mtraining import training
 
     _init_single_process(args)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return pretrain_gpt.build_model(args, pretrain_gpt.transformer_config(args), vocab_padded, device)
+    return training.build_model(args, training.transformer_config(args), vocab_padded, device)
 
 
 def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, divisible_by: int = 128,
@@ -476,14 +473,14 @@ def _sha256(path: Path) -> str:
 # ------------------------------------------------------------------------------- evaluation
 def load_converted(out_dir: str | os.PathLike, seq_length: int = 64):
     """Build the GPTModel for ``out_dir``'s flags and load its checkpoint through
-    ``pretrain_gpt.load_checkpoint`` (the ``--load`` path). Returns ``(model, args)``."""
-    import pretrain_gpt
+    ``megatron_mtraining.training.load_checkpoint`` (the ``--load`` path). Returns ``(model, args)``."""
+    from megatron_mtraining import training
 
     info = json.loads(Path(out_dir, "model_args.json").read_text())
     args = model_args(info["pretrain_gpt_flags"], seq_length)
     args.load, args.ckpt_format = str(out_dir), "torch_dist"
     model = build_model(args, info["padded_vocab_size"])
-    pretrain_gpt.load_checkpoint(args, _Unwrapped(model), None, None, info["padded_vocab_size"])
+    training.load_checkpoint(args, _Unwrapped(model), None, None, info["padded_vocab_size"])
     model.eval()
     return model, args
 

@@ -11,8 +11,8 @@ and ignored, ``--context-parallel-size`` is forced to 1)::
         --eval-attention mtraining --mtraining-config configs/demo.yaml \\
         --eval-seq-length 4096 --niah-lengths 1K,2K,4K --json out.json --plots out_dir
 
-The model is built with ``pretrain_gpt.build_model`` and the weights are read with
-``pretrain_gpt.load_model_weights`` (``--ckpt-format torch_dist`` or ``torch``; a checkpoint saved
+The model is built with ``megatron_mtraining.training.build_model`` and the weights are read with
+``megatron_mtraining.training.load_model_weights`` (``--ckpt-format torch_dist`` or ``torch``; a checkpoint saved
 at any CP size loads). ``CHECKPOINT_DIR`` is the ``--save`` directory (``--iteration`` picks an
 ``iter_XXXXXXX``, default the latest; a ``release`` tracker loads ``CHECKPOINT_DIR/release``).
 The shape flags are compared with the arguments stored in the checkpoint; a difference is an
@@ -95,10 +95,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "examples"))
 
-import pretrain_gpt as pg  # noqa: E402  (light: imports only megatron_mtraining.megatron.args)
+import megatron_mtraining.training as pg  # noqa: E402  (light: megatron.core is imported on use)
 from megatron_mtraining.bench import (  # noqa: E402
     draw_niah_grid, pyplot, read_metrics, read_metrics_rows, result_record, save_figure, write_json,
 )

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Long-context extension of a converted checkpoint (SmolLM2-135M, 8K -> 32K) in resumable calls.
 
-One call = one process running ``examples/pretrain_gpt.py``'s ``main`` (CP=1, one GPU) that stops
-in time and saves, so a run of ``--train-iters`` iterations is split over several device calls of
-at most 10 minutes each; every call continues exactly where the last one saved:
+One call = one process running the trainer (:func:`megatron_mtraining.training.main`, the code of
+``examples/pretrain_gpt.py``; CP=1, one GPU) that stops in time and saves, so a run of
+``--train-iters`` iterations is split over several calls of bounded wall time; every call
+continues exactly where the last one saved:
 
 * ``--load``: the run's own ``--save`` directory once it holds a checkpoint, else ``--base`` (a
   ``release`` checkpoint: model weights only; optimizer, LR schedule and iteration start fresh,
@@ -12,17 +13,14 @@ at most 10 minutes each; every call continues exactly where the last one saved:
   call, so the data order (GPTDataset sizes: train_iters x global batch), the LR schedule
   (warm-up, cosine decay over ``--train-iters``) and the weight-decay schedule (megatron-core's
   scheduler refuses a checkpoint whose ``wd_incr_steps`` differ) are those of one uninterrupted
-  run. On resume pretrain_gpt.py restores model, optimizer (Adam moments, fp32 main weights),
+  run. On resume the trainer restores model, optimizer (Adam moments, fp32 main weights),
   scheduler and the iteration; the sample position is ``iteration x global batch``.
-* ``pretrain_gpt.py``'s ``--exit-interval`` / ``--exit-duration-in-mins`` (Megatron-LM's flags)
-  stop *after* the limit has passed; a device call has a hard wall-clock limit, so this driver
-  stops *before* it (predicting the next iteration's time) by running pretrain_gpt.py's ``main``
-  in-process with two wrappers: ``load_checkpoint``
-  (records the start iteration) and ``forward_backward`` (after iteration ``i`` of this call it
-  lowers ``args.train_iters`` to ``i`` -- only the loop bound; datasets, scheduler and LR were
-  built with the total -- when ``--stop-iter`` is reached or when the time left in
-  ``--time-budget-s`` would not cover another iteration plus ``--save-reserve-s``). The loop then
-  ends and pretrain_gpt.py saves its normal checkpoint.
+* The trainer's ``--exit-interval`` / ``--exit-duration-in-mins`` (Megatron-LM's flags) stop
+  *after* the limit has passed; a call with a hard wall-clock limit must stop *before* it, so this
+  driver passes a stop hook (:class:`megatron_mtraining.training.TrainHooks`): after iteration
+  ``i`` it ends the call when ``--stop-iter`` is reached or when the time left in
+  ``--time-budget-s`` would not cover another iteration plus ``--save-reserve-s`` (predicted from
+  the last iteration's wall time). The trainer then saves its normal checkpoint.
 
 Modes (same seed, same data, same flags otherwise):
 
@@ -33,7 +31,7 @@ Modes (same seed, same data, same flags otherwise):
   vertical-slash, recall 0.95): online pattern estimation + the Triton sparse kernels.
 
 RoPE: **the base is raised** (ABF, "adjusted base frequency"; Xiong et al. 2023), not YaRN:
-pretrain_gpt.py/megatron-core's GPTModel take ``--rotary-base`` but have no YaRN/NTK scaling flag,
+the trainer/megatron-core's GPTModel take ``--rotary-base`` but have no YaRN/NTK scaling flag,
 and ABF + continued pretraining is what SmolLM2 itself did for its 2K -> 8K stage (base 1e4 ->
 1e5: x10 for x4 length; Llama-2-Long, Code Llama, Qwen2.5 likewise). We repeat SmolLM2's own step:
 ``base(L) = 1e5 * 10 ** log4(L / 8192)`` rounded to 2 significant digits -> 32K: 1.0e6,
@@ -52,7 +50,6 @@ iteration -- and ``calls.jsonl``, one line per call: start/stop iteration, wall 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -63,7 +60,6 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-PRETRAIN = REPO / "examples" / "pretrain_gpt.py"
 DEFAULT_CONFIG = "configs/long_context_r095.yaml"
 
 
@@ -149,51 +145,28 @@ def pretrain_argv(a, load: str, bf16: bool) -> list[str]:
     return argv + list(a.extra)
 
 
-def _import_pretrain():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_for_extend", PRETRAIN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def run_pretrain(argv: list[str], stop_iter: Optional[int], budget_s: Optional[float], reserve_s: float,
                  t_process: float) -> dict:
-    """``pretrain_gpt.main(argv)`` stopping after ``stop_iter`` or before ``budget_s`` runs out."""
-    mod = _import_pretrain()
-    st = {"start": 0, "n": 0, "last_t": None, "last_dt": None, "stopped_at": None, "reason": None}
-    orig_load, orig_fb = mod.load_checkpoint, mod.forward_backward
+    """The trainer's ``run(argv)`` stopping after ``stop_iter`` or before ``budget_s`` runs out."""
+    from megatron_mtraining.training import IterationInfo, TrainHooks, run
 
-    def load_checkpoint(args, *a, **k):
-        st["start"] = orig_load(args, *a, **k)
-        return st["start"]
+    st = {"last_t": None}
 
-    def forward_backward(args, model, optimizer, micro, device, train):
-        if not train:
-            return orig_fb(args, model, optimizer, micro, device, train)
+    def should_stop(info: IterationInfo) -> Optional[str]:
         now = time.time()
-        if st["last_t"] is not None:
-            st["last_dt"] = now - st["last_t"]       # one whole iteration (fwd, bwd, optimizer, logging)
+        # one whole iteration as seen from here (data, step, logging, checkpointing); the first
+        # iteration's own time, doubled, before a second one has been seen
+        per_iter = now - st["last_t"] if st["last_t"] is not None else 2.0 * info.time_s
         st["last_t"] = now
-        st["n"] += 1
-        it = st["start"] + st["n"]
-        out = orig_fb(args, model, optimizer, micro, device, train)
-        reason = None
-        if stop_iter is not None and it >= stop_iter:
-            reason = f"--stop-iter {stop_iter}"
-        elif budget_s is not None:
-            per_iter = st["last_dt"] if st["last_dt"] is not None else 2.0 * (time.time() - now)
-            if time.time() - t_process + 1.5 * per_iter + reserve_s > budget_s:
-                reason = f"time budget {budget_s:.0f} s (elapsed {time.time() - t_process:.0f} s, {per_iter:.1f} s/it)"
-        if reason and it < args.train_iters:
-            args.train_iters = it                     # loop bound only: schedules were built with the total
-            st["stopped_at"], st["reason"] = it, reason
-            print(f" > extend_context: stopping after iteration {it} ({reason}); saving", flush=True)
-        return out
+        if stop_iter is not None and info.iteration >= stop_iter:
+            return f"--stop-iter {stop_iter}"
+        if budget_s is not None and now - t_process + 1.5 * per_iter + reserve_s > budget_s:
+            return f"time budget {budget_s:.0f} s (elapsed {now - t_process:.0f} s, {per_iter:.1f} s/it)"
+        return None
 
-    mod.load_checkpoint, mod.forward_backward = load_checkpoint, forward_backward
-    rc = mod.main(argv)
-    return {"rc": rc, "start_iteration": st["start"], "iterations_run": st["n"],
-            "end_iteration": st["start"] + st["n"], "stop_reason": st["reason"]}
+    res = run(argv, TrainHooks(should_stop=should_stop))
+    return {"rc": 0, "start_iteration": res.start_iteration, "iterations_run": res.end_iteration - res.start_iteration,
+            "end_iteration": res.end_iteration, "stop_reason": res.stop_reason}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

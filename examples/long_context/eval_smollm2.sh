@@ -24,7 +24,7 @@ if [ "$WHICH" = base ]; then
   CKPT=checkpoints/smollm2_135m; ROPE=100000
 else
   CKPT=checkpoints/long_context/${WHICH}_$((SEQ / 1024))k
-  ROPE=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import extend_context as e; print(e.abf_rotary_base($SEQ))")
+  ROPE=$("$PY" -c "import runpy; print(runpy.run_path('tools/extend_context.py')['abf_rotary_base']($SEQ))")
 fi
 CFG=()
 if [ "${ATTN:-dense}" = sparse ]; then CFG=(--mtraining-config "${CONFIG:-configs/long_context_r095.yaml}"); fi

@@ -5,7 +5,7 @@ Rank 0 writes ``--out`` (a torch file) with the global loss, the unsharded per-t
 the CP/DP-reduced gradients and the gradient norm.
 
 The loss is the exact global token mean ``sum(loss * mask) / N`` with ``N`` the loss-mask count
-all-reduced over the DP x CP group (as in examples/pretrain_gpt.py); gradients are reduced by
+all-reduced over the DP x CP group (as in megatron_mtraining.training.step); gradients are reduced by
 megatron-core's DistributedDataParallel with ``calculate_per_token_loss=True`` (plain sum).
 """
 

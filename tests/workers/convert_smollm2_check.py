@@ -3,7 +3,7 @@
     python tests/workers/convert_smollm2_check.py GGUF OUT_DIR DATA_PREFIX
 
 * converts GGUF into OUT_DIR/ok (and OUT_DIR/bad without undoing llama.cpp's Q/K permutation);
-* loads each back through pretrain_gpt.load_checkpoint and writes the logits of OUT_DIR/ids.npy
+* loads each back through megatron_mtraining.training.load_checkpoint and writes the logits of OUT_DIR/ids.npy
   to OUT_DIR/logits_{ok,bad}.npy;
 * writes OUT_DIR/argv.json: the pretrain_gpt.py command line (the converter's flags + 2 tiny
   training iterations on DATA_PREFIX) and OUT_DIR/expected.json: the loss of iteration 1 of that run
@@ -21,7 +21,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(REPO / "examples"))
 warnings.filterwarnings("ignore")
 
 import convert_smollm2 as cs  # noqa: E402
@@ -31,7 +30,7 @@ def main(gguf: str, out: str, data_prefix: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    import pretrain_gpt
+    from megatron_mtraining import training
     from megatron_mtraining.megatron.args import parse_args
 
     out_p = Path(out)
@@ -48,8 +47,8 @@ def main(gguf: str, out: str, data_prefix: str) -> None:
                     "--data-cache-path", str(out_p / "cache")]
     (out_p / "argv.json").write_text(json.dumps(argv))
     args = parse_args(argv)
-    tok = pretrain_gpt.build_tokenizer(args)
-    train, _ = pretrain_gpt.build_datasets(args, tok)
+    tok = training.build_tokenizer(args)
+    train, _ = training.build_datasets(args, tok)
     model, _ = cs.load_converted(out_p / "ok", 64)
     total, count = 0.0, 0.0
     for i in range(2):  # iteration 1 = samples 0 and 1 (one micro-batch of 2 at DP=1)

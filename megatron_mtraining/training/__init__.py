@@ -1,0 +1,50 @@
+"""GPT pretraining on megatron-core with the MTraining context-parallel attention, as a library.
+
+Megatron-LM's ``pretrain_gpt.py`` is not on PyPI (the megatron-core wheel has no
+``megatron.training``), so this is a compact trainer built on megatron.core only, with Megatron-LM
+flag names (:mod:`megatron_mtraining.megatron.args`). ``examples/pretrain_gpt.py`` is its command
+line; tools build on the same pieces::
+
+    from megatron_mtraining.training import main, TrainHooks
+    main(argv, hooks=TrainHooks(should_stop=lambda info: "budget" if info.time_s > 60 else None))
+
+Modules (each imports megatron.core lazily, so ``--help`` and argument errors stay fast):
+
+* :mod:`.cli`: ``parse_args`` / ``build_parser`` (the flags, validated before anything starts).
+* :mod:`.runtime`: ``init_distributed`` (torchrun env; gloo on CPU, nccl on GPU), ``log0``.
+* :mod:`.build`: tokenizer, padded vocabulary, ``TransformerConfig``, the CP layout (built once per
+  run), GPTModel with the MTraining spec (``--cp-attention mtraining``: every CP rank holds the
+  tokens ``Layout.positions(cp_rank, S)``; RoPE on the same positions) or the Transformer Engine
+  spec (``te``), DDP + optimizer + LR scheduler, model FLOPs.
+* :mod:`.data`: GPTDataset splits, Megatron's pretraining sampler, the per-CP-rank batch split.
+* :mod:`.step`: ``forward_backward`` / ``evaluate`` with the exact global per-token loss.
+* :mod:`.checkpoint`: save/load with ``megatron.core.dist_checkpointing`` (or per-rank
+  ``torch.save``), release checkpoints (weights only), checks that name the mismatching flag.
+* :mod:`.stop`: ``--exit-interval``, ``--exit-duration-in-mins`` and a caller's stop hook.
+* :mod:`.metrics`: the Megatron-LM log line, ``--metrics-file`` JSON lines, TensorBoard scalars.
+* :mod:`.loop`: ``train(args, hooks) -> TrainResult``, ``run(argv, hooks) -> TrainResult`` (parse +
+  train) and ``main(argv, hooks) -> int``.
+"""
+
+from __future__ import annotations
+
+from .build import (build_layout, build_model, build_optimizer, build_tokenizer, count_params,
+                    flops_per_iteration, padded_vocab_size, transformer_config)
+from .checkpoint import (checkpoint_dir, check_release_args, check_resume_schedule, load_checkpoint,
+                         load_model_weights, save_checkpoint)
+from .cli import build_parser, parse_args
+from .data import CPBatchSplit, MicroBatches, build_datasets, effective_split
+from .loop import IterationInfo, TrainHooks, TrainResult, main, run, train
+from .metrics import METRICS_FILE_HELP, RunMetrics, open_metrics_file
+from .runtime import init_distributed, log0
+from .step import evaluate, forward_backward
+from .stop import StopPolicy
+
+__all__ = [
+    "build_layout", "build_model", "build_optimizer", "build_tokenizer", "count_params", "flops_per_iteration",
+    "padded_vocab_size", "transformer_config", "checkpoint_dir", "check_release_args", "check_resume_schedule",
+    "load_checkpoint", "load_model_weights", "save_checkpoint", "build_parser", "parse_args", "CPBatchSplit",
+    "MicroBatches", "build_datasets", "effective_split", "IterationInfo", "TrainHooks", "TrainResult", "main",
+    "run", "train", "METRICS_FILE_HELP", "RunMetrics", "open_metrics_file", "init_distributed", "log0", "evaluate",
+    "forward_backward", "StopPolicy",
+]

@@ -1,0 +1,193 @@
+"""Build the pieces of a run from the validated arguments: tokenizer, CP layout, GPTModel,
+DDP + optimizer + LR scheduler, and the model-FLOPs count used for throughput."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["build_tokenizer", "padded_vocab_size", "transformer_config", "build_layout", "build_model",
+           "build_optimizer", "count_params", "flops_per_iteration"]
+
+
+def build_tokenizer(args):
+    """``--tokenizer-type HuggingFaceTokenizer``: a ``tokenizer.json`` through the ``tokenizers`` library
+    (:class:`~megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer`); every other type: the
+    sentencepiece model through ``megatron.core.tokenizers`` (GPT model type)."""
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
+
+        return TokenizersTokenizer(args.tokenizer_model)
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=args.tokenizer_model,
+        metadata_path={"library": "sentencepiece", "model_type": "gpt"},
+    )
+
+
+def padded_vocab_size(vocab: int, args) -> int:
+    """``vocab`` rounded up to a multiple of ``--make-vocab-size-divisible-by`` x TP size."""
+    mult = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(vocab / mult) * mult)
+
+
+def transformer_config(args):
+    """megatron-core ``TransformerConfig`` for ``args`` (per-token loss: DDP sums the gradients)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_mtraining.megatron.cpu_compat import cpu_transformer_config_kwargs
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    kw = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, cp_comm_type="p2p",
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        calculate_per_token_loss=True,  # DDP sums grads; we divide by the global token count
+        **cpu_transformer_config_kwargs(),
+    )
+    if args.swiglu:
+        kw.update(gated_linear_unit=True, activation_func=F.silu)
+    if args.recompute_granularity:
+        kw.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                  recompute_num_layers=args.recompute_num_layers)
+    return TransformerConfig(**kw)
+
+
+def build_layout(args):
+    """The CP token layout of a ``--cp-attention mtraining`` run (``None`` for ``te``).
+
+    The one place the trainer derives the layout from the arguments (``--cp-layout``,
+    ``--context-parallel-size``, ``--cp-granularity``); a run builds it once and hands it to the
+    model (RoPE positions) and to the batch split.
+    """
+    if args.cp_attention != "mtraining":
+        return None
+    from megatron_mtraining.layout import Layout
+
+    return Layout(args.cp_layout, args.context_parallel_size, args.cp_granularity)
+
+
+def _mtraining_layer_spec(args):
+    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
+    from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
+
+    cfg = args.mtraining                     # validated MTrainingConfig (args.validate_args)
+    kwargs = cfg.attention_kwargs()
+    kwargs["hierarchical"] = cfg.hierarchical_sizes(args.context_parallel_size,
+                                                    args.hierarchical_context_parallel_sizes)
+    return get_gpt_layer_spec_with_mtraining(
+        mtraining_config=MTrainingAttentionConfig(**kwargs),
+        normalization=args.normalization,
+    )
+
+
+def build_model(args, config, vocab_size: int, device, layer_spec=None, layout=None):
+    """GPTModel for ``args`` (Float16Module-wrapped with --bf16/--fp16).
+
+    Args:
+        args: validated arguments (:func:`megatron_mtraining.megatron.args.parse_args`).
+        config: :func:`transformer_config` of ``args``.
+        vocab_size: the padded vocabulary (:func:`padded_vocab_size`).
+        device: where the model lives (``cuda`` moves it; ``cpu`` keeps it).
+        layer_spec: replaces the transformer-layer spec that ``--cp-attention`` selects (and then
+            megatron-core's own RoPE is kept); tools/eval_long_context.py passes megatron-core's
+            local spec (stock ``DotProductAttention``) for its dense reference.
+        layout: the run's CP layout (:func:`build_layout`); built here when ``None``.
+
+    Requires ``parallel_state.initialize_model_parallel`` to have run (the CP group).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    mtraining = layer_spec is None and args.cp_attention == "mtraining"
+    if layer_spec is not None:
+        spec = layer_spec
+    elif mtraining:
+        spec = _mtraining_layer_spec(args)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+    if mtraining:
+        from megatron.core import parallel_state as ps
+
+        from megatron_mtraining.megatron.rope import install_layout_rope
+
+        install_layout_rope(model, layout if layout is not None else build_layout(args),
+                            ps.get_context_parallel_group())
+    if device.type == "cuda":
+        model.cuda(device)
+    if args.bf16 or args.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+def build_optimizer(args, config, model):
+    """Wrap ``model`` in megatron-core DDP and build the optimizer and LR/WD scheduler.
+
+    Returns:
+        ``(ddp_model, optimizer, scheduler)``: ``DistributedDataParallel`` (gradients reduced in
+        fp32 with --bf16/--fp16), ``get_megatron_optimizer`` (``--optimizer``, clipping, loss
+        scale) and ``OptimizerParamScheduler`` whose steps count samples (iterations x
+        ``--global-batch-size``).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16 or args.fp16,
+                                               overlap_grad_reduce=False, use_distributed_optimizer=False)
+    model = DistributedDataParallel(config, ddp_config, model)
+    opt_config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+        loss_scale=args.loss_scale, use_distributed_optimizer=False,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+    )
+    return model, optimizer, scheduler
+
+
+def count_params(model) -> int:
+    """Number of parameters of ``model`` (all ranks' copies are identical at TP=1)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_iteration(args, vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward), the standard 6N + attention rule.
+
+    ``6 * N * T`` for the matmul weights (N counts the QKV/out projections, MLP and the output
+    (logit) layer, not the embedding lookup; 2 FLOPs per multiply-add, x3 for forward + backward)
+    plus the causal attention matmuls ``6 * L * S * (heads * head_dim)`` per token
+    (QK^T and PV: 4 * context * d_attn FLOPs forward, average causal context S/2, x3).
+    T = global batch x sequence length.
+    """
+    h, L, S = args.hidden_size, args.num_layers, args.seq_length
+    d_q = args.num_attention_heads * args.kv_channels
+    d_kv = args.num_query_groups * args.kv_channels
+    mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
+    n_matmul = L * (h * d_q + 2 * h * d_kv + d_q * h + mlp) + h * vocab_size
+    tokens = args.global_batch_size * S
+    return tokens * (6.0 * n_matmul + 6.0 * L * S * d_q)
