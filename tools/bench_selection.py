@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Torch ops, sorts, host syncs and time of the estimator's selection and the index conversion: the
 current code against the frozen pre-``fast-selection`` oracle kept in
-``tests/test_selection_equivalence.py``.
+``tests/unit/test_selection_equivalence.py``.
 
 On synthetic scores (``[1, heads, S]`` column scores: heavy-tailed, 4 sink columns; ``[1, heads, S/64]``
 slash scores decaying with the offset; each row normalized to the probe mass ``last_q``) with the
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    import tests.test_selection_equivalence as oracle
+    import tests.unit.test_selection_equivalence as oracle
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns import estimator as E

@@ -1,4 +1,4 @@
-"""Shared by the Triton interpreter test modules (test_triton_kernels.py, test_estimator_triton.py,
+"""Shared by the Triton interpreter test modules (tests/kernels/: test_triton_kernels.py, test_estimator_triton.py,
 test_convert_triton.py)."""
 from __future__ import annotations
 
