@@ -53,7 +53,7 @@ def gpu_skip_reason(count: int, available: int, has_cuda: bool) -> str | None:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         try:
-            layer = Path(str(item.fspath)).resolve().relative_to(_TESTS_DIR).parts[0]
+            layer = Path(item.path).resolve().relative_to(_TESTS_DIR).parts[0]
         except ValueError:
             layer = None
         if layer in LAYERS:
