@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-# The quick subset: everything not marked slow.
+# The quick subset (a few minutes on 2 cores): single-process library logic and the Megatron /
+# trainer integration, without the tests marked slow; no Triton interpreter, no multi-rank runs.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "(unit or integration) and not slow" $(PYTEST_ARGS)
 
 # On a CUDA machine: the GPU kernel checks and the NCCL ring checks (the latter need 2 or 4 GPUs).
 test-gpu: setup
