@@ -10,6 +10,7 @@ S=512 with fp16 inputs in the Triton interpreter (slow).
 import pytest
 import torch
 
+from tests.helpers.triton_interp import requires_interpreter
 from tests.workers import gpu_column_phase_check as cp
 
 
@@ -35,6 +36,7 @@ def test_backward_plans_built_in_forward_are_bitwise_the_same_on_gpu(gpu_result)
     assert gpu_result["density"] < 1.0, gpu_result
 
 
+@requires_interpreter
 @pytest.mark.slow
 def test_column_phase_check_on_cpu_interpreter():
     r = cp.column_phase_check("cpu", s=512, hq=4, hkv=2, d=64, dtype=torch.float16)

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.helpers.triton_interp import requires_interpreter
 from tests.workers import gpu_convert_check as gc
 
 
@@ -24,6 +25,7 @@ def test_triton_convert_bitwise_equals_torch_on_gpu(seq):
     assert row["bitwise_equal"], row
 
 
+@requires_interpreter
 def test_convert_check_on_cpu_interpreter():
     row, pat, layout = gc.convert_case(1024, "cpu")
     assert row["bitwise_equal"], row

@@ -11,6 +11,7 @@ differ). On the CPU the same code runs at 1K (4/2 heads, head_dim 64, fp32) in t
 import pytest
 import torch
 
+from tests.helpers.triton_interp import requires_interpreter
 from tests.workers import gpu_estimator_check as ge
 
 GPU_SEQS = (8192, 65536, 131072)
@@ -56,6 +57,7 @@ def _cpu_params():
         yield pytest.param(case, id=_id(case), marks=[pytest.mark.slow] if case[1].cp_size == 1 else [])
 
 
+@requires_interpreter
 @pytest.mark.parametrize("case", list(_cpu_params()))
 def test_estimator_check_on_cpu_interpreter(case, record_property):
     S, layout = case

@@ -12,6 +12,7 @@ and a corrupted forward output must fail the criterion (negative control).
 import pytest
 import torch
 
+from tests.helpers.triton_interp import requires_interpreter
 from tests.workers import gpu_kernels_check as gk
 
 
@@ -55,12 +56,14 @@ def _smoke_params():
         yield pytest.param(c, id=c.id, marks=[pytest.mark.slow] if big else [])
 
 
+@requires_interpreter
 @pytest.mark.parametrize("case", list(_smoke_params()))
 def test_smoke_case_on_cpu_interpreter(case):
     """The GPU check's code path (oracle, bf16 reference, criterion) on the CPU, fp16, tiny shapes."""
     assert_case_passes(gk.run_case(case, "cpu"))
 
 
+@requires_interpreter
 def test_corrupted_output_fails_the_criterion(monkeypatch):
     """Negative control: a forward output off by 1 % of its scale must fail the 2x-bf16 criterion."""
     real = gk.launch.sparse_forward
