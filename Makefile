@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-fast test-gpu demo clean
 
 setup: $(STAMP)
 
@@ -20,8 +20,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
 
+# Every CPU test (CI's command); tests marked gpu skip without CUDA.
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# The quick subset (a few minutes on 2 cores): single-process library logic and the Megatron /
+# trainer integration, without the tests marked slow; no Triton interpreter, no multi-rank runs.
+test-fast: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "(unit or integration) and not slow" $(PYTEST_ARGS)
+
+# On a CUDA machine: the GPU kernel checks and the NCCL ring checks (the latter need 2 or 4 GPUs).
+test-gpu: setup
+	$(BIN)/python -m pytest tests -m gpu $(PYTEST_ARGS)
 
 demo: setup
 	PYTHON=$(BIN)/python bash examples/run_demo.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Torch ops, sorts, host syncs and time of the estimator's selection and the index conversion: the
 current code against the frozen pre-``fast-selection`` oracle kept in
-``tests/test_selection_equivalence.py``.
+``tests/unit/test_selection_equivalence.py``.
 
 On synthetic scores (``[1, heads, S]`` column scores: heavy-tailed, 4 sink columns; ``[1, heads, S/64]``
 slash scores decaying with the offset; each row normalized to the probe mass ``last_q``) with the
@@ -125,11 +125,11 @@ def median_time(fn, repeats: int) -> float:
 
 
 def _oracle():
-    """The frozen oracle module (``tests/test_selection_equivalence.py``): importable from a checkout."""
+    """The frozen oracle module (``tests/unit/test_selection_equivalence.py``): importable from a checkout."""
     try:
-        import tests.test_selection_equivalence as oracle
+        import tests.unit.test_selection_equivalence as oracle
     except ImportError as e:
-        raise SystemExit("error: bench_selection compares against tests/test_selection_equivalence.py: run it from the "
+        raise SystemExit("error: bench_selection compares against tests/unit/test_selection_equivalence.py: run it from the "
                          "repository root as `python -m tools.bench_selection` (or with PYTHONPATH=<checkout>); "
                          f"{e}") from e
     return oracle

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A private single-node Slurm cluster on this machine (for tests/test_slurm.py and for trying the
+# A private single-node Slurm cluster on this machine (for tests/integration/test_slurm.py and for trying the
 # sbatch scripts in examples/slurm/ without a cluster).
 #
 #   tools/local_slurm.sh install        install Debian's slurm-wlm + munge if missing (root + apt-get)

@@ -1,6 +1,6 @@
 """Worker (run under torchrun, gloo): one forward/backward of a tiny megatron-core GPTModel.
 
-Used by tests/test_megatron_adapter.py to check that CP=2/4 with MTrainingAttention equals CP=1.
+Used by tests/integration/test_megatron_adapter.py to check that CP=2/4 with MTrainingAttention equals CP=1.
 Rank 0 writes ``--out`` (a torch file) with the global loss, the unsharded per-token losses,
 the CP/DP-reduced gradients and the gradient norm.
 

@@ -1,6 +1,6 @@
 """Run the *patched* Megatron-LM ``gpt_builder`` and ``get_batch`` on CPU (gloo) and print the loss.
 
-Usage (from tests/test_patch.py)::
+Usage (from tests/integration/test_patch.py)::
 
     PYTHONPATH=<patched Megatron-LM checkout>:<repo> torchrun --nproc-per-node CP \\
         tests/helpers/megatron_lm_patch_worker.py --context-parallel-size CP

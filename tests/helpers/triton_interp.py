@@ -1,4 +1,4 @@
-"""Shared by the Triton interpreter test modules (test_triton_kernels.py, test_estimator_triton.py,
+"""Shared by the Triton interpreter test modules (tests/kernels/: test_triton_kernels.py, test_estimator_triton.py,
 test_convert_triton.py)."""
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def rerun_in_fresh_interpreter(test_file: str, timeout: float = 900) -> None:
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)],
                        cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# The CPU-side runs of the GPU checks: they launch Triton kernels on CPU tensors, so they need the
+# interpreter; in a CUDA session (Triton compiled) they skip, and the GPU tests cover the same code.
+requires_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (the default without CUDA)")

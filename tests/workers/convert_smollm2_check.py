@@ -1,4 +1,4 @@
-"""Worker for tests/test_convert_smollm2.py (one process: converting initializes torch.distributed).
+"""Worker for tests/tools/test_convert_smollm2.py (one process: converting initializes torch.distributed).
 
     python tests/workers/convert_smollm2_check.py GGUF OUT_DIR DATA_PREFIX
 

@@ -2,7 +2,7 @@
 
     python3 tests/workers/estimator_aot.py        # one line per (dtype, head_dim, BLOCK_M), then RESULT
 
-The Triton interpreter (tests/test_estimator_triton.py) checks the numbers but not that the kernels
+The Triton interpreter (tests/kernels/test_estimator_triton.py) checks the numbers but not that the kernels
 compile: this runs the real compiler (TTIR -> PTX -> cubin with the ptxas shipped in the triton
 wheel) for bf16/fp16/fp32 inputs, head_dim 64/128/80 (padded to 128) and the launcher's tile
 sizes (probe-row chunks of the maximum and of 16), and prints the cubin's register / stack use

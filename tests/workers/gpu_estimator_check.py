@@ -1,6 +1,7 @@
-"""GPU accuracy and timing check of the fused estimator kernels (run on the H200 through the device tool).
+"""GPU accuracy and timing check of the fused estimator kernels: the checks, the case list, and a CLI.
 
-    python3 tests/workers/gpu_estimator_check.py --json $OUT/est_check.json
+    pytest -m gpu tests/kernels/test_gpu_estimator.py                  # one test per case (no timings)
+    python3 tests/workers/gpu_estimator_check.py --json OUT.json       # the same cases, with timings
     TRITON_INTERPRET=1 python3 tests/workers/gpu_estimator_check.py --device cpu --seqs 1024 --heads 4 \\
         --kv-heads 2 --head-dim 64                                      # CPU smoke test of this script
 
@@ -33,7 +34,6 @@ import torch  # noqa: E402
 from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.patterns import estimator as est  # noqa: E402
 from tools.bench_e2e import structured_qkv  # noqa: E402
-from tools.bench_estimator import _timer  # noqa: E402
 
 TOL = 1e-5
 
@@ -87,6 +87,8 @@ def torch_scores(q, k, L, bs, scale):
 
 
 def check_len(S, args, dev, timeit, layout) -> dict:
+    """Scores (and at CP=1 the selected pattern) of length ``S`` on ``layout``; ``args`` from
+    :func:`build_parser`; ``timeit`` ``None`` skips the timings. ``row["scores_ok"]`` is the check."""
     q, k, _ = structured_qkv(S, args.heads, args.kv_heads, args.head_dim, dev, seed=S)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     q, k = q.to(dt), k.to(dt)
@@ -97,9 +99,10 @@ def check_len(S, args, dev, timeit, layout) -> dict:
     lse_r, col_r, slash_r = torch_scores(q, k, L, bs, scale)
     row = {"seq": S, "cp": layout.cp_size, "layout": layout.kind, "dtype": args.dtype,
            "lse_abs_err": float((lse - lse_r).abs().max()), "col_err": _err(col, col_r),
-           "slash_err": _err(slash, slash_r), "nan": bool(torch.isnan(col).any() or torch.isnan(slash).any())}
+           "slash_err": _err(slash, slash_r), "nan": bool(torch.isnan(col).any() or torch.isnan(slash).any()),
+           "lse_ref_absmax": float(lse_r.abs().max())}
     row["scores_ok"] = (not row["nan"] and row["col_err"] <= TOL and row["slash_err"] <= TOL
-                        and row["lse_abs_err"] <= TOL * max(1.0, float(lse_r.abs().max())))
+                        and row["lse_abs_err"] <= TOL * max(1.0, row["lse_ref_absmax"]))
     if layout.cp_size == 1:
         one = Layout("striped", 1, 64)
         pt = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="triton")
@@ -107,6 +110,8 @@ def check_len(S, args, dev, timeit, layout) -> dict:
         row["pattern_equal"] = bool(pt.same_selection(pr))
         row["slash_lines_differing"] = int((pt.slash_mask() != pr.slash_mask()).sum())
         row["vertical_lines_differing"] = int((pt.vertical_mask() != pr.vertical_mask()).sum())
+        if timeit is None:
+            return row
         from megatron_mtraining.ops.triton.estimator import probe_column_sums, probe_softmax_stats
 
         probe = q[:, S - L:]
@@ -131,7 +136,12 @@ def _config_kwargs(path):
                                          "max_vertical", "max_slash")}
 
 
-def main(argv=None) -> int:
+def cases(seqs):
+    """``(S, layout)`` per check: every length at CP=1, and a simulated CP=2 striped at the first."""
+    return [(s, Layout("striped", 1, 64)) for s in seqs] + [(seqs[0], Layout("striped", 2, 64))]
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="8192,65536,131072")
     ap.add_argument("--device", default="cuda")
@@ -143,15 +153,25 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))), "configs", "e2e_sparse.yaml"))
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    dev = torch.device(args.device)
-    if args.dtype == "bf16" and dev.type == "cpu":
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.dtype == "bf16" and torch.device(args.device).type == "cpu":
         args.dtype = "fp32"          # bf16 tl.dot is wrong in the interpreter
+    return args
+
+
+def main(argv=None) -> int:
+    from tools.bench_estimator import _timer
+
+    args = parse_args(argv)
+    dev = torch.device(args.device)
     timeit = _timer(dev)
     seqs = [int(x) for x in args.seqs.split(",")]
     rows, ok = [], True
-    cases = [(s, Layout("striped", 1, 64)) for s in seqs] + [(seqs[0], Layout("striped", 2, 64))]
-    for S, layout in cases:
+    for S, layout in cases(seqs):
         try:
             r = check_len(S, args, dev, timeit, layout)
         except Exception as e:  # noqa: BLE001 - report and go on

@@ -19,7 +19,8 @@ import os
 import sys
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+if not _TRITON_PREIMPORTED:  # else compiled Triton is in use (GPU session): the tests run in a subprocess
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch

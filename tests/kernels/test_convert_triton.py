@@ -1,7 +1,7 @@
 """Triton index conversion (ops/triton/convert.py), run by the Triton CPU interpreter: at cp 1,
 ``convert_pattern(impl="triton")`` returns bitwise the tensors of the torch reference
 (``impl="torch"``, itself checked against a frozen copy of the original code in
-tests/test_selection_equivalence.py) and the same recorded maxima, on the randomized patterns of
+tests/unit/test_selection_equivalence.py) and the same recorded maxima, on the randomized patterns of
 that file (canonical, and unsorted / duplicated / extra-padded ones), on estimated patterns, and on
 rows longer than one kernel chunk, on zero-width lists; ``auto`` stays on torch on the CPU; bad
 ``impl`` values raise; a corrupted kernel output is caught (negative control).
@@ -17,7 +17,8 @@ import random
 import sys
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+if not _TRITON_PREIMPORTED:  # else compiled Triton is in use (GPU session): the tests run in a subprocess
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from megatron_mtraining.patterns.convert import convert_pattern  # noqa: E402
 from megatron_mtraining.patterns.estimator import (  # noqa: E402
     VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash,
 )
-from tests.test_selection_equivalence import assert_same_steps, random_pattern, tie_heavy_qkv  # noqa: E402
+from tests.unit.test_selection_equivalence import assert_same_steps, random_pattern, tie_heavy_qkv  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SLURM = ROOT / "tools" / "local_slurm.sh"
 ITER_RE = re.compile(r" iteration +(\d+)/ +(\d+) \|")
 

@@ -30,7 +30,7 @@ import pytest
 
 from megatron_mtraining.megatron import megatron_lm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PATCH = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
 CHECK = ROOT / "tools" / "check_patch.sh"
 TAG_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"

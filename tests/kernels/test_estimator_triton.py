@@ -21,7 +21,8 @@ import subprocess
 import sys
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+if not _TRITON_PREIMPORTED:  # else compiled Triton is in use (GPU session): the tests run in a subprocess
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
@@ -257,7 +258,7 @@ def test_kernels_compile_for_sm90():
 
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("triton has no NVIDIA backend here")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run([sys.executable, os.path.join(root, "tests", "workers", "estimator_aot.py")], cwd=root,

@@ -18,7 +18,7 @@ from megatron_mtraining.config import (
 )
 from megatron_mtraining.patterns import estimator
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "demo.yaml": ("striped", "dense", None, 64),

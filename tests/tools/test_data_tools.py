@@ -21,7 +21,7 @@ import pytest
 from megatron_mtraining.data import corpus as _corpus_utils
 from tools import prepare_corpus, preprocess_data
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 WORDS = ("the quick brown fox jumps over a lazy dog while context parallel attention reads "
          "long documents and sparse blocks stripe across ranks in Megatron").split()

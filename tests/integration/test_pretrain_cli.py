@@ -242,7 +242,7 @@ def test_sparse_config_cp2_matches_cp1(tiny, tmp_path):
         assert "lm loss validation" in tags
     # CP=2 with the vertical columns computed outside the ring (gathered once): same losses and grads
     oor = tmp_path / "demo_sparse_out_of_ring.yaml"
-    oor.write_text((Path(__file__).resolve().parents[1] / "configs" / "demo_sparse.yaml").read_text()
+    oor.write_text((Path(__file__).resolve().parents[2] / "configs" / "demo_sparse.yaml").read_text()
                    + "columns: out_of_ring\n")
     b, out = _train(tiny, tmp_path, "sparse_cp2", 2, **{"--mtraining-config": oor})
     assert "pattern vertical_slash, columns out_of_ring" in out, out

@@ -1,0 +1,78 @@
+"""Triton sparse / dense step kernels and the delta kernel on a GPU (marker ``gpu``; skipped without CUDA).
+
+Cases and checks: tests/workers/gpu_kernels_check.py (one test per case of its ``CASES``). Per
+case: out, LSE, dQ, dK, dV of our kernels (bf16 or fp16 inputs) against an fp64 masked attention,
+each within 2x the error of a bf16 torch reference against the same fp64 oracle; the
+non-deterministic backward's dQ, dK, dV too; the deterministic backward bitwise equal over three
+runs; no NaN with outputs poisoned beforehand. Delta kernel: within 2x torch fp32 (or 1e-6) of fp64.
+
+On the CPU, the same code path runs on tiny fp16 cases in the Triton interpreter (``SMOKE_CASES``),
+and a corrupted forward output must fail the criterion (negative control).
+"""
+import pytest
+import torch
+
+from tests.helpers.triton_interp import requires_interpreter
+from tests.workers import gpu_kernels_check as gk
+
+
+def assert_case_passes(row: dict) -> None:
+    """The criterion of gpu_kernels_check, one assertion per quantity (messages carry the row)."""
+    if "err_torch_fp32" in row:                                   # delta kernel
+        assert row["finite"], row
+        assert row["err_ours"] <= max(2 * row["err_torch_fp32"], 1e-6), row
+        assert row["ok"], row
+        return
+    assert not row["nan"], row
+    assert row["deterministic_bitwise"], row
+    for name in gk.NAMES:
+        assert row["ratio"][name] <= 2.0, (name, row["err_ours"][name], row["err_bf16_ref"][name], row)
+    for name, err in row["err_fast"].items():
+        assert err <= 2.0 * row["err_bf16_ref"][name], ("fast backward", name, err, row)
+    assert row["ok"], row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", gk.CASES, ids=lambda c: c.id)
+def test_kernel_case_on_gpu(case):
+    try:
+        row = gk.run_case(case, "cuda")
+    finally:
+        torch.cuda.empty_cache()
+    print(gk.describe(row))
+    assert_case_passes(row)
+
+
+def test_case_ids_are_unique():
+    ids = [c.id for c in gk.CASES + gk.SMOKE_CASES]
+    assert len(ids) == len(set(ids))
+    assert {c.kind for c in gk.CASES} == {"sparse", "dense", "delta"}
+
+
+def _smoke_params():
+    """The 512-token smoke cases take tens of seconds in the interpreter: marked slow."""
+    for c in gk.SMOKE_CASES:
+        big = c.args.get("s", c.args.get("seq", 0)) >= 512
+        yield pytest.param(c, id=c.id, marks=[pytest.mark.slow] if big else [])
+
+
+@requires_interpreter
+@pytest.mark.parametrize("case", list(_smoke_params()))
+def test_smoke_case_on_cpu_interpreter(case):
+    """The GPU check's code path (oracle, bf16 reference, criterion) on the CPU, fp16, tiny shapes."""
+    assert_case_passes(gk.run_case(case, "cpu"))
+
+
+@requires_interpreter
+def test_corrupted_output_fails_the_criterion(monkeypatch):
+    """Negative control: a forward output off by 1 % of its scale must fail the 2x-bf16 criterion."""
+    real = gk.launch.sparse_forward
+
+    def corrupted(q, k, v, plan, scale):
+        out, lse = real(q, k, v, plan, scale)
+        return out + 0.01 * out.abs().max() * torch.ones_like(out), lse
+
+    monkeypatch.setattr(gk.launch, "sparse_forward", corrupted)
+    row = gk.sparse_case("negative control", s=128, hq=2, hkv=1, d=64, dtype=torch.float16, sparsity=0, seed=5,
+                         rand=True, device="cpu")
+    assert not row["ok"] and row["ratio"]["out"] > 2.0, row
