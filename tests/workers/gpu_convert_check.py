@@ -1,4 +1,4 @@
-"""GPU check of the Triton index conversion (ops/triton/convert.py), run on the H200 through the device tool:
+"""GPU check of the Triton index conversion (patterns/triton/convert.py), run on the H200 through the device tool:
 
     python3 tests/workers/gpu_convert_check.py [--seqs 8192,65536,131072] [--json OUT]
 

@@ -45,7 +45,7 @@ def _err(a, b):
 
 def fused_scores(q, k, layout, L, bs, scale):
     """Triton (lse, col [global positions], slash) over ``layout``'s ranks, merged like the all-reduce."""
-    from megatron_mtraining.ops.triton.estimator import probe_block_range, probe_column_sums, probe_softmax_stats
+    from megatron_mtraining.patterns.triton.estimator import probe_block_range, probe_column_sums, probe_softmax_stats
 
     b, S, hq, _ = q.shape
     probe = q[:, S - L:]
@@ -107,7 +107,7 @@ def check_len(S, args, dev, timeit, layout) -> dict:
         row["pattern_equal"] = bool(pt.same_selection(pr))
         row["slash_lines_differing"] = int((pt.slash_mask() != pr.slash_mask()).sum())
         row["vertical_lines_differing"] = int((pt.vertical_mask() != pr.vertical_mask()).sum())
-        from megatron_mtraining.ops.triton.estimator import probe_column_sums, probe_softmax_stats
+        from megatron_mtraining.patterns.triton.estimator import probe_column_sums, probe_softmax_stats
 
         probe = q[:, S - L:]
         k_pos = torch.arange(S, device=dev)

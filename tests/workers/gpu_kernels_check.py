@@ -12,6 +12,7 @@ and owner > rank) and a zigzag step. Prints one line per case and a final ``RESU
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -33,6 +34,7 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 DEV = "cuda"
+CFG = launch.KernelConfig()          # launch parameters (--config overrides them)
 
 
 def _inputs(b, s, hq, hkv, d, dtype, seed):
@@ -107,14 +109,15 @@ def sparse_case(name, s, hq, hkv, d, dtype, sparsity, results, seed=0, rand=Fals
     scale = d ** -0.5
     plan = plan_for(idx)
     mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s, device=DEV)
-    fwd = lambda q, k, v: launch.sparse_forward(q, k, v, plan, scale)
-    bwd = lambda do, q, k, v, lse, delta, det: launch.sparse_backward(do, q, k, v, lse, delta, plan, scale, det)
+    fwd = lambda q, k, v: launch.sparse_forward(q, k, v, plan, scale, config=CFG)
+    bwd = lambda do, q, k, v, lse, delta, det: launch.sparse_backward(do, q, k, v, lse, delta, plan, scale, det,
+                                                                      config=CFG)
     return check_case(name, q, k, v, dout, mask_fn, fwd, bwd, scale, results)
 
 
 def dense_case(name, layout, rank, owner, seq, hq, hkv, d, dtype, results, seed=0):
     s = seq // layout.cp_size
-    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5, device=DEV)
+    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5, device=DEV, config=CFG)
     qp, kp = kern.q_pos, kern.k_pos(owner)
     q, k, v, dout = _inputs(1, s, hq, hkv, d, dtype, seed)
     mask_fn = lambda r0, r1: (kp[None, :] <= qp[r0:r1, None])[None, None].expand(1, hq, r1 - r0, s)
@@ -131,13 +134,13 @@ def main():
     ap.add_argument("--config", default="",
                     help="launch.KernelConfig overrides, e.g. column_split=0,col_warps=4")
     args = ap.parse_args()
+    global DEV, CFG
     for kv in filter(None, args.config.split(",")):
         key, val = kv.split("=")
-        cur = getattr(launch.CONFIG, key)          # AttributeError names an unknown field
-        setattr(launch.CONFIG, key, type(cur)(int(val)) if isinstance(cur, (bool, int)) else type(cur)(val))
+        cur = getattr(CFG, key)          # AttributeError names an unknown field
+        CFG = dataclasses.replace(CFG, **{key: type(cur)(int(val)) if isinstance(cur, (bool, int)) else type(cur)(val)})
     if args.config:
-        print("KernelConfig", launch.CONFIG, flush=True)
-    global DEV
+        print("KernelConfig", CFG, flush=True)
     if args.cpu_smoke:
         DEV = "cpu"
         cases = [
