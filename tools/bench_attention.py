@@ -151,17 +151,19 @@ def flex_fns(q, k, v, dout, block_mask, block):
 
 
 # ----------------------------------------------------------------------------- ours
-def ours_fns(q, k, v, dout, plan, scale, deterministic, config=None):
+def ours_fns(q, k, v, dout, plan, scale, deterministic, config=None, stats=None):
     state = {}
 
     def fwd():
-        state["o"], state["lse"] = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config)
+        state["o"], state["lse"] = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config,
+                                                         stats=stats)
         return state["o"]
 
     def fwd_bwd():
-        o, lse = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config)
+        o, lse = launch.sparse_forward(q, k, v, plan, scale, out_dtype=q.dtype, config=config, stats=stats)
         delta = launch.attention_delta(dout, o)          # as the ring computes it
-        return launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, deterministic, config=config)
+        return launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, deterministic, config=config,
+                                      stats=stats)
 
     return fwd, fwd_bwd
 
@@ -457,11 +459,10 @@ def profile(q, k, v, dout, plan, scale, s, d, sp, emit, st, iters=5):
     query tile) pairs of the deterministic column plan. Other kernels (the column scatter, the
     ``delta`` of the benchmark, fills) get their time only."""
     from torch.profiler import ProfilerActivity, profile as tprofile
-    _, f2 = ours_fns(q, k, v, dout, plan, scale, True)
-    launch.KERNEL_STATS = {}
-    f2()
+    stats = {}                                   # registers / spills of each launched kernel
+    ours_fns(q, k, v, dout, plan, scale, True, stats=stats)[1]()
     torch.cuda.synchronize()
-    stats, launch.KERNEL_STATS = launch.KERNEL_STATS, None
+    _, f2 = ours_fns(q, k, v, dout, plan, scale, True)
     col = launch._col_plan(plan, s, q.shape[0], q.shape[2]) if plan.has_columns else None
     col_pairs = int(col[2][-1]) if col is not None else 0           # offsets[-1] = number of entries
     tile_flop = 2 * 64 * 64 * d

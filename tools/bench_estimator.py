@@ -22,7 +22,7 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 * ``backward_plans_s`` (CUDA only): building the backward's index plans of the step from scratch
   (:func:`~megatron_mtraining.ops.triton.launch.prebuild_backward_plans`: inverted block index,
   column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
-  only): ``total_s`` with ``PREBUILD_BACKWARD_PLANS = False``, i.e. those plans built inside the
+  only): ``total_s`` with ``prebuild_backward_plans=False`` in the backend, i.e. those plans built inside the
   backward instead of on a side stream during the forward kernel;
 * ``estimate_share`` = ``estimate_s / kernels_s`` (the target's ratio) and
   ``estimate_s / total_s``.
@@ -38,6 +38,7 @@ CUDA events on the GPU, wall clock on the CPU). Prints a table; ``--json OUT`` w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -61,9 +62,9 @@ def measure(seq: int, args) -> dict:
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.patterns.convert import convert_pattern
     from megatron_mtraining.patterns.estimator import estimate_vertical_slash, resolve_impl
+    from megatron_mtraining.ops.backends import select_backend
     from megatron_mtraining.ring import RingAttentionFunc
-    from megatron_mtraining.ring import sparse as ring_sparse
-    from megatron_mtraining.ring.sparse import SparseStepKernel, sparse_ring_attention
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
 
     dev = torch.device(args.device)
     cfg = load_mtraining_config(args.config)
@@ -72,13 +73,16 @@ def measure(seq: int, args) -> dict:
     if dev.type == "cpu":
         q, k, v = q.float(), k.float(), v.float()
     scale = 1.0 / math.sqrt(args.head_dim)
-    factory = None
-    if dev.type == "cuda":
-        from megatron_mtraining.ops.triton import make_sparse_step_kernel as factory
-    factory = factory or SparseStepKernel
     timeit = _timer(dev)
 
     impl = resolve_impl(args.impl, q, k)
+    # the ring's kernels for this device, with the estimator pinned to this run's impl
+    def ring_backend(prebuild: bool = True):
+        return dataclasses.replace(select_backend("auto", device=dev, dtype=q.dtype, head_dim=args.head_dim,
+                                                  seq_len_local=seq, sparse=True, prebuild_backward_plans=prebuild),
+                                   estimator_impl=impl)
+
+    backend = ring_backend()
 
     def scores():
         with torch.no_grad():
@@ -93,23 +97,17 @@ def measure(seq: int, args) -> dict:
         return pat, convert(pat)
 
     pattern, steps = estimate()
-    kernel = factory(steps, scale)
+    kernel = backend.sparse_step(steps, scale)
     dout = torch.ones_like(q)
 
     def kernels():
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-        RingAttentionFunc.apply(qq, kk, vv, kernel, None).backward(dout)
+        RingAttentionFunc.apply(qq, kk, vv, kernel, None, backend.delta).backward(dout)
 
-    def total():
+    def total(backend=backend):
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-        # the ring calls the estimator with its default impl: pin it to this run's for the timing
-        orig = ring_sparse.estimate_vertical_slash
-        ring_sparse.estimate_vertical_slash = lambda *a, **kw: orig(*a, **kw, impl=impl)
-        try:
-            sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
-                                  kernel_factory=factory, columns=cfg.columns).backward(dout)
-        finally:
-            ring_sparse.estimate_vertical_slash = orig
+        sparse_ring_attention(qq, kk, vv, layout=layout, group=None, config=vs, softmax_scale=scale,
+                              columns=cfg.columns, backend=backend).backward(dout)
 
     t_est = timeit(estimate, args.warmup, args.repeats)
     if args.profile:
@@ -121,7 +119,6 @@ def measure(seq: int, args) -> dict:
     t_tot = timeit(total, args.warmup, args.repeats)
     t_plans = t_tot_late = None
     if dev.type == "cuda":
-        import megatron_mtraining.ops.triton as ops_triton
         from megatron_mtraining.ops.triton.launch import plan_from_indices, prebuild_backward_plans
 
         def plans():     # the backward's index plans of the step, from scratch (no cache)
@@ -131,11 +128,8 @@ def measure(seq: int, args) -> dict:
             torch.cuda.synchronize()       # the plans are built on a side stream: the end event follows them
 
         t_plans = timeit(plans, args.warmup, args.repeats)
-        ops_triton.PREBUILD_BACKWARD_PLANS = False     # the backward builds them
-        try:
-            t_tot_late = timeit(total, args.warmup, args.repeats)
-        finally:
-            ops_triton.PREBUILD_BACKWARD_PLANS = True
+        late = ring_backend(prebuild=False)
+        t_tot_late = timeit(lambda: total(late), args.warmup, args.repeats)     # the backward builds them
     return {"seq": seq, "device": str(dev), "impl": impl, "estimate_s": t_est, "scores_s": t_scores,
             "convert_s": t_conv, "kernels_s": t_ker, "total_s": t_tot,
             "backward_plans_s": t_plans, "total_plans_in_backward_s": t_tot_late,

@@ -27,6 +27,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mtraining.layout import LAYOUT_KINDS, Layout
+from megatron_mtraining.ops.backends import select_backend
+from megatron_mtraining.ring import ring_attention
+from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+from megatron_mtraining.ring.sparse import sparse_ring_attention
 
 __all__ = ["MTrainingAttentionConfig", "MTrainingAttention", "get_cp_group"]
 
@@ -254,34 +258,24 @@ class MTrainingAttention(MegatronModule):
             raise ValueError(f"GQA: query heads ({np_}) must be a multiple of key/value groups ({ng})")
         self.layout.check_seq_len(sq * self.cp_size)
 
-        from megatron_mtraining import ring  # resolved at call time (lets tests substitute it)
-
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(hn)
         q = query.transpose(0, 1).contiguous()  # [b, s_local, np, hn]
         k = key.transpose(0, 1).contiguous()  # [b, s_local, ng, hn]
         v = value.transpose(0, 1).contiguous()
         cfg = self.mtraining_config
-        if cfg.pattern == "vertical_slash":
-            from megatron_mtraining.ring.sparse import sparse_ring_attention
-
-            factory = None
-            if q.is_cuda:
-                from functools import partial
-
-                from megatron_mtraining.ops.triton import make_sparse_step_kernel
-
-                factory = partial(make_sparse_step_kernel, deterministic=cfg.deterministic)
+        sparse = cfg.pattern == "vertical_slash"
+        backend = select_backend("auto", device=q.device, dtype=q.dtype, head_dim=hn, seq_len_local=sq,
+                                 cp_size=self.cp_size, sparse=sparse, deterministic=cfg.deterministic)
+        if sparse:
             out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=cfg.vertical_slash,
-                                        softmax_scale=scale, kernel_factory=factory,
-                                        hierarchical_groups=self.hierarchical_groups, columns=cfg.columns)
+                                        softmax_scale=scale, hierarchical_groups=self.hierarchical_groups,
+                                        columns=cfg.columns, backend=backend)
         elif self.hierarchical_groups is not None:
-            from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
-
             inner, outer = self.hierarchical_groups
             out = hierarchical_ring_attention(q, k, v, layout=self.layout, inner_group=inner, outer_group=outer,
-                                              softmax_scale=scale, causal=True)
+                                              softmax_scale=scale, causal=True, backend=backend)
         else:
-            out = ring.ring_attention(
-                q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True
+            out = ring_attention(
+                q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True, backend=backend
             )  # [b, s_local, np, hn]
         return out.transpose(0, 1).reshape(sq, b, np_ * hn)

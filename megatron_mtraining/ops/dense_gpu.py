@@ -13,35 +13,30 @@ like the torch reference (no atomics: bitwise deterministic).
 
 Public API::
 
-    kernel = make_dense_step_kernel(layout, rank, seq_len, softmax_scale, causal=True, device=q.device)
+    kernel = DenseGpuStepKernel(layout, rank, seq_len, softmax_scale, causal=True, device=q.device)
     # kernel.forward(q, k, v, owner) -> (out fp32, lse fp32) | None
     # kernel.backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None
 
-On a device/dtype where the Triton kernels cannot run (CPU without the interpreter, fp64) or
-when the local length is not a multiple of 64, the step falls back to the torch reference
-(:func:`megatron_mtraining.ops.reference.attention_forward` / ``attention_backward``).
+The kernel runs where the Triton kernels do (bf16/fp16/fp32 on CUDA, or the CPU under the Triton
+interpreter; ``head_dim`` in 16/32/64/128/256; a local length that is a multiple of 64).
+:func:`~megatron_mtraining.ops.backends.select_backend` checks these limits before choosing it and
+falls back to the torch reference (:class:`~megatron_mtraining.ops.reference.DenseStepKernel`)
+otherwise.
 """
 
 from __future__ import annotations
 
+from typing import Optional
 
-import torch
+from .reference import DenseStepKernel
 
-from ..ring import DenseStepKernel
-
-__all__ = ["DenseGpuStepKernel", "make_dense_step_kernel", "dense_step_supported"]
+__all__ = ["DenseGpuStepKernel"]
 
 _BLOCK = 64
 
 
-def dense_step_supported(q: torch.Tensor) -> bool:
-    """True when :class:`DenseGpuStepKernel` runs the Triton kernels for tensors like ``q``."""
-    from .triton import triton_usable
-    return triton_usable(q) and q.shape[1] % _BLOCK == 0
-
-
 class DenseGpuStepKernel(DenseStepKernel):
-    """Ring step kernel (protocol of :class:`megatron_mtraining.ring.DenseStepKernel`) on Triton.
+    """Ring step kernel (:class:`~megatron_mtraining.ops.base.StepKernel`) of the dense ring on Triton.
 
     Args:
         layout: the CP :class:`~megatron_mtraining.layout.Layout` (``positions(rank, seq_len)``).
@@ -54,12 +49,16 @@ class DenseGpuStepKernel(DenseStepKernel):
             modes are deterministic).
         row_block: query rows per tile of the forward and dQ kernels: 64 (default, 4 warps) or 128
             (8 warps; measured 5-20 % slower on the H200 with Triton 3.6, see docs/benchmarks.md).
+        config: launch parameters (:class:`~megatron_mtraining.ops.triton.launch.KernelConfig`; default
+            its defaults).
+        stats: a dict receiving the registers / spills of each launched kernel, or ``None``.
     """
 
     def __init__(self, layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None,
-                 deterministic: bool = True, row_block: int = 64):
+                 deterministic: bool = True, row_block: int = 64, config=None, stats: Optional[dict] = None):
         super().__init__(layout, rank, seq_len, softmax_scale, causal, device=device)
         self.deterministic, self.row_block = deterministic, row_block
+        self.config, self.stats = config, stats
         self._plans = {}
 
     def plan(self, owner: int):
@@ -71,41 +70,20 @@ class DenseGpuStepKernel(DenseStepKernel):
         return self._plans[owner]
 
     def forward(self, q, k, v, owner: int):
-        if not dense_step_supported(q):
-            return super().forward(q, k, v, owner)
         if not self.visible(owner):
             return None
         plan = self.plan(owner)
         if plan is None:
             return None
         from .triton import sparse_forward
-        return sparse_forward(q, k, v, plan, self.softmax_scale)
+        return sparse_forward(q, k, v, plan, self.softmax_scale, config=self.config, stats=self.stats)
 
     def backward(self, dout, q, k, v, lse, delta, owner: int):
-        if not dense_step_supported(q):
-            return super().backward(dout, q, k, v, lse, delta, owner)
         if not self.visible(owner):
             return None
         plan = self.plan(owner)
         if plan is None:
             return None
         from .triton import sparse_backward
-        return sparse_backward(dout, q, k, v, lse, delta, plan, self.softmax_scale, self.deterministic)
-
-
-def make_dense_step_kernel(layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True,
-                           device=None, backend: str = "auto", deterministic: bool = True):
-    """The dense ring's per-step kernel for this device.
-
-    ``backend``: ``"auto"`` (Triton on CUDA when the local length is a multiple of 64, else the
-    torch reference), ``"triton"`` (Triton; falls back per call where it cannot run) or
-    ``"reference"`` (the torch reference :class:`megatron_mtraining.ring.DenseStepKernel`).
-    """
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    local = seq_len // layout.cp_size
-    use_triton = backend == "triton" or (backend == "auto" and dev.type == "cuda" and local % _BLOCK == 0)
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"unknown backend {backend!r}")
-    if use_triton:
-        return DenseGpuStepKernel(layout, rank, seq_len, softmax_scale, causal, device=dev, deterministic=deterministic)
-    return DenseStepKernel(layout, rank, seq_len, softmax_scale, causal, device=dev)
+        return sparse_backward(dout, q, k, v, lse, delta, plan, self.softmax_scale, self.deterministic,
+                               config=self.config, stats=self.stats)

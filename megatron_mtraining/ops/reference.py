@@ -25,24 +25,17 @@ Algorithm: standard softmax attention with the log-sum-exp form of FlashAttentio
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-__all__ = ["acc_dtype", "attention_forward", "attention_backward", "default_softmax_scale"]
+from ..common import acc_dtype, default_softmax_scale
+
+__all__ = ["acc_dtype", "attention_forward", "attention_backward", "default_softmax_scale", "DenseStepKernel",
+           "attention_delta_torch"]
 
 # Upper bound on elements of one [b, hq, chunk, keys] score block (fp32: 4 bytes each).
 _SCORE_BUDGET = 1 << 24
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype for inputs of ``dtype``: fp64 stays fp64, everything else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def default_softmax_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
@@ -156,3 +149,53 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         dk[:, :kend] += torch.einsum("bgrqk,bqgrd->bkgd", ds, qc) * scale
         dv[:, :kend] += torch.einsum("bgrqk,bqgrd->bkgd", p, doc)
     return dq.view(b, sq, hq, d), dk, dv
+
+
+class DenseStepKernel:
+    """Ring step kernel (:class:`~megatron_mtraining.ops.base.StepKernel`) of the dense ring on the
+    torch reference: causal (or full) attention decided by global positions.
+
+    The ring schedule calls ``forward(q, k, v, owner)`` / ``backward(...)`` once per step with the
+    K/V of CP rank ``owner``; a step whose keys all lie in the future of every local query returns
+    ``None`` and costs nothing.
+
+    Args:
+        layout: the CP :class:`~megatron_mtraining.layout.Layout` (``positions(rank, seq_len)``).
+        rank: this rank's index in the CP group (its shard of ``layout``).
+        seq_len: global sequence length.
+        softmax_scale: attention logit scale.
+        causal: causal mask on global positions (else full attention).
+        device: where the position tensors live.
+    """
+
+    def __init__(self, layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None):
+        self.layout, self.rank, self.seq_len = layout, rank, seq_len
+        self.softmax_scale, self.causal = softmax_scale, causal
+        self.q_pos = layout.positions(rank, seq_len, device=device)
+        self._k_pos = {}
+
+    def k_pos(self, owner: int) -> torch.Tensor:
+        if owner not in self._k_pos:
+            self._k_pos[owner] = self.layout.positions(owner, self.seq_len, device=self.q_pos.device)
+        return self._k_pos[owner]
+
+    def visible(self, owner: int) -> bool:
+        return (not self.causal) or bool(self.k_pos(owner)[0] <= self.q_pos[-1])
+
+    def forward(self, q, k, v, owner: int):
+        if not self.visible(owner):
+            return None
+        return attention_forward(q, k, v, self.q_pos, self.k_pos(owner), self.softmax_scale, self.causal)
+
+    def backward(self, dout, q, k, v, lse, delta, owner: int):
+        if not self.visible(owner):
+            return None
+        return attention_backward(dout, q, k, v, lse, delta, self.q_pos, self.k_pos(owner),
+                                  self.softmax_scale, self.causal)
+
+
+def attention_delta_torch(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dout * out)`` of the attention backward in torch: ``[b, hq, s]`` contiguous in
+    :func:`acc_dtype` of ``out.dtype`` from ``[b, s, hq, d]`` inputs."""
+    acc = acc_dtype(out.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()

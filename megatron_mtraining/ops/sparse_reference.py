@@ -22,14 +22,15 @@ NaN is produced anywhere (padding slots contribute exact zeros).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from ..common import acc_dtype, default_softmax_scale
 from ..patterns.indices import StepIndices
-from .reference import acc_dtype, default_softmax_scale
+from .base import SparseStepFunction, SparseStepGradFunction
 
-__all__ = ["sparse_attention_forward", "sparse_attention_backward"]
+__all__ = ["sparse_attention_forward", "sparse_attention_backward", "SparseStepKernel"]
 
 # Upper bound on elements of one gathered [b, hq, qblocks, keys, max(block, d)] chunk.
 _GATHER_BUDGET = 1 << 24
@@ -205,3 +206,46 @@ def sparse_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         dk.index_put_(where, dk_sel, accumulate=True)
         dv.index_put_(where, dv_sel, accumulate=True)
     return dq, dk, dv
+
+
+class SparseStepKernel:
+    """Per-step kernel of the sparse ring (:class:`~megatron_mtraining.ops.base.StepKernel`).
+
+    Args:
+        steps: ``steps[o]`` is the :class:`StepIndices` of this rank's queries against owner ``o``'s K/V.
+        softmax_scale: attention scale.
+        forward_fn / backward_fn: step implementations with the signatures of
+            :func:`sparse_attention_forward` / :func:`sparse_attention_backward` (default: the torch
+            reference; the Triton kernel of :func:`megatron_mtraining.ops.triton.make_sparse_step_kernel`
+            plugs in here).
+
+    Attributes:
+        column_phase: out-of-ring column work (:class:`~megatron_mtraining.ops.base.ColumnWork`) or
+            ``None``; set by :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention`.
+        expect_backward: a backward will follow the forward (set from the grad mode); kernels may
+            prepare for it during the forward.
+    """
+
+    def __init__(self, steps: Sequence[StepIndices], softmax_scale: float,
+                 forward_fn: Optional[SparseStepFunction] = None, backward_fn: Optional[SparseStepGradFunction] = None):
+        self.steps = list(steps)
+        self.softmax_scale = softmax_scale
+        self.forward_fn = forward_fn or sparse_attention_forward
+        self.backward_fn = backward_fn or sparse_attention_backward
+        self.empty = [s.is_empty() for s in self.steps]     # no device read for convert_pattern steps (known_max)
+        self.column_phase = None
+        self.expect_backward = True
+
+    @property
+    def computed_steps(self) -> int:
+        return sum(not e for e in self.empty)
+
+    def forward(self, q, k, v, owner: int):
+        if self.empty[owner]:
+            return None
+        return self.forward_fn(q, k, v, self.steps[owner], self.softmax_scale)
+
+    def backward(self, dout, q, k, v, lse, delta, owner: int):
+        if self.empty[owner]:
+            return None
+        return self.backward_fn(dout, q, k, v, lse, delta, self.steps[owner], self.softmax_scale)

@@ -32,6 +32,7 @@ from typing import List
 
 import torch
 
+from ..common import triton_runs_on
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
 from .indices import KnownMax, StepIndices
@@ -105,15 +106,13 @@ _IMPLS = ("auto", "torch", "triton")
 
 
 def _use_triton(impl: str, t: torch.Tensor, cp: int) -> bool:
-    """Whether :func:`convert_pattern` runs the Triton kernel (:mod:`megatron_mtraining.ops.triton.convert`):
+    """Whether :func:`convert_pattern` runs the Triton kernel (:mod:`megatron_mtraining.patterns.triton.convert`):
     ``"auto"`` on CUDA at cp 1; ``"triton"`` at cp 1 where Triton runs (CUDA, or the CPU under
     ``TRITON_INTERPRET=1``); ``"torch"`` never."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "torch" or (impl == "auto" and not (cp == 1 and t.is_cuda)):
         return False             # decided before importing triton (its interpreter mode is fixed at import)
-    from ..ops.triton import triton_runs_on
-
     if impl == "triton":
         if cp != 1:
             raise ValueError(f"impl='triton': the conversion kernel supports cp 1 only, got cp {cp}")
@@ -138,7 +137,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
       matrix gathered at the column's block), compacted in the order of ``pattern.vertical``.
     * Compaction (:func:`_prefix`, :func:`_pick`): int32 cumsum of the mask, a binary search per
       output slot, a gather. With ``impl`` resolving to Triton (cp 1, ``owners == [rank]``), the
-      kernel of :mod:`megatron_mtraining.ops.triton.convert` builds the same lists in one launch.
+      kernel of :mod:`megatron_mtraining.patterns.triton.convert` builds the same lists in one launch.
     """
     S, bs = pattern.seq_len, pattern.block_size
     dev = pattern.slash.device
@@ -155,7 +154,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     rc = torch.cumsum(smask.flip(-1), -1, dtype=i32)
     d_desc = _pick(rc, torch.arange(nb - 1, -1, -1, dtype=i32, device=dev), big, ns)[:, :, None, :]
     if _use_triton(impl, d_desc, cp):      # cp 1: one owner, the rank itself; the same lists in one launch
-        from ..ops.triton.convert import convert_rows
+        from .triton.convert import convert_rows
 
         b_cnt, b_idx, c_cnt, c_idx = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs)
         mb, mc = _maxima([b_cnt, c_cnt])                                # the host sync
@@ -230,7 +229,7 @@ def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int, im
     """Per-owner :class:`StepIndices` of ``rank``: element ``o`` is the step against owner ``o``'s K/V.
 
     ``impl``: ``"torch"`` (the reference, any device and cp), ``"triton"`` (one kernel launch,
-    :mod:`megatron_mtraining.ops.triton.convert`; cp 1 only; bitwise the same tensors) or ``"auto"``
+    :mod:`megatron_mtraining.patterns.triton.convert`; cp 1 only; bitwise the same tensors) or ``"auto"``
     (default: the kernel on CUDA at cp 1, else torch).
 
     Raises:

@@ -11,7 +11,7 @@ Every forward pass, from the current (already position-encoded) ``q`` and ``k`` 
    queries against its local keys with the causal mask on *global* positions (a probe query
    never sees a key after itself): in fp64 torch (``impl="torch"``, the CPU / fp64 path and the
    oracle) or, on the GPU, in the fused Triton kernels of
-   :mod:`megatron_mtraining.ops.triton.estimator` (``impl="triton"``, the default for CUDA
+   :mod:`megatron_mtraining.patterns.triton.estimator` (``impl="triton"``, the default for CUDA
    bf16/fp16/fp32 inputs: ``tl.dot`` in the input dtype, fp32 accumulation and softmax). Row max:
    ``all_reduce(MAX)``; row sum of ``exp(s - max)``: ``all_reduce(SUM)`` (fp64 in both paths).
    The resulting probabilities are the true softmax rows of the probes.
@@ -92,7 +92,7 @@ import torch.distributed as dist
 
 from ..distributed import group_rank, group_size
 from ..layout import Layout
-from ..ops.reference import default_softmax_scale
+from ..common import TRITON_DTYPES, default_softmax_scale, triton_runs_on
 
 __all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "floor_first_sort",
            "priority_order", "resolve_impl"]
@@ -464,15 +464,13 @@ def resolve_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
         raise ValueError(f"estimate_vertical_slash: impl must be one of {', '.join(map(repr, _IMPLS))}, got {impl!r}")
     if impl == "torch":
         return "torch"
-    from ..ops.triton import triton_usable
-
-    ok_dtype = q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    ok_dtype = q.dtype == k.dtype and q.dtype in TRITON_DTYPES
     if impl == "auto":
-        return "triton" if q.is_cuda and ok_dtype and triton_usable(q) else "torch"
+        return "triton" if q.is_cuda and ok_dtype and triton_runs_on(q.device) else "torch"
     if not ok_dtype:
         raise ValueError(f"estimate_vertical_slash(impl='triton') needs q and k of one dtype among bf16/fp16/fp32, "
                          f"got {q.dtype} and {k.dtype} (use impl='torch')")
-    if not triton_usable(q):
+    if not triton_runs_on(q.device):
         raise ValueError(f"estimate_vertical_slash(impl='triton') cannot run on {q.device}: it needs Triton and a "
                          "CUDA tensor, or a CPU tensor with TRITON_INTERPRET=1 set before triton is imported")
     return "triton"
@@ -554,7 +552,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         softmax_scale: defaults to ``1/sqrt(d)`` (must be the attention's scale).
         impl: how the scores (probe softmax, column and block-diagonal sums) are computed:
             ``"torch"``: fp64 torch (the oracle; any device and float dtype);
-            ``"triton"``: the fused kernels of :mod:`megatron_mtraining.ops.triton.estimator`
+            ``"triton"``: the fused kernels of :mod:`megatron_mtraining.patterns.triton.estimator`
             (fp32 scores from bf16/fp16/fp32 inputs; CUDA, or CPU under ``TRITON_INTERPRET=1``);
             ``"auto"`` (default): ``"triton"`` for CUDA bf16/fp16/fp32 inputs when Triton imports,
             else ``"torch"``. The selection is always fp64 torch.
@@ -597,7 +595,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
                 for u in range((S - L) // bs, nb)]
 
     if fused:
-        from ..ops.triton.estimator import probe_column_sums, probe_softmax_stats
+        from .triton.estimator import probe_column_sums, probe_softmax_stats
 
         # --- exact softmax rows of the probes across the CP group: local (m, z) from the kernel
         m, z = probe_softmax_stats(probe, k, k_pos, S, scale)

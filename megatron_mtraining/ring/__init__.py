@@ -24,48 +24,16 @@ from typing import Optional
 
 import torch
 
+from ..common import acc_dtype, default_softmax_scale
 from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
 from ..layout import LAYOUT_KINDS, Layout
+from ..ops.backends import KernelBackend, select_backend
+from ..ops.base import DeltaFunction
 from ..ops.merge import merge_attention
-from ..ops.reference import acc_dtype, attention_backward, attention_forward, default_softmax_scale
+from ..ops.reference import DenseStepKernel, attention_delta_torch
 
-__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs"]
-
-
-class DenseStepKernel:
-    """Per-step attention of the dense ring: causal (or full) attention decided by global positions.
-
-    The ring schedule calls ``forward(q, k, v, owner)`` / ``backward(...)`` once per step with the
-    K/V of CP rank ``owner``; a step whose keys all lie in the future of every local query returns
-    ``None`` and costs nothing. Other step kernels (the sparse vertical-slash kernel) follow the
-    same protocol, so every ring variant shares one autograd.Function.
-    """
-
-    def __init__(self, layout: Layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True,
-                 device=None):
-        self.layout, self.rank, self.seq_len = layout, rank, seq_len
-        self.softmax_scale, self.causal = softmax_scale, causal
-        self.q_pos = layout.positions(rank, seq_len, device=device)
-        self._k_pos = {}
-
-    def k_pos(self, owner: int) -> torch.Tensor:
-        if owner not in self._k_pos:
-            self._k_pos[owner] = self.layout.positions(owner, self.seq_len, device=self.q_pos.device)
-        return self._k_pos[owner]
-
-    def visible(self, owner: int) -> bool:
-        return (not self.causal) or bool(self.k_pos(owner)[0] <= self.q_pos[-1])
-
-    def forward(self, q, k, v, owner: int):
-        if not self.visible(owner):
-            return None
-        return attention_forward(q, k, v, self.q_pos, self.k_pos(owner), self.softmax_scale, self.causal)
-
-    def backward(self, dout, q, k, v, lse, delta, owner: int):
-        if not self.visible(owner):
-            return None
-        return attention_backward(dout, q, k, v, lse, delta, self.q_pos, self.k_pos(owner),
-                                  self.softmax_scale, self.causal)
+__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "backend_for",
+           "last_dim_contiguous"]
 
 
 def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step):
@@ -139,21 +107,33 @@ def column_phase_of(kernel):
     return getattr(kernel, "column_phase", None)
 
 
-def _delta(dout, out):
-    from ..ops.triton import attention_delta     # Triton on CUDA, torch elsewhere
-    return attention_delta(dout, out)            # [b, hq, sq] in acc_dtype(out.dtype)
+def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,
+                sparse: bool = False) -> KernelBackend:
+    """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``."""
+    if backend is not None:
+        return backend
+    return select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1],
+                          cp_size=cp_size, sparse=sparse)
+
+
+def last_dim_contiguous(*ts: torch.Tensor):
+    """The tensors with a unit stride in the last dimension (copied only where it is not): every
+    kernel takes the other strides as they are."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
 class RingAttentionFunc(torch.autograd.Function):
     """One autograd.Function for the flat ring; the per-step work comes from ``kernel``.
 
-    ``forward(ctx, q, k, v, kernel, comm)``: ``kernel`` follows :class:`DenseStepKernel`'s protocol;
-    ``comm`` is the CP process group (or ``None``), or a :class:`~megatron_mtraining.distributed.RingComm`
-    over it (e.g. one that simulates a slow link).
+    ``forward(ctx, q, k, v, kernel, comm, delta=None)``: ``kernel`` is a
+    :class:`~megatron_mtraining.ops.base.StepKernel`; ``comm`` is the CP process group (or ``None``),
+    or a :class:`~megatron_mtraining.distributed.RingComm` over it (e.g. one that simulates a slow
+    link); ``delta`` computes ``rowsum(dout * out)`` for the backward (the backend's
+    :attr:`~megatron_mtraining.ops.backends.KernelBackend.delta`; ``None``: torch).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, comm):
+    def forward(ctx, q, k, v, kernel, comm, delta: Optional[DeltaFunction] = None):
         comm = comm if isinstance(comm, RingComm) else RingComm(comm)
         cp, rank = comm.size, comm.rank
         out, lse = _empty_out_lse(q)
@@ -166,7 +146,7 @@ class RingAttentionFunc(torch.autograd.Function):
             out, lse = merge_attention(out, lse, *partial)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.comm = kernel, comm
+        ctx.kernel, ctx.comm, ctx.delta = kernel, comm, delta or attention_delta_torch
         return out
 
     @staticmethod
@@ -176,7 +156,7 @@ class RingAttentionFunc(torch.autograd.Function):
         cp, rank = comm.size, comm.rank
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-        delta = _delta(dout, out)
+        delta = ctx.delta(dout, out)              # [b, hq, sq] in acc_dtype(out.dtype)
         cols = column_phase_of(ctx.kernel)
         if cols is not None:
             cols.begin_backward(dout, q, lse, delta, dq)
@@ -184,7 +164,7 @@ class RingAttentionFunc(torch.autograd.Function):
                                     delta, dq, lambda step: (rank - step) % cp)
         if cols is not None:
             cols.finish_backward(dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: bool = True, **fields) -> int:
@@ -219,7 +199,7 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
                    group=None, softmax_scale: Optional[float] = None, causal: bool = True,
-                   check_inputs: bool = True) -> torch.Tensor:
+                   check_inputs: bool = True, backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """Exact (dense) causal attention over a sequence sharded across a CP group.
 
     Args:
@@ -233,10 +213,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         causal: causal mask on global positions (key visible iff its position <= the query's).
         check_inputs: before the first exchange, all ranks compare shapes, dtypes and layout
             with one small all_gather and raise the same error on a mismatch (instead of hanging).
+        backend: the kernels (:func:`~megatron_mtraining.ops.backends.select_backend`); ``None``:
+            ``select_backend("auto")`` for these inputs: on CUDA the Triton kernels of
+            :mod:`megatron_mtraining.ops.dense_gpu` (position-masked 64x64 tiles) where they support
+            the shape, SDPA for causal bf16/fp16 attention at CP=1; otherwise the torch reference
+            :class:`DenseStepKernel` (the CPU path and the oracle).
 
-    Per-step kernel: on CUDA with a local length that is a multiple of 64, the Triton kernels of
-    :mod:`megatron_mtraining.ops.dense_gpu` (position-masked 64x64 tiles); otherwise the torch
-    reference :class:`DenseStepKernel` (the CPU path and the oracle).
+    q/k/v with a strided last dimension are copied to a unit last stride first (every backend).
 
     Returns:
         ``[b, s_local, hq, d]`` in the dtype of ``q``.
@@ -247,14 +230,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
     """
     cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if cp == 1 and causal and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        # CP=1 fast path: the layout is the identity at cp=1, so this is plain causal attention;
-        # SDPA picks cuDNN/flash (the dense baseline of examples/pretrain_gpt.py). CPU path unchanged.
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)
-    from ..ops.dense_gpu import make_dense_step_kernel    # Triton on CUDA, torch reference otherwise
-
-    kernel = make_dense_step_kernel(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
-    return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group))
+    backend = backend_for(q, cp, backend)
+    q, k, v = last_dim_contiguous(q, k, v)
+    if cp == 1 and causal and backend.dense_cp1 is not None:
+        # the layout is the identity at cp=1, so this is plain causal attention (e.g. SDPA: cuDNN/flash)
+        return backend.dense_cp1(q, k, v, scale)
+    kernel = backend.dense_step(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
+    return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group), backend.delta)

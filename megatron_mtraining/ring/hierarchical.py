@@ -30,11 +30,14 @@ from typing import Optional
 
 import torch
 
+from ..common import acc_dtype, default_softmax_scale
 from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
 from ..layout import LAYOUT_KINDS, Layout
-from ..ops.reference import acc_dtype, default_softmax_scale
+from ..ops.backends import KernelBackend
+from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
-from . import DenseStepKernel, _delta, _empty_out_lse, column_phase_of, ring_pass_backward, ring_pass_forward
+from ..ops.reference import attention_delta_torch
+from . import _empty_out_lse, backend_for, column_phase_of, last_dim_contiguous, ring_pass_backward, ring_pass_forward
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
 
@@ -65,10 +68,13 @@ class DelayedComm(RingComm):
 
 
 class HierarchicalRingAttentionFunc(torch.autograd.Function):
-    """autograd.Function of the hierarchical ring; per-step work from ``kernel`` (see ring/__init__)."""
+    """autograd.Function of the hierarchical ring; per-step work from ``kernel`` (a
+    :class:`~megatron_mtraining.ops.base.StepKernel`), ``delta`` as in
+    :class:`~megatron_mtraining.ring.RingAttentionFunc`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, inner: RingComm, outer: RingComm, overlap: bool):
+    def forward(ctx, q, k, v, kernel, inner: RingComm, outer: RingComm, overlap: bool,
+                delta: Optional[DeltaFunction] = None):
         n_in, n_out = inner.size, outer.size
         r_in, r_out = inner.rank, outer.rank
         out, lse = _empty_out_lse(q)
@@ -92,6 +98,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.inner, ctx.outer, ctx.overlap = kernel, inner, outer, overlap
+        ctx.delta = delta or attention_delta_torch
         return out
 
     @staticmethod
@@ -101,7 +108,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         n_in, n_out = inner.size, outer.size
         r_in, r_out = inner.rank, outer.rank
         dout = dout.contiguous()
-        delta = _delta(dout, out)
+        delta = ctx.delta(dout, out)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         cols = column_phase_of(kernel)
         if cols is not None:
@@ -130,13 +137,13 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         dk, dv = acc_pending.wait()
         if cols is not None:
             cols.finish_backward(dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
                                 inner_group, outer_group, softmax_scale: Optional[float] = None,
-                                causal: bool = True, kernel=None, overlap: bool = True,
-                                outer_link_delay_s: float = 0.0) -> torch.Tensor:
+                                causal: bool = True, kernel: Optional[StepKernel] = None, overlap: bool = True,
+                                outer_link_delay_s: float = 0.0, backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """Exact causal attention over ``inner × outer`` CP ranks with a two-level ring.
 
     Args:
@@ -145,11 +152,15 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             rank's shard index is ``outer_rank * inner + inner_rank``.
         inner_group, outer_group: Megatron's hierarchical CP groups (level 0, level 1), or any
             two groups with that numbering. Both must have at least 2 ranks.
-        kernel: per-step kernel (default: the dense causal kernel); sparse kernels plug in here.
+        kernel: per-step kernel (default: the backend's dense step kernel, causal or full by
+            ``causal``); the sparse ring plugs its kernel in here.
         overlap: post the outer transfer before the inner ring (Algorithm 2). ``False`` waits
             for it first, which serialises the two links (for comparisons only).
         outer_link_delay_s: make every outer transfer take at least this long (a slow inter-node
             link, for overlap tests and simulations).
+        backend: the kernels (:func:`~megatron_mtraining.ops.backends.select_backend`); ``None``:
+            ``select_backend("auto")`` for these inputs (on CUDA the Triton dense step kernels, as in
+            the flat ring).
 
     Raises:
         ValueError: an inner or outer size of 1 (that is a flat ring or no CP: use
@@ -173,8 +184,10 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                       layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
                                       sizes=(n_in, n_out))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    backend = backend_for(q, layout.cp_size, backend, sparse=kernel is not None)
+    q, k, v = last_dim_contiguous(q, k, v)
     if kernel is None:
-        kernel = DenseStepKernel(layout, cp_rank, seq_len, scale, bool(causal), device=q.device)
+        kernel = backend.dense_step(layout, cp_rank, seq_len, scale, bool(causal), device=q.device)
     inner = RingComm(inner_group)
     outer = DelayedComm(outer_group, outer_link_delay_s) if outer_link_delay_s > 0 else RingComm(outer_group)
-    return HierarchicalRingAttentionFunc.apply(q, k, v, kernel, inner, outer, bool(overlap))
+    return HierarchicalRingAttentionFunc.apply(q, k, v, kernel, inner, outer, bool(overlap), backend.delta)

@@ -31,57 +31,20 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..common import default_softmax_scale
 from ..distributed import group_rank, group_size
 from ..layout import Layout
-from ..ops.reference import default_softmax_scale
-from ..ops.sparse_reference import sparse_attention_backward, sparse_attention_forward
+from ..ops.backends import KernelBackend
+from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
 from ..patterns.convert import (check_block_layout, column_phase_indices, convert_pattern, local_block_ids,
                                 without_columns)
 from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
-from . import RingAttentionFunc, check_ring_inputs
+from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous
 
 __all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention"]
 
 COLUMN_SCHEDULES = ("in_ring", "out_of_ring")
-
-
-class SparseStepKernel:
-    """Per-step kernel of the sparse ring (protocol of :class:`~megatron_mtraining.ring.DenseStepKernel`).
-
-    Args:
-        steps: ``steps[o]`` is the :class:`StepIndices` of this rank's queries against owner ``o``'s K/V.
-        softmax_scale: attention scale.
-        forward_fn / backward_fn: step implementations with the signatures of
-            :func:`~megatron_mtraining.ops.sparse_reference.sparse_attention_forward` /
-            ``sparse_attention_backward`` (default: the torch reference; a Triton kernel plugs in here).
-    """
-
-    def __init__(self, steps: Sequence[StepIndices], softmax_scale: float,
-                 forward_fn: Optional[Callable] = None, backward_fn: Optional[Callable] = None):
-        self.steps = list(steps)
-        self.softmax_scale = softmax_scale
-        self.forward_fn = forward_fn or sparse_attention_forward
-        self.backward_fn = backward_fn or sparse_attention_backward
-        self.empty = [s.is_empty() for s in self.steps]     # no device read for convert_pattern steps (known_max)
-        self.column_phase: Optional["ColumnPhase"] = None   # set by sparse_ring_attention (out_of_ring)
-        # a backward will follow the forward (set by sparse_ring_attention from the grad mode): kernels
-        # may prepare for it during the forward (the Triton kernel builds its backward plans)
-        self.expect_backward = True
-
-    @property
-    def computed_steps(self) -> int:
-        return sum(not e for e in self.empty)
-
-    def forward(self, q, k, v, owner: int):
-        if self.empty[owner]:
-            return None
-        return self.forward_fn(q, k, v, self.steps[owner], self.softmax_scale)
-
-    def backward(self, dout, q, k, v, lse, delta, owner: int):
-        if self.empty[owner]:
-            return None
-        return self.backward_fn(dout, q, k, v, lse, delta, self.steps[owner], self.softmax_scale)
 
 
 class ColumnPhase:
@@ -190,8 +153,8 @@ class ColumnPhase:
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
-                          return_pattern: bool = False, kernel_factory: Optional[Callable] = None,
-                          hierarchical_groups: Optional[tuple] = None, columns: str = "in_ring"):
+                          return_pattern: bool = False, hierarchical_groups: Optional[tuple] = None,
+                          columns: str = "in_ring", backend: Optional[KernelBackend] = None):
     """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
 
     Args:
@@ -204,9 +167,6 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         softmax_scale: defaults to ``1/sqrt(d)``.
         check_inputs: compare shapes/dtypes/layout/config across ranks first (one small all_gather).
         return_pattern: also return the estimated global :class:`VerticalSlashPattern`.
-        kernel_factory: ``(steps, softmax_scale) -> step kernel``; default: on CUDA
-            ``megatron_mtraining.ops.triton.make_sparse_step_kernel`` (Triton), else
-            :class:`SparseStepKernel` with the torch reference.
         hierarchical_groups: ``(inner_group, outer_group)`` (Megatron's hierarchical CP groups, whose
             numbering gives this rank's index in ``group``): run the two-level ring of
             :mod:`megatron_mtraining.ring.hierarchical` instead of the flat ring. The pattern is still
@@ -214,13 +174,18 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         columns: ``"in_ring"`` (each ring step computes the columns its owner holds) or
             ``"out_of_ring"`` (:class:`ColumnPhase`: columns gathered once and computed outside the
             ring, which balances the steps; needs ``config.local_blocks >= 1``).
+        backend: the kernels (:func:`~megatron_mtraining.ops.backends.select_backend`): its sparse
+            step kernel, estimator and index-conversion implementations; ``None``:
+            ``select_backend("auto")`` for these inputs (the Triton kernels on CUDA where they support
+            the shape, else :class:`SparseStepKernel` with the torch reference).
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
 
     Raises:
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
-            group size, a layout that splits sparse blocks, or an unknown ``columns`` schedule.
+            group size, a layout that splits sparse blocks, an unknown ``columns`` schedule, or a
+            backend without sparse kernels (``"sdpa"``).
     """
     if columns not in COLUMN_SCHEDULES:
         raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
@@ -229,17 +194,21 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                                     config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))),
                            columns=COLUMN_SCHEDULES.index(columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
+    backend = backend_for(q, cp, backend, sparse=True)
+    if backend.sparse_step is None:
+        raise ValueError(f"kernel_backend={backend.name!r} has no sparse kernels: sparse_ring_attention needs "
+                         "'auto', 'triton' or 'torch'")
+    q, k, v = last_dim_contiguous(q, k, v)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
-                                                            config=config, softmax_scale=scale)
-    steps = convert_pattern(pattern, layout, group_rank(group))
-    if kernel_factory is None and q.is_cuda:
-        from ..ops.triton import make_sparse_step_kernel as kernel_factory   # Triton kernels on the GPU
+                                                            config=config, softmax_scale=scale,
+                                                            impl=backend.estimator_impl)
+    steps = convert_pattern(pattern, layout, group_rank(group), impl=backend.convert_impl)
     rank = group_rank(group)
     if columns == "out_of_ring":
         col_steps = steps
         steps = [without_columns(st) for st in steps]
-    kernel = (kernel_factory or SparseStepKernel)(steps, scale)
+    kernel = backend.sparse_step(steps, scale)
     try:       # a hint for kernels that prepare their backward during the forward (custom kernels may refuse it)
         kernel.expect_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     except AttributeError:
@@ -249,7 +218,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                                           getattr(kernel, "forward_fn", sparse_attention_forward),
                                           getattr(kernel, "backward_fn", sparse_attention_backward), scale)
     if hierarchical_groups is None:
-        out = RingAttentionFunc.apply(q, k, v, kernel, group)
+        out = RingAttentionFunc.apply(q, k, v, kernel, group, backend.delta)
     else:
         from .hierarchical import hierarchical_ring_attention
 
@@ -258,5 +227,5 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             raise ValueError("hierarchical_groups must number ranks as outer_rank * inner_size + inner_rank "
                              "of the CP group (Megatron's --hierarchical-context-parallel-sizes order)")
         out = hierarchical_ring_attention(q, k, v, layout=layout, inner_group=inner, outer_group=outer,
-                                          softmax_scale=scale, kernel=kernel)
+                                          softmax_scale=scale, kernel=kernel, backend=backend)
     return (out, pattern) if return_pattern else out

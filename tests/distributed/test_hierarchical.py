@@ -29,6 +29,20 @@ def test_hierarchical_matches_fp64_and_flat_ring(inner, outer, tp):
     assert r["vs_flat"] <= 1e-5, r
 
 
+def test_dense_hierarchical_ring_runs_the_backend_step_kernels():
+    """The dense hierarchical ring uses the backend's step kernels like the flat ring: with the Triton
+    backend (here in the Triton CPU interpreter) both run the Triton dense step, fwd and dQ/dK/dV vs fp64."""
+    pytest.importorskip("triton")
+    r = _result("tests/workers/ring_check.py",
+                ["--hier", 2, 2, "--kernel-backend", "triton", "--granularity", 16, "--kv-heads", 2, "--seq", 512],
+                nproc=4, timeout=900)
+    assert r["step_kernel"] == "DenseGpuStepKernel", r
+    assert r["finite"], r
+    for key in ("out", "dq", "dk", "dv"):
+        assert r[key] <= 2e-5, (key, r)
+    assert r["vs_flat"] <= 1e-5, r
+
+
 @pytest.mark.parametrize("inner,outer,columns", [(2, 2, "in_ring"), (2, 4, "in_ring"), (2, 2, "out_of_ring")])
 def test_hierarchical_sparse_matches_flat_sparse_and_fp64_masked(inner, outer, columns):
     """Vertical-slash pattern (recall 0.9) through the hierarchical ring: equals the flat sparse ring

@@ -1,4 +1,4 @@
-"""Triton index conversion (ops/triton/convert.py), run by the Triton CPU interpreter: at cp 1,
+"""Triton index conversion (patterns/triton/convert.py), run by the Triton CPU interpreter: at cp 1,
 ``convert_pattern(impl="triton")`` returns bitwise the tensors of the torch reference
 (``impl="torch"``, itself checked against a frozen copy of the original code in
 tests/unit/test_selection_equivalence.py) and the same recorded maxima, on the randomized patterns of
@@ -37,7 +37,7 @@ from tests.unit.test_selection_equivalence import assert_same_steps, random_patt
 
 @pytest.fixture(autouse=True)
 def _interpreted_kernels(request):
-    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.ops.triton.convert", "_convert_rows_kernel")
+    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.patterns.triton.convert", "_convert_rows_kernel")
     yield
 
 
@@ -87,7 +87,7 @@ def test_triton_conversion_matches_torch_on_estimated_patterns(seed):
 def test_triton_conversion_rows_longer_than_a_chunk():
     """Offset and column lists over several kernel chunks (the running offset between chunks), b=2, hq=2;
     negative control: one corrupted column entry fails the comparison."""
-    from megatron_mtraining.ops.triton.convert import CHUNK
+    from megatron_mtraining.patterns.triton.convert import CHUNK
 
     rng = random.Random(7)
     bs = 16
@@ -135,7 +135,7 @@ def test_impl_errors():
     with pytest.raises(ValueError, match="cp 1 only"):
         convert_pattern(pat, Layout("striped", 2, 16), 0, impl="triton")
     # auto on the CPU: the torch path, the kernel is not called
-    import megatron_mtraining.ops.triton.convert as kc
+    import megatron_mtraining.patterns.triton.convert as kc
 
     def refuse(*a, **k):
         raise AssertionError("auto ran the kernel on the CPU")

@@ -1,4 +1,4 @@
-"""Fused Triton estimator scores (ops/triton/estimator.py), run by the Triton CPU interpreter.
+"""Fused Triton estimator scores (patterns/triton/estimator.py), run by the Triton CPU interpreter.
 
 Checked against an independent fp64 computation (full probe logits against all S keys with an
 explicit causal mask, torch.logsumexp / softmax, block diagonals by an explicit offset matrix):
@@ -43,13 +43,13 @@ TOL = 1e-5          # relative, fp32 accumulation (fp32 and fp16 inputs)
 
 @pytest.fixture(autouse=True)
 def _interpreted_kernels(request):
-    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.ops.triton.estimator", "_probe_stats_kernel",
-                            also=("megatron_mtraining.ops.triton.kernels",))   # its _dot is used here
+    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.patterns.triton.estimator",
+                            "_probe_stats_kernel")
     yield
 
 
 def _ops():
-    from megatron_mtraining.ops.triton import estimator as E
+    from megatron_mtraining.patterns.triton import estimator as E
     return E
 
 

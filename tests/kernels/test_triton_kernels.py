@@ -31,9 +31,10 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.ops import reference  # noqa: E402
-from megatron_mtraining.ops.dense_gpu import DenseGpuStepKernel, dense_step_supported  # noqa: E402
+from megatron_mtraining.ops.backends import select_backend  # noqa: E402
+from megatron_mtraining.ops.dense_gpu import DenseGpuStepKernel  # noqa: E402
 from megatron_mtraining.ops.triton import (  # noqa: E402
-    launch, plan_for, sparse_attention, sparse_attention_backward, sparse_attention_forward,
+    launch, sparse_attention, sparse_attention_backward, sparse_attention_forward,
 )
 from megatron_mtraining.ops.triton.synthetic import vertical_slash_indices  # noqa: E402
 from megatron_mtraining.patterns.indices import StepIndices  # noqa: E402
@@ -203,7 +204,7 @@ def test_dense_step_kernel_matches_reference(layout, rank, owner, rows):
     s = seq // layout.cp_size
     q, k, v, dout = _inputs(1, s, hq, hkv, d, torch.float32, gen)
     kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5, row_block=rows)
-    assert dense_step_supported(q)
+    assert select_backend("triton", device=q.device, dtype=q.dtype, head_dim=d, seq_len_local=s).name == "triton"
     qp, kp = kern.q_pos, kern.k_pos(owner)
     o_r, l_r = reference.attention_forward(q.double(), k.double(), v.double(), qp, kp, d ** -0.5)
     out, lse = kern.forward(q, k, v, owner)
@@ -230,18 +231,19 @@ def test_sparse_ring_with_triton_kernels_and_column_phase(columns):
     """The sparse ring (cp=1) driven by the Triton step kernels, columns in the ring or in the
     out-of-ring column phase (gathered column K/V, non-causal step, LSE merge): fwd and
     dQ/dK/dV vs fp64 attention masked with the same estimated pattern."""
-    from megatron_mtraining.ops.triton import make_sparse_step_kernel
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig
     from megatron_mtraining.ring.sparse import sparse_ring_attention
     from tests.workers.vs_data import make_qkv, naive_masked_attention
 
     s, hq, hkv, d = 256, 2, 1, 64
     q, k, v = make_qkv(1, s, hq, hkv, d, seed=5)
+    backend = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=d, seq_len_local=s, sparse=True)
+    assert backend.name == "triton" and backend.estimator_impl == "triton" and backend.convert_impl == "triton"
     dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     qa, ka, va = (t.float().requires_grad_(True) for t in (q, k, v))
     out, pat = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
                                      config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
-                                     return_pattern=True, kernel_factory=make_sparse_step_kernel, columns=columns)
+                                     return_pattern=True, backend=backend, columns=columns)
     out.backward(dout.float())
     mask = pat.dense_mask()
     assert bool(pat.vertical_mask().any()) and mask.float().mean() < 0.45     # columns exist; sparse
@@ -254,11 +256,10 @@ def test_sparse_ring_with_triton_kernels_and_column_phase(columns):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(deterministic):
-    """make_sparse_step_kernel(prebuild=True) builds each step's backward plans right after its
+    """The Triton sparse step kernel with prebuild=True builds each step's backward plans right after its
     forward kernel (on a CUDA side stream on the GPU; here in place): out and dQ/dK/dV are bitwise
     those of prebuild=False, the plans exist after the forward (negative control: not without
     prebuild, nor under no_grad, where no backward follows) and the backward reuses them."""
-    from megatron_mtraining.ops.triton import make_sparse_step_kernel
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig
     from megatron_mtraining.ring.sparse import sparse_ring_attention
     from tests.workers.vs_data import make_qkv
@@ -268,24 +269,28 @@ def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(determin
     dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(8))
     kernels, results = {}, {}
 
-    def factory_for(pre):
+    def backend_for(pre):      # the Triton backend, recording the sparse step kernel it builds
+        base = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=d, seq_len_local=s,
+                              sparse=True, deterministic=deterministic, prebuild_backward_plans=pre)
+
         def factory(steps, scale):
-            kernels[pre] = make_sparse_step_kernel(steps, scale, deterministic=deterministic, prebuild=pre)
+            kernels[pre] = base.sparse_step(steps, scale)
+            assert kernels[pre].prebuild == pre and kernels[pre].deterministic == deterministic
             return kernels[pre]
-        return factory
+        return dataclasses.replace(base, sparse_step=factory)
 
     def plans(pre):
         (st,) = kernels[pre].steps
-        return plan_for(st)
+        return kernels[pre].plan(st)
 
     for pre in (False, True):
         qa, ka, va = (t.float().requires_grad_(True) for t in (q, k, v))
         out = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
                                     config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
-                                    kernel_factory=factory_for(pre))
+                                    backend=backend_for(pre))
         plan = plans(pre)
         assert plan.has_columns
-        uses_col_plan = deterministic or not launch.CONFIG.col_atomic_fast     # fast mode may add columns by atomics
+        uses_col_plan = deterministic or not launch.KernelConfig().col_atomic_fast   # fast mode may add columns by atomics
         assert bool(plan._kv) == pre and bool(plan._col) == (pre and uses_col_plan)
         kv_before = dict(plan._kv)
         out.backward(dout)
@@ -298,7 +303,7 @@ def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(determin
     with torch.no_grad():
         sparse_ring_attention(*(t.float() for t in (q, k, v)), layout=Layout("striped", 1, 64), group=None,
                               config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
-                              kernel_factory=factory_for(True))
+                              backend=backend_for(True))
     assert kernels[True].expect_backward is False and not plans(True)._kv
 
 
@@ -418,3 +423,51 @@ def test_attention_delta_fallbacks_and_op_checks():
     x = torch.randn(1, 64, 2, 32, generator=gen)
     torch.library.opcheck(torch.ops.mtraining.attn_delta, (x, torch.randn_like(x)))
     torch.library.opcheck(torch.ops.mtraining.attn_delta, (x.double(), torch.randn_like(x).double()))
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view with last-dim stride 2 (same values)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_triton_backend_accepts_last_dim_strided_inputs_like_the_cpu_path(sparse):
+    """q/k/v with a strided last dimension: the Triton backend gives what the torch backend gives and
+    both match fp64 (out, dQ, dK, dV separately). Negative control: the launcher itself refuses such a q."""
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    from megatron_mtraining.ring import ring_attention
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+    from tests.workers.vs_data import make_qkv, naive_masked_attention
+
+    s, hq, hkv, d = 256, 2, 1, 64
+    q, k, v = make_qkv(1, s, hq, hkv, d, seed=11)
+    dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    lay = Layout("striped", 1, 64)
+    results = {}
+    for name in ("torch", "triton"):
+        backend = select_backend(name, device="cpu", dtype=torch.float32, head_dim=d, seq_len_local=s, sparse=sparse)
+        leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
+        qa, ka, va = (_strided(t) for t in leaves)
+        assert qa.stride(-1) == 2
+        if sparse:
+            out, pat = sparse_ring_attention(qa, ka, va, layout=lay, config=VerticalSlashConfig(recall=0.9),
+                                             softmax_scale=d ** -0.5, return_pattern=True, backend=backend)
+            mask = pat.dense_mask()
+        else:
+            out = ring_attention(qa, ka, va, layout=lay, softmax_scale=d ** -0.5, backend=backend)
+            mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(1, hq, s, s)
+        out.backward(dout.float())
+        results[name] = (out, *(t.grad for t in leaves))
+        qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ref = naive_masked_attention(qr, kr, vr, mask, d ** -0.5)
+        ref.backward(dout)
+        _check_all(results[name], (ref, qr.grad, kr.grad, vr.grad), TOL[torch.float32],
+                   names=("out", "dq", "dk", "dv"))
+    _check_all(results["triton"], tuple(t.double() for t in results["torch"]), TOL[torch.float32],
+               names=("out", "dq", "dk", "dv"))
+    idx, _ = vertical_slash_indices(s, hq, 0.5, seed=0)
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        launch.sparse_forward(_strided(q.float()), k.float(), v.float(), launch.plan_from_indices(
+            idx.block_count, idx.block_index, idx.column_count, idx.column_index, True), d ** -0.5)

@@ -167,7 +167,7 @@ def old_scores(q, k, *, layout, group=None, config, softmax_scale=None, impl="to
     q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
                 for u in range((S - L) // bs, nb)]
     if fused:
-        from megatron_mtraining.ops.triton.estimator import probe_column_sums, probe_softmax_stats
+        from megatron_mtraining.patterns.triton.estimator import probe_column_sums, probe_softmax_stats
 
         m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
         lse = old_global_lse(m, z, group, cp)

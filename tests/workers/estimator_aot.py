@@ -1,4 +1,4 @@
-"""Compile the fused estimator kernels (ops/triton/estimator.py) ahead of time for sm_90, no GPU needed.
+"""Compile the fused estimator kernels (patterns/triton/estimator.py) ahead of time for sm_90, no GPU needed.
 
     python3 tests/workers/estimator_aot.py        # one line per (dtype, head_dim, BLOCK_M), then RESULT
 
@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from megatron_mtraining.ops.triton import estimator as E  # noqa: E402
+from megatron_mtraining.patterns.triton import estimator as E  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTRS = {E._probe_stats_kernel: ("Q", "K", "KPos", "MPart", "ZPart"),

@@ -12,13 +12,12 @@ same out/dQ/dK/dV as plans built inside the backward (``prebuild=False``).
 import json
 import os
 import sys
-from functools import partial
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from megatron_mtraining.layout import Layout  # noqa: E402
-from megatron_mtraining.ops.triton import make_sparse_step_kernel  # noqa: E402
+from megatron_mtraining.ops.backends import select_backend  # noqa: E402
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig  # noqa: E402
 from megatron_mtraining.ring.sparse import sparse_ring_attention  # noqa: E402
 from tests.workers.vs_data import make_qkv, naive_masked_attention  # noqa: E402
@@ -40,13 +39,16 @@ def column_phase_check(device="cuda", s=4096, hq=4, hkv=2, d=128, dtype=torch.bf
     scale = d ** -0.5
     res = {}
     pat = None
-    for run, columns, factory in (("in_ring", "in_ring", make_sparse_step_kernel),
-                                  ("out_of_ring", "out_of_ring", make_sparse_step_kernel),
-                                  ("in_ring_plans_in_bwd", "in_ring", partial(make_sparse_step_kernel, prebuild=False))):
+    triton = select_backend("triton", device=device, dtype=dtype, head_dim=d, seq_len_local=s, sparse=True)
+    late = select_backend("triton", device=device, dtype=dtype, head_dim=d, seq_len_local=s, sparse=True,
+                          prebuild_backward_plans=False)
+    for run, columns, backend in (("in_ring", "in_ring", triton),
+                                  ("out_of_ring", "out_of_ring", triton),
+                                  ("in_ring_plans_in_bwd", "in_ring", late)):
         qa, ka, va = (t.to(device, dtype, copy=True).requires_grad_(True) for t in (q, k, v))
         out, pat = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
                                          config=VerticalSlashConfig(recall=0.9), softmax_scale=scale,
-                                         return_pattern=True, kernel_factory=factory, columns=columns)
+                                         return_pattern=True, backend=backend, columns=columns)
         out.backward(dout.to(device, dtype))
         res[run] = [t.detach().double().cpu() for t in (out, qa.grad, ka.grad, va.grad)]
     mask = pat.dense_mask().cpu()

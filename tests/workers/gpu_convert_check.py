@@ -1,10 +1,10 @@
-"""GPU check of the Triton index conversion (ops/triton/convert.py): the check, its lengths, and a CLI.
+"""GPU check of the Triton index conversion (patterns/triton/convert.py): the check, its lengths, and a CLI.
 
     pytest -m gpu tests/kernels/test_gpu_convert.py                        # one test per length
     python3 tests/workers/gpu_convert_check.py [--seqs 8192,65536,131072] [--json OUT]   # + timings
 
 Per sequence length (q ``[1, S, 16, 128]``, k ``[1, S, 2, 128]``, bf16, structured inputs of
-``tools.bench_e2e.structured_qkv``, ``configs/e2e_sparse.yaml``, CP=1), on the estimated pattern:
+``megatron_mtraining.bench.structured_qkv``, ``configs/e2e_sparse.yaml``, CP=1), on the estimated pattern:
 ``convert_pattern(impl="triton")`` must return bitwise the tensors and maxima of ``impl="torch"``
 (:func:`convert_case`). The CLI also times both (CUDA events, median of 7 after 2 warm-ups) and
 prints one line per length and a final ``RESULT`` line.
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from megatron_mtraining.config import load_mtraining_config  # noqa: E402
 from megatron_mtraining.patterns.convert import convert_pattern  # noqa: E402
 from megatron_mtraining.patterns.estimator import estimate_vertical_slash  # noqa: E402
-from tools.bench_e2e import structured_qkv  # noqa: E402
+from megatron_mtraining.bench import structured_qkv  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "e2e_sparse.yaml")

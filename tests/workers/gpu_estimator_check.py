@@ -6,7 +6,7 @@
         --kv-heads 2 --head-dim 64                                      # CPU smoke test of this script
 
 Per sequence length, Qwen2.5-3B attention shape by default (q ``[1, S, 16, 128]``, k ``[1, S, 2,
-128]``, bf16, structured vertical-slash inputs of ``tools.bench_e2e.structured_qkv``), CP=1:
+128]``, bf16, structured vertical-slash inputs of ``megatron_mtraining.bench.structured_qkv``), CP=1:
 
 * scores: the Triton probe softmax / column sums / block-diagonal sums against the fp64 torch path
   on the same bf16 values (``estimator._torch_scores``): ``lse`` max abs error, ``col`` and
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.patterns import estimator as est  # noqa: E402
-from tools.bench_e2e import structured_qkv  # noqa: E402
+from megatron_mtraining.bench import structured_qkv  # noqa: E402
 
 TOL = 1e-5
 
@@ -45,7 +45,7 @@ def _err(a, b):
 
 def fused_scores(q, k, layout, L, bs, scale):
     """Triton (lse, col [global positions], slash) over ``layout``'s ranks, merged like the all-reduce."""
-    from megatron_mtraining.ops.triton.estimator import probe_block_range, probe_column_sums, probe_softmax_stats
+    from megatron_mtraining.patterns.triton.estimator import probe_block_range, probe_column_sums, probe_softmax_stats
 
     b, S, hq, _ = q.shape
     probe = q[:, S - L:]
@@ -112,7 +112,7 @@ def check_len(S, args, dev, timeit, layout) -> dict:
         row["vertical_lines_differing"] = int((pt.vertical_mask() != pr.vertical_mask()).sum())
         if timeit is None:
             return row
-        from megatron_mtraining.ops.triton.estimator import probe_column_sums, probe_softmax_stats
+        from megatron_mtraining.patterns.triton.estimator import probe_column_sums, probe_softmax_stats
 
         probe = q[:, S - L:]
         k_pos = torch.arange(S, device=dev)

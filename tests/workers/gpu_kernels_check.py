@@ -16,6 +16,7 @@ that run on the CPU under ``TRITON_INTERPRET=1`` (``--cpu-smoke``).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,10 +31,13 @@ import torch  # noqa: E402
 from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.ops.dense_gpu import DenseGpuStepKernel  # noqa: E402
 from megatron_mtraining.ops.triton import launch, plan_for  # noqa: E402
-from megatron_mtraining.ops.triton.synthetic import vertical_slash_indices  # noqa: E402
+from megatron_mtraining.patterns.synthetic import vertical_slash_indices  # noqa: E402
 from tests.workers.gpu_common import bf16_reference, dense_mask_rows, oracle, random_step_indices, rel_err  # noqa: E402
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+CFG = launch.DEFAULT_CONFIG          # launch parameters (--config overrides them)
 
 
 @dataclass(frozen=True)
@@ -154,9 +158,9 @@ def sparse_case(name, s, hq, hkv, d, dtype, sparsity, seed=0, rand=False, device
     scale = d ** -0.5
     plan = plan_for(idx)
     mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s, device=device)  # noqa: E731
-    fwd = lambda q, k, v: launch.sparse_forward(q, k, v, plan, scale)  # noqa: E731
+    fwd = lambda q, k, v: launch.sparse_forward(q, k, v, plan, scale, config=CFG)  # noqa: E731
     bwd = lambda do, q, k, v, lse, delta, det: launch.sparse_backward(  # noqa: E731
-        do, q, k, v, lse, delta, plan, scale, det)
+        do, q, k, v, lse, delta, plan, scale, det, config=CFG)
     return check_case(name, q, k, v, dout, mask_fn, fwd, bwd, scale)
 
 
@@ -165,7 +169,7 @@ def dense_case(name, layout, rank, owner, seq, hq, hkv, d, dtype, seed=0, device
     ``layout``: ``(kind, cp_size, granularity)``."""
     layout = Layout(*layout)
     s = seq // layout.cp_size
-    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5, device=device)
+    kern = DenseGpuStepKernel(layout, rank, seq, d ** -0.5, device=device, config=CFG)
     qp, kp = kern.q_pos, kern.k_pos(owner)
     q, k, v, dout = _inputs(1, s, hq, hkv, d, dtype, seed, device)
     mask_fn = lambda r0, r1: (kp[None, :] <= qp[r0:r1, None])[None, None].expand(1, hq, r1 - r0, s)  # noqa: E731
@@ -198,12 +202,13 @@ def main():
     ap.add_argument("--config", default="",
                     help="launch.KernelConfig overrides, e.g. column_split=0,col_warps=4")
     args = ap.parse_args()
+    global CFG
     for kv in filter(None, args.config.split(",")):
         key, val = kv.split("=")
-        cur = getattr(launch.CONFIG, key)          # AttributeError names an unknown field
-        setattr(launch.CONFIG, key, type(cur)(int(val)) if isinstance(cur, (bool, int)) else type(cur)(val))
+        cur = getattr(CFG, key)          # AttributeError names an unknown field
+        CFG = dataclasses.replace(CFG, **{key: type(cur)(int(val)) if isinstance(cur, (bool, int)) else type(cur)(val)})
     if args.config:
-        print("KernelConfig", launch.CONFIG, flush=True)
+        print("KernelConfig", CFG, flush=True)
     if args.cpu_smoke:
         device, cases = "cpu", SMOKE_CASES
     else:

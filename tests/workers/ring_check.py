@@ -68,6 +68,8 @@ def main():
                     help="with --sparse: where the vertical columns are computed (both runs use it)")
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole test matrix (layouts x GQA x batch x head_dim x dtype) in this launch")
+    ap.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
+                    help="with --hier (dense): the kernels of the flat and the hierarchical ring (select_backend)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                     help="nccl: the ring runs on cuda:LOCAL_RANK (the reference stays on the CPU)")
     args = ap.parse_args()
@@ -167,12 +169,17 @@ def check(args, group):
             ref.backward(dout)
             args.density = (mask.sum() / (mask.shape[0] * mask.shape[1] * s * (s + 1) / 2)).item()
         elif args.hier_groups:
+            from megatron_mtraining.ops.backends import select_backend
             from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 
-            flat = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
+            kb = select_backend(args.kernel_backend, device=ql.device, dtype=ql.dtype, head_dim=ql.shape[-1],
+                                seq_len_local=ql.shape[1], cp_size=world)
+            args.step_kernel = type(kb.dense_step(ring_layout, rank, ql.shape[1] * world, scale, True,
+                                                  device=ql.device)).__name__
+            flat = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale, backend=kb)
             flat_grads = torch.autograd.grad(flat, (ql, kl, vl), dl.detach())
             out = hierarchical_ring_attention(ql, kl, vl, layout=ring_layout, inner_group=args.hier_groups[0],
-                                              outer_group=args.hier_groups[1], softmax_scale=scale)
+                                              outer_group=args.hier_groups[1], softmax_scale=scale, backend=kb)
         else:
             out = ring_attention(ql, kl, vl, layout=ring_layout, group=group, softmax_scale=scale)
     except ValueError as e:
@@ -199,6 +206,7 @@ def check(args, group):
         worst = {key: max(r[key] for r in allres) for key in ("out", "dq", "dk", "dv")}
         worst["finite"] = all(r["finite"] for r in allres)
         worst["density"] = getattr(args, "density", 1.0)
+        worst["step_kernel"] = getattr(args, "step_kernel", None)
         if allres[0]["vs_flat"] is not None:
             worst["vs_flat"] = max(r["vs_flat"] for r in allres)
         worst["config"] = {k: getattr(args, k) for k in ("layout", "granularity", "seq", "batch", "heads",

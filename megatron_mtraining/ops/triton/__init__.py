@@ -6,7 +6,7 @@ Public API (ring step protocol: ``q [b,s,hq,d]``, ``k/v [b,s,hkv,d]``, fp32 ``ou
     dq, dk, dv = sparse_attention_backward(dout, q, k, v, lse, delta, step_indices, softmax_scale,
                                            deterministic=True)
     out = sparse_attention(q, k, v, step_indices, softmax_scale)      # autograd, out in q.dtype
-    kernel = make_sparse_step_kernel(steps, softmax_scale)            # a ring.sparse.SparseStepKernel
+    kernel = make_sparse_step_kernel(steps, softmax_scale)            # a ring step kernel (ops.base.StepKernel)
 
 The work is the one of :class:`~megatron_mtraining.patterns.indices.StepIndices`: per 64-row query
 tile its active 64-wide key blocks plus its gathered vertical key columns; with
@@ -17,7 +17,9 @@ through the ``torch.library`` custom ops ``torch.ops.mtraining.sparse_attn_fwd``
 Dispatch: CUDA tensors (bf16/fp16/fp32) run the Triton kernels; CPU tensors run the torch sparse
 reference (:mod:`megatron_mtraining.ops.sparse_reference`) unless the Triton CPU interpreter is on
 (``TRITON_INTERPRET=1`` set before the first launch), which runs the same Triton kernels on the CPU
-(tests). fp64 always uses the torch reference.
+(tests). fp64 always uses the torch reference. The ring does not go through the custom ops: its step
+kernel (:func:`make_sparse_step_kernel`, chosen by :func:`~megatron_mtraining.ops.backends.select_backend`)
+launches the kernels directly and keeps each step's plan from the forward to the backward.
 
 Determinism: ``deterministic=True`` (default) uses no floating-point atomics anywhere: dQ is
 row-parallel, dK/dV of blocks column-parallel over an inverted block index (GQA heads summed in
@@ -27,70 +29,33 @@ bitwise repeatable. ``deterministic=False`` adds the columns' dK/dV with fp32 at
 
 from __future__ import annotations
 
-import os
-import weakref
 from typing import Optional, Sequence
 
 import torch
 
+from ...common import acc_dtype, triton_runs_on
 from ...patterns.indices import StepIndices
-from ..reference import acc_dtype
-from .launch import (CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, delta_unsupported,
+from ..sparse_reference import SparseStepKernel
+from .launch import (DEFAULT_CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, delta_unsupported,
                      dense_plan, plan_from_indices, prebuild_backward_plans, sparse_backward, sparse_forward)
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
-    "triton_usable", "triton_runs_on", "plan_for", "SparsePlan", "KernelConfig", "CONFIG", "dense_plan",
-    "sparse_forward", "sparse_backward", "prebuild_backward_plans", "PREBUILD_BACKWARD_PLANS", "attention_delta",
+    "TritonSparseStepKernel", "triton_usable", "triton_runs_on", "plan_for", "SparsePlan", "KernelConfig",
+    "DEFAULT_CONFIG", "dense_plan", "sparse_forward", "sparse_backward", "prebuild_backward_plans", "attention_delta",
 ]
 
 
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-_HAS_TRITON = _triton_importable()
-
-
-def triton_runs_on(device: torch.device) -> bool:
-    """True when Triton kernels can run on ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
-    if not _HAS_TRITON:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def triton_usable(t: torch.Tensor) -> bool:
-    """True when the attention kernels can run on ``t``'s device and dtype."""
+    """True when the attention kernels can run on ``t``'s device and dtype (the custom ops' dispatch)."""
     return t.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_runs_on(t.device)
 
 
-_PLAN_CACHE: "dict[int, tuple]" = {}
-_PLAN_CACHE_SIZE = 256
-
-
 def plan_for(indices: StepIndices) -> SparsePlan:
-    """The kernel plan of ``indices``, cached while its index tensors are alive and unmodified
-    (built once per ring step and reused by the backward, also through the custom ops)."""
-    ts = (indices.block_count, indices.block_index, indices.column_count, indices.column_index)
-    key = id(indices.block_index)
-    hit = _PLAN_CACHE.get(key)
-    if hit is not None:
-        refs, versions, causal, plan = hit
-        if (causal == bool(indices.causal) and all(r() is t for r, t in zip(refs, ts))
-                and versions == tuple(t._version for t in ts)):
-            return plan
-    plan = plan_from_indices(*ts, bool(indices.causal))
-    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-        for dead in [k for k, v in _PLAN_CACHE.items() if v[0][1]() is None] or list(_PLAN_CACHE)[:1]:
-            _PLAN_CACHE.pop(dead, None)
-    _PLAN_CACHE[key] = (tuple(weakref.ref(t) for t in ts), tuple(t._version for t in ts), bool(indices.causal), plan)
-    return plan
+    """The kernel plan of ``indices`` (built anew; :class:`TritonSparseStepKernel` keeps its steps' plans
+    from the forward to the backward)."""
+    return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
+                             bool(indices.causal))
 
 
 def _scale(q, softmax_scale):
@@ -230,40 +195,61 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     return out.to(q.dtype)
 
 
-PREBUILD_BACKWARD_PLANS = True   # default of make_sparse_step_kernel(prebuild=None)
+class TritonSparseStepKernel(SparseStepKernel):
+    """Sparse ring step kernel (:class:`~megatron_mtraining.ops.base.StepKernel`) on the Triton kernels.
+
+    Launches :func:`~.launch.sparse_forward` / :func:`~.launch.sparse_backward` directly; the plan of
+    each :class:`StepIndices` it runs (ring steps and out-of-ring column work alike) is built once and
+    kept on the kernel, which lives from the forward to the backward.
+
+    Args:
+        steps, softmax_scale: as for :class:`~megatron_mtraining.ops.sparse_reference.SparseStepKernel`.
+        deterministic: backward without floating-point atomics (bitwise repeatable).
+        prebuild: after each step's forward kernel is launched, build that step's backward index plans
+            (:func:`~.launch.prebuild_backward_plans`, on a CUDA side stream overlapping the kernel)
+            when ``expect_backward`` is true. The results are bitwise the same either way.
+        config: launch parameters (default :class:`KernelConfig`).
+        stats: a dict receiving the registers / spills of each launched kernel, or ``None``.
+
+    Inputs must be bf16/fp16/fp32 on a device where Triton runs, with ``d`` in 16/32/64/128/256 and
+    lengths that are multiples of 64 (:func:`~megatron_mtraining.ops.backends.select_backend` checks
+    this before choosing the kernel); the launchers raise ``ValueError`` otherwise.
+    """
+
+    def __init__(self, steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
+                 prebuild: bool = True, config: Optional[KernelConfig] = None, stats: Optional[dict] = None):
+        super().__init__(steps, softmax_scale, forward_fn=self._forward_step, backward_fn=self._backward_step)
+        self.deterministic, self.prebuild = bool(deterministic), bool(prebuild)
+        self.config = config or DEFAULT_CONFIG
+        self.stats = stats
+        self._plans: dict = {}       # id(indices) -> (indices, plan); the indices are held, so ids stay unique
+
+    def plan(self, indices: StepIndices) -> SparsePlan:
+        """The plan of ``indices`` (built on first use, then reused)."""
+        hit = self._plans.get(id(indices))
+        if hit is None or hit[0] is not indices:
+            hit = self._plans[id(indices)] = (indices, plan_for(indices))
+        return hit[1]
+
+    def _forward_step(self, q, k, v, idx: StepIndices, scale: float):
+        early = self.prebuild and self.expect_backward
+        plan = self.plan(idx)       # its int32 copies of the indices are written before `ready`
+        ready = None
+        if early and q.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(q.device))   # the forward kernel comes next
+        out = sparse_forward(q, k, v, plan, scale, config=self.config, stats=self.stats)
+        if early:
+            prebuild_backward_plans(plan, q.shape, k.shape, self.deterministic, config=self.config, after=ready)
+        return out
+
+    def _backward_step(self, dout, q, k, v, lse, delta, idx: StepIndices, scale: float):
+        return sparse_backward(dout, q, k, v, lse, delta, self.plan(idx), scale, self.deterministic,
+                               config=self.config, stats=self.stats)
 
 
 def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
-                            prebuild: Optional[bool] = None):
-    """A :class:`~megatron_mtraining.ring.sparse.SparseStepKernel` running these kernels.
-
-    ``prebuild`` (default :data:`PREBUILD_BACKWARD_PLANS`): after each step's forward kernel is
-    launched, build that step's backward index plans (:func:`~.launch.prebuild_backward_plans`, on
-    a CUDA side stream overlapping the kernel) when the kernel's ``expect_backward`` is true (set by
-    :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` from the grad mode). The results
-    are bitwise the same either way; the plans live from the forward to the backward.
-    """
-    from ...ring.sparse import SparseStepKernel
-
-    prebuild = PREBUILD_BACKWARD_PLANS if prebuild is None else bool(prebuild)
-
-    def bwd(dout, q, k, v, lse, delta, idx, scale):
-        return sparse_attention_backward(dout, q, k, v, lse, delta, idx, scale, deterministic)
-
-    kernel = SparseStepKernel(steps, softmax_scale, forward_fn=None, backward_fn=bwd)
-
-    def fwd(q, k, v, idx, scale):
-        early = prebuild and kernel.expect_backward and triton_usable(q)
-        plan = ready = None
-        if early:
-            plan = plan_for(idx)      # its int32 copies of the indices are written before `ready`
-            if q.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(q.device))   # the forward kernel comes next
-        out = sparse_attention_forward(q, k, v, idx, scale)      # reuses the cached plan
-        if early:
-            prebuild_backward_plans(plan, q.shape, k.shape, deterministic, after=ready)
-        return out
-
-    kernel.forward_fn = fwd
-    return kernel
+                            prebuild: bool = True, config: Optional[KernelConfig] = None,
+                            stats: Optional[dict] = None) -> TritonSparseStepKernel:
+    """A :class:`TritonSparseStepKernel` (arguments as there)."""
+    return TritonSparseStepKernel(steps, softmax_scale, deterministic, prebuild, config, stats)

@@ -288,7 +288,7 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
         q_shape, k_shape: ``(b, sq, hq, d)`` and ``(b, sk, hkv, d)`` of the step's q and k/v.
         deterministic, config: as for :func:`sparse_backward` (which plans it will read).
     """
-    cfg = config or CONFIG
+    cfg = config or DEFAULT_CONFIG
     b, _, hq, _ = q_shape
     sk, hkv = k_shape[1], k_shape[2]
     kv_src = plan.kv_source
@@ -332,14 +332,11 @@ def _await_prebuilt(plan: SparsePlan) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-KERNEL_STATS: Optional[dict] = None   # set to {} to record registers / spills of each launched kernel
-
-
-def _record(name: str, compiled):
-    """Record the compiled kernel's registers per thread and spilled bytes in :data:`KERNEL_STATS`
-    (when it is a dict: tools/bench_attention.py --profile). Returns ``compiled``."""
-    if KERNEL_STATS is not None and compiled is not None:
-        KERNEL_STATS[name] = dict(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
+def _record(stats: Optional[dict], name: str, compiled):
+    """Record the compiled kernel's registers per thread and spilled bytes in ``stats[name]`` (when
+    ``stats`` is a dict, e.g. a benchmark's collector). Returns ``compiled``."""
+    if stats is not None and compiled is not None:
+        stats[name] = dict(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     return compiled
 
 
@@ -378,9 +375,11 @@ def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int, col_split: bool = Tru
     return tensors, strides, csp is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters (chosen by measurement on an H200; see docs/benchmarks.md)."""
+    """Launch parameters (chosen by measurement on an H200; see docs/benchmarks.md). Immutable: pass
+    a modified copy (``dataclasses.replace``) to the launchers or to
+    :func:`~megatron_mtraining.ops.backends.select_backend`."""
     fwd_warps: int = 4
     fwd_stages: int = 3
     dq_warps: int = 4
@@ -399,15 +398,18 @@ class KernelConfig:
     dq128_stages: int = 2
 
 
-CONFIG = KernelConfig()
+DEFAULT_CONFIG = KernelConfig()   # immutable defaults
 
 
 # ----------------------------------------------------------------------------- forward
 def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=torch.float32,
-                   config: Optional[KernelConfig] = None):
-    """Sparse attention forward: ``(out [b,sq,hq,d] out_dtype, lse [b,hq,sq] fp32, natural log)``."""
+                   config: Optional[KernelConfig] = None, stats: Optional[dict] = None):
+    """Sparse attention forward: ``(out [b,sq,hq,d] out_dtype, lse [b,hq,sq] fp32, natural log)``.
+
+    ``config``: launch parameters (default :class:`KernelConfig`); ``stats``: a dict that receives the
+    registers and spills of each launched kernel (``None``: not recorded)."""
     _check(q, k, v)
-    cfg = config or CONFIG
+    cfg = config or DEFAULT_CONFIG
     K = _kernels()
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
@@ -419,7 +421,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     tensors, istr, col_split = _idx_args(plan, b, hq, nqb, cfg.column_split)
     grid = (nqb * hq, b)
-    _record("_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
+    _record(stats, "_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
         q, k, v, out, lse, *tensors,
         softmax_scale * K.LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -439,15 +441,17 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
 
 # ----------------------------------------------------------------------------- backward
 def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: float,
-                    deterministic: bool = True, config: Optional[KernelConfig] = None):
+                    deterministic: bool = True, config: Optional[KernelConfig] = None,
+                    stats: Optional[dict] = None):
     """Gradients through one sparse step given the *final* ``lse`` and ``delta = rowsum(dout*out)``.
 
     Returns fp32 ``(dq [b,sq,hq,d], dk [b,sk,hkv,d], dv [b,sk,hkv,d])``. ``deterministic=True``
     uses no floating-point atomics (bitwise repeatable); ``False`` adds the vertical columns'
-    dK/dV (and, if ``config.dq_atomic_fast``, the blocks' dQ) with fp32 atomics.
+    dK/dV (and, if ``config.dq_atomic_fast``, the blocks' dQ) with fp32 atomics. ``config`` and
+    ``stats``: as for :func:`sparse_forward`.
     """
     _check(q, k, v)
-    cfg = config or CONFIG
+    cfg = config or DEFAULT_CONFIG
     K = _kernels()
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -486,7 +490,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     offsets, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
     qp = plan.q_pos if plan.q_pos is not None else offsets
     kp = plan.k_pos if plan.k_pos is not None else offsets
-    _record("_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
+    _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
         q, k, v, dout, lse, delta, dq, dk, dv, offsets, entries, qp, kp,
         scale_log2, softmax_scale, *common,
         (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0,
@@ -502,7 +506,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     col_atomic = plan.columns_by_atomics(deterministic, cfg)
     tensors, istr, col_split = _idx_args(plan, b, hq, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
-        _record("_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hq, b)](
+        _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hq, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
             hq, nqt, rep,
@@ -522,7 +526,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         ucount_e = ucount.expand(b, hq)
         dkp = torch.empty((nsplit, b, hq, upad, d), dtype=torch.float32, device=dev)
         dvp = torch.empty_like(dkp)
-        _record("_sparse_bwd_col_kernel", K._sparse_bwd_col_kernel[(nchunks * nsplit * hq, b)](
+        _record(stats, "_sparse_bwd_col_kernel", K._sparse_bwd_col_kernel[(nchunks * nsplit * hq, b)](
             q, k, v, dout, lse, delta, dkp, dvp, col_u_e, ucount_e, offsets_c, mid_c, ent_qb, ent_bits,
             scale_log2, softmax_scale,
             q.stride(0), q.stride(1), q.stride(2),

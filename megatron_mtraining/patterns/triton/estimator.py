@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _dot  # tl.dot in the input dtype; fp32 inputs without TF32
 
 __all__ = ["BLOCK_N", "MAX_BLOCK_M", "BLOCK_N_FP32", "MAX_BLOCK_M_FP32", "NUM_WARPS", "tile_sizes",
            "probe_softmax_stats", "probe_column_sums", "probe_block_range"]
@@ -45,6 +44,15 @@ NUM_WARPS = 4
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)     # read inside the kernels: must be a constexpr global
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    """``tl.dot`` in the input dtype; fp32 inputs in IEEE fp32 (no TF32)."""
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit

@@ -1,0 +1,188 @@
+"""The one place that chooses attention kernels: :func:`select_backend` -> :class:`KernelBackend`.
+
+Backends (``kernel_backend`` in the configuration):
+
+* ``"torch"``: the torch reference kernels (:mod:`~megatron_mtraining.ops.reference`,
+  :mod:`~megatron_mtraining.ops.sparse_reference`; the oracle and the CPU path). Any device, any
+  float dtype, any shape.
+* ``"triton"``: the Triton kernels of :mod:`~megatron_mtraining.ops.triton` for the ring steps
+  (dense steps with position masks, :mod:`~megatron_mtraining.ops.dense_gpu`; vertical-slash sparse
+  steps, MTraining §3.3), the fused estimator scores (§3.2) and, at CP=1, the fused index conversion.
+  Limits: bf16/fp16/fp32; ``head_dim`` in :data:`TRITON_HEAD_DIMS`; a local sequence length that is a
+  multiple of 64; CUDA, or the CPU under the Triton interpreter (``TRITON_INTERPRET=1``). Inputs with
+  a strided last dimension are accepted: the ring entry points make q/k/v contiguous first.
+* ``"sdpa"``: PyTorch SDPA (cuDNN / FlashAttention) for dense causal attention at CP=1; it has no
+  ring-step or sparse kernels, so it accepts ``cp_size == 1`` and dense attention only.
+* ``"auto"`` (default): the fastest supported choice for the device. CPU: ``"torch"``. CUDA: SDPA
+  for causal bf16/fp16 attention at CP=1, the Triton kernels elsewhere, each checked against every
+  limit above; where a limit fails (e.g. ``head_dim`` 80, fp64) the ring steps use the torch
+  reference while the Triton estimator and ``delta`` kernels still run where they can.
+
+An explicit ``"triton"`` or ``"sdpa"`` that cannot run the requested shape raises ``ValueError``
+naming the rule and the supported values; ``"auto"`` never raises for a supported float dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from ..common import TRITON_DTYPES, triton_runs_on
+from .base import DeltaFunction, DenseSingleFunction, StepKernel
+from .reference import DenseStepKernel, attention_delta_torch
+from .sparse_reference import SparseStepKernel
+
+__all__ = ["KERNEL_BACKENDS", "TRITON_HEAD_DIMS", "TRITON_BLOCK", "KernelBackend", "select_backend",
+           "triton_unsupported"]
+
+KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa")
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_BLOCK = 64        # query tile rows = key block width of the Triton kernels
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The kernels one attention call runs (built by :func:`select_backend`; immutable).
+
+    Attributes:
+        name: the ring step kernels: ``"torch"``, ``"triton"`` or ``"sdpa"`` (SDPA at CP=1, torch
+            reference steps for the non-causal case).
+        dense_step: ``(layout, rank, seq_len, softmax_scale, causal, device=...) ->`` a
+            :class:`~megatron_mtraining.ops.base.StepKernel` of the dense ring.
+        sparse_step: ``(steps, softmax_scale) ->`` a sparse ring step kernel
+            (:class:`~megatron_mtraining.ops.sparse_reference.SparseStepKernel` protocol, ``steps`` the
+            per-owner :class:`~megatron_mtraining.patterns.indices.StepIndices`), or ``None`` (no
+            sparse kernels: ``"sdpa"``).
+        delta: ``(dout, out) -> delta [b, hq, s]`` of the backward.
+        dense_cp1: causal attention at CP=1 without the ring, ``(q, k, v, softmax_scale) -> out``, or
+            ``None`` (the ring with one rank).
+        estimator_impl: ``impl`` of :func:`~megatron_mtraining.patterns.estimator.estimate_vertical_slash`
+            (``"torch"`` or ``"triton"``).
+        convert_impl: ``impl`` of :func:`~megatron_mtraining.patterns.convert.convert_pattern`.
+        deterministic: backward without floating-point atomics (bitwise repeatable).
+    """
+
+    name: str
+    dense_step: Callable[..., StepKernel]
+    sparse_step: Optional[Callable[..., StepKernel]]
+    delta: DeltaFunction
+    dense_cp1: Optional[DenseSingleFunction] = None
+    estimator_impl: str = "torch"
+    convert_impl: str = "torch"
+    deterministic: bool = True
+
+
+def triton_unsupported(*, device, dtype: torch.dtype, head_dim: int, seq_len_local: Optional[int] = None,
+                       triton_available: Optional[bool] = None) -> List[str]:
+    """Every limit of the Triton attention kernels these inputs break (empty: they can run).
+
+    Args:
+        device, dtype, head_dim, seq_len_local: as for :func:`select_backend`.
+        triton_available: whether Triton runs on ``device`` (``None``: check it,
+            :func:`~megatron_mtraining.common.triton_runs_on`).
+    """
+    device = torch.device(device)
+    runs = triton_runs_on(device) if triton_available is None else bool(triton_available)
+    why = []
+    if not runs:
+        why.append(f"Triton does not run on {device} (it needs Triton and CUDA, or the CPU with "
+                   "TRITON_INTERPRET=1 set before triton is imported)")
+    if dtype not in TRITON_DTYPES:
+        why.append(f"dtype {dtype} is not supported (supported: bfloat16, float16, float32)")
+    if head_dim not in TRITON_HEAD_DIMS:
+        why.append(f"head_dim {head_dim} is not supported (supported: {', '.join(map(str, TRITON_HEAD_DIMS))})")
+    if seq_len_local is not None and seq_len_local % TRITON_BLOCK:
+        why.append(f"local sequence length {seq_len_local} is not supported (supported: multiples of {TRITON_BLOCK})")
+    return why
+
+
+def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: int,
+                   seq_len_local: Optional[int] = None, cp_size: int = 1, sparse: bool = False,
+                   deterministic: bool = True, kernel_config=None, prebuild_backward_plans: bool = True,
+                   stats: Optional[dict] = None, triton_available: Optional[bool] = None) -> KernelBackend:
+    """Choose the attention kernels for one shape (see the module docstring for the rules).
+
+    Args:
+        name: one of :data:`KERNEL_BACKENDS` (the ``kernel_backend`` setting).
+        device: the device of q/k/v (``torch.device`` or string).
+        dtype: the dtype of q/k/v (a float dtype).
+        head_dim: ``d``, the last dimension of q/k/v.
+        seq_len_local: tokens per CP rank (``None``: not checked here; the kernels check it).
+        cp_size: size of the CP group (``"sdpa"`` needs 1; the Triton index conversion runs at 1 only).
+        sparse: the vertical-slash sparse ring will run (``"sdpa"`` has no sparse kernels).
+        deterministic: Triton backward without floating-point atomics (bitwise repeatable).
+        kernel_config: Triton launch parameters
+            (:class:`~megatron_mtraining.ops.triton.launch.KernelConfig`; ``None``: the defaults).
+        prebuild_backward_plans: the Triton sparse step builds each step's backward index plans during
+            the forward (overlapped with it on CUDA); results are bitwise the same either way.
+        stats: a dict receiving the registers / spills of each launched Triton kernel (benchmarks).
+        triton_available: whether Triton runs on ``device`` (``None``: checked,
+            :func:`~megatron_mtraining.common.triton_runs_on`); lets a caller decide for a device it
+            does not hold.
+
+    Returns:
+        a :class:`KernelBackend`.
+
+    Raises:
+        ValueError: an unknown ``name`` (naming :data:`KERNEL_BACKENDS`), a non-float ``dtype``, a
+            ``head_dim`` or ``cp_size`` below 1, ``"triton"`` where a limit fails (each failing limit
+            named with the supported values), or ``"sdpa"`` with ``cp_size > 1`` or ``sparse``.
+    """
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, got {name!r}")
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"attention inputs must be bfloat16, float16, float32 or float64, got dtype {dtype}")
+    if head_dim < 1 or cp_size < 1:
+        raise ValueError(f"head_dim and cp_size must be >= 1, got head_dim={head_dim}, cp_size={cp_size}")
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    why = triton_unsupported(device=device, dtype=dtype, head_dim=head_dim, seq_len_local=seq_len_local,
+                             triton_available=triton_available)
+    if name == "triton" and why:
+        raise ValueError("kernel_backend='triton' cannot run these inputs: " + "; ".join(why)
+                         + " (use kernel_backend='auto' or 'torch')")
+    if name == "sdpa" and (cp_size != 1 or sparse):
+        raise ValueError(f"kernel_backend='sdpa' runs dense attention at cp_size 1 only (SDPA has no ring-step or "
+                         f"sparse kernels), got cp_size={cp_size}, sparse={sparse} (use 'auto', 'triton' or 'torch')")
+    if name == "auto":
+        triton_runs = on_cuda and (triton_runs_on(device) if triton_available is None else bool(triton_available))
+        steps = "triton" if on_cuda and not why else "torch"
+        sdpa = on_cuda and dtype in (torch.bfloat16, torch.float16)
+        pattern_kernels = triton_runs and dtype in TRITON_DTYPES
+        fast_delta = triton_runs
+    else:
+        steps = "triton" if name == "triton" else "torch"
+        sdpa = name == "sdpa"
+        pattern_kernels = fast_delta = name == "triton"
+
+    dense_step: Callable[..., StepKernel] = DenseStepKernel
+    sparse_step: Optional[Callable[..., StepKernel]] = SparseStepKernel
+    delta: DeltaFunction = attention_delta_torch
+    if steps == "triton":
+        from .dense_gpu import DenseGpuStepKernel
+        from .triton import make_sparse_step_kernel
+
+        dense_step = functools.partial(DenseGpuStepKernel, deterministic=deterministic, config=kernel_config,
+                                       stats=stats)
+        sparse_step = functools.partial(make_sparse_step_kernel, deterministic=deterministic,
+                                        prebuild=prebuild_backward_plans, config=kernel_config, stats=stats)
+    if fast_delta:
+        from .triton import attention_delta   # Triton where its own limits allow, torch otherwise
+
+        delta = attention_delta
+    dense_cp1 = None
+    if sdpa:
+        from .sdpa import sdpa_causal
+
+        dense_cp1 = sdpa_causal
+    if name == "sdpa":
+        sparse_step = None
+    return KernelBackend(
+        name=steps if name != "sdpa" else "sdpa", dense_step=dense_step, sparse_step=sparse_step, delta=delta,
+        dense_cp1=dense_cp1, estimator_impl="triton" if pattern_kernels else "torch",
+        convert_impl="triton" if pattern_kernels and cp_size == 1 else "torch", deterministic=bool(deterministic))
