@@ -46,6 +46,7 @@ __all__ = [
     "fa4_backward",
     "fa4_attention",
     "FA4DenseStepKernel",
+    "fa4_self_check",
 ]
 
 #: Tile of FA4's block sparsity used here (its SM90 backward needs 128-wide KV blocks).
@@ -331,3 +332,69 @@ class FA4DenseStepKernel:
         dq, dk, dv = fa4_backward(dout, q, k, v, out, lse, softmax_scale=self.softmax_scale,
                                   causal=p.kind == "causal", sparsity=p.sparsity, deterministic=self.deterministic)
         return dq.float(), dk.float(), dv.float()
+
+
+# ---------------------------------------------------------------------------------------------- self-check
+
+#: Largest relative error (out, lse, dq, dk, dv against fp32 math on the same inputs) the self-check
+#: accepts. bf16 inputs give about 4e-3 (out) to 1e-2 (gradients) here; a wrong kernel gives O(1).
+SELF_CHECK_TOLERANCE = 5e-2
+
+
+@functools.lru_cache(maxsize=None)
+def _self_check_cached(device_index: int, dtype: torch.dtype, head_dim: int, hq: int, hkv: int) -> Optional[str]:
+    dev = torch.device("cuda", device_index)
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    s = 2 * FA4_BLOCK
+    mk = lambda h: torch.randn(2, s, h, head_dim, generator=g).to(dev, dtype)
+    q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    scale = head_dim ** -0.5
+    # a block-sparse step (block-causal, diagonal tiles visible) and a causal step
+    tile = torch.arange(FA4_BLOCK, device=dev)
+    stripes = lambda *starts: torch.cat([tile + x for x in starts])
+    steps = [(stripes(FA4_BLOCK, 3 * FA4_BLOCK), stripes(0, 2 * FA4_BLOCK)),   # block-causal, inclusive
+             (torch.arange(s, device=dev), torch.arange(s, device=dev))]         # causal
+    try:
+        qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+        rep = hq // hkv
+        kk, vv = kf.repeat_interleave(rep, 2), vf.repeat_interleave(rep, 2)
+        for q_pos, k_pos in steps:
+            plan = plan_step(q_pos, k_pos)
+            if plan.kind not in ("blocks", "causal"):
+                return f"FA4 self-check: unexpected step plan {plan.kind!r}"
+            qr = qf.clone().requires_grad_()
+            kr, vr = kk.clone().requires_grad_(), vv.clone().requires_grad_()
+            sc = torch.einsum("bqhd,bkhd->bhqk", qr, kr) * scale
+            sc = sc.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            lse_ref = torch.logsumexp(sc, -1)
+            out_ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(sc, -1), vr)
+            dq_ref, dk_ref, dv_ref = torch.autograd.grad(out_ref, (qr, kr, vr), dof)
+            dk_ref = dk_ref.view(2, s, hkv, rep, head_dim).sum(3)
+            dv_ref = dv_ref.view(2, s, hkv, rep, head_dim).sum(3)
+            out, lse = fa4_forward(q, k, v, softmax_scale=scale, causal=plan.kind == "causal", sparsity=plan.sparsity)
+            dq, dk, dv = fa4_backward(do, q, k, v, out, lse, softmax_scale=scale, causal=plan.kind == "causal",
+                                      sparsity=plan.sparsity)
+            for name, a, ref in (("out", out, out_ref), ("lse", lse, lse_ref), ("dq", dq, dq_ref),
+                                 ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+                err = float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                if not err <= SELF_CHECK_TOLERANCE:
+                    return (f"FA4 self-check failed for head_dim {head_dim}, {hq}/{hkv} heads, {dtype}: {name} "
+                            f"relative error {err:.2e} > {SELF_CHECK_TOLERANCE:.0e}")
+    except Exception as exc:  # a compile or launch error of the DSL kernels
+        return f"FA4 self-check raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def fa4_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int) -> Optional[str]:
+    """``None`` when FA4 computes a block-sparse and a causal step correctly for this shape.
+
+    Runs once per (device, dtype, head_dim, hq, hkv) and is cached: a block-causal step and a causal
+    step at 256 tokens, batch 2, forward and backward, against fp32 torch math on the same inputs. Returns
+    the reason otherwise (also when :func:`fa4_unavailable_reason` has one).
+    """
+    why = fa4_unavailable_reason(device, dtype, head_dim)
+    if why is not None:
+        return why
+    dev = torch.device(device)
+    return _self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
+                              int(head_dim), int(hq), int(hkv))
