@@ -1,0 +1,400 @@
+"""FlashAttention-4 (``flash-attn-4``, CuTe DSL) kernels for dense attention and dense ring steps.
+
+FlashAttention-4 runs on Hopper (SM90) and Blackwell (SM100) GPUs. It is an optional dependency
+(``pip install megatron_mtraining[fa4]``); nothing here imports it until a kernel runs, so the
+package imports and runs without it (CPU, CI, other GPUs).
+
+Two uses:
+
+* **CP=1 dense attention**: :func:`fa4_attention`, causal softmax attention with autograd.
+* **Dense ring steps** (MTraining §3.3, the striped ring's per-step work): every step of the dense
+  ring is attention of the local queries over one owner's keys, masked by *global* positions (a
+  key is visible iff ``k_pos <= q_pos``). :func:`plan_step` classifies each 128×128 tile of a step
+  from the positions alone: a tile is *full* (every key visible to every query), *empty*, or
+  *partial*. A step whose tiles are all full or empty maps exactly onto FA4's block sparsity with
+  full blocks only; a step whose query and key positions are the same runs FA4's own causal mask.
+  That covers the striped layout at granularity 128 (steps with ``owner < rank`` are block-causal
+  inclusive, ``owner > rank`` strict, ``owner == rank`` causal) and the zigzag layout with chunks
+  that are multiples of 128. Any other step (e.g. striped granularity 64, whose 128-tiles mix two
+  stripes) is reported as unsupported and the caller keeps another kernel.
+
+Shapes follow flash-attn's bshd convention: q ``[b, sq, hq, d]``, k/v ``[b, sk, hkv, d]``
+(GQA: ``hq % hkv == 0``), out ``[b, sq, hq, d]``, lse ``[b, hq, sq]`` fp32, natural log. Inputs
+are bf16 or fp16, contiguous in the last dimension, on one CUDA device.
+
+The backward takes the *final* ``out`` and ``lse`` of the whole ring (FA4 derives
+``delta = rowsum(dout * out)`` from them), the way ring libraries call FlashAttention.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "FA4_BLOCK",
+    "BlockSparsity",
+    "StepPlan",
+    "classify_tiles",
+    "block_sparsity_from_tiles",
+    "plan_step",
+    "fa4_unavailable_reason",
+    "fa4_forward",
+    "fa4_backward",
+    "fa4_attention",
+    "FA4DenseStepKernel",
+    "fa4_self_check",
+]
+
+#: Tile of FA4's block sparsity used here (its SM90 backward needs 128-wide KV blocks).
+FA4_BLOCK = 128
+
+#: Tile classes returned by :func:`classify_tiles`.
+EMPTY, FULL, PARTIAL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockSparsity:
+    """FA4 block-sparse metadata of one step, full blocks only, broadcast over batch and heads.
+
+    Attributes:
+        fwd_cnt: ``[1, 1, M]`` int32, visible key blocks per query block.
+        fwd_idx: ``[1, 1, M, max(1, max fwd_cnt)]`` int32, their indices, ascending, packed left.
+        bwd_cnt: ``[1, 1, N]`` int32, query blocks that see each key block.
+        bwd_idx: ``[1, 1, N, max(1, max bwd_cnt)]`` int32, their indices, ascending, packed left.
+        empty_rows: ``[M]`` bool, query blocks that see no key (their out is 0, lse ``-inf``).
+        tiles: number of computed 128×128 tiles.
+    """
+
+    fwd_cnt: torch.Tensor
+    fwd_idx: torch.Tensor
+    bwd_cnt: torch.Tensor
+    bwd_idx: torch.Tensor
+    empty_rows: torch.Tensor
+    tiles: int
+
+    def to(self, device) -> "BlockSparsity":
+        return BlockSparsity(self.fwd_cnt.to(device), self.fwd_idx.to(device), self.bwd_cnt.to(device),
+                             self.bwd_idx.to(device), self.empty_rows.to(device), self.tiles)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How FA4 runs one ring step.
+
+    ``kind`` is ``"none"`` (no visible key: the step is skipped), ``"causal"`` (FA4's causal mask on
+    local indices), ``"full"`` (no mask), ``"blocks"`` (block sparsity, ``sparsity`` set) or
+    ``"unsupported"`` (a tile is partially visible; ``reason`` says which).
+    """
+
+    kind: str
+    sparsity: Optional[BlockSparsity] = None
+    reason: str = ""
+
+
+def _block_ranges(pos: torch.Tensor, block: int):
+    p = pos.view(-1, block)
+    return p.min(dim=1).values, p.max(dim=1).values
+
+
+def classify_tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True,
+                   block: int = FA4_BLOCK) -> torch.Tensor:
+    """Class of every ``block × block`` tile of a step under the positional causal mask.
+
+    Args:
+        q_pos: ``[sq]`` int64 global positions of the queries (``sq % block == 0``).
+        k_pos: ``[sk]`` int64 global positions of the keys (``sk % block == 0``).
+        causal: key visible iff ``k_pos <= q_pos``; ``False``: every key visible.
+
+    Returns:
+        ``[sq // block, sk // block]`` int8: ``EMPTY`` (0), ``FULL`` (1) or ``PARTIAL`` (2).
+
+    Raises:
+        ValueError: a length that is not a multiple of ``block``.
+    """
+    if q_pos.numel() % block or k_pos.numel() % block:
+        raise ValueError(f"FA4 tiles need lengths that are multiples of {block}: got sq={q_pos.numel()}, "
+                         f"sk={k_pos.numel()}")
+    m, n = q_pos.numel() // block, k_pos.numel() // block
+    if not causal:
+        return torch.full((m, n), FULL, dtype=torch.int8, device=q_pos.device)
+    q_min, q_max = _block_ranges(q_pos, block)
+    k_min, k_max = _block_ranges(k_pos, block)
+    full = k_max[None, :] <= q_min[:, None]
+    empty = k_min[None, :] > q_max[:, None]
+    out = torch.full((m, n), PARTIAL, dtype=torch.int8, device=q_pos.device)
+    out[full] = FULL
+    out[empty] = EMPTY
+    return out
+
+
+def _packed_lists(mask: torch.Tensor):
+    """Row-wise ascending column indices of ``mask`` (``[R, C]`` bool), packed left, int32."""
+    cnt = mask.sum(dim=1).to(torch.int32)
+    width = max(1, int(cnt.max()) if cnt.numel() else 1)
+    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    # visible columns first (ascending), then the rest: a stable sort on "not visible"
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    idx = torch.gather(cols, 1, order)[:, :width].to(torch.int32)
+    idx = torch.where(torch.arange(width, device=mask.device)[None, :] < cnt[:, None], idx,
+                      torch.zeros_like(idx))
+    return cnt, idx
+
+
+def block_sparsity_from_tiles(full: torch.Tensor) -> BlockSparsity:
+    """FA4 forward and backward block lists of a ``[M, N]`` bool map of full tiles.
+
+    The forward lists, per query block, the key blocks to compute; the backward lists, per key
+    block, the query blocks (FA4's transposed layout). Both are ascending and packed left; unused
+    entries are 0 and never read (FA4 reads ``cnt`` entries per row).
+    """
+    full = full.bool()
+    fwd_cnt, fwd_idx = _packed_lists(full)
+    bwd_cnt, bwd_idx = _packed_lists(full.t())
+    return BlockSparsity(fwd_cnt[None, None], fwd_idx[None, None], bwd_cnt[None, None], bwd_idx[None, None],
+                         fwd_cnt == 0, int(full.sum()))
+
+
+def plan_step(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True,
+              block: int = FA4_BLOCK) -> StepPlan:
+    """Choose how FA4 computes one ring step (module docstring).
+
+    Pure: decided from the positions alone, on their device, with one host read of the tile map.
+    """
+    if q_pos.numel() % block or k_pos.numel() % block:
+        return StepPlan("unsupported", reason=f"local lengths {q_pos.numel()}/{k_pos.numel()} are not multiples "
+                                              f"of FA4's {block}-token tile")
+    if not causal:
+        return StepPlan("full")
+    if q_pos.shape == k_pos.shape and bool(torch.equal(q_pos, k_pos)):
+        return StepPlan("causal")
+    tiles = classify_tiles(q_pos, k_pos, causal, block)
+    if bool((tiles == PARTIAL).any()):
+        return StepPlan("unsupported", reason=f"a {block}x{block} tile is partially visible (token-level mask; "
+                                              f"striped layouts need granularity a multiple of {block})")
+    full = tiles == FULL
+    if not bool(full.any()):
+        return StepPlan("none")
+    if bool(full.all()):
+        return StepPlan("full")
+    return StepPlan("blocks", block_sparsity_from_tiles(full))
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> Optional[str]:
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA/DSL error raised at import
+        return f"flash-attn-4 does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+def fa4_unavailable_reason(device=None, dtype: Optional[torch.dtype] = None,
+                           head_dim: Optional[int] = None) -> Optional[str]:
+    """``None`` when FA4 can run here, else the reason (a sentence naming the rule).
+
+    Rules: a CUDA device of compute capability 9.x or 10.x; dtype bf16 or fp16; head_dim 64, 96
+    or 128 (the SM90 backward's tiles); ``flash_attn.cute`` imports.
+    """
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        return f"FA4 needs a CUDA device, got {dev}"
+    major = torch.cuda.get_device_capability(dev)[0]
+    if major not in (9, 10):
+        return f"FA4 needs compute capability 9.x (Hopper) or 10.x (Blackwell), got {major}.x"
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"FA4 needs bf16 or fp16 inputs, got {dtype}"
+    if head_dim is not None and head_dim not in (64, 96, 128):
+        return f"FA4 is used for head_dim 64, 96 or 128, got {head_dim}"
+    return _import_error()
+
+
+def _bsparse(cnt: torch.Tensor, idx: torch.Tensor):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    zeros_cnt = torch.zeros_like(cnt)
+    zeros_idx = torch.zeros(cnt.shape + (1,), dtype=torch.int32, device=cnt.device)
+    return BlockSparseTensorsTorch(mask_block_cnt=zeros_cnt, mask_block_idx=zeros_idx, full_block_cnt=cnt,
+                                   full_block_idx=idx, block_size=(FA4_BLOCK, FA4_BLOCK))
+
+
+def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool = False,
+                sparsity: Optional[BlockSparsity] = None):
+    """FA4 forward with its LSE.
+
+    Args:
+        q, k, v: bshd bf16/fp16 CUDA tensors (module docstring).
+        softmax_scale: scale of ``q k^T``.
+        causal: FA4's causal mask on local indices (query ``i`` sees keys ``<= i``).
+        sparsity: full-block lists (:class:`BlockSparsity`) or ``None`` (dense).
+
+    Returns:
+        ``(out, lse)``: out ``[b, sq, hq, d]`` in q's dtype, lse ``[b, hq, sq]`` fp32. Query blocks
+        with no visible key give out 0 and lse ``-inf``.
+    """
+    from flash_attn.cute.interface import _flash_attn_fwd
+    bst = None if sparsity is None else _bsparse(sparsity.fwd_cnt, sparsity.fwd_idx)
+    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                   block_sparse_tensors=bst, return_lse=True)
+    if sparsity is not None and bool(sparsity.empty_rows.any()):
+        rows = sparsity.empty_rows.repeat_interleave(FA4_BLOCK)
+        out[:, rows] = 0
+        lse[:, :, rows] = float("-inf")
+    return out, lse
+
+
+def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, *, softmax_scale: float, causal: bool = False,
+                 sparsity: Optional[BlockSparsity] = None, deterministic: bool = False):
+    """FA4 backward of one step against the final ``out``/``lse`` (of the whole ring).
+
+    Returns:
+        ``(dq, dk, dv)`` in q's dtype, shapes of q, k, v.
+    """
+    from flash_attn.cute.interface import _flash_attn_bwd
+    bst = None
+    if sparsity is not None:
+        bst = _bsparse(sparsity.bwd_cnt, sparsity.bwd_idx)
+        if deterministic:
+            from flash_attn.cute.block_sparsity import compute_dq_write_order
+            zf = torch.zeros_like(sparsity.fwd_cnt)
+            zfi = torch.zeros(sparsity.fwd_cnt.shape + (1,), dtype=torch.int32, device=zf.device)
+            zb = torch.zeros_like(sparsity.bwd_cnt)
+            zbi = torch.zeros(sparsity.bwd_cnt.shape + (1,), dtype=torch.int32, device=zb.device)
+            order, order_full = compute_dq_write_order(zf, zfi, sparsity.fwd_cnt, sparsity.fwd_idx,
+                                                       zb, zbi, sparsity.bwd_cnt, sparsity.bwd_idx)
+            bst = bst._replace(dq_write_order=order, dq_write_order_full=order_full)
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal,
+                                 block_sparse_tensors=bst, deterministic=deterministic)
+    return dq, dk, dv
+
+
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                  causal: bool = True) -> torch.Tensor:
+    """Dense softmax attention through FA4 with autograd (CP=1). bshd in, ``[b, s, hq, d]`` out."""
+    from flash_attn.cute import flash_attn_func
+    out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class FA4DenseStepKernel:
+    """Dense ring step kernel on FA4 (the ring's step-kernel protocol).
+
+    ``forward(q, k, v, owner) -> (out fp32, lse fp32) | None`` and
+    ``backward(dout, q, k, v, lse, delta, owner, out=...) -> (dq, dk, dv) | None``. The backward
+    needs the ring's final ``out`` (``needs_out = True``). Steps that :func:`plan_step` cannot map
+    run ``fallback`` (another kernel of the same protocol); :attr:`fallback_steps` counts them.
+
+    Args:
+        q_pos: ``[s_local]`` global positions of this rank's queries.
+        k_pos_of: callable ``owner -> [s_local]`` global positions of that owner's keys.
+        softmax_scale, causal: as the ring's.
+        fallback: kernel used for steps FA4 cannot express exactly.
+        deterministic: deterministic dQ accumulation in the backward.
+    """
+
+    needs_out = True
+
+    def __init__(self, q_pos, k_pos_of, softmax_scale: float, causal: bool, fallback, deterministic: bool = False):
+        self.q_pos, self.k_pos_of = q_pos, k_pos_of
+        self.softmax_scale, self.causal = softmax_scale, causal
+        self.fallback, self.deterministic = fallback, deterministic
+        self._plans: dict = {}
+        self.fallback_steps = 0
+
+    def plan(self, owner: int) -> StepPlan:
+        if owner not in self._plans:
+            self._plans[owner] = plan_step(self.q_pos, self.k_pos_of(owner), self.causal)
+        return self._plans[owner]
+
+    def forward(self, q, k, v, owner: int):
+        p = self.plan(owner)
+        if p.kind == "none":
+            return None
+        if p.kind == "unsupported":
+            self.fallback_steps += 1
+            return self.fallback.forward(q, k, v, owner)
+        out, lse = fa4_forward(q, k, v, softmax_scale=self.softmax_scale, causal=p.kind == "causal",
+                               sparsity=p.sparsity)
+        return out.float(), lse
+
+    def backward(self, dout, q, k, v, lse, delta, owner: int, out=None):
+        p = self.plan(owner)
+        if p.kind == "none":
+            return None
+        if p.kind == "unsupported" or out is None:
+            return self.fallback.backward(dout, q, k, v, lse, delta, owner)
+        dq, dk, dv = fa4_backward(dout, q, k, v, out, lse, softmax_scale=self.softmax_scale,
+                                  causal=p.kind == "causal", sparsity=p.sparsity, deterministic=self.deterministic)
+        return dq.float(), dk.float(), dv.float()
+
+
+# ---------------------------------------------------------------------------------------------- self-check
+
+#: Largest relative error (out, lse, dq, dk, dv against fp32 math on the same inputs) the self-check
+#: accepts. bf16 inputs give about 4e-3 (out) to 1e-2 (gradients) here; a wrong kernel gives O(1).
+SELF_CHECK_TOLERANCE = 5e-2
+
+
+@functools.lru_cache(maxsize=None)
+def _self_check_cached(device_index: int, dtype: torch.dtype, head_dim: int, hq: int, hkv: int) -> Optional[str]:
+    dev = torch.device("cuda", device_index)
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    s = 2 * FA4_BLOCK
+    mk = lambda h: torch.randn(2, s, h, head_dim, generator=g).to(dev, dtype)
+    q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    scale = head_dim ** -0.5
+    # a block-sparse step (block-causal, diagonal tiles visible) and a causal step
+    tile = torch.arange(FA4_BLOCK, device=dev)
+    stripes = lambda *starts: torch.cat([tile + x for x in starts])
+    steps = [(stripes(FA4_BLOCK, 3 * FA4_BLOCK), stripes(0, 2 * FA4_BLOCK)),   # block-causal, inclusive
+             (torch.arange(s, device=dev), torch.arange(s, device=dev))]         # causal
+    try:
+        qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+        rep = hq // hkv
+        kk, vv = kf.repeat_interleave(rep, 2), vf.repeat_interleave(rep, 2)
+        for q_pos, k_pos in steps:
+            plan = plan_step(q_pos, k_pos)
+            if plan.kind not in ("blocks", "causal"):
+                return f"FA4 self-check: unexpected step plan {plan.kind!r}"
+            qr = qf.clone().requires_grad_()
+            kr, vr = kk.clone().requires_grad_(), vv.clone().requires_grad_()
+            sc = torch.einsum("bqhd,bkhd->bhqk", qr, kr) * scale
+            sc = sc.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            lse_ref = torch.logsumexp(sc, -1)
+            out_ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(sc, -1), vr)
+            dq_ref, dk_ref, dv_ref = torch.autograd.grad(out_ref, (qr, kr, vr), dof)
+            dk_ref = dk_ref.view(2, s, hkv, rep, head_dim).sum(3)
+            dv_ref = dv_ref.view(2, s, hkv, rep, head_dim).sum(3)
+            out, lse = fa4_forward(q, k, v, softmax_scale=scale, causal=plan.kind == "causal", sparsity=plan.sparsity)
+            dq, dk, dv = fa4_backward(do, q, k, v, out, lse, softmax_scale=scale, causal=plan.kind == "causal",
+                                      sparsity=plan.sparsity)
+            for name, a, ref in (("out", out, out_ref), ("lse", lse, lse_ref), ("dq", dq, dq_ref),
+                                 ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+                err = float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                if not err <= SELF_CHECK_TOLERANCE:
+                    return (f"FA4 self-check failed for head_dim {head_dim}, {hq}/{hkv} heads, {dtype}: {name} "
+                            f"relative error {err:.2e} > {SELF_CHECK_TOLERANCE:.0e}")
+    except Exception as exc:  # a compile or launch error of the DSL kernels
+        return f"FA4 self-check raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def fa4_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int) -> Optional[str]:
+    """``None`` when FA4 computes a block-sparse and a causal step correctly for this shape.
+
+    Runs once per (device, dtype, head_dim, hq, hkv) and is cached: a block-causal step and a causal
+    step at 256 tokens, batch 2, forward and backward, against fp32 torch math on the same inputs. Returns
+    the reason otherwise (also when :func:`fa4_unavailable_reason` has one).
+    """
+    why = fa4_unavailable_reason(device, dtype, head_dim)
+    if why is not None:
+        return why
+    dev = torch.device(device)
+    return _self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
+                              int(head_dim), int(hq), int(hkv))

@@ -1,0 +1,85 @@
+"""Dense ring steps through FlashAttention-4 against fp64 (GPU, marked ``gpu``), and the ring
+simulation they use, checked on the CPU with the torch reference step kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.ops.fa4 import FA4DenseStepKernel, fa4_unavailable_reason
+from megatron_mtraining.ring import DenseStepKernel
+from tests.helpers.ring_sim import simulate_dense_ring
+from tests.workers.gpu_common import bf16_reference, oracle, rel_err
+
+
+def causal_mask(r0, r1, sk, device):
+    rows = torch.arange(r0, r1, device=device)
+    return (torch.arange(sk, device=device)[None, :] <= rows[:, None])[None, None]
+
+
+def inputs(b, seq, hq, hkv, d, device, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    return mk(b, seq, hq, d), mk(b, seq, hkv, d), mk(b, seq, hkv, d), mk(b, seq, hq, d)
+
+
+def test_ring_simulation_matches_fp64_with_reference_kernel():
+    """The harness itself (CPU, fp64): the reference step kernel gives exact attention."""
+    lay = Layout("striped", cp_size=4, granularity=128)
+    q, k, v, do = inputs(2, 1024, 4, 2, 16, "cpu", torch.float64)
+    scale = 0.25
+    got = simulate_dense_ring(lay, q, k, v, do,
+                              lambda r: DenseStepKernel(lay, r, 1024, scale, True, device="cpu"))
+    ref = oracle(q, k, v, lambda r0, r1: causal_mask(r0, r1, 1024, "cpu"), scale, dout=do)
+    for name, a, bref in zip(("out", "lse", "dq", "dk", "dv"), got, ref[:5]):
+        assert rel_err(a, bref) < 1e-6, name
+    # negative control: dropping one owner's backward is seen
+    class Drop(DenseStepKernel):
+        def backward(self, dout, q, k, v, lse, delta, owner):
+            return None if owner == 1 else super().backward(dout, q, k, v, lse, delta, owner)
+    bad = simulate_dense_ring(lay, q, k, v, do, lambda r: Drop(lay, r, 1024, scale, True, device="cpu"))
+    assert rel_err(bad[3], ref[3]) > 1e-3
+
+
+needs_fa4 = pytest.mark.skipif(
+    not torch.cuda.is_available() or fa4_unavailable_reason("cuda") is not None,
+    reason="needs a Hopper/Blackwell GPU with flash-attn-4")
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("kind,cp,gran", [("striped", 2, 128), ("striped", 4, 128), ("zigzag", 2, 1)])
+@pytest.mark.parametrize("d,hq,hkv", [(128, 16, 2), (64, 9, 3), (128, 4, 4)])
+def test_fa4_dense_ring_matches_fp64(kind, cp, gran, d, hq, hkv):
+    dev, seq, scale = torch.device("cuda"), 2048, d ** -0.5
+    lay = Layout(kind, cp_size=cp, granularity=gran)
+    q, k, v, do = inputs(2, seq, hq, hkv, d, dev, torch.bfloat16, seed=cp * 100 + d + hq)
+
+    def make(rank):
+        ref = DenseStepKernel(lay, rank, seq, scale, True, device=dev)
+        kern = FA4DenseStepKernel(ref.q_pos, ref.k_pos, scale, True, fallback=ref)
+        make.kernels.append(kern)
+        return kern
+    make.kernels = []
+    got = simulate_dense_ring(lay, q, k, v, do, make)
+    assert all(kk.fallback_steps == 0 for kk in make.kernels)
+    mask = lambda r0, r1: causal_mask(r0, r1, seq, dev)
+    ref = oracle(q, k, v, mask, scale, dout=do)
+    bar = bf16_reference(q, k, v, mask, scale, do)
+    for name, a, r64, r16 in zip(("out", "lse", "dq", "dk", "dv"), got, ref[:5], bar):
+        err, err16 = rel_err(a, r64), rel_err(r16, r64)
+        assert err <= 2 * err16, f"{name}: FA4 ring {err:.2e} vs bf16 reference {err16:.2e}"
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_step_kernel_falls_back_on_token_level_masks():
+    dev, seq, scale = torch.device("cuda"), 1024, 128 ** -0.5
+    lay = Layout("striped", cp_size=2, granularity=64)
+    ref = DenseStepKernel(lay, 1, seq, scale, True, device=dev)
+    kern = FA4DenseStepKernel(ref.q_pos, ref.k_pos, scale, True, fallback=ref)
+    assert kern.plan(0).kind == "unsupported"
+    q, k, v, _ = inputs(1, seq // 2, 4, 2, 128, dev, torch.bfloat16)
+    out, lse = kern.forward(q, k, v, 0)
+    want = ref.forward(q, k, v, 0)
+    assert torch.equal(out, want[0]) and kern.fallback_steps == 1
