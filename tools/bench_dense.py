@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megatron_mtraining.bench import measure, result_record, write_json
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.ops.fa4 import FA4DenseStepKernel, fa4_attention
+from megatron_mtraining.ring import begin_backward
 
 SHAPES = {128: (16, 2), 64: (9, 3)}
 
@@ -69,12 +70,12 @@ def cp1_rows(s, d, budget):
 
 
 def ring_step_rows(s, d, cp, budget, cudnn_tflops):
-    from megatron_mtraining.ops.dense_gpu import make_dense_step_kernel
+    from megatron_mtraining.ops.dense_gpu import DenseGpuStepKernel
     hq, hkv = SHAPES[d]
     lay, rank, owner = Layout("striped", cp_size=cp, granularity=128), cp - 1, 0
     q, k, v, do = _inputs(s // cp, hq, hkv, d, "cuda")
     scale = d ** -0.5
-    tri = make_dense_step_kernel(lay, rank, s, scale, True, device=q.device, backend="triton")
+    tri = DenseGpuStepKernel(lay, rank, s, scale, True, device=q.device)
     fa4 = FA4DenseStepKernel(tri.q_pos, tri.k_pos, scale, True, fallback=tri)
     pairs = int((tri.k_pos(owner)[None, :] <= tri.q_pos[:, None]).sum())
     flops = 4 * d * hq * pairs
@@ -86,8 +87,8 @@ def ring_step_rows(s, d, cp, budget, cudnn_tflops):
         def bwd(res):
             out = res[0].to(q.dtype)
             delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
-            extra = {"out": out} if getattr(kern, "needs_out", False) else {}
-            kern.backward(do, q, k, v, res[1], delta, owner, **extra)
+            begin_backward(kern, out)
+            kern.backward(do, q, k, v, res[1], delta, owner)
         t_f, t_fb = _time_fwd_bwd(fwd, bwd, budget)
         tf = 3.5 * flops / t_fb / 1e9
         rows.append({"impl": name, "kind": f"ring_step_striped128_cp{cp}", "seq": s, "head_dim": d, "heads": hq,

@@ -13,18 +13,27 @@ Backends (``kernel_backend`` in the configuration):
   a strided last dimension are accepted: the ring entry points make q/k/v contiguous first.
 * ``"sdpa"``: PyTorch SDPA (cuDNN / FlashAttention) for dense causal attention at CP=1; it has no
   ring-step or sparse kernels, so it accepts ``cp_size == 1`` and dense attention only.
-* ``"auto"`` (default): the fastest supported choice for the device. CPU: ``"torch"``. CUDA: SDPA
-  for causal bf16/fp16 attention at CP=1, the Triton kernels elsewhere, each checked against every
-  limit above; where a limit fails (e.g. ``head_dim`` 80, fp64) the ring steps use the torch
-  reference while the Triton estimator and ``delta`` kernels still run where they can.
+* ``"fa4"``: FlashAttention-4 (:mod:`~megatron_mtraining.ops.fa4`; optional ``flash-attn-4``
+  package, Hopper/Blackwell GPUs, bf16/fp16, ``head_dim`` 64/96/128) for dense causal attention at
+  CP=1 and for the dense ring steps it can express exactly (striped granularity a multiple of 128,
+  zigzag chunks a multiple of 128, and every rank's own causal step); the other dense steps and all
+  sparse work run the Triton kernels. FA4 is used only after a one-time self-check for the shape
+  (:func:`~megatron_mtraining.ops.fa4.fa4_self_check`) passes; a shape it fails falls back to
+  ``"triton"`` with a warning naming why.
+* ``"auto"`` (default): the fastest supported choice for the device. CPU: ``"torch"``. CUDA: FA4
+  where it can run and passes its self-check (dense attention at CP=1 and the dense ring steps),
+  else SDPA for causal bf16/fp16 attention at CP=1; the Triton kernels elsewhere, each checked
+  against every limit above; where a limit fails (e.g. ``head_dim`` 80, fp64) the ring steps use
+  the torch reference while the Triton estimator and ``delta`` kernels still run where they can.
 
-An explicit ``"triton"`` or ``"sdpa"`` that cannot run the requested shape raises ``ValueError``
+An explicit ``"triton"``, ``"sdpa"`` or ``"fa4"`` that cannot run the requested shape raises ``ValueError``
 naming the rule and the supported values; ``"auto"`` never raises for a supported float dtype.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -38,7 +47,7 @@ from .sparse_reference import SparseStepKernel
 __all__ = ["KERNEL_BACKENDS", "TRITON_HEAD_DIMS", "TRITON_BLOCK", "KernelBackend", "select_backend",
            "triton_unsupported"]
 
-KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa", "fa4")
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 TRITON_BLOCK = 64        # query tile rows = key block width of the Triton kernels
 
@@ -50,8 +59,8 @@ class KernelBackend:
     """The kernels one attention call runs (built by :func:`select_backend`; immutable).
 
     Attributes:
-        name: the ring step kernels: ``"torch"``, ``"triton"`` or ``"sdpa"`` (SDPA at CP=1, torch
-            reference steps for the non-causal case).
+        name: the ring step kernels: ``"torch"``, ``"triton"``, ``"fa4"`` (FA4 dense steps, Triton
+            elsewhere) or ``"sdpa"`` (SDPA at CP=1, torch reference steps for the non-causal case).
         dense_step: ``(layout, rank, seq_len, softmax_scale, causal, device=...) ->`` a
             :class:`~megatron_mtraining.ops.base.StepKernel` of the dense ring.
         sparse_step: ``(steps, softmax_scale) ->`` a sparse ring step kernel
@@ -101,10 +110,36 @@ def triton_unsupported(*, device, dtype: torch.dtype, head_dim: int, seq_len_loc
     return why
 
 
+def _fa4_problem(device: torch.device, dtype: torch.dtype, head_dim: int,
+                 fa4_available: Optional[bool]) -> Optional[str]:
+    """Why FA4 cannot run here (``None``: it can), without running it."""
+    if fa4_available is not None:
+        return None if fa4_available else "FlashAttention-4 is not available"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"FlashAttention-4 needs a CUDA device, got {device}"
+    from .fa4 import fa4_unavailable_reason
+
+    return fa4_unavailable_reason(device, dtype, head_dim)
+
+
+def _fa4_passes_self_check(device: torch.device, dtype: torch.dtype, head_dim: int,
+                           fa4_available: Optional[bool]) -> bool:
+    """FA4's one-time self-check for this shape (cached); a failure warns once with the reason."""
+    if fa4_available is not None:
+        return bool(fa4_available)
+    from .fa4 import fa4_self_check
+
+    why = fa4_self_check(device, dtype, head_dim, hq=4, hkv=2)
+    if why is not None:
+        warnings.warn(f"{why}; using the Triton kernels instead", RuntimeWarning, stacklevel=3)
+    return why is None
+
+
 def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: int,
                    seq_len_local: Optional[int] = None, cp_size: int = 1, sparse: bool = False,
                    deterministic: bool = True, kernel_config=None, prebuild_backward_plans: bool = True,
-                   stats: Optional[dict] = None, triton_available: Optional[bool] = None) -> KernelBackend:
+                   stats: Optional[dict] = None, triton_available: Optional[bool] = None,
+                   fa4_available: Optional[bool] = None) -> KernelBackend:
     """Choose the attention kernels for one shape (see the module docstring for the rules).
 
     Args:
@@ -123,6 +158,10 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         stats: a dict receiving the registers / spills of each launched Triton kernel (benchmarks).
         triton_available: whether Triton runs on ``device`` (``None``: checked,
             :func:`~megatron_mtraining.common.triton_runs_on`); lets a caller decide for a device it
+            does not hold.
+        fa4_available: whether FlashAttention-4 runs and computes these shapes correctly (``None``:
+            checked, :func:`~megatron_mtraining.ops.fa4.fa4_unavailable_reason` and the cached
+            :func:`~megatron_mtraining.ops.fa4.fa4_self_check`); lets a caller decide for a device it
             does not hold.
 
     Returns:
@@ -149,12 +188,24 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
     if name == "sdpa" and (cp_size != 1 or sparse):
         raise ValueError(f"kernel_backend='sdpa' runs dense attention at cp_size 1 only (SDPA has no ring-step or "
                          f"sparse kernels), got cp_size={cp_size}, sparse={sparse} (use 'auto', 'triton' or 'torch')")
+    use_fa4 = False
+    if name == "fa4":
+        problem = _fa4_problem(device, dtype, head_dim, fa4_available)
+        if problem is None and why:
+            problem = "the rest of its work runs the Triton kernels, and " + "; ".join(why)
+        if problem is not None:
+            raise ValueError(f"kernel_backend='fa4' cannot run these inputs: {problem} "
+                             "(use kernel_backend='auto', 'triton' or 'torch')")
+        use_fa4 = _fa4_passes_self_check(device, dtype, head_dim, fa4_available)
+        name = "triton"
     if name == "auto":
         triton_runs = on_cuda and (triton_runs_on(device) if triton_available is None else bool(triton_available))
         steps = "triton" if on_cuda and not why else "torch"
         sdpa = on_cuda and dtype in (torch.bfloat16, torch.float16)
         pattern_kernels = triton_runs and dtype in TRITON_DTYPES
         fast_delta = triton_runs
+        use_fa4 = (steps == "triton" and _fa4_problem(device, dtype, head_dim, fa4_available) is None
+                   and _fa4_passes_self_check(device, dtype, head_dim, fa4_available))
     else:
         steps = "triton" if name == "triton" else "torch"
         sdpa = name == "sdpa"
@@ -180,6 +231,12 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         from .sdpa import sdpa_causal
 
         dense_cp1 = sdpa_causal
+    if use_fa4:
+        from .fa4 import fa4_causal, make_fa4_dense_step
+
+        dense_step = functools.partial(make_fa4_dense_step, fallback=dense_step, deterministic=deterministic)
+        dense_cp1 = fa4_causal
+        steps = "fa4"
     if name == "sdpa":
         sparse_step = None
     return KernelBackend(

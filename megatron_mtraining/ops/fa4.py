@@ -45,7 +45,9 @@ __all__ = [
     "fa4_forward",
     "fa4_backward",
     "fa4_attention",
+    "fa4_causal",
     "FA4DenseStepKernel",
+    "make_fa4_dense_step",
     "fa4_self_check",
 ]
 
@@ -282,13 +284,19 @@ def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_
     return out[0] if isinstance(out, tuple) else out
 
 
+def fa4_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Causal attention at CP=1 through FA4 (the backend's ``dense_cp1``; bshd, out in q's dtype)."""
+    return fa4_attention(q, k, v, softmax_scale=softmax_scale, causal=True)
+
+
 class FA4DenseStepKernel:
     """Dense ring step kernel on FA4 (the ring's step-kernel protocol).
 
     ``forward(q, k, v, owner) -> (out fp32, lse fp32) | None`` and
-    ``backward(dout, q, k, v, lse, delta, owner, out=...) -> (dq, dk, dv) | None``. The backward
-    needs the ring's final ``out`` (``needs_out = True``). Steps that :func:`plan_step` cannot map
-    run ``fallback`` (another kernel of the same protocol); :attr:`fallback_steps` counts them.
+    ``backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None``. The backward needs
+    the ring's final ``out``: the ring hands it over with :meth:`begin_backward` (``out=`` overrides
+    it). Steps that :func:`plan_step` cannot map run ``fallback`` (another kernel of the same
+    protocol); :attr:`fallback_steps` counts the forward steps it ran.
 
     Args:
         q_pos: ``[s_local]`` global positions of this rank's queries.
@@ -298,14 +306,17 @@ class FA4DenseStepKernel:
         deterministic: deterministic dQ accumulation in the backward.
     """
 
-    needs_out = True
-
     def __init__(self, q_pos, k_pos_of, softmax_scale: float, causal: bool, fallback, deterministic: bool = False):
         self.q_pos, self.k_pos_of = q_pos, k_pos_of
         self.softmax_scale, self.causal = softmax_scale, causal
         self.fallback, self.deterministic = fallback, deterministic
         self._plans: dict = {}
+        self._out: Optional[torch.Tensor] = None
         self.fallback_steps = 0
+
+    def begin_backward(self, out: torch.Tensor) -> None:
+        """The ring's final output (``[b, sq, hq, d]``, q's dtype), for the steps' backward."""
+        self._out = out
 
     def plan(self, owner: int) -> StepPlan:
         if owner not in self._plans:
@@ -327,11 +338,29 @@ class FA4DenseStepKernel:
         p = self.plan(owner)
         if p.kind == "none":
             return None
+        out = self._out if out is None else out
         if p.kind == "unsupported" or out is None:
             return self.fallback.backward(dout, q, k, v, lse, delta, owner)
         dq, dk, dv = fa4_backward(dout, q, k, v, out, lse, softmax_scale=self.softmax_scale,
                                   causal=p.kind == "causal", sparsity=p.sparsity, deterministic=self.deterministic)
         return dq.float(), dk.float(), dv.float()
+
+
+def make_fa4_dense_step(layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None,
+                        *, fallback, deterministic: bool = True) -> FA4DenseStepKernel:
+    """The dense ring step kernel of the ``"fa4"`` backend (``dense_step`` of
+    :class:`~megatron_mtraining.ops.backends.KernelBackend`): ``fallback(layout, rank, seq_len,
+    softmax_scale, causal, device=device)`` builds the kernel for the steps FA4 cannot express."""
+    fb = fallback(layout, rank, seq_len, softmax_scale, causal, device=device)
+    q_pos = layout.positions(rank, seq_len, device=device)
+    k_pos = {}
+
+    def k_pos_of(owner: int) -> torch.Tensor:
+        if owner not in k_pos:
+            k_pos[owner] = layout.positions(owner, seq_len, device=device)
+        return k_pos[owner]
+
+    return FA4DenseStepKernel(q_pos, k_pos_of, softmax_scale, causal, fb, deterministic=deterministic)
 
 
 # ---------------------------------------------------------------------------------------------- self-check

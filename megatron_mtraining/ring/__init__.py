@@ -107,6 +107,14 @@ def column_phase_of(kernel):
     return getattr(kernel, "column_phase", None)
 
 
+def begin_backward(kernel, out: torch.Tensor) -> None:
+    """Hand the ring's final ``out`` to a step kernel whose backward needs it (FlashAttention-style
+    kernels derive ``delta`` from ``out`` themselves); other kernels ignore it."""
+    hook = getattr(kernel, "begin_backward", None)
+    if hook is not None:
+        hook(out)
+
+
 def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,
                 sparse: bool = False) -> KernelBackend:
     """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``."""
@@ -157,6 +165,7 @@ class RingAttentionFunc(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         delta = ctx.delta(dout, out)              # [b, hq, sq] in acc_dtype(out.dtype)
+        begin_backward(ctx.kernel, out)
         cols = column_phase_of(ctx.kernel)
         if cols is not None:
             cols.begin_backward(dout, q, lse, delta, dq)

@@ -37,7 +37,7 @@ from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
 from ..ops.reference import attention_delta_torch
-from . import _empty_out_lse, backend_for, column_phase_of, last_dim_contiguous, ring_pass_backward, ring_pass_forward
+from . import _empty_out_lse, backend_for, begin_backward, column_phase_of, last_dim_contiguous, ring_pass_backward, ring_pass_forward
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
 
@@ -109,6 +109,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         r_in, r_out = inner.rank, outer.rank
         dout = dout.contiguous()
         delta = ctx.delta(dout, out)
+        begin_backward(kernel, out)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         cols = column_phase_of(kernel)
         if cols is not None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from megatron_mtraining.ops.merge import merge_attention
+from megatron_mtraining.ring import begin_backward
 
 
 def simulate_dense_ring(layout, q, k, v, dout, make_kernel):
     """``make_kernel(rank) -> kernel`` (``forward(q, k, v, owner)``, ``backward(dout, q, k, v, lse,
-    delta, owner[, out=])``). q/k/v/dout: whole-sequence bshd. Returns unsharded
+    delta, owner)``, optionally ``begin_backward(out)``). q/k/v/dout: whole-sequence bshd. Returns unsharded
     ``(out, lse, dq, dk, dv)`` in fp32 (out in q's dtype, as the ring returns it)."""
     cp, seq = layout.cp_size, q.shape[1]
     sh = lambda t, r: layout.shard(t, r, dim=1).contiguous()
@@ -30,9 +31,9 @@ def simulate_dense_ring(layout, q, k, v, dout, make_kernel):
         out = out.to(q.dtype)
         delta = (dol.float() * out.float()).sum(-1).transpose(1, 2)
         dq = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
-        extra = {"out": out} if getattr(kern, "needs_out", False) else {}
+        begin_backward(kern, out)
         for owner in range(cp):
-            g = kern.backward(dol, ql, sh(k, owner), sh(v, owner), lse, delta, owner, **extra)
+            g = kern.backward(dol, ql, sh(k, owner), sh(v, owner), lse, delta, owner)
             if g is not None:
                 dq += g[0].float()
                 dks[owner] += g[1].float()

@@ -112,3 +112,34 @@ def test_negative_control_a_missing_tile_is_seen():
     plan = plan_step(q_pos, k_pos)
     broken = type(plan)("blocks", block_sparsity_from_tiles(full))
     assert not torch.equal(mask_of_plan(broken, 1024, 1024), token_mask(q_pos, k_pos))
+
+
+def test_select_backend_fa4_rules():
+    """``fa4``: chosen by ``auto`` where FA4 runs (simulated), refused where it cannot, never on the CPU."""
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ops.fa4 import fa4_causal
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, seq_len_local=4096, cp_size=2, triton_available=True)
+    auto = select_backend("auto", fa4_available=True, **kw)
+    assert auto.name == "fa4" and auto.dense_cp1 is fa4_causal and auto.sparse_step is not None
+    assert select_backend("auto", fa4_available=False, **kw).name == "triton"
+    assert select_backend("fa4", fa4_available=True, **kw).name == "fa4"
+    with pytest.raises(ValueError, match="kernel_backend='fa4' cannot run these inputs: FlashAttention-4 is not"):
+        select_backend("fa4", fa4_available=False, **kw)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("fa4", device="cpu", dtype=torch.bfloat16, head_dim=128)
+    with pytest.raises(ValueError, match="head_dim 80"):
+        select_backend("fa4", fa4_available=True, **{**kw, "head_dim": 80})
+    assert select_backend("auto", device="cpu", dtype=torch.bfloat16, head_dim=128).name == "torch"
+
+
+def test_fa4_dense_step_falls_back_per_step_on_cpu_layouts():
+    """``make_fa4_dense_step`` plans every step from the layout; token-level steps go to the fallback."""
+    from megatron_mtraining.ops.fa4 import make_fa4_dense_step
+    from megatron_mtraining.ops.reference import DenseStepKernel
+
+    for gran, want in ((128, {"causal", "blocks"}), (64, {"causal", "unsupported"})):
+        lay = Layout("striped", cp_size=2, granularity=gran)
+        kern = make_fa4_dense_step(lay, 1, 2048, 0.1, True, device="cpu", fallback=DenseStepKernel)
+        assert {kern.plan(o).kind for o in range(2)} == want
+        assert isinstance(kern.fallback, DenseStepKernel)
