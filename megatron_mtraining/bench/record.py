@@ -11,6 +11,9 @@ A result file is a JSON object: the tool's own keys (``rows``, ``runs``, ``confi
               "mem_clock_mhz": ..., "power_limit_w": ..., "driver": ...}},
      ...the tool's keys...}
 
+``git_commit`` is ``git rev-parse HEAD`` of the checkout, or, in a copy of the tree without its
+``.git`` folder, the value of the environment variable ``MTRAINING_GIT_COMMIT`` (else ``null``).
+
 :func:`write_json` writes strict JSON (RFC 8259): NaN and infinities become ``null``; numpy and
 torch scalars and arrays, tuples, paths, dataclasses and ``argparse.Namespace`` are converted;
 anything else is a ``TypeError`` naming its key. Files are replaced atomically.
@@ -57,7 +60,9 @@ def _run(cmd: Sequence[str], cwd: Optional[Path] = None) -> Optional[str]:
 def _git() -> dict:
     commit = _run(["git", "rev-parse", "HEAD"], cwd=_REPO)
     if commit is None:
-        return {"git_commit": None, "git_dirty": None}
+        # a copy of the tree without its .git folder: the commit it was taken from, if the caller says
+        given = os.environ.get("MTRAINING_GIT_COMMIT") or None
+        return {"git_commit": given, "git_dirty": None}
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO)
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
