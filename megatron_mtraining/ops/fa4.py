@@ -270,7 +270,7 @@ def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             zbi = torch.zeros(sparsity.bwd_cnt.shape + (1,), dtype=torch.int32, device=zb.device)
             order, order_full = compute_dq_write_order(zf, zfi, sparsity.fwd_cnt, sparsity.fwd_idx,
                                                        zb, zbi, sparsity.bwd_cnt, sparsity.bwd_idx)
-            bst = bst._replace(dq_write_order=order, dq_write_order_full=order_full)
+            bst = bst._replace(dq_write_order=order, dq_write_order_full=order_full, spt=False)
     dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal,
                                  block_sparse_tensors=bst, deterministic=deterministic)
     return dq, dk, dv
