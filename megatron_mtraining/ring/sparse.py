@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..distributed import group_rank, group_size
+from ..distributed import group_rank
 from ..layout import Layout
 from ..ops.reference import default_softmax_scale
 from ..ops.sparse_reference import sparse_attention_backward, sparse_attention_forward
@@ -41,7 +41,8 @@ from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, esti
 from ..patterns.indices import StepIndices
 from . import RingAttentionFunc, check_ring_inputs
 
-__all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention"]
+__all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention",
+           "sparse_agreement_fields"]
 
 COLUMN_SCHEDULES = ("in_ring", "out_of_ring")
 
@@ -187,6 +188,13 @@ class ColumnPhase:
         self._grads = None
 
 
+def sparse_agreement_fields(config: VerticalSlashConfig, columns: str) -> dict:
+    """The sparse parameters every CP rank must agree on (for the cross-rank input check)."""
+    return dict(budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
+                         config.max_vertical, config.max_slash), recall=float(config.recall),
+                columns=COLUMN_SCHEDULES.index(columns))
+
+
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
@@ -224,12 +232,11 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     """
     if columns not in COLUMN_SCHEDULES:
         raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
-    cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
-                           budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
-                                    config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))),
-                           columns=COLUMN_SCHEDULES.index(columns))
-    check_block_layout(layout, q.shape[1] * cp, config.block_size)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
+                           hierarchical_groups=hierarchical_groups, softmax_scale=scale,
+                           **sparse_agreement_fields(config, columns))
+    check_block_layout(layout, q.shape[1] * cp, config.block_size)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale)
     steps = convert_pattern(pattern, layout, group_rank(group))
@@ -253,10 +260,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     else:
         from .hierarchical import hierarchical_ring_attention
 
-        inner, outer = hierarchical_groups
-        if group_rank(outer) * group_size(inner) + group_rank(inner) != group_rank(group):
-            raise ValueError("hierarchical_groups must number ranks as outer_rank * inner_size + inner_rank "
-                             "of the CP group (Megatron's --hierarchical-context-parallel-sizes order)")
+        inner, outer = hierarchical_groups      # numbering checked with the inputs, on every rank
         out = hierarchical_ring_attention(q, k, v, layout=layout, inner_group=inner, outer_group=outer,
-                                          softmax_scale=scale, kernel=kernel)
+                                          softmax_scale=scale, kernel=kernel, check_inputs=False)
     return (out, pattern) if return_pattern else out
