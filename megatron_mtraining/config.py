@@ -265,7 +265,7 @@ class MTrainingConfig:
     def attention_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments: ``layout``, ``granularity``, ``pattern``,
         ``vertical_slash`` (``None`` when dense), ``hierarchical`` (the ``(inner, outer)`` sizes or
-        ``None``), ``columns`` and ``deterministic``.
+        ``None``), ``columns``, ``deterministic`` and ``kernel_backend``.
 
         Raises:
             ValueError: ``implementation: hierarchical`` without sizes (resolve them first with
@@ -283,6 +283,7 @@ class MTrainingConfig:
             "hierarchical": self.hierarchical.sizes,
             "columns": self.columns,
             "deterministic": self.deterministic,
+            "kernel_backend": self.kernel_backend,
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -34,7 +34,8 @@ __all__ = ["MTrainingAttentionConfig", "MTrainingAttention", "get_cp_group", "ge
 
 def MTrainingAttentionConfig(layout: str = "striped", granularity: int = 64, pattern: str = "dense",
                              vertical_slash: Optional[Any] = None, hierarchical: Optional[tuple] = None,
-                             columns: str = "in_ring", deterministic: bool = False) -> MTrainingConfig:
+                             columns: str = "in_ring", deterministic: bool = False,
+                             kernel_backend: str = "auto") -> MTrainingConfig:
     """An :class:`~megatron_mtraining.config.MTrainingConfig` from the attention's keyword set.
 
     ``layout`` is the layout kind (``"striped"`` or ``"zigzag"``), ``hierarchical`` the
@@ -49,7 +50,7 @@ def MTrainingAttentionConfig(layout: str = "striped", granularity: int = 64, pat
                          f"got {layout!r}")
     d: dict[str, Any] = {"implementation": "hierarchical" if hierarchical is not None else layout,
                          "granularity": granularity, "pattern": pattern, "columns": columns,
-                         "deterministic": deterministic}
+                         "deterministic": deterministic, "kernel_backend": kernel_backend}
     if hierarchical is not None:
         if len(tuple(hierarchical)) != 2:
             raise ValueError(f"mtraining config: hierarchical must be (inner, outer), got {hierarchical!r}")
