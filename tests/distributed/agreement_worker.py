@@ -5,8 +5,8 @@ Usage (from tests/distributed/test_agreement.py)::
     torchrun --nproc-per-node N tests/distributed/agreement_worker.py SCENARIO
 
 Every rank calls the entry point inside ``try``/``except ValueError`` and then, like a caller that
-catches the error and carries on, reaches the final barrier. Each rank prints
-``RESULT {"rank": r, "error": <first line of the error or null>, ...}``. A rank left in the
+catches the error and carries on, gathers the outcomes and reaches the final barrier. Rank 0 prints
+``RESULT [{"rank": r, "error": <the error or null>, ...}, ...]``. A rank left in the
 check's collective while another moved on is a hang (the test's timeout).
 
 Scenarios:
@@ -129,7 +129,10 @@ def main(argv: list[str]) -> int:
         res.update(run(argv[0]))
     except ValueError as e:
         res["error"] = str(e)
-    print("RESULT " + json.dumps(res), flush=True)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, res)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
     finish_process_group()
     return 0
 

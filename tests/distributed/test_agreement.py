@@ -21,8 +21,9 @@ def _run(scenario: str, nproc: int, timeout: float = 120) -> list[dict]:
     res = run_torchrun(WORKER, [scenario], nproc=nproc, timeout=timeout)
     assert not res.timed_out, "ranks hung instead of raising:\n" + res.tail()
     assert res.returncode == 0, res.tail()
-    rows = sorted((json.loads(ln[len("RESULT "):]) for ln in res.stdout.splitlines() if ln.startswith("RESULT ")),
-                  key=lambda r: r["rank"])
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, res.tail()
+    rows = sorted(json.loads(lines[0][len("RESULT "):]), key=lambda r: r["rank"])
     assert len(rows) == nproc, res.tail()
     return rows
 
