@@ -18,6 +18,7 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
       outer: 4
     columns: out_of_ring           # in_ring | out_of_ring (sparse only; where vertical columns are computed)
     deterministic: false
+    kernel_backend: auto           # auto | torch | triton | sdpa (per-step attention kernels)
 
 Sections must match the choices: ``vertical_slash:`` only with ``pattern: vertical_slash`` and
 ``hierarchical:`` only with ``implementation: hierarchical`` (a section that would be ignored is an
@@ -25,7 +26,9 @@ error, not a silent no-op). The ``vertical_slash`` keys are exactly the fields o
 :class:`~megatron_mtraining.patterns.estimator.VerticalSlashConfig` and are validated by it.
 
 Run-time checks that need the parallel layout (CP size, sequence length, Megatron's hierarchical
-sizes) are in :meth:`MTrainingConfig.check_run` / :meth:`MTrainingConfig.hierarchical_sizes`.
+sizes) are in :func:`config_for_run` (the one rule every front door applies), built on
+:meth:`MTrainingConfig.check_run` / :meth:`MTrainingConfig.hierarchical_sizes`; the process groups,
+layout and kernels of a run are fixed by :func:`megatron_mtraining.plan.resolve`.
 
 This module does not import megatron (cheap to import from argument parsing).
 """
@@ -41,21 +44,24 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+from megatron_mtraining.ring.sparse import COLUMN_SCHEDULES
 
 __all__ = [
     "IMPLEMENTATIONS",
     "PATTERNS",
     "COLUMN_SCHEDULES",
+    "KERNEL_BACKENDS",
     "HierarchicalConfig",
     "MTrainingConfig",
     "VerticalSlashConfig",
     "load_mtraining_config",
     "dump_mtraining_config",
+    "config_for_run",
 ]
 
 IMPLEMENTATIONS = ("striped", "zigzag", "hierarchical")
 PATTERNS = ("dense", "vertical_slash")
-COLUMN_SCHEDULES = ("in_ring", "out_of_ring")    # == megatron_mtraining.ring.sparse.COLUMN_SCHEDULES
+KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa")
 
 _PREFIX = "mtraining config"
 
@@ -115,6 +121,9 @@ class MTrainingConfig:
             estimator config enforces).
         deterministic: request deterministic kernels (no atomics in the backward pass); the CPU
             reference kernels are always deterministic.
+        kernel_backend: the per-step attention kernels: ``"auto"`` (the fastest one that supports
+            the device, dtype and head_dim), ``"torch"`` (the reference kernels; any device),
+            ``"triton"`` or ``"sdpa"`` (CUDA).
 
     Raises:
         ValueError: naming the offending key (``mtraining config: ...``).
@@ -127,6 +136,7 @@ class MTrainingConfig:
     hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
     columns: str = "in_ring"
     deterministic: bool = False
+    kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -149,6 +159,9 @@ class MTrainingConfig:
             raise _ConfigError(f"'hierarchical' must be a HierarchicalConfig, got {type(self.hierarchical).__name__}")
         if not isinstance(self.deterministic, bool):
             raise _ConfigError(f"'deterministic' must be true or false, got {self.deterministic!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise _ConfigError(f"'kernel_backend' must be one of {', '.join(KERNEL_BACKENDS)}, "
+                               f"got {self.kernel_backend!r}")
         if self.columns not in COLUMN_SCHEDULES:
             raise _ConfigError(f"'columns' must be one of {', '.join(COLUMN_SCHEDULES)}, got {self.columns!r}")
         if self.columns != "in_ring" and self.pattern != "vertical_slash":
@@ -242,11 +255,26 @@ class MTrainingConfig:
                 raise ValueError(f"{_PREFIX}: 'vertical_slash.last_q' ({vs.last_q}) exceeds the sequence "
                                  f"length {seq_len}")
 
+    def with_hierarchical_sizes(self, sizes: Optional[Sequence[int]]) -> "MTrainingConfig":
+        """This config with ``hierarchical.inner``/``outer`` set to ``sizes`` (``None``: unchanged)."""
+        if sizes is None:
+            return self
+        inner, outer = (int(x) for x in sizes)
+        return dataclasses.replace(self, hierarchical=HierarchicalConfig(inner=inner, outer=outer))
+
     def attention_kwargs(self) -> dict[str, Any]:
-        """Everything the attention module needs, as keyword arguments: ``layout``,
-        ``granularity`` (the two fields of ``MTrainingAttentionConfig`` today) plus ``pattern``,
-        ``vertical_slash`` (``None`` when dense), ``hierarchical`` (config sizes or ``None``) and
-        ``deterministic``."""
+        """The options as keyword arguments: ``layout``, ``granularity``, ``pattern``,
+        ``vertical_slash`` (``None`` when dense), ``hierarchical`` (the ``(inner, outer)`` sizes or
+        ``None``), ``columns``, ``deterministic`` and ``kernel_backend``.
+
+        Raises:
+            ValueError: ``implementation: hierarchical`` without sizes (resolve them first with
+                :func:`config_for_run`; a flat ring is never substituted).
+        """
+        if self.implementation == "hierarchical" and self.hierarchical.sizes is None:
+            raise ValueError(f"{_PREFIX}: implementation 'hierarchical' needs 'hierarchical.inner'/'outer' or "
+                             "--hierarchical-context-parallel-sizes INNER OUTER (resolve the sizes with "
+                             "config_for_run)")
         return {
             "layout": self.layout_kind,
             "granularity": self.granularity,
@@ -255,6 +283,7 @@ class MTrainingConfig:
             "hierarchical": self.hierarchical.sizes,
             "columns": self.columns,
             "deterministic": self.deterministic,
+            "kernel_backend": self.kernel_backend,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -269,6 +298,8 @@ class MTrainingConfig:
         if self.sparse:
             out["columns"] = self.columns
         out["deterministic"] = self.deterministic
+        if self.kernel_backend != "auto":
+            out["kernel_backend"] = self.kernel_backend
         return out
 
 
@@ -307,8 +338,8 @@ def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
     if not isinstance(d, Mapping):
         raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
     _check_keys(d, _TOP_KEYS, "")
-    kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic")
-                         if k in d}
+    kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic",
+                                            "kernel_backend") if k in d}
     pattern = d.get("pattern", MTrainingConfig.pattern)
     impl = d.get("implementation", MTrainingConfig.implementation)
     vs = d.get("vertical_slash")
@@ -409,6 +440,61 @@ def dump_mtraining_config(cfg: MTrainingConfig, path: Union[str, os.PathLike, No
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text
+
+
+# ---------------------------------------------------------------------------- the run rule
+def config_for_run(
+    config: Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None],
+    *,
+    cp_size: int,
+    seq_len: Optional[int] = None,
+    megatron_hierarchical_sizes: Optional[Sequence[int]] = None,
+    cp_layout: Optional[str] = None,
+    granularity: Optional[int] = None,
+) -> MTrainingConfig:
+    """The config of a run, checked against it: the one rule of every front door.
+
+    ``examples/pretrain_gpt.py``'s flags, the Megatron-LM patch and direct API users all call this,
+    so a command line gets the same verdict everywhere. Without a config the run is the dense ring
+    on ``cp_layout`` (default striped) with ``granularity`` (default 64), and Megatron's
+    ``--hierarchical-context-parallel-sizes`` select the dense hierarchical ring (MTraining §4.2). A
+    config given explicitly fixes the implementation: hierarchical sizes with a flat config are an
+    error (the run would silently use a flat ring), as is ``implementation: hierarchical`` with
+    no sizes anywhere.
+
+    Args:
+        config: a YAML path, mapping or :class:`MTrainingConfig`; ``None``: no config given.
+        cp_size: the context-parallel size.
+        seq_len: the sequence length (checked against the layout and sparse blocks when given).
+        megatron_hierarchical_sizes: ``--hierarchical-context-parallel-sizes`` (``None``: not given).
+        cp_layout, granularity: the layout flags of a run without a config (ignored with one).
+
+    Returns:
+        The validated config, with ``hierarchical`` sizes filled in for the hierarchical ring.
+
+    Raises:
+        ValueError: naming the config key or flag and the rule.
+        FileNotFoundError: a config path that does not exist.
+    """
+    hcp = None if megatron_hierarchical_sizes is None else [int(x) for x in megatron_hierarchical_sizes]
+    if config is None:
+        if hcp and cp_layout == "zigzag":
+            raise ValueError("--hierarchical-context-parallel-sizes selects the hierarchical ring, which uses the "
+                             "striped layout; --cp-layout zigzag is not supported with it")
+        cfg = MTrainingConfig(implementation="hierarchical" if hcp else
+                              ("zigzag" if cp_layout == "zigzag" else "striped"),
+                              granularity=64 if granularity is None else granularity)
+        src = "the default config"
+    else:
+        cfg = load_mtraining_config(config)
+        src = f"{config}" if isinstance(config, (str, os.PathLike)) else "the mtraining config"
+    if hcp and cfg.implementation != "hierarchical":
+        raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} is given but {src} has "
+                         f"implementation '{cfg.implementation}' (the run would use a flat ring); use a config "
+                         "with implementation: hierarchical or drop the flag")
+    if seq_len is not None:
+        cfg.check_run(cp_size=cp_size, seq_len=seq_len, megatron_hierarchical_sizes=hcp)
+    return cfg.with_hierarchical_sizes(cfg.hierarchical_sizes(cp_size, hcp))
 
 
 # ------------------------------------------------------------------------------------ CLI

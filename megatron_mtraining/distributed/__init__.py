@@ -8,12 +8,14 @@ work unchanged.
 
 from __future__ import annotations
 
+import struct
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "group_rank", "RingComm", "check_consistent_across_ranks"]
+__all__ = ["group_size", "group_rank", "RingComm", "agree_across_ranks", "check_consistent_across_ranks",
+           "hierarchical_numbering_error", "check_hierarchical_consistent"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -68,40 +70,152 @@ class _Pending:
 
 
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+_MSG_BYTES = 512          # local error text carried by the agreement vector (utf-8, truncated)
+_WIDTH = 9                # int64 slots per field
 
 
-def check_consistent_across_ranks(group: ProcessGroup, what: str, **fields) -> None:
-    """Fail fast when ranks disagree (shapes, dtypes, layout...) before any ring exchange.
+def agree_across_ranks(group: ProcessGroup, what: str, error: Optional[str] = None, **fields) -> Optional[str]:
+    """Every rank's local verdict and parameters, compared on every rank; the common verdict.
 
-    One small ``all_gather`` of an int64 vector; every rank sees the same table and raises the
-    same ``ValueError`` naming the mismatching fields per rank, so no rank is left waiting in a
-    point-to-point call that will never be matched.
+    One small ``all_gather`` of an int64 vector holding ``fields`` and this rank's local error text
+    (``error``, ``None`` when its inputs are valid). Every rank receives the same table, so every
+    rank returns the same answer: ``None`` when no rank reported an error and all ranks passed
+    equal ``fields``; otherwise one message naming the failing group ranks and their errors, or the
+    per-rank values of the fields that disagree. A rank whose input is invalid therefore still
+    takes part in the collective, and its peers learn of the error instead of waiting for it.
 
     Args:
-        fields: name → int, tuple of ints, str, or torch.dtype. Values are encoded into a fixed
-            length vector (tuples padded to 8 entries; strings hashed stably).
+        group: the process group (``None`` or a group of one rank: ``error`` is returned as is).
+        what: the operation, used as the message prefix.
+        error: this rank's local validation error, or ``None``.
+        fields: name -> int, bool, float, tuple of ints, str or torch.dtype; values every rank must
+            agree on (floats compared bit for bit).
+
+    Returns:
+        ``None`` (all ranks valid and in agreement) or the error message (identical on every rank).
     """
     if group_size(group) == 1:
-        return
+        return error
     names = sorted(fields)
     vec = []
     for n in names:
         vec.extend(_encode(fields[n]))
-    mine = torch.tensor(vec, dtype=torch.int64)
+    msg = (error or "").encode("utf-8")[:_MSG_BYTES]
+    buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+    if msg:
+        buf[:len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    mine = torch.cat([torch.tensor([int(error is not None), len(msg)] + vec, dtype=torch.int64),
+                      buf.view(torch.int64)])
     backend = dist.get_backend(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     mine = mine.to(dev)
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    if all(torch.equal(g, gathered[0]) for g in gathered):
-        return
+    gathered = [g.cpu() for g in gathered]
+    failed = [(r, g) for r, g in enumerate(gathered) if int(g[0]) != 0]
+    if failed:
+        lines = []
+        for r, g in failed:
+            n = int(g[1])
+            text = bytes(g[-_MSG_BYTES // 8:].view(torch.uint8)[:n].tolist()).decode("utf-8", errors="replace")
+            lines.append(f"  group rank {r}: {text}")
+        ranks = ", ".join(str(r) for r, _ in failed)
+        if len(failed) == 1:
+            return f"{what}: invalid input on group rank {ranks}: {lines[0].split(': ', 1)[1]}"
+        return f"{what}: invalid input on group ranks {ranks}:\n" + "\n".join(lines)
+    body = [g[2:2 + len(names) * _WIDTH] for g in gathered]
+    if all(torch.equal(b, body[0]) for b in body):
+        return None
     rows = []
-    width = 9
-    for r, g in enumerate(gathered):
-        vals = g.view(len(names), width).tolist()
+    for r, b in enumerate(body):
+        vals = b.view(len(names), _WIDTH).tolist()
         rows.append(f"  group rank {r}: " + ", ".join(f"{n}={_decode(v)}" for n, v in zip(names, vals)))
-    raise ValueError(f"{what}: ranks of the CP group disagree (all ranks must pass the same "
-                     f"shapes, dtypes and layout):\n" + "\n".join(rows))
+    return (f"{what}: ranks of the CP group disagree (all ranks must pass the same "
+            f"shapes, dtypes, layout and parameters):\n" + "\n".join(rows))
+
+
+def check_consistent_across_ranks(group: ProcessGroup, what: str, error: Optional[str] = None, **fields) -> None:
+    """Fail fast, on every rank alike, when a rank's input is invalid or ranks disagree.
+
+    :func:`agree_across_ranks` followed by ``raise ValueError(message)``: every rank raises the same
+    error (naming the failing ranks, or the mismatching fields per rank), so no rank is left waiting
+    in a point-to-point call that will never be matched.
+
+    Raises:
+        ValueError: ``error`` was set on some rank, or the ranks' ``fields`` differ.
+    """
+    msg = agree_across_ranks(group, what, error, **fields)
+    if msg is not None:
+        raise ValueError(msg)
+
+
+def hierarchical_numbering_error(inner_group: ProcessGroup, outer_group: ProcessGroup,
+                                 group: ProcessGroup = None) -> Optional[str]:
+    """Local check of the two-level ring's group numbering; the error text, or ``None``.
+
+    MTraining §4.2 (Alg. 2) runs the inner ring inside the outer ring with Megatron's hierarchical
+    CP numbering (``--hierarchical-context-parallel-sizes INNER OUTER``): the inner group holds
+    ``inner`` consecutive CP ranks, the outer group the CP ranks ``inner`` apart, so
+    ``cp_rank = outer_rank * inner + inner_rank``. Groups built the other way round (swapped)
+    compute the attention of the wrong shards.
+
+    With ``group`` (the CP group) the inner and outer groups must be exactly the groups that this
+    numbering gives for this rank (global ranks compared). Without it the CP order is the global
+    rank order, and this rank's inner group must lie strictly between its outer ring neighbours;
+    :func:`check_hierarchical_consistent` adds the cross-rank half of that rule (inner ranks agree
+    along every outer ring, outer ranks along every inner ring).
+
+    Process-group ranks are numbered in ascending global rank (``torch.distributed.new_group``).
+    """
+    n_in, n_out = group_size(inner_group), group_size(outer_group)
+    if n_in < 2 or n_out < 2:
+        return (f"hierarchical ring needs inner and outer rings of >= 2 ranks, got inner={n_in}, outer={n_out}; "
+                "with one level of size 1 use the flat ring")
+    r_in, r_out = group_rank(inner_group), group_rank(outer_group)
+    inner_ranks = dist.get_process_group_ranks(inner_group)
+    outer_ranks = dist.get_process_group_ranks(outer_group)
+    swapped = (" (inner = consecutive CP ranks, outer = CP ranks `inner` apart: are the inner and outer "
+               "groups swapped?)")
+    if group is not None:
+        cp = group_size(group)
+        if cp != n_in * n_out:
+            return f"hierarchical sizes inner*outer = {n_in}*{n_out} != CP group size {cp}"
+        cp_ranks = dist.get_process_group_ranks(group)
+        me = group_rank(group)
+        want_in = [cp_ranks[(me // n_in) * n_in + j] for j in range(n_in)]
+        want_out = [cp_ranks[o * n_in + me % n_in] for o in range(n_out)]
+        if inner_ranks != want_in or outer_ranks != want_out:
+            return (f"hierarchical groups do not follow the CP numbering cp_rank = outer_rank * inner + inner_rank: "
+                    f"CP rank {me} has inner group {inner_ranks} and outer group {outer_ranks} (global ranks), "
+                    f"expected {want_in} and {want_out}" + swapped)
+        return None
+    lo = outer_ranks[r_out - 1] if r_out > 0 else -1
+    hi = outer_ranks[r_out + 1] if r_out + 1 < n_out else float("inf")
+    if not all(lo < g < hi for g in inner_ranks) or set(inner_ranks) & set(outer_ranks) != {dist.get_rank()}:
+        return (f"hierarchical groups do not follow the CP numbering cp_rank = outer_rank * inner + inner_rank: "
+                f"global rank {dist.get_rank()} has inner group {inner_ranks} and outer group {outer_ranks}" + swapped)
+    return None
+
+
+def check_hierarchical_consistent(inner_group: ProcessGroup, outer_group: ProcessGroup, what: str,
+                                  error: Optional[str] = None, **fields) -> None:
+    """The agreed check of the two-level ring, without a CP group handle.
+
+    Two gathers: over the inner group (``fields`` plus the outer rank, which must be equal along an
+    inner ring), then over the outer group (``fields``, the inner rank, and the first gather's
+    verdict). Every rank of the ``inner x outer`` grid thus learns every rank's verdict, and all
+    raise the same error.
+
+    Raises:
+        ValueError: a rank's local ``error``, mismatching fields, or groups that do not form
+            Megatron's hierarchical numbering.
+    """
+    first = agree_across_ranks(inner_group, f"{what} (inner ring)", error,
+                               outer_rank=group_rank(outer_group), **fields)
+    msg = agree_across_ranks(outer_group, f"{what} (outer ring)", first,
+                             inner_rank=group_rank(inner_group), **fields)
+    if msg is not None:
+        raise ValueError(msg)
 
 
 def _encode(value) -> list:
@@ -115,9 +229,14 @@ def _encode(value) -> list:
         return [2, 1, h] + [0] * 6
     if isinstance(value, bool) or isinstance(value, int):
         return [3, 1, int(value)] + [0] * 6
+    if isinstance(value, float):
+        return [5, 1, struct.unpack("<q", struct.pack("<d", value))[0]] + [0] * 6
     vals = [int(x) for x in value]
-    if len(vals) > 7:
-        raise ValueError("tuples of more than 7 ints are not supported")
+    if len(vals) > 7:                      # keep the length; compare the first 6 values and a digest of the rest
+        h = 0
+        for x in vals[6:]:
+            h = (h * 1_000_003 + x) % (1 << 61)
+        return [4, len(vals)] + vals[:6] + [h]
     return [4, len(vals)] + vals + [0] * (7 - len(vals))
 
 
@@ -125,9 +244,11 @@ def _decode(slot) -> str:
     kind, n = slot[0], slot[1]
     if kind == 1:
         inv = {v: k for k, v in _DTYPE_CODES.items()}
-        return str(inv.get(slot[2], "unknown dtype"))
+        return str(inv.get(slot[2], "another dtype"))
     if kind == 2:
         return f"<str#{slot[2] % 100000}>"
     if kind == 3:
         return str(slot[2])
-    return str(tuple(slot[2:2 + n]))
+    if kind == 5:
+        return repr(struct.unpack("<d", struct.pack("<q", slot[2]))[0])
+    return str(tuple(slot[2:2 + min(n, 7)]))

@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
                    help="accepted for compatibility: a dense mask is never built")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="refused: document masking (packed sequences) is not supported yet")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="refused: document masking (packed sequences) is not supported yet")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",
                    help="HuggingFaceTokenizer: a tokenizer.json (tokenizers library, e.g. from "
                         "tools/convert_smollm2.py); the others: a sentencepiece model")
@@ -281,20 +285,18 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     else:
         if args.cp_layout is None:
             args.cp_layout = "striped"
-        if args.attention_dropout > 0:
-            raise E(f"--attention-dropout {args.attention_dropout}: --cp-attention mtraining has no "
-                    "attention dropout; use 0.0")
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
     if args.recompute_granularity is not None and not _cuda_available():
         raise E(f"--recompute-granularity {args.recompute_granularity}: activation recomputation needs CUDA "
                 "(megatron-core's checkpoint function saves and restores the CUDA RNG state)")
-    _apply_mtraining_config(args, cp, E)
-    try:
-        Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
-    except ValueError as e:
-        raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp}, --cp-layout "
-                f"{args.cp_layout}, --cp-granularity {args.cp_granularity}: {e}") from None
+    _apply_mtraining_config(args, cp, E)      # mtraining: the layout rules are checked there
+    if args.mtraining is None:
+        try:
+            Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
+        except ValueError as e:
+            raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp}, --cp-layout "
+                    f"{args.cp_layout}, --cp-granularity {args.cp_granularity}: {e}") from None
 
     # --- batch sizes and schedule
     if args.global_batch_size is None:
@@ -342,14 +344,16 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
 
 def _apply_mtraining_config(args: argparse.Namespace, cp: int, E) -> None:
     """Resolve ``--mtraining-config`` / ``--hierarchical-context-parallel-sizes`` into ``args.mtraining``
-    (a validated :class:`~megatron_mtraining.config.MTrainingConfig`) and the layout flags.
+    (a validated :class:`~megatron_mtraining.config.MTrainingConfig`, hierarchical sizes filled in)
+    and the layout flags.
 
-    Without a config the run is the dense ring on ``--cp-layout``; hierarchical sizes alone select
-    the dense hierarchical ring. A config fixes the layout (an explicit, different ``--cp-layout``
-    is an error) and must agree with the hierarchical sizes; hierarchical sizes with a flat
-    config are an error (the run would silently use a flat ring).
+    The rules are :func:`megatron_mtraining.plan.config_from_args`, shared with the Megatron-LM patch:
+    without a config the run is the dense ring on ``--cp-layout``, and hierarchical sizes alone
+    select the dense hierarchical ring; a config fixes the layout (an explicit, different
+    ``--cp-layout`` is an error) and must agree with the hierarchical sizes; hierarchical sizes with
+    a flat config are an error (the run would silently use a flat ring).
     """
-    from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
+    from megatron_mtraining.plan import config_from_args
 
     hcp = args.hierarchical_context_parallel_sizes
     if hcp is not None and (len(hcp) != 2 or hcp[0] * hcp[1] != cp):
@@ -358,31 +362,34 @@ def _apply_mtraining_config(args: argparse.Namespace, cp: int, E) -> None:
     if args.cp_attention != "mtraining":
         if args.mtraining_config:
             raise E("--mtraining-config needs --cp-attention mtraining")
+        for flag in ("reset_attention_mask", "reset_position_ids"):
+            if getattr(args, flag, False):
+                raise E(f"--{flag.replace('_', '-')}: document masking (packed sequences) is not supported by "
+                        "this trainer")
         args.mtraining = None
         return
+    if args.mtraining_config:
+        try:
+            from megatron_mtraining.config import load_mtraining_config
+
+            load_mtraining_config(args.mtraining_config)
+        except (ValueError, OSError) as e:
+            raise E(f"--mtraining-config: {e}") from None
     try:
-        if args.mtraining_config:
-            cfg = load_mtraining_config(args.mtraining_config)
-        else:
-            cfg = MTrainingConfig(implementation="hierarchical" if hcp else
-                                  ("zigzag" if args.cp_layout == "zigzag" else "striped"),
-                                  granularity=args.cp_granularity)
-    except (ValueError, OSError) as e:
+        cfg = config_from_args(args)
+    except OSError as e:
         raise E(f"--mtraining-config: {e}") from None
-    if hcp and cfg.implementation != "hierarchical":
-        raise E(f"--hierarchical-context-parallel-sizes is given but {args.mtraining_config} has implementation "
-                f"'{cfg.implementation}' (the run would use a flat ring); use a config with implementation: "
-                "hierarchical or drop the flag")
-    try:
-        cfg.check_run(cp_size=cp, seq_len=args.seq_length, megatron_hierarchical_sizes=hcp)
-        sizes = cfg.hierarchical_sizes(cp, hcp)
     except ValueError as e:
+        msg = str(e)
+        if msg.startswith("--"):
+            raise E(msg) from None
         src = args.mtraining_config or f"--cp-layout {args.cp_layout} --cp-granularity {args.cp_granularity}"
-        raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp} and {src}: {e}") from None
+        raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp} and {src}: {msg}") from None
     if args.mtraining_config and args.cp_layout not in (None, cfg.layout_kind) and args.cp_layout != "striped":
         raise E(f"--cp-layout {args.cp_layout} disagrees with {args.mtraining_config} "
                 f"(implementation '{cfg.implementation}' uses the {cfg.layout_kind} layout)")
     args.cp_layout, args.cp_granularity = cfg.layout_kind, cfg.granularity
+    sizes = cfg.hierarchical.sizes if cfg.implementation == "hierarchical" else None
     if sizes is not None:
         args.hierarchical_context_parallel_sizes = list(sizes)
     args.mtraining = cfg

@@ -16,8 +16,7 @@ the same positions (:func:`megatron_mtraining.megatron.rope.install_layout_rope`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,71 +25,42 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mtraining.layout import LAYOUT_KINDS, Layout
-from megatron_mtraining.ops.backends import select_backend
+from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
+from megatron_mtraining.plan import CPPlan, resolve
 from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 from megatron_mtraining.ring.sparse import sparse_ring_attention
 
-__all__ = ["MTrainingAttentionConfig", "MTrainingAttention", "get_cp_group"]
+__all__ = ["MTrainingAttentionConfig", "MTrainingAttention", "get_cp_group", "get_hierarchical_groups",
+           "plan_for_model"]
 
 
-@dataclass(frozen=True)
-class MTrainingAttentionConfig:
-    """Options of the MTraining CP attention backend (passed through ``ModuleSpec.params``).
+def MTrainingAttentionConfig(layout: str = "striped", granularity: int = 64, pattern: str = "dense",
+                             vertical_slash: Optional[Any] = None, hierarchical: Optional[tuple] = None,
+                             columns: str = "in_ring", deterministic: bool = False,
+                             kernel_backend: str = "auto") -> MTrainingConfig:
+    """An :class:`~megatron_mtraining.config.MTrainingConfig` from the attention's keyword set.
 
-    Args:
-        layout: CP sequence layout kind, ``"striped"`` (default, MTraining) or ``"zigzag"``
-            (Megatron/TE DualChunkSwap; useful as a baseline). ``"contiguous"`` is accepted too.
-        granularity: striped chunk size in tokens (default 64); ignored by the other layouts.
-        pattern: ``"dense"`` (exact causal attention) or ``"vertical_slash"`` (MTraining's dynamic
-            sparse pattern, estimated online every forward; paper §3.2).
-        vertical_slash: the estimator's budgets (``VerticalSlashConfig``); default budgets when
-            ``None`` and the pattern is sparse.
-        hierarchical: ``(inner, outer)`` ring sizes for the two-level ring (paper §4.2) over
-            Megatron's hierarchical CP groups (``--hierarchical-context-parallel-sizes``), or
-            ``None`` for the flat ring.
-        columns: ``"in_ring"`` or ``"out_of_ring"``: where the sparse pattern's vertical columns are
-            computed (:func:`~megatron_mtraining.ring.sparse.sparse_ring_attention`).
-        deterministic: GPU sparse backward without atomics (bitwise repeatable).
+    ``layout`` is the layout kind (``"striped"`` or ``"zigzag"``), ``hierarchical`` the
+    ``(inner, outer)`` sizes of the two-level ring (``implementation: hierarchical``); the other
+    arguments are the config keys of the same name. Validation is the config's.
 
     Raises:
-        ValueError: unknown layout kind or pattern, ``granularity < 1``, bad hierarchical sizes.
+        ValueError: naming the config key.
     """
-
-    layout: str = "striped"
-    granularity: int = 64
-    pattern: str = "dense"
-    vertical_slash: Optional[Any] = None
-    hierarchical: Optional[tuple] = None
-    columns: str = "in_ring"
-    deterministic: bool = False
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUT_KINDS:
-            raise ValueError(f"MTrainingAttentionConfig.layout must be one of {LAYOUT_KINDS}, got {self.layout!r}")
-        if int(self.granularity) < 1:
-            raise ValueError(f"MTrainingAttentionConfig.granularity must be >= 1, got {self.granularity}")
-        if self.pattern not in ("dense", "vertical_slash"):
-            raise ValueError(f"MTrainingAttentionConfig.pattern must be 'dense' or 'vertical_slash', got {self.pattern!r}")
-        if self.columns not in ("in_ring", "out_of_ring"):
-            raise ValueError(f"MTrainingAttentionConfig.columns must be 'in_ring' or 'out_of_ring', got {self.columns!r}")
-        if self.columns != "in_ring" and self.pattern != "vertical_slash":
-            raise ValueError(f"MTrainingAttentionConfig.columns={self.columns!r} applies to pattern='vertical_slash' "
-                             f"only, got pattern={self.pattern!r}")
-        if self.hierarchical is not None:
-            if len(self.hierarchical) != 2 or min(int(x) for x in self.hierarchical) < 2:
-                raise ValueError("MTrainingAttentionConfig.hierarchical must be (inner, outer) with both >= 2, "
-                                 f"got {self.hierarchical!r}")
-            object.__setattr__(self, "hierarchical", tuple(int(x) for x in self.hierarchical))
-        if self.pattern == "vertical_slash" and self.vertical_slash is None:
-            from megatron_mtraining.patterns.estimator import VerticalSlashConfig
-
-            object.__setattr__(self, "vertical_slash", VerticalSlashConfig())
-
-    def make_layout(self, cp_size: int) -> Layout:
-        """The :class:`Layout` for a CP group of ``cp_size`` ranks."""
-        return Layout(self.layout, cp_size=cp_size, granularity=self.granularity)
+    if layout not in ("striped", "zigzag"):
+        raise ValueError(f"mtraining config: layout must be 'striped' or 'zigzag' (the 'implementation' key), "
+                         f"got {layout!r}")
+    d: dict[str, Any] = {"implementation": "hierarchical" if hierarchical is not None else layout,
+                         "granularity": granularity, "pattern": pattern, "columns": columns,
+                         "deterministic": deterministic, "kernel_backend": kernel_backend}
+    if hierarchical is not None:
+        if len(tuple(hierarchical)) != 2:
+            raise ValueError(f"mtraining config: hierarchical must be (inner, outer), got {hierarchical!r}")
+        d["hierarchical"] = {"inner": int(hierarchical[0]), "outer": int(hierarchical[1])}
+    if vertical_slash is not None:
+        d["vertical_slash"] = vertical_slash
+    return load_mtraining_config(d)
 
 
 def get_cp_group(pg_collection: Any = None) -> Optional[dist.ProcessGroup]:
@@ -102,31 +72,52 @@ def get_cp_group(pg_collection: Any = None) -> Optional[dist.ProcessGroup]:
     return group
 
 
-def get_hierarchical_groups(pg_collection: Any, sizes: tuple, cp_size: int) -> tuple:
-    """``(inner, outer)`` process groups: ``pg_collection.hcp`` (Megatron's hierarchical CP groups,
-    level 0 = inner, level 1 = outer), else ``parallel_state``'s.
+def get_hierarchical_groups(pg_collection: Any = None) -> Optional[tuple]:
+    """``(inner, outer)``: ``pg_collection.hcp`` (Megatron's hierarchical CP groups, level 0 = inner,
+    level 1 = outer), else ``parallel_state``'s; ``None`` when Megatron was initialised without
+    ``hierarchical_context_parallel_sizes``."""
+    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+    if not groups and dist.is_available() and dist.is_initialized():
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if not groups:
+        return None
+    if len(groups) != 2:
+        raise ValueError(f"the hierarchical ring needs two levels of hierarchical CP groups (inner, outer), got "
+                         f"{len(groups)} (--hierarchical-context-parallel-sizes INNER OUTER)")
+    return groups[0], groups[1]
+
+
+def plan_for_model(mtraining_config: Union[MTrainingConfig, CPPlan, None], pg_collection: Any = None) -> CPPlan:
+    """The :class:`~megatron_mtraining.plan.CPPlan` of a model: ``mtraining_config`` itself when it
+    is a plan, else the config resolved over the CP group (and, for ``implementation: hierarchical``,
+    Megatron's hierarchical CP groups) of ``pg_collection`` / ``parallel_state``.
 
     Raises:
-        ValueError: the groups are missing (Megatron was initialised without
-            ``hierarchical_context_parallel_sizes``) or their sizes differ from ``sizes`` — a run
-            that would silently fall back to a flat ring is an error.
+        ValueError: as :func:`~megatron_mtraining.plan.resolve` (e.g. a hierarchical config without
+            Megatron's hierarchical CP groups).
     """
-    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
-    if not groups:
-        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-    if not groups or len(groups) != 2:
-        raise ValueError(f"hierarchical ring {sizes[0]}x{sizes[1]} needs Megatron's hierarchical CP groups: "
+    if isinstance(mtraining_config, CPPlan):
+        return mtraining_config
+    cfg = load_mtraining_config(mtraining_config)
+    hier = get_hierarchical_groups(pg_collection) if cfg.implementation == "hierarchical" else None
+    if cfg.implementation == "hierarchical" and hier is None:
+        raise ValueError("mtraining config: implementation 'hierarchical' needs Megatron's hierarchical CP groups: "
                          "initialize_model_parallel(..., hierarchical_context_parallel_sizes=[inner, outer]) "
                          "(--hierarchical-context-parallel-sizes INNER OUTER)")
-    got = (_group_size(groups[0]), _group_size(groups[1]))
-    if got != tuple(sizes) or got[0] * got[1] != cp_size:
-        raise ValueError(f"hierarchical ring sizes {tuple(sizes)} but Megatron's hierarchical CP groups have "
-                         f"inner={got[0]}, outer={got[1]} (context-parallel size {cp_size})")
-    return groups[0], groups[1]
+    return resolve(cfg, cp_group=get_cp_group(pg_collection), hierarchical_groups=hier)
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def _is_plain_causal_mask(mask: torch.Tensor) -> bool:
+    """True for Megatron's plain causal mask (``True`` above the diagonal of its last two dims)."""
+    if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    s = mask.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    return bool((mask.bool() == causal).all())
 
 
 class MTrainingAttention(MegatronModule):
@@ -146,11 +137,16 @@ class MTrainingAttention(MegatronModule):
         softmax_scale: scale of ``q k^T``; ``None`` means ``1/sqrt(head_dim)``.
         cp_comm_type: megatron's TE CP communication type; ignored (ring communication is fixed).
         pg_collection: process groups; the CP group is ``pg_collection.cp`` (falls back to
-            ``parallel_state.get_context_parallel_group()``).
-        mtraining_config: layout options (default: striped, granularity 64).
+            ``parallel_state.get_context_parallel_group()``), the hierarchical groups
+            ``pg_collection.hcp``.
+        mtraining_config: the :class:`~megatron_mtraining.plan.CPPlan` of the run (shared by all
+            layers), or an :class:`~megatron_mtraining.config.MTrainingConfig` (resolved here over
+            the CP group; default: dense striped ring, granularity 64).
 
     Raises:
-        ValueError: attention dropout > 0.
+        ValueError: attention dropout > 0, a plan or CP group whose size is not
+            ``TransformerConfig.context_parallel_size``, a hierarchical config without Megatron's
+            hierarchical CP groups.
         NotImplementedError: ``attn_mask_type`` other than causal, or cross attention.
     """
 
@@ -164,13 +160,12 @@ class MTrainingAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
-        mtraining_config: Optional[MTrainingAttentionConfig] = None,
+        mtraining_config: Union[MTrainingConfig, CPPlan, None] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        self.mtraining_config = mtraining_config or MTrainingAttentionConfig()
         self._check_mask_type(attn_mask_type, "attn_mask_type (from the layer spec)")
         if attention_type != "self":
             raise NotImplementedError(
@@ -184,18 +179,17 @@ class MTrainingAttention(MegatronModule):
             )
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type
-        self.cp_group = get_cp_group(pg_collection)
-        self.cp_size = _group_size(self.cp_group)
+        self.plan = plan_for_model(mtraining_config, pg_collection)
+        self.mtraining_config = self.plan.config
+        self.cp_group = self.plan.cp_group
+        self.cp_size = self.plan.cp_size
         if self.cp_size != config.context_parallel_size:
             raise ValueError(
                 f"CP group has {self.cp_size} ranks but TransformerConfig.context_parallel_size="
                 f"{config.context_parallel_size}"
             )
-        self.layout = self.mtraining_config.make_layout(self.cp_size)
-        self.hierarchical_groups = None
-        if self.mtraining_config.hierarchical is not None:
-            self.hierarchical_groups = get_hierarchical_groups(pg_collection, self.mtraining_config.hierarchical,
-                                                               self.cp_size)
+        self.layout = self.plan.layout
+        self.hierarchical_groups = self.plan.hierarchical_groups
 
     @staticmethod
     def _check_mask_type(mask_type: Any, what: str) -> None:
@@ -219,10 +213,10 @@ class MTrainingAttention(MegatronModule):
         Args:
             query: ``[s_local, b, np, hn]`` (np = query heads per TP rank), RoPE applied.
             key, value: ``[s_local, b, ng, hn]`` (ng = query groups per TP rank; GQA, not expanded).
-            attention_mask: ignored. For GPT it is either ``None`` (``create_attention_mask=False``)
-                or the plain causal mask ``[b, 1, s_local, s]`` built by the dataset for the
-                *zigzag* query rows, which is wrong for any other layout; causality is instead
-                enforced from the layout's global positions inside ring attention.
+            attention_mask: ``None`` (``create_attention_mask=False``) or the plain causal mask
+                ``[b, 1, s, s]`` (ignored: causality is enforced from the layout's global positions
+                inside ring attention). Any other mask (document masking from
+                ``--reset-attention-mask``, packed sequences) is refused.
             attn_mask_type: if given, must be ``AttnMaskType.causal``.
             attention_bias: must be ``None``.
             packed_seq_params: must be ``None`` (THD / packed sequences are not supported).
@@ -231,8 +225,12 @@ class MTrainingAttention(MegatronModule):
             ``[s_local, b, np * hn]``, dtype of ``query``.
 
         Raises:
-            NotImplementedError: ``attention_bias``, ``packed_seq_params`` or a non-causal mask type.
-            ValueError: malformed shapes (head counts not GQA-compatible, q/k length mismatch).
+            NotImplementedError: ``attention_bias``, ``packed_seq_params``, a non-causal mask type or
+                a non-causal ``attention_mask``.
+            ValueError: malformed shapes (head counts not GQA-compatible, q/k length mismatch, a
+                length the layout cannot split), non-float dtypes, or CP ranks that disagree
+                (shapes, dtypes, ``softmax_scale``...); checked on every rank once per shape
+                (:meth:`~megatron_mtraining.plan.CPPlan.check_inputs`), so all ranks raise alike.
         """
         if attention_bias is not None:
             raise NotImplementedError("MTrainingAttention does not support attention_bias")
@@ -242,40 +240,35 @@ class MTrainingAttention(MegatronModule):
             )
         if attn_mask_type is not None:
             self._check_mask_type(attn_mask_type, "attn_mask_type")
-        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-            raise ValueError(
-                "MTrainingAttention expects sbhd tensors: query [s, b, np, hn], key/value [s, b, ng, hn]; "
-                f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-            )
-        sq, b, np_, hn = query.shape
-        sk, _, ng, _ = key.shape
-        if sk != sq or key.shape != value.shape:
-            raise ValueError(
-                f"MTrainingAttention: key/value {tuple(key.shape)}/{tuple(value.shape)} must match "
-                f"query length {sq}"
-            )
-        if np_ % ng != 0:
-            raise ValueError(f"GQA: query heads ({np_}) must be a multiple of key/value groups ({ng})")
-        self.layout.check_seq_len(sq * self.cp_size)
-
-        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(hn)
-        q = query.transpose(0, 1).contiguous()  # [b, s_local, np, hn]
-        k = key.transpose(0, 1).contiguous()  # [b, s_local, ng, hn]
-        v = value.transpose(0, 1).contiguous()
+        if attention_mask is not None and not _is_plain_causal_mask(attention_mask):
+            raise NotImplementedError(
+                f"MTrainingAttention: a non-causal attention_mask {tuple(attention_mask.shape)} is not supported: "
+                "document masking (--reset-attention-mask, --reset-position-ids; packed sequences) would be "
+                "ignored by the ring; build the data without it (create_attention_mask=False)")
+        sq, b, np_, hn = query.shape if query.dim() == 4 else (query.shape[0], 0, 0, 0)
+        sbhd = query.dim() == key.dim() == value.dim() == 4
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(max(hn, 1))
+        q = query.transpose(0, 1).contiguous() if sbhd else query  # [b, s_local, np, hn]
+        k = key.transpose(0, 1).contiguous() if sbhd else key  # [b, s_local, ng, hn]
+        v = value.transpose(0, 1).contiguous() if sbhd else value
+        self.plan.check_inputs(q, k, v, softmax_scale=scale)   # every rank's verdict, once per shape
         cfg = self.mtraining_config
         sparse = cfg.pattern == "vertical_slash"
-        backend = select_backend("auto", device=q.device, dtype=q.dtype, head_dim=hn, seq_len_local=sq,
-                                 cp_size=self.cp_size, sparse=sparse, deterministic=cfg.deterministic)
+        backend = self.plan.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                                           seq_len_local=q.shape[1])
         if sparse:
             out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=cfg.vertical_slash,
-                                        softmax_scale=scale, hierarchical_groups=self.hierarchical_groups,
-                                        columns=cfg.columns, backend=backend)
+                                        softmax_scale=scale, check_inputs=False,
+                                        hierarchical_groups=self.hierarchical_groups, columns=cfg.columns,
+                                        backend=backend)
         elif self.hierarchical_groups is not None:
             inner, outer = self.hierarchical_groups
             out = hierarchical_ring_attention(q, k, v, layout=self.layout, inner_group=inner, outer_group=outer,
-                                              softmax_scale=scale, causal=True, backend=backend)
+                                              softmax_scale=scale, causal=True, check_inputs=False,
+                                              backend=backend)
         else:
             out = ring_attention(
-                q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True, backend=backend
+                q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True,
+                check_inputs=False, backend=backend
             )  # [b, s_local, np, hn]
         return out.transpose(0, 1).reshape(sq, b, np_ * hn)

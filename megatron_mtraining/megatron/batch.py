@@ -6,11 +6,12 @@ Replacement for ``megatron.core.utils.get_batch_on_this_cp_rank`` (which hard-co
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import torch
 
 from megatron_mtraining.layout import Layout
+from megatron_mtraining.plan import CPPlan
 
 __all__ = ["SEQ_KEYS", "get_batch_on_this_cp_rank_striped"]
 
@@ -19,7 +20,7 @@ SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def get_batch_on_this_cp_rank_striped(
-    batch: Mapping[str, Optional[torch.Tensor]], layout: Layout, cp_rank: int
+    batch: Mapping[str, Optional[torch.Tensor]], layout: Union[Layout, CPPlan], cp_rank: Optional[int] = None
 ) -> dict[str, Optional[torch.Tensor]]:
     """This CP rank's part of a GPT micro-batch.
 
@@ -32,8 +33,9 @@ def get_batch_on_this_cp_rank_striped(
 
     Args:
         batch: mapping of name to tensor (or ``None``).
-        layout: the CP layout (its ``cp_size`` is the CP group size).
-        cp_rank: this rank's index in the CP group.
+        layout: the run's :class:`~megatron_mtraining.plan.CPPlan` (its layout and CP rank), or the
+            CP layout (its ``cp_size`` is the CP group size).
+        cp_rank: this rank's index in the CP group (default: the plan's; required with a layout).
 
     Returns:
         A new dict with the sharded tensors.
@@ -43,6 +45,13 @@ def get_batch_on_this_cp_rank_striped(
             rows; use ``create_attention_mask=False``), sequence lengths differ between keys, or the
             sequence length cannot be split by ``layout`` (message names the layout rule).
     """
+    if isinstance(layout, CPPlan):
+        if cp_rank is not None and cp_rank != layout.cp_rank:
+            raise ValueError(f"get_batch_on_this_cp_rank_striped: cp_rank={cp_rank} but the plan's CP rank is "
+                             f"{layout.cp_rank}")
+        layout, cp_rank = layout.layout, layout.cp_rank
+    elif cp_rank is None:
+        raise ValueError("get_batch_on_this_cp_rank_striped: cp_rank is required with a Layout (or pass the CPPlan)")
     if batch.get("attention_mask") is not None:
         raise ValueError(
             "get_batch_on_this_cp_rank_striped: attention_mask must be None "

@@ -6,15 +6,18 @@ package; everything else stays Megatron-LM's:
 * ``--cp-attention {te,mtraining}`` (default ``te``: Megatron-LM unchanged) and
   ``--mtraining-config FILE`` (a YAML file, see :mod:`megatron_mtraining.config`; loaded and
   checked while the command line is parsed, so a bad file is an argparse error naming the key).
-* ``gpt_builder``: ``replace_core_attention(spec, mtraining_attention_config(args))`` and, after
-  ``GPTModel(...)``, ``install_layout_rope(model, mtraining_layout(args))``.
-* ``get_batch``: ``get_batch_on_this_cp_rank_striped(batch, mtraining_layout(args), cp_rank)``
-  instead of Megatron's zigzag ``get_batch_on_this_cp_rank``.
+* ``gpt_builder``: ``replace_core_attention(spec, mtraining_plan(args))`` and, after
+  ``GPTModel(...)``, ``install_layout_rope(model, mtraining_plan(args))``.
+* ``get_batch``: ``get_batch_on_this_cp_rank_striped(batch, mtraining_plan(args))`` instead of
+  Megatron's zigzag ``get_batch_on_this_cp_rank``.
 
-:func:`mtraining_config_from_args` checks the Megatron-LM arguments the backend cannot serve
-(attention dropout, a dataloader attention mask, MTP, MLA, yarn/mrope, hybrid CP, SFT packing) and
-the config against the run (sequence length, CP size, hierarchical sizes); each error names the
-flag or config key.
+:func:`mtraining_config_from_args` applies the front-door rules shared with
+``examples/pretrain_gpt.py`` (:func:`megatron_mtraining.plan.config_from_args`): the Megatron-LM
+arguments the backend cannot serve (attention dropout, document masking with
+``--reset-attention-mask`` / ``--reset-position-ids``, a dataloader attention mask, MTP, MLA,
+yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
+hierarchical sizes); each error names the flag or config key. :func:`mtraining_plan` resolves the
+run's :class:`~megatron_mtraining.plan.CPPlan` once.
 
 Only ``argparse`` and :mod:`megatron_mtraining.config` are imported at module level.
 """
@@ -22,7 +25,6 @@ Only ``argparse`` and :mod:`megatron_mtraining.config` are imported at module le
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any, Callable, Optional
 
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
@@ -34,7 +36,7 @@ __all__ = [
     "mtraining_enabled",
     "mtraining_config_from_args",
     "mtraining_layout",
-    "mtraining_attention_config",
+    "mtraining_plan",
 ]
 
 CP_ATTENTION_CHOICES = ("te", "mtraining")
@@ -82,92 +84,67 @@ def mtraining_enabled(args: Any) -> bool:
     return getattr(args, "cp_attention", "te") == "mtraining"
 
 
-_CACHE: dict[tuple, MTrainingConfig] = {}
-
-
-def _check_megatron_args(args: Any) -> None:
-    def get(name: str, default: Any = None) -> Any:
-        return getattr(args, name, default)
-
-    problems = []
-    if get("attention_dropout", 0.0):
-        problems.append(f"--attention-dropout {get('attention_dropout')}: the ring kernels have no attention "
-                        "dropout; pass --attention-dropout 0.0")
-    if get("create_attention_mask_in_dataloader", False):
-        problems.append("pass --no-create-attention-mask-in-dataloader (causality comes from the layout's global "
-                        "positions; a dense mask is built for zigzag rows and costs s^2 memory)")
-    if get("position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope", "none"):
-        problems.append(f"--position-embedding-type {get('position_embedding_type')}: only rope, "
-                        "learned_absolute and none are supported (other CP slicers are zigzag-only)")
-    if get("multi_latent_attention", False):
-        problems.append("--multi-latent-attention is not supported")
-    if get("mtp_num_layers"):
-        problems.append("--mtp-num-layers is not supported (MTP's roll_tensor assumes the zigzag split)")
-    if get("hybrid_context_parallel", False):
-        problems.append("--hybrid-context-parallel is not supported")
-    if get("sft", False):
-        problems.append("--sft is not supported (packed THD sequences)")
-    if get("use_legacy_models", False):
-        problems.append("--use-legacy-models is not supported")
-    if problems:
-        raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
+_CONFIGS: dict[tuple, MTrainingConfig] = {}
+_PLANS: dict[MTrainingConfig, Any] = {}
 
 
 def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     """The validated config of this run (the file is read once per config path and layout).
 
+    The rules are :func:`megatron_mtraining.plan.config_from_args`, the same as for
+    ``examples/pretrain_gpt.py``: unsupported Megatron-LM flags (``--reset-attention-mask``,
+    ``--reset-position-ids``, attention dropout, a dataloader mask, MTP, MLA, ...), the config
+    against the run (sequence length, CP size), and the hierarchical rule (no config plus
+    ``--hierarchical-context-parallel-sizes`` selects the dense hierarchical ring; a flat config
+    with them is an error). Megatron-LM builds its hierarchical CP groups from the flag only, so a
+    hierarchical config also needs the flag.
+
     Raises:
-        ValueError: an unsupported Megatron-LM flag (named), or a config that does not fit the run
-            (sequence length, CP size, hierarchical sizes; the config key is named).
+        ValueError: naming the flag or the config key.
     """
+    from megatron_mtraining.plan import config_from_args, front_door_problems
+
+    problems = front_door_problems(args)
+    if problems:
+        raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
     path = getattr(args, "mtraining_config", None)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    seq = int(args.seq_length)
-    _check_megatron_args(args)
-    key = (path, cp, tuple(hcp) if hcp else None, seq)
-    cfg = _CACHE.get(key)
+    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length))
+    cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = load_mtraining_config(path)
-        cfg.check_run(cp_size=cp, seq_len=seq, megatron_hierarchical_sizes=hcp)
+        cfg = config_from_args(args)
         if cfg.implementation == "hierarchical" and not hcp:
             inner, outer = cfg.hierarchical.sizes
             raise ValueError(f"mtraining config {path}: implementation 'hierarchical' needs Megatron's inner/outer "
                              f"CP groups: pass --hierarchical-context-parallel-sizes {inner} {outer}")
-        _CACHE[key] = cfg
+        _CONFIGS[key] = cfg
     return cfg
+
+
+def mtraining_plan(args: Any) -> Any:
+    """The run's :class:`~megatron_mtraining.plan.CPPlan` over Megatron's CP group (and hierarchical CP
+    groups); one plan per config and CP group, shared by the layer spec, RoPE and the batch split.
+    Call after ``initialize_model_parallel``.
+
+    Raises:
+        ValueError: as :func:`mtraining_config_from_args` and :func:`~megatron_mtraining.plan.resolve`.
+    """
+    from megatron_mtraining.megatron.attention import get_cp_group, plan_for_model
+
+    cfg = mtraining_config_from_args(args)
+    group = get_cp_group()
+    plan = _PLANS.get(cfg)
+    if plan is None or plan.cp_group is not group:
+        plan = plan_for_model(cfg)
+        _PLANS[cfg] = plan
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if plan.cp_size != cp:
+        raise ValueError(f"--context-parallel-size {cp} but the CP group has {plan.cp_size} ranks (call "
+                         "mtraining_plan after initialize_model_parallel)")
+    return plan
 
 
 def mtraining_layout(args: Any) -> Layout:
     """The CP sequence layout (striped or zigzag) over ``--context-parallel-size`` ranks."""
     return mtraining_config_from_args(args).make_layout(int(getattr(args, "context_parallel_size", 1) or 1))
-
-
-def mtraining_attention_config(args: Any) -> Any:
-    """The ``MTrainingAttentionConfig`` for ``replace_core_attention``.
-
-    Passes every option of :meth:`MTrainingConfig.attention_kwargs` that ``MTrainingAttentionConfig``
-    has a field for; an option that it cannot take yet but that the config sets to a non-default
-    value (``pattern: vertical_slash``, ``implementation: hierarchical``, ``deterministic: true``)
-    is an error rather than being dropped.
-
-    Raises:
-        NotImplementedError: the attention module lacks a feature the config asks for.
-    """
-    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
-
-    cfg = mtraining_config_from_args(args)
-    supported = {f.name for f in dataclasses.fields(MTrainingAttentionConfig)}
-    kwargs = cfg.attention_kwargs()
-    if cfg.implementation == "hierarchical":
-        kwargs["hierarchical"] = cfg.hierarchical_sizes(
-            int(args.context_parallel_size), getattr(args, "hierarchical_context_parallel_sizes", None))
-    wanted = {"pattern": cfg.pattern != "dense", "vertical_slash": cfg.sparse,
-              "hierarchical": cfg.implementation == "hierarchical", "deterministic": cfg.deterministic}
-    missing = [k for k, needed in wanted.items() if needed and k not in supported]
-    if missing:
-        raise NotImplementedError(
-            f"mtraining config {getattr(args, 'mtraining_config', None)}: MTrainingAttention in this version has no "
-            f"option {', '.join(repr(k) for k in missing)} (its options: {', '.join(sorted(supported))}); "
-            "use a dense striped or zigzag config")
-    return MTrainingAttentionConfig(**{k: v for k, v in kwargs.items() if k in supported})

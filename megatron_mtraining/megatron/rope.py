@@ -12,7 +12,7 @@ replaces ``model.rotary_pos_emb`` by a :class:`LayoutRotaryEmbedding` that retur
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from torch import Tensor
 
 from megatron_mtraining.layout import Layout
+from megatron_mtraining.plan import CPPlan
 
 __all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope"]
 
@@ -159,7 +160,7 @@ def _unwrap(model: Any) -> Any:
 
 
 def install_layout_rope(
-    model: torch.nn.Module, layout: Layout, cp_group: Optional[dist.ProcessGroup] = None
+    model: torch.nn.Module, layout: Union[Layout, CPPlan], cp_group: Optional[dist.ProcessGroup] = None
 ) -> int:
     """Replace every ``rotary_pos_emb`` (a megatron ``RotaryEmbedding``) inside ``model`` by a
     :class:`LayoutRotaryEmbedding` for ``layout``. Call before the first forward.
@@ -169,8 +170,10 @@ def install_layout_rope(
 
     Args:
         model: a ``GPTModel`` or a wrapper of one.
-        layout: the CP layout used to split the batch.
-        cp_group: the CP group (default: the one the model's ``RotaryEmbedding`` was built with).
+        layout: the run's :class:`~megatron_mtraining.plan.CPPlan` (its layout and CP group), or
+            the CP layout used to split the batch.
+        cp_group: the CP group (default: the plan's; without a plan, the one the model's
+            ``RotaryEmbedding`` was built with).
 
     Returns:
         The number of embeddings replaced.
@@ -182,6 +185,10 @@ def install_layout_rope(
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+    if isinstance(layout, CPPlan):
+        if cp_group is None:
+            cp_group = layout.cp_group
+        layout = layout.layout
     replaced = 0
     for module in list(_unwrap(model).modules()):
         rot = getattr(module, "rotary_pos_emb", None)

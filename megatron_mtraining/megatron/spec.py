@@ -8,11 +8,15 @@ Transformer Engine spec when TE imports and from the local (pure megatron-core) 
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_mtraining.megatron.attention import MTrainingAttention, MTrainingAttentionConfig
+from megatron_mtraining.config import MTrainingConfig
+from megatron_mtraining.megatron.attention import MTrainingAttention
+from megatron_mtraining.plan import CPPlan
+
+ConfigOrPlan = Union[MTrainingConfig, CPPlan, None]
 
 __all__ = [
     "te_available",
@@ -35,15 +39,15 @@ def te_available() -> bool:
     return True
 
 
-def _mtraining_core_attention(mtraining_config: Optional[MTrainingAttentionConfig]) -> ModuleSpec:
+def _mtraining_core_attention(mtraining_config: ConfigOrPlan) -> ModuleSpec:
     return ModuleSpec(
         module=MTrainingAttention,
-        params={"mtraining_config": mtraining_config or MTrainingAttentionConfig()},
+        params={"mtraining_config": MTrainingConfig() if mtraining_config is None else mtraining_config},
     )
 
 
 def replace_core_attention(
-    spec: Any, mtraining_config: Optional[MTrainingAttentionConfig] = None
+    spec: Any, mtraining_config: ConfigOrPlan = None
 ) -> Any:
     """Return a copy of ``spec`` with every self-attention ``core_attention`` set to
     :class:`MTrainingAttention`.
@@ -51,7 +55,10 @@ def replace_core_attention(
     Args:
         spec: a transformer-layer ``ModuleSpec`` or a ``TransformerBlockSubmodules`` (its
             ``layer_specs`` are all rewritten).
-        mtraining_config: layout options forwarded through ``ModuleSpec.params``.
+        mtraining_config: the run's :class:`~megatron_mtraining.plan.CPPlan` (shared by every
+            layer: one cross-rank check per shape for the whole model) or an
+            :class:`~megatron_mtraining.config.MTrainingConfig` (each layer resolves it over the CP
+            group); forwarded through ``ModuleSpec.params``. Default: dense striped ring.
 
     Raises:
         ValueError: ``spec`` has no ``submodules.self_attention.submodules.core_attention``.
@@ -72,7 +79,7 @@ def replace_core_attention(
 
 def get_gpt_layer_spec_with_mtraining(
     use_te: Optional[bool] = None,
-    mtraining_config: Optional[MTrainingAttentionConfig] = None,
+    mtraining_config: ConfigOrPlan = None,
     normalization: str = "LayerNorm",
     **kwargs: Any,
 ) -> ModuleSpec:
@@ -81,7 +88,9 @@ def get_gpt_layer_spec_with_mtraining(
     Args:
         use_te: ``True``: Transformer Engine spec (``get_gpt_layer_with_transformer_engine_spec``);
             ``False``: local spec (``get_gpt_layer_local_spec``); ``None``: TE if it imports.
-        mtraining_config: layout options for the attention (default striped, granularity 64).
+        mtraining_config: the run's :class:`~megatron_mtraining.plan.CPPlan` or an
+            :class:`~megatron_mtraining.config.MTrainingConfig` (default: dense striped ring,
+            granularity 64); see :func:`replace_core_attention`.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; passed to the local spec (the TE spec
             reads ``TransformerConfig.normalization`` itself).
         **kwargs: forwarded to the megatron-core spec function (e.g. ``qk_layernorm``).

@@ -25,15 +25,16 @@ from typing import Optional
 import torch
 
 from ..common import acc_dtype, default_softmax_scale
-from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
+from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, group_size,
+                           hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
 from ..ops.backends import KernelBackend, select_backend
 from ..ops.base import DeltaFunction
 from ..ops.merge import merge_attention
 from ..ops.reference import DenseStepKernel, attention_delta_torch
 
-__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "backend_for",
-           "last_dim_contiguous"]
+__all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "ring_input_error",
+           "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward"]
 
 
 def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step):
@@ -176,33 +177,60 @@ class RingAttentionFunc(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: bool = True, **fields) -> int:
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def ring_input_error(q, k, v, layout: Layout, cp: int) -> Optional[str]:
+    """This rank's verdict on ring inputs (no communication): the error text, or ``None``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"q, k, v must be [b, s_local, h, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
+                "and share batch, sequence and head_dim with q")
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
+        return f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in FLOAT_DTYPES:
+        return (f"q, k, v dtype {q.dtype} is not supported: attention needs floating-point inputs "
+                "(float64, float32, bfloat16 or float16)")
+    if layout.cp_size != cp:
+        return f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks"
+    try:
+        layout.check_seq_len(q.shape[1] * cp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: bool = True,
+                      hierarchical_groups=None, **fields) -> int:
     """Validate ring inputs locally and (when ``across_ranks``) across the CP group; returns cp_size.
 
-    ``fields``: extra values every rank must agree on (e.g. ``causal``, sparse budgets).
+    The local rules (:func:`ring_input_error`, and for ``hierarchical_groups`` the group numbering
+    of :func:`~megatron_mtraining.distributed.hierarchical_numbering_error`) are part of the
+    cross-rank check: every rank gathers every rank's verdict with one small all_gather and all
+    raise the same error, so an input that is invalid on one rank only is an error on every rank
+    rather than a hang.
+
+    ``fields``: extra values every rank must agree on (``causal``, ``softmax_scale``, sparse budgets...).
 
     Raises:
         ValueError: q/k/v not ``[b, s_local, h, d]`` with matching batch, length and head_dim, k/v
-            shapes differ, heads not GQA-compatible, dtypes differ, ``layout.cp_size`` not the group
-            size, a global length the layout cannot split, or ranks that disagree.
+            shapes differ, heads not GQA-compatible, dtypes differ or are not floating point,
+            ``layout.cp_size`` not the group size, a global length the layout cannot split,
+            hierarchical groups out of Megatron's numbering, or ranks that disagree.
     """
     cp = group_size(group)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [b, s_local, h, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
-                         "and share batch, sequence and head_dim with q")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if layout.cp_size != cp:
-        raise ValueError(f"layout.cp_size={layout.cp_size} but the process group has {cp} ranks")
-    layout.check_seq_len(q.shape[1] * cp)
+    error = ring_input_error(q, k, v, layout, cp)
+    if error is None and hierarchical_groups is not None:
+        error = hierarchical_numbering_error(*hierarchical_groups, group=group)
     if across_ranks and cp > 1:
-        check_consistent_across_ranks(group, what, q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
-                                      layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
-                                      **fields)
+        check_consistent_across_ranks(group, what, error=error, q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
+                                      dtype=q.dtype, layout=LAYOUT_KINDS.index(layout.kind),
+                                      granularity=layout.granularity, cp_size=layout.cp_size, **fields)
+    elif error is not None:
+        raise ValueError(error)
     return cp
 
 
@@ -220,11 +248,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         group: the CP process group (``None``: a single rank, no communication).
         softmax_scale: defaults to ``1/sqrt(d)``.
         causal: causal mask on global positions (key visible iff its position <= the query's).
-        check_inputs: before the first exchange, all ranks compare shapes, dtypes and layout
-            with one small all_gather and raise the same error on a mismatch (instead of hanging).
+        check_inputs: before the first exchange, all ranks compare their local verdicts, shapes,
+            dtypes, layout and ``softmax_scale`` with one small all_gather and raise the same
+            error on an invalid input or a mismatch (instead of hanging).
         backend: the kernels (:func:`~megatron_mtraining.ops.backends.select_backend`); ``None``:
-            ``select_backend("auto")`` for these inputs: on CUDA the Triton kernels of
-            :mod:`megatron_mtraining.ops.dense_gpu` (position-masked 64x64 tiles) where they support
+            ``select_backend("auto")`` for these inputs: on CUDA FlashAttention-4 or the Triton kernels
+            of :mod:`megatron_mtraining.ops.dense_gpu` (position-masked 64x64 tiles) where they support
             the shape, SDPA for causal bf16/fp16 attention at CP=1; otherwise the torch reference
             :class:`DenseStepKernel` (the CPU path and the oracle).
 
@@ -237,12 +266,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         ValueError: shapes/dtypes inconsistent locally or across ranks, ``layout.cp_size`` not the
             group size, or a global length ``s_local * cp_size`` the layout cannot split.
     """
-    cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal),
+                           softmax_scale=scale)
     backend = backend_for(q, cp, backend)
     q, k, v = last_dim_contiguous(q, k, v)
     if cp == 1 and causal and backend.dense_cp1 is not None:
-        # the layout is the identity at cp=1, so this is plain causal attention (e.g. SDPA: cuDNN/flash)
+        # the layout is the identity at cp=1, so this is plain causal attention (FA4 or SDPA: cuDNN/flash)
         return backend.dense_cp1(q, k, v, scale)
     kernel = backend.dense_step(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
     return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group), backend.delta)

@@ -31,13 +31,15 @@ from typing import Optional
 import torch
 
 from ..common import acc_dtype, default_softmax_scale
-from ..distributed import RingComm, check_consistent_across_ranks, group_rank, group_size
+from ..distributed import (RingComm, check_hierarchical_consistent, group_rank, group_size,
+                           hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
 from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
 from ..ops.reference import attention_delta_torch
-from . import _empty_out_lse, backend_for, begin_backward, column_phase_of, last_dim_contiguous, ring_pass_backward, ring_pass_forward
+from . import (_empty_out_lse, backend_for, begin_backward, column_phase_of, last_dim_contiguous, ring_input_error,
+               ring_pass_backward, ring_pass_forward)
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
 
@@ -144,7 +146,8 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
 def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
                                 inner_group, outer_group, softmax_scale: Optional[float] = None,
                                 causal: bool = True, kernel: Optional[StepKernel] = None, overlap: bool = True,
-                                outer_link_delay_s: float = 0.0, backend: Optional[KernelBackend] = None) -> torch.Tensor:
+                                outer_link_delay_s: float = 0.0, check_inputs: bool = True,
+                                backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """Exact causal attention over ``inner × outer`` CP ranks with a two-level ring.
 
     Args:
@@ -159,32 +162,37 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             for it first, which serialises the two links (for comparisons only).
         outer_link_delay_s: make every outer transfer take at least this long (a slow inter-node
             link, for overlap tests and simulations).
+        check_inputs: validate the inputs on every rank and agree on the verdict over the inner
+            and the outer ring (two small all_gathers), including the group numbering
+            (:func:`~megatron_mtraining.distributed.hierarchical_numbering_error`) and
+            ``softmax_scale``: every rank raises the same error instead of hanging or computing
+            the wrong shards.
         backend: the kernels (:func:`~megatron_mtraining.ops.backends.select_backend`); ``None``:
-            ``select_backend("auto")`` for these inputs (on CUDA the Triton dense step kernels, as in
+            ``select_backend("auto")`` for these inputs (on CUDA the GPU dense step kernels, as in
             the flat ring).
 
     Raises:
         ValueError: an inner or outer size of 1 (that is a flat ring or no CP: use
             :func:`~megatron_mtraining.ring.ring_attention`), ``inner*outer != layout.cp_size``,
-            or shapes/dtypes that disagree across ranks.
+            inner/outer groups that are not Megatron's numbering (e.g. swapped), invalid inputs
+            on any rank, or shapes/dtypes/parameters that disagree across ranks.
     """
     n_in, n_out = group_size(inner_group), group_size(outer_group)
     if n_in < 2 or n_out < 2:
         raise ValueError(f"hierarchical ring needs inner and outer rings of >= 2 ranks, got inner={n_in}, "
                          f"outer={n_out}; with one level of size 1 use the flat ring_attention instead")
-    if layout.cp_size != n_in * n_out:
-        raise ValueError(f"layout.cp_size={layout.cp_size} but inner*outer = {n_in}*{n_out} = {n_in * n_out}")
-    if q.shape[2] % k.shape[2] != 0 or k.shape != v.shape:
-        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     cp_rank = group_rank(outer_group) * n_in + group_rank(inner_group)
     seq_len = q.shape[1] * layout.cp_size
-    layout.check_seq_len(seq_len)
-    for grp, name in ((inner_group, "inner"), (outer_group, "outer")):
-        check_consistent_across_ranks(grp, f"hierarchical_ring_attention ({name} ring)",
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if check_inputs:
+        error = (ring_input_error(q, k, v, layout, n_in * n_out)
+                 or hierarchical_numbering_error(inner_group, outer_group))
+        check_hierarchical_consistent(inner_group, outer_group, "hierarchical_ring_attention", error,
                                       q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
                                       layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
-                                      sizes=(n_in, n_out))
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+                                      sizes=(n_in, n_out), causal=bool(causal), softmax_scale=scale)
+    elif (error := ring_input_error(q, k, v, layout, n_in * n_out)) is not None:
+        raise ValueError(error)
     backend = backend_for(q, layout.cp_size, backend, sparse=kernel is not None)
     q, k, v = last_dim_contiguous(q, k, v)
     if kernel is None:

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..common import default_softmax_scale
-from ..distributed import group_rank, group_size
+from ..distributed import group_rank
 from ..layout import Layout
 from ..ops.backends import KernelBackend
 from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
@@ -42,7 +42,8 @@ from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, esti
 from ..patterns.indices import StepIndices
 from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous
 
-__all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention"]
+__all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention",
+           "sparse_agreement_fields"]
 
 COLUMN_SCHEDULES = ("in_ring", "out_of_ring")
 
@@ -150,6 +151,13 @@ class ColumnPhase:
         self._grads = None
 
 
+def sparse_agreement_fields(config: VerticalSlashConfig, columns: str) -> dict:
+    """The sparse parameters every CP rank must agree on (for the cross-rank input check)."""
+    return dict(budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
+                         config.max_vertical, config.max_slash), recall=float(config.recall),
+                columns=COLUMN_SCHEDULES.index(columns))
+
+
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
@@ -189,17 +197,16 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     """
     if columns not in COLUMN_SCHEDULES:
         raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
-                           budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
-                                    config.max_vertical, config.max_slash, int(round(config.recall * 1_000_000))),
-                           columns=COLUMN_SCHEDULES.index(columns))
+                           hierarchical_groups=hierarchical_groups, softmax_scale=scale,
+                           **sparse_agreement_fields(config, columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
     backend = backend_for(q, cp, backend, sparse=True)
     if backend.sparse_step is None:
         raise ValueError(f"kernel_backend={backend.name!r} has no sparse kernels: sparse_ring_attention needs "
-                         "'auto', 'triton' or 'torch'")
+                         "'auto', 'fa4', 'triton' or 'torch'")
     q, k, v = last_dim_contiguous(q, k, v)
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale,
                                                             impl=backend.estimator_impl)
@@ -222,10 +229,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     else:
         from .hierarchical import hierarchical_ring_attention
 
-        inner, outer = hierarchical_groups
-        if group_rank(outer) * group_size(inner) + group_rank(inner) != group_rank(group):
-            raise ValueError("hierarchical_groups must number ranks as outer_rank * inner_size + inner_rank "
-                             "of the CP group (Megatron's --hierarchical-context-parallel-sizes order)")
+        inner, outer = hierarchical_groups      # numbering checked with the inputs, on every rank
         out = hierarchical_ring_attention(q, k, v, layout=layout, inner_group=inner, outer_group=outer,
-                                          softmax_scale=scale, kernel=kernel, backend=backend)
+                                          softmax_scale=scale, kernel=kernel, check_inputs=False, backend=backend)
     return (out, pattern) if return_pattern else out

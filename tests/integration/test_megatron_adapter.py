@@ -19,10 +19,8 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_mtraining.layout import Layout  # noqa: E402
-from megatron_mtraining.megatron.attention import (  # noqa: E402
-    MTrainingAttention,
-    MTrainingAttentionConfig,
-)
+from megatron_mtraining.config import MTrainingConfig, load_mtraining_config  # noqa: E402
+from megatron_mtraining.megatron.attention import MTrainingAttention  # noqa: E402
 from megatron_mtraining.megatron.batch import get_batch_on_this_cp_rank_striped  # noqa: E402
 from megatron_mtraining.megatron.cpu_compat import (  # noqa: E402
     apply_cpu_patches,
@@ -105,12 +103,34 @@ class TestMTrainingAttentionErrors:
             _attn(attention_type="cross")
 
     def test_bad_layout_config_raises(self):
-        with pytest.raises(ValueError, match="layout"):
-            MTrainingAttentionConfig(layout="diagonal")
+        with pytest.raises(ValueError, match="implementation"):
+            MTrainingConfig(implementation="diagonal")
         with pytest.raises(ValueError, match="granularity"):
-            MTrainingAttentionConfig(granularity=0)
+            MTrainingConfig(granularity=0)
         with pytest.raises(ValueError, match="columns"):   # as the YAML config: sparse pattern only
-            MTrainingAttentionConfig(pattern="dense", columns="out_of_ring")
+            MTrainingConfig(pattern="dense", columns="out_of_ring")
+
+    def test_hierarchical_config_without_groups_raises(self):
+        """No hierarchical CP groups: an error naming the flag, never a silent flat ring."""
+        with pytest.raises(ValueError, match="--hierarchical-context-parallel-sizes"):
+            _attn(mtraining_config=load_mtraining_config({"implementation": "hierarchical"}))
+
+    @pytest.mark.parametrize("mask", ["document", "padding"])
+    def test_non_causal_attention_mask_raises(self, mask):
+        """Document masking (--reset-attention-mask) is refused, not silently dropped."""
+        q, k, v = _qkv()
+        m = torch.triu(torch.ones(128, 128), 1).bool()
+        if mask == "document":      # two documents: the second may not see the first
+            m[64:, :64] = True
+        else:
+            m[:, -8:] = True
+        with pytest.raises(NotImplementedError, match="--reset-attention-mask"):
+            _attn()(q, k, v, m[None, None])
+
+    def test_integer_inputs_raise(self):
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match="floating-point"):
+            _attn()((q * 10).long(), (k * 10).long(), (v * 10).long(), None)
 
     def test_cp_size_mismatch_raises(self):
         with pytest.raises(ValueError, match="context_parallel_size"):
@@ -161,7 +181,7 @@ def test_spec_swaps_only_core_attention():
 
     from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
 
-    cfg = MTrainingAttentionConfig("striped", 32)
+    cfg = MTrainingConfig(implementation="striped", granularity=32)
     spec = get_gpt_layer_spec_with_mtraining(use_te=False, mtraining_config=cfg, normalization="RMSNorm")
     base = get_gpt_layer_local_spec(normalization="RMSNorm")
     ca = spec.submodules.self_attention.submodules.core_attention

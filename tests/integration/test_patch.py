@@ -169,6 +169,7 @@ def test_bad_config_is_an_argparse_error_at_parse_time(tmp_path, capsys):
 def _mlm_args(**kw):
     base = dict(cp_attention="mtraining", mtraining_config=str(ROOT / "configs/demo.yaml"),
                 context_parallel_size=2, hierarchical_context_parallel_sizes=None, seq_length=4096,
+                reset_attention_mask=False, reset_position_ids=False,
                 attention_dropout=0.0, create_attention_mask_in_dataloader=False,
                 position_embedding_type="rope", multi_latent_attention=False, mtp_num_layers=None,
                 hybrid_context_parallel=False, sft=False, use_legacy_models=False)
@@ -176,15 +177,22 @@ def _mlm_args(**kw):
     return SimpleNamespace(**base)
 
 
-def test_glue_layout_and_attention_config():
-    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
+def test_glue_layout_config_and_plan():
+    from megatron_mtraining.config import load_mtraining_config
+    from megatron_mtraining.plan import CPPlan
 
     args = _mlm_args()
     lay = megatron_lm.mtraining_layout(args)
     assert (lay.kind, lay.cp_size, lay.granularity) == ("striped", 2, 64)
-    assert megatron_lm.mtraining_attention_config(args) == MTrainingAttentionConfig("striped", 64)
+    assert megatron_lm.mtraining_config_from_args(args) == load_mtraining_config(ROOT / "configs/demo.yaml")
     zz = _mlm_args(mtraining_config=None, context_parallel_size=4)
     assert megatron_lm.mtraining_layout(zz).kind == "striped"  # no file: defaults
+    one = _mlm_args(context_parallel_size=1)
+    plan = megatron_lm.mtraining_plan(one)            # no process group: CP size 1
+    assert isinstance(plan, CPPlan) and plan.layout == megatron_lm.mtraining_layout(one)
+    assert megatron_lm.mtraining_plan(one) is plan   # one plan per config and CP group
+    with pytest.raises(ValueError, match="--context-parallel-size 2 but the CP group has 1 ranks"):
+        megatron_lm.mtraining_plan(args)
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -194,11 +202,14 @@ def test_glue_layout_and_attention_config():
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
     (dict(multi_latent_attention=True), "--multi-latent-attention"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    (dict(reset_attention_mask=True), "--reset-attention-mask: document masking"),
+    (dict(reset_position_ids=True), "--reset-position-ids: document masking"),
     (dict(seq_length=4000), "'granularity': cannot split a sequence of 4000 tokens"),
     (dict(mtraining_config=str(ROOT / "configs/hierarchical.yaml"), context_parallel_size=4),
      "inner*outer = 8*4 != context-parallel size 4"),
     (dict(mtraining_config=str(ROOT / "configs/hierarchical.yaml"), context_parallel_size=32),
      "pass --hierarchical-context-parallel-sizes 8 4"),
+    (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]), "the run would use a flat ring"),
 ])
 def test_glue_rejects_what_the_backend_cannot_serve(kw, msg):
     with pytest.raises(ValueError) as ei:
@@ -206,23 +217,19 @@ def test_glue_rejects_what_the_backend_cannot_serve(kw, msg):
     assert msg in str(ei.value)
 
 
-def test_glue_does_not_drop_config_features_silently():
-    """Until MTrainingAttentionConfig has fields for them, sparse / hierarchical configs are refused."""
-    from dataclasses import fields
-
-    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
-
-    have = {f.name for f in fields(MTrainingAttentionConfig)}
-    cases = [("demo_sparse.yaml", dict(), "pattern"),
-             ("qwen2.5-3b-512k.yaml", dict(context_parallel_size=32, seq_length=512 * 1024,
-                                           hierarchical_context_parallel_sizes=[8, 4]), "hierarchical")]
-    for name, kw, field in cases:
-        args = _mlm_args(mtraining_config=str(ROOT / "configs" / name), **kw)
-        if field in have:
-            megatron_lm.mtraining_attention_config(args)
-        else:
-            with pytest.raises(NotImplementedError, match=f"no option .*'{field}'"):
-                megatron_lm.mtraining_attention_config(args)
+def test_glue_keeps_sparse_and_hierarchical_configs():
+    """The plan carries every config feature: nothing is dropped on the way to the attention."""
+    args = _mlm_args(mtraining_config=str(ROOT / "configs/demo_sparse.yaml"), context_parallel_size=1)
+    plan = megatron_lm.mtraining_plan(args)
+    assert plan.sparse and plan.pattern.recall == 0.9
+    args = _mlm_args(mtraining_config=str(ROOT / "configs/qwen2.5-3b-512k.yaml"), context_parallel_size=32,
+                     seq_length=512 * 1024, hierarchical_context_parallel_sizes=[8, 4])
+    cfg = megatron_lm.mtraining_config_from_args(args)
+    assert cfg.implementation == "hierarchical" and cfg.hierarchical.sizes == (8, 4) and cfg.sparse
+    # no config + Megatron's hierarchical sizes: the dense hierarchical ring, as in examples/pretrain_gpt.py
+    cfg = megatron_lm.mtraining_config_from_args(_mlm_args(mtraining_config=None, context_parallel_size=4,
+                                                           hierarchical_context_parallel_sizes=[2, 2]))
+    assert cfg.implementation == "hierarchical" and cfg.hierarchical.sizes == (2, 2)
 
 
 # ------------------------------------------------------------------ against a real checkout

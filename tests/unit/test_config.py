@@ -191,7 +191,8 @@ def test_attention_kwargs():
     assert isinstance(kw["vertical_slash"], VerticalSlashConfig)
     kw = MTrainingConfig().attention_kwargs()
     assert kw == {"layout": "striped", "granularity": 64, "pattern": "dense", "vertical_slash": None,
-                  "hierarchical": None, "columns": "in_ring", "deterministic": False}
+                  "hierarchical": None, "columns": "in_ring", "deterministic": False,
+                  "kernel_backend": "auto"}
     kw = load_mtraining_config({"pattern": "vertical_slash", "columns": "out_of_ring"}).attention_kwargs()
     assert kw["columns"] == "out_of_ring"
 

@@ -1,0 +1,272 @@
+"""The context-parallel plan of a run: one object that fixes everything the attention needs.
+
+:func:`resolve` turns an :class:`~megatron_mtraining.config.MTrainingConfig` and the run's process
+groups into a frozen :class:`CPPlan`: the sequence :class:`~megatron_mtraining.layout.Layout`
+(striped / zigzag, MTraining §3.3), the CP group and this rank's index in it, the inner/outer
+groups of the hierarchical ring (§4.2, Alg. 2), the column schedule and estimator budgets of the
+vertical-slash pattern (§3.2), and the kernel backend name. Every consumer takes the plan: the
+core attention (:class:`~megatron_mtraining.megatron.attention.MTrainingAttention`), RoPE
+(:func:`~megatron_mtraining.megatron.rope.install_layout_rope`), the batch split
+(:func:`~megatron_mtraining.megatron.batch.get_batch_on_this_cp_rank_striped`), and the two front
+doors (``examples/pretrain_gpt.py``'s flags and the Megatron-LM patch), which check a command line
+with the same rules (:func:`config_from_args`).
+
+Cross-rank consistency is checked once per shape signature (:meth:`CPPlan.check_inputs`): the first
+call with a new ``(q, k, v)`` shape, dtype, device or ``softmax_scale`` runs the agreed input check
+of :func:`~megatron_mtraining.ring.check_ring_inputs` (every rank's local verdict and parameters,
+one small all_gather) and remembers the signature; later calls with that signature cost nothing.
+All ranks of a CP group must see the same sequence of signatures, as they do in training.
+
+Example::
+
+    plan = resolve("configs/demo.yaml", cp_group=cp_group, seq_len=4096)
+    plan.layout                    # Layout("striped", cp_size, 64)
+    local = get_batch_on_this_cp_rank_striped(batch, plan)
+
+This module does not import megatron.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from megatron_mtraining.config import (
+    IMPLEMENTATIONS,
+    KERNEL_BACKENDS,
+    MTrainingConfig,
+    config_for_run,
+    load_mtraining_config,
+)
+from megatron_mtraining.distributed import group_rank, group_size
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+
+__all__ = ["CPPlan", "resolve", "config_from_args", "front_door_problems"]
+
+ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
+
+
+@dataclass(frozen=True, eq=False)
+class CPPlan:
+    """Everything fixed for the CP attention of a run (built by :func:`resolve`).
+
+    Attributes:
+        config: the validated :class:`~megatron_mtraining.config.MTrainingConfig` (hierarchical
+            sizes filled in for the hierarchical ring).
+        layout: the sequence layout over ``cp_size`` ranks.
+        cp_group: the CP process group (``None``: one rank, no communication).
+        cp_size, cp_rank: its size and this rank's index (the shard of ``layout``).
+        hierarchical_groups: ``(inner_group, outer_group)`` of the two-level ring, or ``None``.
+        columns: the column schedule (``"in_ring"`` / ``"out_of_ring"``).
+        pattern: the estimator budgets (:class:`VerticalSlashConfig`) of the sparse pattern, or
+            ``None`` for dense attention.
+        kernel_backend: the configured backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
+        seq_len, device, dtype: what the plan was resolved for (``None``: not fixed).
+    """
+
+    config: MTrainingConfig
+    layout: Layout
+    cp_group: Any
+    cp_size: int
+    cp_rank: int
+    hierarchical_groups: Optional[tuple] = None
+    columns: str = "in_ring"
+    pattern: Optional[VerticalSlashConfig] = None
+    kernel_backend: str = "auto"
+    seq_len: Optional[int] = None
+    device: Optional[torch.device] = None
+    dtype: Optional[torch.dtype] = None
+    _checked: set = field(default_factory=set, repr=False, compare=False)
+    _backends: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def sparse(self) -> bool:
+        """True for the vertical-slash pattern."""
+        return self.pattern is not None
+
+    @property
+    def hierarchical_sizes(self) -> Optional[tuple[int, int]]:
+        """``(inner, outer)`` of the two-level ring, ``None`` for a flat ring."""
+        return self.config.hierarchical.sizes if self.hierarchical_groups is not None else None
+
+    @property
+    def deterministic(self) -> bool:
+        return self.config.deterministic
+
+    def select_backend(self, *, device: torch.device, dtype: torch.dtype, head_dim: int,
+                       seq_len_local: Optional[int] = None):
+        """The kernels for inputs on ``device`` with ``dtype``, ``head_dim`` and ``seq_len_local``.
+
+        The single place where the plan's ``kernel_backend`` name becomes kernels
+        (:func:`~megatron_mtraining.ops.backends.select_backend`, with the plan's CP size, pattern and
+        ``deterministic``); the choice is cached per input signature, so a layer's forward pays for it
+        once per run.
+
+        Raises:
+            ValueError: an explicit backend that cannot run these inputs (naming the rule).
+        """
+        key = (device.type, device.index, dtype, int(head_dim), seq_len_local)
+        backend = self._backends.get(key)
+        if backend is None:
+            from megatron_mtraining.ops.backends import select_backend
+
+            backend = select_backend(self.kernel_backend, device=device, dtype=dtype, head_dim=head_dim,
+                                     seq_len_local=seq_len_local, cp_size=self.cp_size, sparse=self.sparse,
+                                     deterministic=self.deterministic)
+            self._backends[key] = backend
+        return backend
+
+    def agreement_fields(self, softmax_scale: float, causal: bool = True) -> dict:
+        """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout)."""
+        fields = dict(causal=bool(causal), softmax_scale=float(softmax_scale),
+                      implementation=IMPLEMENTATIONS.index(self.config.implementation),
+                      kernel_backend=KERNEL_BACKENDS.index(self.kernel_backend),
+                      deterministic=bool(self.deterministic),
+                      hierarchical=self.hierarchical_sizes or (0, 0))
+        if self.sparse:
+            from megatron_mtraining.ring.sparse import sparse_agreement_fields
+
+            fields.update(sparse_agreement_fields(self.pattern, self.columns))
+        return fields
+
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                     causal: bool = True, what: str = "MTrainingAttention") -> None:
+        """Validate ``q, k, v`` ([b, s_local, h, d]) on every rank, once per shape signature.
+
+        The first call with a new signature runs :func:`~megatron_mtraining.ring.check_ring_inputs`
+        over the CP group with the plan's parameters (:meth:`agreement_fields`, ``softmax_scale``
+        included) and the hierarchical group numbering: every rank learns every rank's verdict
+        and all raise the same ``ValueError``. A passed signature is remembered; calls with it
+        return at once (no communication, no host synchronisation).
+
+        Raises:
+            ValueError: invalid input on any rank (heads not GQA-compatible, an unsplittable length,
+                a non-float dtype, a layout whose cp differs from the group size, hierarchical
+                groups out of Megatron's numbering) or ranks that disagree.
+        """
+        sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device.type,
+               float(softmax_scale), bool(causal))
+        if sig in self._checked:
+            return
+        from megatron_mtraining.ring import check_ring_inputs
+
+        check_ring_inputs(q, k, v, self.layout, self.cp_group, what, True,
+                          hierarchical_groups=self.hierarchical_groups,
+                          **self.agreement_fields(softmax_scale, causal))
+        self._checked.add(sig)
+
+
+def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,
+            seq_len: Optional[int] = None, device: Optional[torch.device] = None,
+            dtype: Optional[torch.dtype] = None) -> CPPlan:
+    """Fix the CP plan of a run: layout, groups, column schedule, pattern config, kernel backend.
+
+    Args:
+        config: a YAML path, mapping, :class:`~megatron_mtraining.config.MTrainingConfig`, or
+            ``None`` (dense striped ring, granularity 64).
+        cp_group: the context-parallel process group (``None``: one rank).
+        hierarchical_groups: ``(inner_group, outer_group)``, Megatron's hierarchical CP groups
+            (level 0, level 1); required by ``implementation: hierarchical`` (whose sizes, when the
+            config has none, are the groups' sizes) and refused otherwise.
+        seq_len: the global sequence length, checked against the layout and the sparse blocks.
+        device, dtype: what the inputs will be (recorded; used for the kernel backend).
+
+    Returns:
+        The frozen :class:`CPPlan`. No communication happens here; the group numbering and the
+        cross-rank agreement are part of the first :meth:`CPPlan.check_inputs`.
+
+    Raises:
+        ValueError: naming the config key / argument: a hierarchical config without groups or
+            with sizes that differ from them, groups given to a flat config, a sequence length
+            the layout cannot split.
+    """
+    cfg = load_mtraining_config(config)
+    cp = group_size(cp_group)
+    groups = None
+    if cfg.implementation == "hierarchical":
+        if hierarchical_groups is None:
+            raise ValueError("mtraining config: implementation 'hierarchical' needs the inner/outer CP groups "
+                             "(hierarchical_groups=(inner, outer); Megatron: --hierarchical-context-parallel-sizes "
+                             "INNER OUTER)")
+        inner, outer = hierarchical_groups
+        group_sizes = (group_size(inner), group_size(outer))
+        cfg = cfg.with_hierarchical_sizes(cfg.hierarchical_sizes(cp, group_sizes))
+        groups = (inner, outer)
+    elif hierarchical_groups is not None:
+        raise ValueError(f"hierarchical_groups given but the mtraining config has implementation "
+                         f"'{cfg.implementation}' (the groups would be ignored and a flat ring run); use "
+                         "implementation: hierarchical or pass no groups")
+    if seq_len is not None:
+        cfg = config_for_run(cfg, cp_size=cp, seq_len=seq_len, megatron_hierarchical_sizes=cfg.hierarchical.sizes)
+    return CPPlan(config=cfg, layout=cfg.make_layout(cp), cp_group=cp_group, cp_size=cp,
+                  cp_rank=group_rank(cp_group), hierarchical_groups=groups, columns=cfg.columns,
+                  pattern=cfg.vertical_slash if cfg.sparse else None, kernel_backend=cfg.kernel_backend,
+                  seq_len=seq_len, device=None if device is None else torch.device(device), dtype=dtype)
+
+
+
+# ------------------------------------------------------------------------- front-door rules
+def front_door_problems(args: Any) -> list[str]:
+    """Megatron-LM flags the CP attention cannot serve, each naming the flag (empty: none).
+
+    ``args`` is a Megatron-LM style namespace (``examples/pretrain_gpt.py``'s or Megatron-LM's);
+    a missing attribute counts as the flag's default.
+    """
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    problems = []
+    if get("attention_dropout", 0.0):
+        problems.append(f"--attention-dropout {get('attention_dropout')}: the ring kernels have no attention "
+                        "dropout; pass --attention-dropout 0.0")
+    for flag in ("reset_attention_mask", "reset_position_ids"):
+        if get(flag, False):
+            problems.append(f"--{flag.replace('_', '-')}: document masking (packed sequences) is not supported "
+                            "yet; the ring would attend across document boundaries")
+    if get("create_attention_mask_in_dataloader", False):
+        problems.append("pass --no-create-attention-mask-in-dataloader (causality comes from the layout's global "
+                        "positions; a dense mask is built for zigzag rows and costs s^2 memory)")
+    if get("position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope", "none"):
+        problems.append(f"--position-embedding-type {get('position_embedding_type')}: only rope, "
+                        "learned_absolute and none are supported (other CP slicers are zigzag-only)")
+    if get("multi_latent_attention", False):
+        problems.append("--multi-latent-attention is not supported")
+    if get("mtp_num_layers"):
+        problems.append("--mtp-num-layers is not supported (MTP's roll_tensor assumes the zigzag split)")
+    if get("hybrid_context_parallel", False):
+        problems.append("--hybrid-context-parallel is not supported")
+    if get("sft", False):
+        problems.append("--sft is not supported (packed THD sequences)")
+    if get("use_legacy_models", False):
+        problems.append("--use-legacy-models is not supported")
+    return problems
+
+
+def config_from_args(args: Any) -> MTrainingConfig:
+    """The checked config of a Megatron-LM style command line (both front doors).
+
+    Reads ``mtraining_config`` (path or ``None``), ``context_parallel_size``,
+    ``hierarchical_context_parallel_sizes``, ``seq_length`` and, without a config, ``cp_layout`` /
+    ``cp_granularity``; applies :func:`front_door_problems` and
+    :func:`~megatron_mtraining.config.config_for_run`.
+
+    Raises:
+        ValueError: ``--cp-attention mtraining: ...`` listing the unsupported flags, or the
+            config/flag rule that failed.
+    """
+    problems = front_door_problems(args)
+    if problems:
+        raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if hcp is not None and (len(hcp) != 2 or int(hcp[0]) * int(hcp[1]) != cp):
+        raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}: need INNER OUTER with "
+                         f"INNER*OUTER = --context-parallel-size {cp}")
+    seq = getattr(args, "seq_length", None)
+    return config_for_run(getattr(args, "mtraining_config", None), cp_size=cp,
+                          seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
+                          cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None))

@@ -1,0 +1,141 @@
+"""torchrun worker: invalid or inconsistent CP inputs must fail on every rank alike, never hang.
+
+Usage (from tests/distributed/test_agreement.py)::
+
+    torchrun --nproc-per-node N tests/distributed/agreement_worker.py SCENARIO
+
+Every rank calls the entry point inside ``try``/``except ValueError`` and then, like a caller that
+catches the error and carries on, gathers the outcomes and reaches the final barrier. Rank 0 prints
+``RESULT [{"rank": r, "error": <the error or null>, ...}, ...]``. A rank left in the
+check's collective while another moved on is a hang (the test's timeout).
+
+Scenarios:
+    gqa_one_rank            rank 1 passes kv heads that do not divide its query heads (flat ring)
+    length_one_rank         rank 1 passes a local length its layout cannot split (flat ring)
+    layout_cp_one_rank      rank 1's layout has cp_size 4 in a 2-rank group (flat ring)
+    scale_one_rank          rank 1 passes another softmax_scale (flat ring)
+    sparse_scale_one_rank   rank 1 passes another softmax_scale (sparse ring)
+    hier_swapped            4 ranks, 2 x 2 dense hierarchical ring with inner and outer groups swapped
+    hier_swapped_sparse     the same for the sparse ring given the CP group
+    hier_gqa_one_rank       dense hierarchical ring, rank 3 passes bad heads
+    hier_ok                 4 ranks, correct groups: runs and matches the flat ring
+    plan_once               the CP plan's check communicates once per shape signature (2 ranks)
+    plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.ring import ring_attention
+from tests.helpers.dist import finish_process_group, start_process_group
+
+
+def _qkv(s_local=64, hq=4, hkv=2, d=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed + 17 * dist.get_rank())
+    return (torch.randn(1, s_local, hq, d, generator=g, dtype=dtype),
+            torch.randn(1, s_local, hkv, d, generator=g, dtype=dtype),
+            torch.randn(1, s_local, hkv, d, generator=g, dtype=dtype))
+
+
+def _groups_2x2(swapped: bool):
+    """Megatron's hierarchical numbering on 4 ranks: inner {0,1},{2,3}, outer {0,2},{1,3}."""
+    consecutive = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    r = dist.get_rank()
+    inner, outer = consecutive[r // 2], strided[r % 2]
+    return (outer, inner) if swapped else (inner, outer)
+
+
+def run(scenario: str) -> dict:
+    rank = dist.get_rank()
+    world = dist.group.WORLD
+    lay = Layout("striped", dist.get_world_size(), 16)
+    extra: dict = {}
+    if scenario == "gqa_one_rank":
+        q, k, v = _qkv(hkv=3 if rank == 1 else 2)
+        ring_attention(q, k, v, layout=lay, group=world)
+    elif scenario == "length_one_rank":
+        q, k, v = _qkv(s_local=40 if rank == 1 else 64)
+        ring_attention(q, k, v, layout=lay, group=world)
+    elif scenario == "layout_cp_one_rank":
+        q, k, v = _qkv()
+        ring_attention(q, k, v, layout=Layout("striped", 4, 16) if rank == 1 else lay, group=world)
+    elif scenario == "scale_one_rank":
+        q, k, v = _qkv()
+        ring_attention(q, k, v, layout=lay, group=world, softmax_scale=0.3 if rank == 1 else 0.25)
+    elif scenario == "sparse_scale_one_rank":
+        from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+        from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+        q, k, v = _qkv(s_local=128)
+        cfg = VerticalSlashConfig(last_q=16, block_size=16, sink_tokens=16, local_blocks=1, max_vertical=64,
+                                  max_slash=16)
+        sparse_ring_attention(q, k, v, layout=lay, group=world, config=cfg,
+                              softmax_scale=0.3 if rank == 1 else 0.25)
+    elif scenario in ("hier_swapped", "hier_gqa_one_rank", "hier_ok"):
+        from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+
+        inner, outer = _groups_2x2(swapped=scenario == "hier_swapped")
+        q, k, v = _qkv(hkv=3 if (scenario == "hier_gqa_one_rank" and rank == 3) else 2)
+        out = hierarchical_ring_attention(q, k, v, layout=lay, inner_group=inner, outer_group=outer)
+        flat = ring_attention(q, k, v, layout=lay, group=world)
+        extra["vs_flat"] = float((out - flat).abs().max() / flat.abs().max())
+    elif scenario == "hier_swapped_sparse":
+        from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+        from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+        q, k, v = _qkv(s_local=128)
+        cfg = VerticalSlashConfig(last_q=16, block_size=16, sink_tokens=16, local_blocks=1, max_vertical=64,
+                                  max_slash=16)
+        sparse_ring_attention(q, k, v, layout=lay, group=world, config=cfg,
+                              hierarchical_groups=_groups_2x2(swapped=True))
+    elif scenario in ("plan_once", "plan_gqa_one_rank"):
+        from megatron_mtraining.plan import resolve
+
+        plan = resolve({"granularity": 16}, cp_group=world, seq_len=64 * dist.get_world_size())
+        calls = []
+        real = dist.all_gather
+
+        def counting_all_gather(*a, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+
+        dist.all_gather = counting_all_gather
+        try:
+            q, k, v = _qkv(hkv=3 if (scenario == "plan_gqa_one_rank" and rank == 1) else 2)
+            for _ in range(3):
+                plan.check_inputs(q, k, v, softmax_scale=0.25)
+            q2, k2, v2 = _qkv(s_local=32)
+            plan.check_inputs(q2, k2, v2, softmax_scale=0.25)     # a new signature: checked again
+            plan.check_inputs(q2, k2, v2, softmax_scale=0.25)
+        finally:
+            dist.all_gather = real
+        extra["collectives"] = len(calls)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    return extra
+
+
+def main(argv: list[str]) -> int:
+    start_process_group("gloo")
+    res = {"rank": dist.get_rank(), "error": None}
+    try:
+        res.update(run(argv[0]))
+    except ValueError as e:
+        res["error"] = str(e)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, res)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+    finish_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""Invalid or inconsistent CP inputs are one error on every rank, never a hang or a wrong answer.
+
+Runs tests/distributed/agreement_worker.py under torchrun (gloo, CPU) with a timeout: an input that
+is invalid on one rank only (heads, length, layout cp), a ``softmax_scale`` that differs between
+ranks, and hierarchical inner/outer groups given the wrong way round must make every rank raise
+the same ``ValueError``; the CP plan checks once per shape signature.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.dist import run_torchrun
+
+WORKER = "tests/distributed/agreement_worker.py"
+
+
+def _run(scenario: str, nproc: int, timeout: float = 120) -> list[dict]:
+    res = run_torchrun(WORKER, [scenario], nproc=nproc, timeout=timeout)
+    assert not res.timed_out, "ranks hung instead of raising:\n" + res.tail()
+    assert res.returncode == 0, res.tail()
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, res.tail()
+    rows = sorted(json.loads(lines[0][len("RESULT "):]), key=lambda r: r["rank"])
+    assert len(rows) == nproc, res.tail()
+    return rows
+
+
+def _same_error_everywhere(rows: list[dict], needle: str) -> None:
+    errors = [r["error"] for r in rows]
+    assert all(e is not None for e in errors), errors
+    assert len(set(errors)) == 1, errors
+    assert needle in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("scenario, needle", [
+    ("gqa_one_rank", "invalid input on group rank 1: GQA needs num query heads (4) divisible by num kv heads (3)"),
+    ("length_one_rank", "invalid input on group rank 1"),
+    ("layout_cp_one_rank", "invalid input on group rank 1: layout.cp_size=4 but the process group has 2 ranks"),
+])
+def test_input_invalid_on_one_rank_fails_on_every_rank(scenario, needle):
+    _same_error_everywhere(_run(scenario, 2), needle)
+
+
+@pytest.mark.parametrize("scenario", ["scale_one_rank", "sparse_scale_one_rank"])
+def test_softmax_scale_mismatch_is_an_error(scenario):
+    rows = _run(scenario, 2)
+    _same_error_everywhere(rows, "ranks of the CP group disagree")
+    assert "softmax_scale=0.3" in rows[0]["error"] and "softmax_scale=0.25" in rows[0]["error"]
+
+
+def test_hierarchical_groups_swapped_is_an_error():
+    """Dense hierarchical ring, 2 x 2, inner and outer groups swapped: before, relative error ~1."""
+    _same_error_everywhere(_run("hier_swapped", 4, timeout=180), "are the inner and outer groups swapped?")
+
+
+def test_hierarchical_groups_swapped_is_an_error_sparse():
+    _same_error_everywhere(_run("hier_swapped_sparse", 4, timeout=180), "are the inner and outer groups swapped?")
+
+
+def test_hierarchical_invalid_on_one_rank_fails_on_every_rank():
+    rows = _run("hier_gqa_one_rank", 4, timeout=180)
+    errors = [r["error"] for r in rows]
+    assert all(e is not None and "GQA needs" in e for e in errors), errors
+
+
+def test_hierarchical_correct_groups_match_flat_ring():
+    """Positive control of the numbering check: Megatron's numbering runs and equals the flat ring."""
+    rows = _run("hier_ok", 4, timeout=180)
+    assert all(r["error"] is None for r in rows), rows
+    assert max(r["vs_flat"] for r in rows) < 1e-12, rows
+
+
+def test_plan_checks_once_per_shape_signature():
+    rows = _run("plan_once", 2)
+    assert all(r["error"] is None for r in rows), rows
+    assert [r["collectives"] for r in rows] == [2, 2], rows     # two signatures, five calls
+
+
+def test_plan_check_input_invalid_on_one_rank_fails_on_every_rank():
+    _same_error_everywhere(_run("plan_gqa_one_rank", 2), "invalid input on group rank 1: GQA needs")

@@ -1,0 +1,143 @@
+"""The CP plan (megatron_mtraining/plan.py) and the one set of front-door rules.
+
+In-process, no process group (CP size 1). The multi-rank halves (agreement, once per shape, group
+numbering) are in tests/distributed/test_agreement.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_mtraining.config import MTrainingConfig, config_for_run, load_mtraining_config
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.plan import CPPlan, config_from_args, resolve
+from megatron_mtraining.ring import ring_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_resolve_fixes_layout_pattern_schedule_and_backend():
+    plan = resolve(ROOT / "configs" / "demo_sparse.yaml", cp_group=None, seq_len=1024,
+                   device="cpu", dtype=torch.float32)
+    assert isinstance(plan, CPPlan)
+    assert (plan.cp_size, plan.cp_rank, plan.layout) == (1, 0, Layout("striped", 1, 64))
+    assert plan.sparse and plan.pattern.recall == 0.9 and plan.columns == plan.config.columns
+    assert plan.kernel_backend == "auto" and plan.hierarchical_groups is None and plan.hierarchical_sizes is None
+    assert plan.device == torch.device("cpu") and plan.dtype == torch.float32
+    dense = resolve(None, cp_group=None)
+    assert not dense.sparse and dense.config == MTrainingConfig()
+    with pytest.raises(ValueError, match="'granularity'"):
+        resolve(None, cp_group=None, seq_len=100)
+
+
+def test_kernel_backend_key():
+    assert load_mtraining_config({"kernel_backend": "triton"}).kernel_backend == "triton"
+    with pytest.raises(ValueError, match="'kernel_backend' must be one of auto, torch, triton, sdpa"):
+        load_mtraining_config({"kernel_backend": "cudnn"})
+    cfg = load_mtraining_config({"kernel_backend": "sdpa"})
+    assert load_mtraining_config(cfg.to_dict()) == cfg
+    plan = resolve(cfg, cp_group=None)
+    if importlib.util.find_spec("megatron_mtraining.ops.backends") is None:
+        with pytest.raises(NotImplementedError, match="kernel_backend: sdpa"):   # never silently replaced
+            plan.select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=64)
+        assert resolve(None, cp_group=None).select_backend(device=torch.device("cpu"), dtype=torch.float32,
+                                                           head_dim=64) is None
+
+
+def test_hierarchical_is_never_silently_lost():
+    hier = load_mtraining_config({"implementation": "hierarchical"})
+    with pytest.raises(ValueError, match="implementation 'hierarchical' needs"):
+        hier.attention_kwargs()                                     # used to return a flat-ring kwargs set
+    with pytest.raises(ValueError, match="--hierarchical-context-parallel-sizes"):
+        config_for_run(hier, cp_size=4, seq_len=1024)
+    assert config_for_run(hier, cp_size=4, megatron_hierarchical_sizes=[2, 2]).attention_kwargs()["hierarchical"] \
+        == (2, 2)
+    with pytest.raises(ValueError, match="hierarchical_groups=\\(inner, outer\\)"):
+        resolve(hier, cp_group=None)
+    with pytest.raises(ValueError, match="the run would use a flat ring"):
+        config_for_run(ROOT / "configs" / "demo.yaml", cp_size=4, megatron_hierarchical_sizes=[2, 2])
+    implied = config_for_run(None, cp_size=4, megatron_hierarchical_sizes=[2, 2])
+    assert implied.implementation == "hierarchical" and implied.hierarchical.sizes == (2, 2)
+    with pytest.raises(ValueError, match="groups would be ignored"):
+        resolve(MTrainingConfig(), cp_group=None, hierarchical_groups=(None, None))
+
+
+def test_integer_qkv_refused():
+    q = torch.arange(2 * 64 * 2 * 8).reshape(2, 64, 2, 8)
+    with pytest.raises(ValueError, match="dtype torch.int64 is not supported: attention needs floating-point"):
+        ring_attention(q, q, q, layout=Layout("striped", 1, 64))
+    plan = resolve(None, cp_group=None)
+    with pytest.raises(ValueError, match="floating-point"):
+        plan.check_inputs(q, q, q, softmax_scale=0.5)
+    f = q.double()
+    plan.check_inputs(f, f, f, softmax_scale=0.5)
+    plan.check_inputs(f, f, f, softmax_scale=0.5)
+    assert len(plan._checked) == 1
+
+
+# ------------------------------------------------------------------ the two front doors agree
+def _mlm(**kw):
+    base = dict(cp_attention="mtraining", mtraining_config=None, context_parallel_size=4,
+                hierarchical_context_parallel_sizes=None, seq_length=1024, attention_dropout=0.0,
+                reset_attention_mask=False, reset_position_ids=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _pretrain(tmp_path, **kw):
+    from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
+
+    prefix = tmp_path / "data"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"data{ext}").write_bytes(b"")
+    (tmp_path / "tok.model").write_bytes(b"")
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "1024",
+            "--train-iters", "1", "--lr", "1e-3", "--data-path", str(prefix), "--tokenizer-model",
+            str(tmp_path / "tok.model"), "--context-parallel-size", "4"]
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            argv.append(flag)
+        elif v is not None and v is not False:
+            argv += [flag, *map(str, v if isinstance(v, list) else [v])]
+    args = build_parser().parse_args(argv)
+    try:
+        validate_args(args, world_size=4, te_importable=False)
+    except ArgumentValidationError as e:
+        return str(e)
+    return args
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(reset_attention_mask=True), "--reset-attention-mask: document masking"),
+    (dict(reset_position_ids=True), "--reset-position-ids: document masking"),
+    (dict(attention_dropout=0.1), "--attention-dropout 0.1"),
+    (dict(mtraining_config=str(ROOT / "configs" / "demo.yaml"), hierarchical_context_parallel_sizes=[2, 2]),
+     "the run would use a flat ring"),
+    (dict(mtraining_config=str(ROOT / "configs" / "hierarchical.yaml")), "inner*outer = 8*4 != context-parallel"),
+])
+def test_front_doors_give_the_same_verdict(tmp_path, kw, needle):
+    from megatron_mtraining.megatron import megatron_lm
+
+    with pytest.raises(ValueError) as ei:
+        config_from_args(_mlm(**kw))
+    assert needle in str(ei.value)
+    with pytest.raises(ValueError) as ei:
+        megatron_lm.mtraining_config_from_args(_mlm(**kw))
+    assert needle in str(ei.value)
+    got = _pretrain(tmp_path, **kw)
+    assert isinstance(got, str) and needle in got, got
+
+
+def test_front_doors_agree_on_implied_hierarchical_ring(tmp_path):
+    from megatron_mtraining.megatron import megatron_lm
+
+    kw = dict(hierarchical_context_parallel_sizes=[2, 2])
+    a = megatron_lm.mtraining_config_from_args(_mlm(**kw))
+    b = _pretrain(tmp_path, **kw).mtraining
+    assert a == b and a.implementation == "hierarchical" and a.hierarchical.sizes == (2, 2)
