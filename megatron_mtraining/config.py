@@ -61,7 +61,7 @@ __all__ = [
 
 IMPLEMENTATIONS = ("striped", "zigzag", "hierarchical")
 PATTERNS = ("dense", "vertical_slash")
-KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa")
+from megatron_mtraining.ops.backends import KERNEL_BACKENDS  # noqa: E402  (the one list of backend names)
 
 _PREFIX = "mtraining config"
 

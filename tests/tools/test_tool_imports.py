@@ -1,5 +1,5 @@
-"""Tools stand on the package: the shared modules stay below ring/megatron/training, and tools do not
-edit sys.path (except the lines that load the example trainer script, examples/pretrain_gpt.py)."""
+"""Tools stand on the package: the shared modules stay below ring/megatron/training, and no tool edits
+sys.path (the trainer is the package megatron_mtraining.training)."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINER_LOADERS = {"convert_smollm2.py", "eval_long_context.py", "extend_context.py"}
+TRAINER_LOADERS: set = set()
 
 
 def sys_path_edits(source: str) -> list[int]:
