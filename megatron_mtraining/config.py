@@ -116,7 +116,7 @@ class MTrainingConfig:
         hierarchical: inner/outer ring sizes (used with ``implementation: hierarchical``).
         columns: where the sparse pattern's vertical columns are computed: ``"in_ring"`` (each
             ring step, with the owner's K/V) or ``"out_of_ring"`` (gathered once and computed
-            outside the ring, which balances the ring steps; docs/imbalance.md). Only with
+            outside the ring, which balances the ring steps; docs/design.md). Only with
             ``pattern: vertical_slash`` (``out_of_ring`` relies on ``local_blocks >= 1``, which the
             estimator config enforces).
         deterministic: request deterministic kernels (no atomics in the backward pass); the CPU

@@ -6,7 +6,7 @@ evaluated by ``tools/eval_long_context.py --json``.
     python3 tools/compare_long_context.py \\
         --eval base=runs/long_context/eval_base_32k_dense.json dense=... mtraining=... \\
         --loss-curves dense=checkpoints/long_context/dense_32k/metrics.jsonl mtraining=... \\
-        --baseline dense --last 10 --out docs/runs/long_context --json compare.json
+        --baseline dense --last 10 --out docs/results/raw/long_context --json compare.json
 
 Inputs:
 

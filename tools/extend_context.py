@@ -178,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f" > extend_context: {rd} is finished (iteration {done} of {a.train_iters}); nothing to do")
         return 0
     load = str(rd) if done is not None else a.base
-    # before torch is imported: fragmentation at long sequences (docs/benchmarks.md, 256K e2e OOM)
+    # before torch is imported: fragmentation at long sequences (an out-of-memory at 256K end to end without it)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if a.precision == "auto":
         import torch

@@ -29,7 +29,7 @@ def te_available() -> bool:
     """True when Transformer Engine's PyTorch extension imports.
 
     Catches every exception, not only ``ImportError``: a partial TE install raises
-    ``RuntimeError``/``OSError`` at import (see docs/cpu_feasibility.md).
+    ``RuntimeError``/``OSError`` at import.
     """
     try:
         import transformer_engine  # noqa: F401

@@ -48,7 +48,7 @@ class DenseGpuStepKernel(DenseStepKernel):
         deterministic: passed to the backward (the dense plan has no vertical columns, so both
             modes are deterministic).
         row_block: query rows per tile of the forward and dQ kernels: 64 (default, 4 warps) or 128
-            (8 warps; measured 5-20 % slower on the H200 with Triton 3.6, see docs/benchmarks.md).
+            (8 warps; measured 5-20 % slower on the H200 with Triton 3.6).
         config: launch parameters (:class:`~megatron_mtraining.ops.triton.launch.KernelConfig`; default
             its defaults).
         stats: a dict receiving the registers / spills of each launched kernel, or ``None``.

@@ -17,7 +17,7 @@ both passes (no compute; K/V still circulate, as the ring schedule is fixed).
 Vertical columns, in the ring or out of it (``columns=``): with ``"in_ring"`` each step also
 computes the selected columns that the step's owner holds. The columns are what skews the striped
 ring's balance (sink columns all live on rank 0's shard, so they land in one step; MTraining §3.3,
-docs/imbalance.md). With ``"out_of_ring"`` (:class:`ColumnPhase`) the K/V rows of every selected
+docs/design.md). With ``"out_of_ring"`` (:class:`ColumnPhase`) the K/V rows of every selected
 column are gathered once to every rank (one async all-reduce, overlapped with the ring), each rank
 computes its queries against them locally and merges the result into (out, LSE) by LSE; in the
 backward pass the column dK/dV are all-reduced (overlapped with the backward ring) and each owner

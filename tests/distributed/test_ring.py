@@ -1,7 +1,7 @@
 """Dense ring attention vs an independent fp64 attention, over gloo (torchrun subprocesses).
 
 The worker (tests/workers/ring_check.py) compares out, dQ, dK and dV separately on every rank.
-Matrix (issue #2/#3): cp in {1, 2, 4} x {striped g=1, 16, 64, zigzag} x GQA group 1 and 4 x
+Matrix: cp in {1, 2, 4} x {striped g=1, 16, 64, zigzag} x GQA group 1 and 4 x
 batch 1 and 2 x head_dim 64 and 128 x {fp64 (<=1e-10), fp32 (<=1e-5)}, all relative to the
 largest reference magnitude.
 """

@@ -48,10 +48,10 @@ def call(root, mode, *extra):
 if __name__ == "__main__":                             # the checkpoint writer starts a multiprocessing Manager
     fp32, bf16 = ["--precision", "fp32"], ["--precision", "bf16"]
     call("ref", "dense", *fp32)                               # uninterrupted
-    call("split", "dense", *fp32, "--time-budget-s", "1")     # call 1: the budget is spent -> stops after iteration 1
-    call("split", "dense", *fp32, "--stop-iter", "3")         # call 2: iterations 2-3
-    call("split", "dense", *fp32)                             # call 3: iteration 4
-    call("split", "dense", *fp32)                             # call 4: finished, nothing to do
+    call("split", "dense", *fp32, "--time-budget-s", "1")     # run 1: the budget is spent -> stops after iteration 1
+    call("split", "dense", *fp32, "--stop-iter", "3")         # run 2: iterations 2-3
+    call("split", "dense", *fp32)                             # run 3: iteration 4
+    call("split", "dense", *fp32)                             # run 4: finished, nothing to do
     call("sparse", "mtraining", *fp32, "--stop-iter", "2")    # mtraining mode, same data and seed
     call("ref_bf16", "dense", *bf16)                          # bf16 (as on the GPU): fp32 main weights and
     call("split_bf16", "dense", *bf16, "--stop-iter", "2")    # Adam moments must survive the checkpoint

@@ -377,7 +377,7 @@ def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int, col_split: bool = Tru
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters (chosen by measurement on an H200; see docs/benchmarks.md). Immutable: pass
+    """Launch parameters (chosen by measurement on an H200; docs/results.md). Immutable: pass
     a modified copy (``dataclasses.replace``) to the launchers or to
     :func:`~megatron_mtraining.ops.backends.select_backend`."""
     fwd_warps: int = 4

@@ -3,7 +3,7 @@ block and column lists of :func:`megatron_mtraining.patterns.convert.convert_pat
 torch path's, in one kernel launch.
 
 The torch path builds ``[b, hq, nqb, width]`` masks, int32 cumsums and a binary search per output slot
-(three ``searchsorted`` at 128K tokens: about 1 ms on an H200, docs/benchmarks.md). Here one program
+(three ``searchsorted`` at 128K tokens: about 1 ms on an H200). Here one program
 owns one (sample·head, query block) row: it streams the row's candidates in chunks of ``CHUNK``,
 compacts the kept ones with an in-register prefix sum and writes them at their final slots; slots past
 the row's count get -1. Per row ``i`` (query block ``i``, keys in local = global order at CP=1):
