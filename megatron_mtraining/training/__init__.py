@@ -12,7 +12,7 @@ Modules (each imports megatron.core lazily, so ``--help`` and argument errors st
 
 * :mod:`.cli`: ``parse_args`` / ``build_parser`` (the flags, validated before anything starts).
 * :mod:`.runtime`: ``init_distributed`` (torchrun env; gloo on CPU, nccl on GPU), ``log0``.
-* :mod:`.build`: tokenizer, padded vocabulary, ``TransformerConfig``, the CP layout (built once per
+* :mod:`.build`: tokenizer, padded vocabulary, ``TransformerConfig``, the CP plan (resolved once per
   run), GPTModel with the MTraining spec (``--cp-attention mtraining``: every CP rank holds the
   tokens ``Layout.positions(cp_rank, S)``; RoPE on the same positions) or the Transformer Engine
   spec (``te``), DDP + optimizer + LR scheduler, model FLOPs.
@@ -28,7 +28,7 @@ Modules (each imports megatron.core lazily, so ``--help`` and argument errors st
 
 from __future__ import annotations
 
-from .build import (build_layout, build_model, build_optimizer, build_tokenizer, count_params,
+from .build import (build_model, build_optimizer, build_plan, build_tokenizer, count_params,
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import (checkpoint_dir, check_release_args, check_resume_schedule, load_checkpoint,
                          load_model_weights, save_checkpoint)
@@ -41,7 +41,7 @@ from .step import evaluate, forward_backward
 from .stop import StopPolicy
 
 __all__ = [
-    "build_layout", "build_model", "build_optimizer", "build_tokenizer", "count_params", "flops_per_iteration",
+    "build_model", "build_optimizer", "build_plan", "build_tokenizer", "count_params", "flops_per_iteration",
     "padded_vocab_size", "transformer_config", "checkpoint_dir", "check_release_args", "check_resume_schedule",
     "load_checkpoint", "load_model_weights", "save_checkpoint", "build_parser", "parse_args", "CPBatchSplit",
     "MicroBatches", "build_datasets", "effective_split", "IterationInfo", "TrainHooks", "TrainResult", "main",

@@ -1,11 +1,11 @@
-"""Build the pieces of a run from the validated arguments: tokenizer, CP layout, GPTModel,
+"""Build the pieces of a run from the validated arguments: tokenizer, CP plan, GPTModel,
 DDP + optimizer + LR scheduler, and the model-FLOPs count used for throughput."""
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["build_tokenizer", "padded_vocab_size", "transformer_config", "build_layout", "build_model",
+__all__ = ["build_tokenizer", "padded_vocab_size", "transformer_config", "build_plan", "build_model",
            "build_optimizer", "count_params", "flops_per_iteration"]
 
 
@@ -60,35 +60,37 @@ def transformer_config(args):
     return TransformerConfig(**kw)
 
 
-def build_layout(args):
-    """The CP token layout of a ``--cp-attention mtraining`` run (``None`` for ``te``).
+def build_plan(args):
+    """The CP plan of a ``--cp-attention mtraining`` run (``None`` for ``te``).
 
-    The one place the trainer derives the layout from the arguments (``--cp-layout``,
-    ``--context-parallel-size``, ``--cp-granularity``); a run builds it once and hands it to the
-    model (RoPE positions) and to the batch split.
+    The one place the trainer resolves ``args.mtraining`` (the validated config) into a
+    :class:`~megatron_mtraining.plan.CPPlan`: the layout, Megatron's CP group and, for
+    ``implementation: hierarchical``, its hierarchical CP groups (inner, outer), checked against
+    ``--seq-length``. A run builds it once and hands it to the attention of every layer, to RoPE
+    (the layout's positions) and to the batch split.
+
+    Requires ``parallel_state.initialize_model_parallel`` to have run (the CP groups).
     """
     if args.cp_attention != "mtraining":
         return None
-    from megatron_mtraining.layout import Layout
+    from megatron.core import parallel_state as ps
 
-    return Layout(args.cp_layout, args.context_parallel_size, args.cp_granularity)
-
-
-def _mtraining_layer_spec(args):
-    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
-    from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
+    from megatron_mtraining.megatron.attention import get_hierarchical_groups
+    from megatron_mtraining.plan import resolve
 
     cfg = args.mtraining                     # validated MTrainingConfig (args.validate_args)
-    kwargs = cfg.attention_kwargs()
-    kwargs["hierarchical"] = cfg.hierarchical_sizes(args.context_parallel_size,
-                                                    args.hierarchical_context_parallel_sizes)
-    return get_gpt_layer_spec_with_mtraining(
-        mtraining_config=MTrainingAttentionConfig(**kwargs),
-        normalization=args.normalization,
-    )
+    hier = get_hierarchical_groups() if cfg.implementation == "hierarchical" else None
+    return resolve(cfg, cp_group=ps.get_context_parallel_group(), hierarchical_groups=hier,
+                   seq_len=args.seq_length)
 
 
-def build_model(args, config, vocab_size: int, device, layer_spec=None, layout=None):
+def _mtraining_layer_spec(args, plan):
+    from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
+
+    return get_gpt_layer_spec_with_mtraining(mtraining_config=plan, normalization=args.normalization)
+
+
+def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=None):
     """GPTModel for ``args`` (Float16Module-wrapped with --bf16/--fp16).
 
     Args:
@@ -99,17 +101,19 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, layout=N
         layer_spec: replaces the transformer-layer spec that ``--cp-attention`` selects (and then
             megatron-core's own RoPE is kept); tools/eval_long_context.py passes megatron-core's
             local spec (stock ``DotProductAttention``) for its dense reference.
-        layout: the run's CP layout (:func:`build_layout`); built here when ``None``.
+        plan: the run's CP plan (:func:`build_plan`); built here when ``None``.
 
     Requires ``parallel_state.initialize_model_parallel`` to have run (the CP group).
     """
     from megatron.core.models.gpt import GPTModel
 
     mtraining = layer_spec is None and args.cp_attention == "mtraining"
+    if mtraining and plan is None:
+        plan = build_plan(args)
     if layer_spec is not None:
         spec = layer_spec
     elif mtraining:
-        spec = _mtraining_layer_spec(args)
+        spec = _mtraining_layer_spec(args, plan)
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -122,12 +126,9 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, layout=N
         rotary_base=args.rotary_base,
     )
     if mtraining:
-        from megatron.core import parallel_state as ps
-
         from megatron_mtraining.megatron.rope import install_layout_rope
 
-        install_layout_rope(model, layout if layout is not None else build_layout(args),
-                            ps.get_context_parallel_group())
+        install_layout_rope(model, plan)
     if device.type == "cuda":
         model.cuda(device)
     if args.bf16 or args.fp16:

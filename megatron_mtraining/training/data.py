@@ -88,31 +88,28 @@ class CPBatchSplit:
     """This CP rank's part of a micro-batch, moved to ``device``.
 
     ``--cp-attention mtraining``: :func:`~megatron_mtraining.megatron.batch.get_batch_on_this_cp_rank_striped`
-    with the run's layout (the tokens ``layout.positions(cp_rank, S)``); ``te``: megatron-core's
-    zigzag ``get_batch_on_this_cp_rank``. Built once per run; the CP rank is read once.
+    with the run's plan (the tokens ``plan.layout.positions(plan.cp_rank, S)``); ``te``: megatron-core's
+    zigzag ``get_batch_on_this_cp_rank``. Built once per run.
 
     Args:
         args: validated arguments (``--cp-attention``).
-        layout: the run's layout (:func:`~megatron_mtraining.training.build.build_layout`;
-            ``None`` with ``te``).
+        plan: the run's :class:`~megatron_mtraining.plan.CPPlan`
+            (:func:`~megatron_mtraining.training.build.build_plan`; ``None`` with ``te``).
         device: where the local tensors go.
     """
 
-    def __init__(self, args, layout, device):
-        from megatron.core import parallel_state as ps
-
-        if args.cp_attention == "mtraining" and layout is None:
-            raise ValueError("CPBatchSplit: --cp-attention mtraining needs the run's layout (build_layout(args))")
-        self.layout = layout if args.cp_attention == "mtraining" else None
-        self.cp_rank = ps.get_context_parallel_rank()
+    def __init__(self, args, plan, device):
+        if args.cp_attention == "mtraining" and plan is None:
+            raise ValueError("CPBatchSplit: --cp-attention mtraining needs the run's CP plan (build_plan(args))")
+        self.plan = plan if args.cp_attention == "mtraining" else None
         self.device = device
 
     def __call__(self, batch: dict) -> dict:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "attention_mask"}
-        if self.layout is None:
+        if self.plan is None:
             from megatron.core.utils import get_batch_on_this_cp_rank  # Megatron's zigzag split
 
             return get_batch_on_this_cp_rank(batch)
         from megatron_mtraining.megatron.batch import get_batch_on_this_cp_rank_striped
 
-        return get_batch_on_this_cp_rank_striped(batch, self.layout, self.cp_rank)
+        return get_batch_on_this_cp_rank_striped(batch, self.plan)

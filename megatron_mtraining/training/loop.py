@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .build import (build_layout, build_model, build_optimizer, build_tokenizer, count_params,
+from .build import (build_model, build_optimizer, build_plan, build_tokenizer, count_params,
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import CPBatchSplit, MicroBatches, build_datasets
@@ -70,8 +70,8 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     ``parallel_state.initialize_model_parallel(tp, context_parallel_size=cp)`` -> tokenizer ->
     GPTDataset -> GPTModel with the MTraining spec (``--cp-attention mtraining``: RoPE and the batch
     split on the CP layout's positions) or the Transformer Engine spec (``te``) -> megatron-core DDP +
-    optimizer + ``OptimizerParamScheduler`` -> ``--load`` -> iterations -> ``--save``. The CP layout
-    is built once per run (:func:`~megatron_mtraining.training.build.build_layout`).
+    optimizer + ``OptimizerParamScheduler`` -> ``--load`` -> iterations -> ``--save``. The CP plan
+    is resolved once per run (:func:`~megatron_mtraining.training.build.build_plan`).
 
     Args:
         args: validated arguments.
@@ -106,10 +106,10 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
     train_ds, valid_ds = build_datasets(args, tokenizer)
 
-    layout = build_layout(args)   # the run's CP layout: model RoPE and batch split share it
+    plan = build_plan(args)       # the run's CP plan: attention, RoPE and batch split share it
     config = transformer_config(args)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = build_model(args, config, vocab, device, layout=layout)
+    model = build_model(args, config, vocab, device, plan=plan)
     n_params = count_params(model)
     model, optimizer, scheduler = build_optimizer(args, config, model)
     gbs = args.global_batch_size
@@ -129,7 +129,7 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     if patches:
         log0(f" > CPU shims for megatron-core: {', '.join(patches)}")
 
-    split = CPBatchSplit(args, layout, device)
+    split = CPBatchSplit(args, plan, device)
     train_iter = MicroBatches(train_ds, args.micro_batch_size, dp, dp_rank, consumed=start_iter * gbs)
     valid_consumed = (start_iter // args.eval_interval) * args.eval_iters * gbs  # evaluations already run
     valid_iter = (MicroBatches(valid_ds, args.micro_batch_size, dp, dp_rank, consumed=valid_consumed)

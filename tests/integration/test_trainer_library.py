@@ -2,8 +2,9 @@
 
 * A stop hook that fires on one rank only ends the run on every rank after that iteration (no rank
   waits alone), logs the reason, saves the normal checkpoint and returns it in ``TrainResult``.
-* The CP layout is built once per run (not per micro-batch): over 2 iterations x 2 micro-batches
-  the trainer builds one ``Layout`` on each rank, and no ``Layout`` is built during the iterations.
+* The CP plan is resolved once per run (not per layer nor per micro-batch): over 2 iterations x 2
+  micro-batches of a 2-layer model each rank resolves one plan, in the trainer, and no ``Layout``
+  is built during the iterations.
 """
 
 from __future__ import annotations
@@ -19,14 +20,22 @@ from tests.helpers.tiny_data import make_tiny_dataset
 WORKER = r'''
 import json, os, sys
 import megatron_mtraining.layout as layout_mod
-from megatron_mtraining.training import TrainHooks, run
+import megatron_mtraining.plan as plan_mod
 
-built = []
+built, plans = [], []
 class CountingLayout(layout_mod.Layout):
     def __init__(self, *a, **k):
         built.append(sys._getframe(1).f_code.co_filename)   # who builds it
         super().__init__(*a, **k)
-layout_mod.Layout = CountingLayout                 # build_layout imports it on use
+layout_mod.Layout = CountingLayout                 # before anything imports it
+
+_resolve = plan_mod.resolve
+def counting_resolve(*a, **k):
+    plans.append(sys._getframe(1).f_code.co_filename)       # who resolves it
+    return _resolve(*a, **k)
+plan_mod.resolve = counting_resolve                # before the attention module imports it
+
+from megatron_mtraining.training import TrainHooks, run
 
 def should_stop(info):
     seen.append((info.iteration, len(built)))
@@ -38,12 +47,12 @@ if __name__ == "__main__":                         # the checkpoint writer start
     res = run(sys.argv[2:], TrainHooks(should_stop=should_stop))
     with open(f"{sys.argv[1]}.{rank}", "w") as f:
         json.dump({"start": res.start_iteration, "end": res.end_iteration, "reason": res.stop_reason,
-                   "seen": seen, "trainer_layouts": sum("megatron_mtraining/training/" in b for b in built)}, f)
+                   "seen": seen, "plans": plans}, f)
 '''
 
 
 @pytest.mark.slow
-def test_stop_hook_on_one_rank_stops_all_and_layout_is_built_once(tmp_path):
+def test_stop_hook_on_one_rank_stops_all_and_plan_is_resolved_once(tmp_path):
     prefix, tok = make_tiny_dataset(tmp_path / "data")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -60,7 +69,7 @@ def test_stop_hook_on_one_rank_stops_all_and_layout_is_built_once(tmp_path):
     assert res[1]["reason"] == "hook on rank 1" and res[0]["reason"] == "stop hook of another rank"
     for x in res:
         assert (x["start"], x["end"], [it for it, _ in x["seen"]]) == (0, 2, [1, 2])
-        assert x["trainer_layouts"] == 1, x         # the trainer builds it once per run
+        assert len(x["plans"]) == 1 and "megatron_mtraining/training/" in x["plans"][0], x  # once, by the trainer
         assert x["seen"][0][1] == x["seen"][1][1], x  # and nothing builds one per micro-batch
     assert " > exiting after iteration 2 (" in r.stdout
     assert "iteration        3/" not in r.stdout
