@@ -279,13 +279,13 @@ def pretrain_flags(hp: LlamaHParams, out_dir: str | os.PathLike, divisible_by: i
 def model_args(flags: list[str], seq_length: int = 64):
     """A pretrain_gpt.py argument namespace for ``flags`` (network flags only), with the derived
     values ``validate_args`` would set at world size 1, TP=CP=1 (no data/tokenizer files needed)."""
-    from megatron_mtraining.megatron.args import ArgumentValidationError, _apply_mtraining_config, build_parser
+    from megatron_mtraining.megatron.args import apply_mtraining_config, build_parser
 
     net = flags[: flags.index("--tokenizer-type")]
     a = build_parser().parse_args(net + ["--seq-length", str(seq_length), "--train-iters", "1", "--lr", "0"])
     a.world_size, a.data_parallel_size, a.cp_layout = 1, 1, "striped"
     a.max_position_embeddings = seq_length
-    _apply_mtraining_config(a, 1, ArgumentValidationError)
+    apply_mtraining_config(a, 1)
     return a
 
 

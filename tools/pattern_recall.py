@@ -199,7 +199,7 @@ def build_model(args, vocab: int, saved: Optional[dict]):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
+    from megatron_mtraining.config import MTrainingConfig
     from megatron_mtraining.megatron.cpu_compat import cpu_seed, cpu_transformer_config_kwargs
     from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
 
@@ -223,7 +223,7 @@ def build_model(args, vocab: int, saved: Optional[dict]):
     config = TransformerConfig(**kw)
     cpu_seed(args.seed)
     spec = get_gpt_layer_spec_with_mtraining(use_te=False, normalization=norm,
-                                             mtraining_config=MTrainingAttentionConfig("striped", 64))
+                                             mtraining_config=MTrainingConfig(granularity=64))
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=max(args.seq_length, get("max_position_embeddings", args.seq_length)),
                      share_embeddings_and_output_weights=not bool(get("untie_embeddings_and_output_weights", False)),

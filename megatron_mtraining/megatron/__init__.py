@@ -3,8 +3,7 @@
 
 Public API (imported lazily, so ``megatron_mtraining.megatron.args`` stays cheap to import):
 
-* :class:`MTrainingAttention`, :func:`plan_for_model`, :func:`MTrainingAttentionConfig` (an
-  :class:`~megatron_mtraining.config.MTrainingConfig` from the attention's keywords) (``attention``)
+* :class:`MTrainingAttention`, :func:`plan_for_model` (``attention``)
 * :func:`get_gpt_layer_spec_with_mtraining`, :func:`replace_core_attention`, :func:`te_available` (``spec``)
 * :func:`get_batch_on_this_cp_rank_striped` (``batch``)
 * :class:`LayoutRotaryEmbedding` (alias ``StripedRotaryEmbedding``), :func:`install_layout_rope` (``rope``)
@@ -18,7 +17,6 @@ from typing import Any
 
 _EXPORTS = {
     "MTrainingAttention": "attention",
-    "MTrainingAttentionConfig": "attention",
     "plan_for_model": "attention",
     "get_gpt_layer_spec_with_mtraining": "spec",
     "replace_core_attention": "spec",

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["build_parser", "parse_args", "validate_args", "ArgumentValidationError", "world_size_from_env"]
+__all__ = ["build_parser", "parse_args", "validate_args", "apply_mtraining_config", "ArgumentValidationError",
+           "world_size_from_env"]
 
 CP_ATTENTION_CHOICES = ("mtraining", "te")
 CP_LAYOUT_CHOICES = ("striped", "zigzag")
@@ -290,7 +291,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.recompute_granularity is not None and not _cuda_available():
         raise E(f"--recompute-granularity {args.recompute_granularity}: activation recomputation needs CUDA "
                 "(megatron-core's checkpoint function saves and restores the CUDA RNG state)")
-    _apply_mtraining_config(args, cp, E)      # mtraining: the layout rules are checked there
+    apply_mtraining_config(args, cp)          # mtraining: the layout rules are checked there
     if args.mtraining is None:
         try:
             Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
@@ -342,19 +343,28 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     return args
 
 
-def _apply_mtraining_config(args: argparse.Namespace, cp: int, E) -> None:
+def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -> None:
     """Resolve ``--mtraining-config`` / ``--hierarchical-context-parallel-sizes`` into ``args.mtraining``
-    (a validated :class:`~megatron_mtraining.config.MTrainingConfig`, hierarchical sizes filled in)
-    and the layout flags.
+    (a validated :class:`~megatron_mtraining.config.MTrainingConfig`, hierarchical sizes filled in;
+    ``None`` with ``--cp-attention te``) and the layout flags (``cp_layout``, ``cp_granularity``).
+
+    Part of :func:`validate_args`; tools that build a namespace from :func:`build_parser` without
+    the data and tokenizer files call it directly. ``cp`` is the context-parallel size (default:
+    ``args.context_parallel_size``).
 
     The rules are :func:`megatron_mtraining.plan.config_from_args`, shared with the Megatron-LM patch:
     without a config the run is the dense ring on ``--cp-layout``, and hierarchical sizes alone
     select the dense hierarchical ring; a config fixes the layout (an explicit, different
     ``--cp-layout`` is an error) and must agree with the hierarchical sizes; hierarchical sizes with
     a flat config are an error (the run would silently use a flat ring).
+
+    Raises:
+        ArgumentValidationError: naming the flag or config key and the violated rule.
     """
     from megatron_mtraining.plan import config_from_args
 
+    E = ArgumentValidationError
+    cp = int(args.context_parallel_size) if cp is None else int(cp)
     hcp = args.hierarchical_context_parallel_sizes
     if hcp is not None and (len(hcp) != 2 or hcp[0] * hcp[1] != cp):
         raise E(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}: need INNER OUTER with "

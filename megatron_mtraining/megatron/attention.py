@@ -31,36 +31,7 @@ from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 from megatron_mtraining.ring.sparse import sparse_ring_attention
 
-__all__ = ["MTrainingAttentionConfig", "MTrainingAttention", "get_cp_group", "get_hierarchical_groups",
-           "plan_for_model"]
-
-
-def MTrainingAttentionConfig(layout: str = "striped", granularity: int = 64, pattern: str = "dense",
-                             vertical_slash: Optional[Any] = None, hierarchical: Optional[tuple] = None,
-                             columns: str = "in_ring", deterministic: bool = False,
-                             kernel_backend: str = "auto") -> MTrainingConfig:
-    """An :class:`~megatron_mtraining.config.MTrainingConfig` from the attention's keyword set.
-
-    ``layout`` is the layout kind (``"striped"`` or ``"zigzag"``), ``hierarchical`` the
-    ``(inner, outer)`` sizes of the two-level ring (``implementation: hierarchical``); the other
-    arguments are the config keys of the same name. Validation is the config's.
-
-    Raises:
-        ValueError: naming the config key.
-    """
-    if layout not in ("striped", "zigzag"):
-        raise ValueError(f"mtraining config: layout must be 'striped' or 'zigzag' (the 'implementation' key), "
-                         f"got {layout!r}")
-    d: dict[str, Any] = {"implementation": "hierarchical" if hierarchical is not None else layout,
-                         "granularity": granularity, "pattern": pattern, "columns": columns,
-                         "deterministic": deterministic, "kernel_backend": kernel_backend}
-    if hierarchical is not None:
-        if len(tuple(hierarchical)) != 2:
-            raise ValueError(f"mtraining config: hierarchical must be (inner, outer), got {hierarchical!r}")
-        d["hierarchical"] = {"inner": int(hierarchical[0]), "outer": int(hierarchical[1])}
-    if vertical_slash is not None:
-        d["vertical_slash"] = vertical_slash
-    return load_mtraining_config(d)
+__all__ = ["MTrainingAttention", "get_cp_group", "get_hierarchical_groups", "plan_for_model"]
 
 
 def get_cp_group(pg_collection: Any = None) -> Optional[dist.ProcessGroup]:

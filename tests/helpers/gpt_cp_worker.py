@@ -64,8 +64,8 @@ def main() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_mtraining.config import MTrainingConfig
     from megatron_mtraining.layout import Layout
-    from megatron_mtraining.megatron.attention import MTrainingAttentionConfig
     from megatron_mtraining.megatron.batch import get_batch_on_this_cp_rank_striped
     from megatron_mtraining.megatron.cpu_compat import (
         apply_cpu_patches, cpu_seed, cpu_transformer_config_kwargs,
@@ -91,7 +91,7 @@ def main() -> None:
     else:
         spec = get_gpt_layer_spec_with_mtraining(
             use_te=False, normalization="RMSNorm",
-            mtraining_config=MTrainingAttentionConfig(args.layout, args.granularity),
+            mtraining_config=MTrainingConfig(implementation=args.layout, granularity=args.granularity),
         )
     torch.manual_seed(1234)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
