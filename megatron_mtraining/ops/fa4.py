@@ -339,7 +339,9 @@ class FA4DenseStepKernel:
         if p.kind == "none":
             return None
         out = self._out if out is None else out
-        if p.kind == "unsupported" or out is None:
+        # FA4 has no deterministic block-sparse backward (SM90): those steps take the fallback's
+        # deterministic backward (any exact kernel: the step's gradients depend only on lse/delta)
+        if p.kind == "unsupported" or out is None or (self.deterministic and p.sparsity is not None):
             return self.fallback.backward(dout, q, k, v, lse, delta, owner)
         dq, dk, dv = fa4_backward(dout, q, k, v, out, lse, softmax_scale=self.softmax_scale,
                                   causal=p.kind == "causal", sparsity=p.sparsity, deterministic=self.deterministic)
