@@ -68,8 +68,8 @@ def test_corrupted_output_fails_the_criterion(monkeypatch):
     """Negative control: a forward output off by 1 % of its scale must fail the 2x-bf16 criterion."""
     real = gk.launch.sparse_forward
 
-    def corrupted(q, k, v, plan, scale):
-        out, lse = real(q, k, v, plan, scale)
+    def corrupted(q, k, v, plan, scale, **kw):
+        out, lse = real(q, k, v, plan, scale, **kw)
         return out + 0.01 * out.abs().max() * torch.ones_like(out), lse
 
     monkeypatch.setattr(gk.launch, "sparse_forward", corrupted)

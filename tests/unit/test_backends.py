@@ -110,7 +110,7 @@ def test_explicit_requests_that_cannot_run_raise_naming_the_rule():
         select_backend("sdpa", dtype=torch.bfloat16, head_dim=128, sparse=True, **CUDA)
     with pytest.raises(ValueError, match="float64, got dtype torch.int32"):
         select_backend("auto", device="cpu", dtype=torch.int32, head_dim=64)
-    assert set(KERNEL_BACKENDS) == {"auto", "torch", "triton", "sdpa"}
+    assert set(KERNEL_BACKENDS) == {"auto", "torch", "triton", "sdpa", "fa4"}
 
 
 def test_explicit_triton_on_the_interpreter_is_allowed():
