@@ -154,8 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write tensorboard scalars (lm loss, learning rate, grad norm, throughput, "
                         "validation loss) here (rank 0)")
     g.add_argument("--metrics-file", default=None,
-                   help="(not a Megatron-LM flag) rank 0 appends one JSON line per iteration with "
-                        "full-precision loss / grad norm / lr")
+                   help="(not a Megatron-LM flag) rank 0 writes one JSON line per iteration (iteration, lm_loss, "
+                        "grad_norm, lr, tokens, time_s, model_flops, max_memory_allocated; full precision). An "
+                        "existing file is appended to, never truncated, and the run logs that it appends "
+                        "('> --metrics-file FILE: appending to an existing file ...'): a run resumed with --load "
+                        "adds its rows after the earlier run's, and iterations repeated after a resume appear "
+                        "twice (the last row of an iteration is the current one). Use a new file for a new run.")
     return p
 
 

@@ -10,7 +10,7 @@ line; tools build on the same pieces::
 
 Modules (each imports megatron.core lazily, so ``--help`` and argument errors stay fast):
 
-* :mod:`.cli`: ``parse_args`` / ``build_parser`` (the flags, validated before anything starts).
+* ``parse_args`` / ``build_parser``: the flags (:mod:`megatron_mtraining.megatron.args`), validated before anything starts.
 * :mod:`.runtime`: ``init_distributed`` (torchrun env; gloo on CPU, nccl on GPU), ``log0``.
 * :mod:`.build`: tokenizer, padded vocabulary, ``TransformerConfig``, the CP plan (resolved once per
   run), GPTModel with the MTraining spec (``--cp-attention mtraining``: every CP rank holds the
@@ -32,10 +32,10 @@ from .build import (build_model, build_optimizer, build_plan, build_tokenizer, c
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import (checkpoint_dir, check_release_args, check_resume_schedule, load_checkpoint,
                          load_model_weights, save_checkpoint)
-from .cli import build_parser, parse_args
+from megatron_mtraining.megatron.args import build_parser, parse_args
 from .data import CPBatchSplit, MicroBatches, build_datasets, effective_split
 from .loop import IterationInfo, TrainHooks, TrainResult, main, run, train
-from .metrics import METRICS_FILE_HELP, RunMetrics, open_metrics_file
+from .metrics import RunMetrics, open_metrics_file
 from .runtime import init_distributed, log0
 from .step import evaluate, forward_backward
 from .stop import StopPolicy
@@ -45,6 +45,6 @@ __all__ = [
     "padded_vocab_size", "transformer_config", "checkpoint_dir", "check_release_args", "check_resume_schedule",
     "load_checkpoint", "load_model_weights", "save_checkpoint", "build_parser", "parse_args", "CPBatchSplit",
     "MicroBatches", "build_datasets", "effective_split", "IterationInfo", "TrainHooks", "TrainResult", "main",
-    "run", "train", "METRICS_FILE_HELP", "RunMetrics", "open_metrics_file", "init_distributed", "log0", "evaluate",
+    "run", "train", "RunMetrics", "open_metrics_file", "init_distributed", "log0", "evaluate",
     "forward_backward", "StopPolicy",
 ]

@@ -182,7 +182,7 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
 def run(argv: Optional[Sequence[str]] = None, hooks: Optional[TrainHooks] = None) -> TrainResult:
     """Parse and validate ``argv`` (exit status 2 and ``error: --flag ...`` on a bad command line),
     then :func:`train` with ``hooks``; returns its :class:`TrainResult`."""
-    from .cli import parse_args
+    from megatron_mtraining.megatron.args import parse_args
 
     t_start = time.time()     # --exit-duration-in-mins counts from here (Megatron-LM: start of pretrain)
     args = parse_args(argv)

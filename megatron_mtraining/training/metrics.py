@@ -11,16 +11,7 @@ from typing import Optional, TextIO
 
 from .runtime import log0
 
-__all__ = ["METRICS_FILE_HELP", "open_metrics_file", "RunMetrics"]
-
-#: ``--help`` text of ``--metrics-file``: the file policy of :func:`open_metrics_file`.
-METRICS_FILE_HELP = (
-    "(not a Megatron-LM flag) rank 0 writes one JSON line per iteration (iteration, lm_loss, grad_norm, lr, "
-    "tokens, time_s, model_flops, max_memory_allocated; full precision). An existing file is appended to, "
-    "never truncated, and the run logs that it appends ('> --metrics-file FILE: appending to an existing file "
-    "...'): a run resumed with --load adds its rows after the earlier run's, and iterations repeated after a "
-    "resume appear twice (the last row of an iteration is the current one). Use a new file for a new run.")
-
+__all__ = ["open_metrics_file", "RunMetrics"]
 
 def open_metrics_file(path: str) -> tuple[TextIO, Optional[str]]:
     """Open ``--metrics-file`` for appending (created with its directory when missing).
