@@ -174,8 +174,12 @@ def test_fa4_backend_sparse_ring_with_estimated_pattern(d, hq, hkv):
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig
     from megatron_mtraining.ring.sparse import sparse_ring_attention
 
+    from tests.workers.vs_data import make_qkv
+
     dev, seq, scale = torch.device("cuda"), 4096, d ** -0.5
-    q, k, v, do = inputs(2, seq, hq, hkv, d, dev, torch.bfloat16, seed=d)
+    # vertical-slash structured inputs (sinks, heavy hitters, local phasors): a sparse estimate
+    q, k, v = (t.to(dev, torch.bfloat16) for t in make_qkv(2, seq, hq, hkv, d, seed=d))
+    do = inputs(2, seq, hq, hkv, d, dev, torch.bfloat16, seed=d)[3]
     backend = select_backend("fa4", device=dev, dtype=torch.bfloat16, head_dim=d, seq_len_local=seq, sparse=True,
                              deterministic=False)
     assert backend.name == "fa4"
