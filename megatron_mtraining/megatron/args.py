@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted for compatibility: the loss is always the exact global per-token mean")
+    g.add_argument("--cross-entropy-chunk-tokens", type=_chunk_tokens, default="auto", metavar="auto|0|N",
+                   help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
+                        "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
+                        "when a micro-batch's fp32 logits exceed 1 GiB; 0: never")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="+", default=None,
@@ -209,6 +213,19 @@ def parse_split(split: str) -> list[float]:
         raise ArgumentValidationError(f"--split {split!r}: expected 1 to 3 non-negative numbers with a positive sum")
     vals += [0.0] * (3 - len(vals))
     return [v / sum(vals) for v in vals]
+
+
+def _chunk_tokens(text: str):
+    """``--cross-entropy-chunk-tokens``: ``"auto"`` or an int >= 0."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, 0 or a positive number of tokens, got {text!r}")
+    return n
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,

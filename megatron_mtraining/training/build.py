@@ -129,6 +129,11 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
         from megatron_mtraining.megatron.rope import install_layout_rope
 
         install_layout_rope(model, plan)
+    chunk = lm_loss_chunk_tokens(args, vocab_size)
+    if chunk:
+        from megatron_mtraining.megatron.lm_loss import install_chunked_lm_loss
+
+        install_chunked_lm_loss(model, chunk)
     if device.type == "cuda":
         model.cuda(device)
     if args.bf16 or args.fp16:
@@ -169,6 +174,17 @@ def build_optimizer(args, config, model):
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
     )
     return model, optimizer, scheduler
+
+
+def lm_loss_chunk_tokens(args, vocab_size: int) -> int:
+    """Sequence positions per chunk of the LM-head loss (``--cross-entropy-chunk-tokens``; 0: unchunked)."""
+    from megatron_mtraining.megatron.lm_loss import auto_chunk_tokens
+
+    n = getattr(args, "cross_entropy_chunk_tokens", 0)
+    if n == "auto":
+        vocab_local = vocab_size // args.tensor_model_parallel_size
+        return auto_chunk_tokens(args.seq_length // args.context_parallel_size, args.micro_batch_size, vocab_local)
+    return int(n)
 
 
 def count_params(model) -> int:

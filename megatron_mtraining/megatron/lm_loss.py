@@ -1,0 +1,153 @@
+"""Memory-lean LM-head loss for long sequences: the output layer and the cross entropy in chunks.
+
+A GPTModel computes ``logits = hidden @ W^T`` for every token (``[s, b, V]``, then an fp32 copy and
+an fp32 softmax inside the cross entropy) before the per-token loss: at 256K tokens with a 32K
+vocabulary that is 31 GiB of fp32 logits on one GPU, more than the attention layers of a small
+model. :func:`install_chunked_lm_loss` makes the model compute the loss ``chunk_tokens`` sequence
+positions at a time, each chunk under activation checkpointing (its logits are recomputed in the
+backward), so at most one chunk's logits are alive. The cross entropy itself is megatron-core's
+``tensor_parallel.vocab_parallel_cross_entropy`` (vocabulary-parallel under TP), the output matmul
+uses the output layer's own (local vocabulary shard of the) weight, and the result is the same
+per-token loss ``[b, s]`` as the unchunked model (fp32: equal up to rounding; the output-weight
+gradient sums the chunks in another order).
+
+Only training/evaluation calls with ``labels`` change; a call without ``labels`` still returns the
+full logits. Refused (``ValueError`` naming the setting): multi-token prediction, sequence parallelism
+on the output layer, MuP output scaling, a model without its output stage (``post_process=False``).
+
+Public API::
+
+    install_chunked_lm_loss(model, chunk_tokens)      # GPTModel or a wrapper (DDP, Float16Module)
+    auto_chunk_tokens(seq_local, micro_batch, vocab_local, budget_bytes=2**30)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["install_chunked_lm_loss", "auto_chunk_tokens", "chunked_lm_loss"]
+
+#: fp32 logits of one micro-batch above which ``auto`` chunks the LM-head loss (bytes).
+AUTO_THRESHOLD_BYTES = 1 << 30
+
+
+def auto_chunk_tokens(seq_local: int, micro_batch: int, vocab_local: int,
+                      budget_bytes: int = AUTO_THRESHOLD_BYTES) -> int:
+    """Sequence positions per chunk for ``--cross-entropy-chunk-tokens auto``: ``0`` (no chunking)
+    when the micro-batch's fp32 logits (``seq_local * micro_batch * vocab_local * 4`` bytes) fit in
+    ``budget_bytes``; else the largest multiple of 64 positions whose fp32 logits take at most a
+    quarter of it (at least 64)."""
+    if seq_local * micro_batch * vocab_local * 4 <= budget_bytes:
+        return 0
+    per_pos = micro_batch * vocab_local * 4
+    return max(64, (budget_bytes // 4 // per_pos) // 64 * 64)
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from megatron.core import tensor_parallel
+
+    logits = torch.matmul(hidden, weight.t())                     # [c, b, V_local]
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                    tp_group=None) -> torch.Tensor:
+    """Per-token cross entropy of ``hidden @ weight^T`` computed ``chunk_tokens`` positions at a time.
+
+    Args:
+        hidden: ``[s, b, h]`` final hidden states (the output layer's input).
+        weight: ``[V_local, h]`` output weight (this TP rank's vocabulary shard).
+        labels: ``[b, s]`` int64 target ids.
+        chunk_tokens: sequence positions per chunk (>= 1).
+        tp_group: the tensor-parallel group (``None``: megatron-core's default); with TP > 1 the
+            input is copied into the TP region as ``ColumnParallelLinear`` does.
+
+    Returns:
+        ``[b, s]`` fp32 per-token loss, as ``GPTModel.compute_language_model_loss`` returns.
+    """
+    from megatron.core import tensor_parallel
+    from torch.utils.checkpoint import checkpoint
+
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if tp_group is not None and tp_group.size() > 1:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    target = labels.transpose(0, 1).contiguous()                  # [s, b]
+    parts = []
+    for lo in range(0, hidden.shape[0], chunk_tokens):
+        h, y = hidden[lo:lo + chunk_tokens], target[lo:lo + chunk_tokens]
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            parts.append(checkpoint(_chunk_loss, h, weight, y, use_reentrant=False))
+        else:
+            parts.append(_chunk_loss(h, weight, y))
+    return torch.cat(parts, 0).transpose(0, 1).contiguous()
+
+
+def _gpt_of(model):
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "output_layer"):
+        m = m.module
+    return m
+
+
+def install_chunked_lm_loss(model, chunk_tokens: int):
+    """Make ``model`` (a megatron-core ``GPTModel`` or a wrapper of one) compute its LM loss in chunks
+    of ``chunk_tokens`` sequence positions (see the module docstring). Idempotent per model.
+
+    Returns:
+        the ``GPTModel`` it was installed on.
+
+    Raises:
+        ValueError: ``chunk_tokens < 1``; the model has multi-token prediction, a sequence-parallel
+            output layer, MuP output scaling, or no output layer.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"--cross-entropy-chunk-tokens must be >= 1 to chunk, got {chunk_tokens}")
+    gpt = _gpt_of(model)
+    cfg = getattr(gpt, "config", None)
+    problems = []
+    if not getattr(gpt, "post_process", False) or getattr(gpt, "output_layer", None) is None:
+        problems.append("the model has no output layer (post_process=False)")
+    if cfg is not None and getattr(cfg, "mtp_num_layers", None):
+        problems.append("multi-token prediction (mtp_num_layers)")
+    if getattr(getattr(gpt, "output_layer", None), "sequence_parallel", False):
+        problems.append("sequence parallelism on the output layer")
+    if cfg is not None and getattr(cfg, "use_mup", False):
+        problems.append("MuP output scaling (use_mup)")
+    if problems:
+        raise ValueError("chunked LM-head loss (--cross-entropy-chunk-tokens) cannot serve " + "; ".join(problems))
+    if getattr(gpt, "_mtraining_lm_loss_chunk", None) is not None:
+        gpt._mtraining_lm_loss_chunk = int(chunk_tokens)
+        return gpt
+    gpt._mtraining_lm_loss_chunk = int(chunk_tokens)
+    out_layer = gpt.output_layer
+    state = {"active": False, "weight": None}
+    out_forward, loss_fn, forward = out_layer.forward, gpt.compute_language_model_loss, gpt.forward
+
+    def output_forward(input_, weight: Optional[torch.Tensor] = None, runtime_gather_output=None, **kw):
+        if state["active"]:                     # defer: the loss computes the logits chunk by chunk
+            state["weight"] = weight if weight is not None else out_layer.weight
+            return input_, None
+        return out_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kw)
+
+    def compute_language_model_loss(labels, logits):
+        if state["active"]:
+            w, state["weight"] = state["weight"], None
+            return chunked_lm_loss(logits, w, labels, gpt._mtraining_lm_loss_chunk,
+                                   tp_group=getattr(out_layer, "tp_group", None))
+        return loss_fn(labels, logits)
+
+    def gpt_forward(*args, **kwargs):
+        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        state["active"] = labels is not None
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state["active"], state["weight"] = False, None
+
+    out_layer.forward = output_forward
+    gpt.compute_language_model_loss = compute_language_model_loss
+    gpt.forward = gpt_forward
+    return gpt
