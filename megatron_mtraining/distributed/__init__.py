@@ -122,7 +122,7 @@ def comm_context(where: str, group: ProcessGroup, peers: Optional[Iterable[int]]
     except RuntimeError as e:
         if peers is None:
             peers = (dist.get_process_group_ranks(group) if group is not None
-                     else list(range(dist.get_world_size())))
+                     else list(range(dist.get_world_size())) if dist.is_initialized() else [])
         peers = tuple(peers)
         text = peer_text or f"with global ranks {list(peers)}"
         raise CommError(_describe_failure(where, group, text, e), where=where,
