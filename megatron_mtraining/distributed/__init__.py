@@ -4,17 +4,38 @@ Process groups are always passed explicitly (a Megatron CP group, or any sub-gro
 world); ``group=None`` means "no context parallelism" (one rank, no communication). Peers are
 group-local ring neighbours translated to global ranks, so CP sub-groups of a TP×CP×DP world
 work unchanged.
+
+Failures. Every wait of the ring's transfers and every collective of the ring, the estimator and the
+input check goes through :func:`comm_context` / :func:`wait_all`: it completes, or fails within the
+process group's own timeout and raises :class:`CommError`, whose message names the operation (which
+ring, forward or backward, the step), this rank and the peer ranks. The timeout is the group's:
+``torch.distributed.init_process_group(timeout=...)`` for the default group,
+``torch.distributed.new_group(ranks, timeout=...)`` for groups built from it (without ``timeout``,
+torch gives a new group its backend default, 30 minutes on gloo and 10 on NCCL, not the default
+group's), ``megatron.core.parallel_state.initialize_model_parallel(distributed_timeout_minutes=...)``
+for Megatron's groups (Megatron-LM's and the example trainer's ``--distributed-timeout-minutes``).
+
+On gloo a peer process that died is seen at once (``Connection closed by peer`` / ``Connection reset
+by peer``), a peer that is alive but does not take part (stuck, or raised and kept running) at the
+timeout (``Timed out waiting ...ms``). On NCCL, waits do not block the host: a transfer that never
+completes is found by NCCL's watchdog, which aborts the process at the timeout with its own message
+(operation and sequence number, not the ring step); with ``TORCH_NCCL_BLOCKING_WAIT=1`` the wait
+blocks and raises, and the error names the ring step as on gloo (PyTorch's documented NCCL
+behaviour; the fault tests, ``tests/distributed/test_ring_faults.py``, run on gloo).
 """
 
 from __future__ import annotations
 
+import datetime
 import struct
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "group_rank", "RingComm", "agree_across_ranks", "check_consistent_across_ranks",
+__all__ = ["group_size", "group_rank", "RingComm", "CommError", "comm_context", "wait_all", "group_timeout",
+           "agree_across_ranks", "check_consistent_across_ranks",
            "hierarchical_numbering_error", "check_hierarchical_consistent"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
@@ -32,39 +53,136 @@ def group_rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
+class CommError(RuntimeError):
+    """A transfer or collective of a process group failed or timed out.
+
+    Raised by :func:`comm_context` / :func:`wait_all` (and so by every ring exchange): a peer rank
+    died, raised an error, or did not take part within the process group's timeout. The message
+    names the operation (``where``: which ring, forward or backward, the step), this rank (group and
+    global rank), the peers and the timeout; ``__cause__`` is the backend's own error.
+
+    Attributes:
+        where: the operation, e.g. ``"flat ring forward step 0 (K/V exchange for step 1)"``.
+        rank: this process's global rank.
+        peers: the global ranks it was exchanging with (sends to and receives from, or the group).
+        timeout: the process group's timeout (``None`` when it cannot be read).
+    """
+
+    def __init__(self, message: str, *, where: str = "", rank: int = -1, peers: tuple = (),
+                 timeout: Optional[datetime.timedelta] = None):
+        super().__init__(message)
+        self.where, self.rank, self.peers, self.timeout = where, rank, tuple(peers), timeout
+
+
+def group_timeout(group: ProcessGroup) -> Optional[datetime.timedelta]:
+    """The timeout of ``group`` (``None``: the default group) as its backend holds it, or ``None``
+    when the backend does not expose it."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        for dev in ("cuda", "cpu"):
+            if torch.device(dev) in pg._device_types:
+                return pg._get_backend(torch.device(dev)).options._timeout
+    except Exception:            # private torch API: a missing attribute only loses the detail
+        return None
+    return None
+
+
+def _describe_failure(where: str, group: ProcessGroup, peers: str, error: BaseException) -> str:
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = dist.get_rank(group) if group is not None else me
+    timeout = group_timeout(group)
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:400]
+    limit = f"the process-group timeout ({timeout})" if timeout is not None else "the process-group timeout"
+    return (f"{where} failed on group rank {mine} (global rank {me}), {peers}: {cause}\n"
+            f"A peer rank died, raised an error, or did not take part within {limit}; the first rank to "
+            "fail has the root cause in its own log. The timeout is the process group's: "
+            "torch.distributed.init_process_group(timeout=...) / new_group(ranks, timeout=...), or "
+            "--distributed-timeout-minutes (Megatron-LM and the example trainer).")
+
+
+@contextmanager
+def comm_context(where: str, group: ProcessGroup, peers: Optional[Iterable[int]] = None,
+                 peer_text: Optional[str] = None):
+    """Re-raise a communication failure inside the ``with`` block as :class:`CommError` with context.
+
+    Args:
+        where: the operation, e.g. ``"vertical-slash estimator: all_reduce of the probe row max"``.
+        group: the process group the operation runs on (``None``: the default group).
+        peers: the global ranks involved (default: every rank of ``group``).
+        peer_text: how the message names them (default: ``"with global ranks [...]"``).
+
+    A :class:`CommError` from an inner context passes through unchanged; any other ``RuntimeError``
+    (torch's ``DistBackendError`` and gloo's errors are ``RuntimeError`` subclasses) becomes a
+    :class:`CommError` chained to it.
+    """
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as e:
+        if peers is None:
+            peers = (dist.get_process_group_ranks(group) if group is not None
+                     else list(range(dist.get_world_size())) if dist.is_initialized() else [])
+        peers = tuple(peers)
+        text = peer_text or f"with global ranks {list(peers)}"
+        raise CommError(_describe_failure(where, group, text, e), where=where,
+                        rank=dist.get_rank() if dist.is_initialized() else 0, peers=peers,
+                        timeout=group_timeout(group)) from e
+
+
+def wait_all(works, where: str, group: ProcessGroup, peers: Optional[Iterable[int]] = None,
+             peer_text: Optional[str] = None) -> None:
+    """``wait()`` on every work handle in ``works`` (``None`` entries skipped) under
+    :func:`comm_context` (same arguments): they complete, or :class:`CommError` names ``where``."""
+    with comm_context(where, group, peers, peer_text):
+        for w in works:
+            if w is not None:
+                w.wait()
+
+
 class RingComm:
     """Non-blocking exchange with the ring neighbours of a process group.
 
-    ``exchange(send, recv)`` posts one batched send of every tensor in ``send`` to the next
+    ``exchange(send, recv, where)`` posts one batched send of every tensor in ``send`` to the next
     rank and one receive of every tensor in ``recv`` from the previous rank (group order),
     and returns a handle whose ``wait()`` completes them. Every rank posts the same sequence
     of exchanges, which keeps point-to-point messages matched on gloo and NCCL alike.
+
+    A failure while posting or waiting raises :class:`CommError` naming ``"{name} ring {where}"``
+    (``name``: ``"flat"``, ``"inner"`` or ``"outer"``), this rank and both neighbours, within the
+    group's timeout (see the module docstring).
     """
 
-    def __init__(self, group: ProcessGroup):
+    def __init__(self, group: ProcessGroup, name: str = "flat"):
         self.group = group
+        self.name = name
         self.size = group_size(group)
         self.rank = group_rank(group)
         if self.size > 1:
             self.next_rank = dist.get_global_rank(group, (self.rank + 1) % self.size)
             self.prev_rank = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> "_Pending":
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], where: str = "exchange") -> "_Pending":
+        """Post the exchange; ``where`` names it in errors (e.g. ``"forward step 0 (K/V exchange for step 1)"``)."""
         if self.size == 1:
             raise RuntimeError("RingComm.exchange called on a group of size 1")
+        ctx = (f"{self.name} ring {where}", self.group, (self.next_rank, self.prev_rank),
+               f"sending to global rank {self.next_rank} and receiving from global rank {self.prev_rank}")
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]
-        return _Pending(dist.batch_isend_irecv(ops), send, recv)
+        with comm_context(*ctx):
+            works = dist.batch_isend_irecv(ops)
+        return _Pending(works, send, recv, ctx)
 
 
 class _Pending:
-    def __init__(self, works, send, recv):
+    def __init__(self, works, send, recv, ctx):
         self._works, self._keep = works, (send, recv)   # keep buffers alive until completion
         self.recv = recv
+        self._ctx = ctx
 
     def wait(self):
-        for w in self._works:
-            w.wait()
+        wait_all(self._works, *self._ctx)
         self._works = []
         return self.recv
 
@@ -110,7 +228,8 @@ def agree_across_ranks(group: ProcessGroup, what: str, error: Optional[str] = No
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     mine = mine.to(dev)
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    with comm_context(f"{what}: all_gather of the input check", group):
+        dist.all_gather(gathered, mine, group=group)
     gathered = [g.cpu() for g in gathered]
     failed = [(r, g) for r, g in enumerate(gathered) if int(g[0]) != 0]
     if failed:

@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of every process group (default, TP, CP, DP, hierarchical CP), in whole minutes "
+                        "(Megatron-LM's unit): a rank that died, raised or is stuck ends the others' waits "
+                        "within it, with an error naming the operation and the peer ranks")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -255,7 +258,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                       ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
                       ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
                       ("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
-                      ("--cp-granularity", args.cp_granularity), ("--log-interval", args.log_interval)):
+                      ("--cp-granularity", args.cp_granularity), ("--log-interval", args.log_interval),
+                      ("--distributed-timeout-minutes", args.distributed_timeout_minutes)):
         if val is None or val < 1:
             raise E(f"{flag} must be >= 1, got {val}")
     if ws % (tp * cp) != 0:

@@ -90,7 +90,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed import group_rank, group_size
+from ..distributed import comm_context, group_rank, group_size
 from ..layout import Layout
 from ..common import TRITON_DTYPES, default_softmax_scale, triton_runs_on
 
@@ -392,7 +392,8 @@ def _all_gather_candidates(score: torch.Tensor, pos: torch.Tensor, group, cp: in
     """Concatenation over the CP group (rank order) of every rank's ``(score, pos)`` candidates."""
     cand = torch.stack([score, pos.to(score.dtype)])
     parts = [torch.empty_like(cand) for _ in range(cp)]
-    dist.all_gather(parts, cand.contiguous(), group=group)
+    with comm_context("vertical-slash estimator: all_gather of the vertical candidates", group):
+        dist.all_gather(parts, cand.contiguous(), group=group)
     cand = torch.cat(parts, dim=-1)
     return cand[0], cand[1].round().long()
 
@@ -455,7 +456,8 @@ def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp:
         else:
             buf = torch.empty((b, sel.numel(), hq, d), dtype=q.dtype, device=q.device)
         if cp > 1:
-            dist.broadcast(buf, src=dist.get_global_rank(group, o), group=group)
+            with comm_context(f"vertical-slash estimator: broadcast of the probe queries of group rank {o}", group):
+                dist.broadcast(buf, src=dist.get_global_rank(group, o), group=group)
         parts.append((sel, buf))
     if len(parts) == 1:                               # sel == arange(last_q)
         return parts[0][1]
@@ -465,9 +467,10 @@ def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp:
     return out
 
 
-def _all_reduce(t: torch.Tensor, op, group, cp: int) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op, group, cp: int, what: str) -> torch.Tensor:
     if cp > 1:
-        dist.all_reduce(t, op=op, group=group)
+        with comm_context(f"vertical-slash estimator: all_reduce of {what}", group):
+            dist.all_reduce(t, op=op, group=group)
     return t
 
 
@@ -508,12 +511,13 @@ def resolve_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
 def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tensor:
     """fp64 ``[b, hq, L]`` log-sum-exp of the probe rows over the CP group from the local row max
     ``m`` and ``z = sum exp(s - m)``: ``all_reduce(MAX)`` then a rescaled ``all_reduce(SUM)``."""
-    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp) if cp > 1 else m
+    gm = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, cp, "the probe row max") if cp > 1 else m
     gsafe = torch.where(torch.isneginf(gm), 0.0, gm)
     # cp 1: gm == m, so the rescale factor exp(m - gsafe) is exactly 1 (finite m) or multiplies a
     # zero sum (m = -inf: no visible key); for m = +inf / NaN both z and the product are NaN, which
     # the where below maps to 1 -- the same lse bits either way
-    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp) if cp > 1 else z
+    gz = _all_reduce(z * torch.exp(m - gsafe), dist.ReduceOp.SUM, group, cp,
+                     "the probe row sum") if cp > 1 else z
     return gsafe + torch.log(torch.where(gz > 0, gz, 1.0))
 
 
@@ -643,7 +647,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
     else:
         col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp)
-    slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp)
+    slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")
 
     gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
     return _select(slash, col, k_pos, layout, rank, S, L, config, gather)

@@ -37,17 +37,21 @@ __all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring
            "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward"]
 
 
-def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step):
+def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, where: str = ""):
     """One pass of K/V around ``comm``'s ring, merging every step into ``(out, lse)``.
 
     ``kv`` is this rank's entry K/V (not modified); at step ``j`` the rank holds the K/V that
     entered the ring ``j`` ranks earlier and ``owner_of_step(j)`` names its CP owner. The next
     exchange is posted before the step's compute (double buffering).
+
+    A failed or timed-out exchange raises :class:`~megatron_mtraining.distributed.CommError` naming
+    ``"{ring} ring forward step {j}{where}"`` (steps count from 0), this rank and its neighbours.
     """
     for step in range(comm.size):
         pending = None
         if step + 1 < comm.size:
-            pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
+            pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])],
+                                    f"forward step {step}{where} (K/V exchange for step {step + 1})")
         partial = kernel.forward(q, kv[0], kv[1], owner_of_step(step))
         if partial is not None:
             out, lse = merge_attention(out, lse, *partial)
@@ -56,12 +60,13 @@ def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step):
     return out, lse
 
 
-def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owner_of_step):
+def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owner_of_step, where: str = ""):
     """Backward of :func:`ring_pass_forward`: adds this rank's dQ into ``dq`` (in place) and
     returns the dK/dV of the entry ``kv`` summed over every rank of the ring.
 
     The fp32 accumulator of each K/V travels one exchange behind it and, after ``comm.size``
-    hops, arrives back at the rank that put the K/V into the ring.
+    hops, arrives back at the rank that put the K/V into the ring. Failures raise
+    :class:`~megatron_mtraining.distributed.CommError` naming ``"{ring} ring backward step {j}{where}"``.
     """
     acc = dq.dtype
     dkv_pending = None   # in-flight exchange of accumulators
@@ -69,7 +74,8 @@ def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owne
     for step in range(comm.size):
         kv_pending = None
         if step + 1 < comm.size:
-            kv_pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])])
+            kv_pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])],
+                                       f"backward step {step}{where} (K/V exchange for step {step + 1})")
         grads = kernel.backward(dout, q, kv[0], kv[1], lse, delta, owner_of_step(step))
         if grads is not None:
             dq_s, dk_s, dv_s = grads
@@ -83,7 +89,8 @@ def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owne
             dv_s += dv_in
         dkv = (dk_s, dv_s)
         if comm.size > 1:                          # pass it on; the last hop brings it home
-            dkv_pending = comm.exchange(dkv, [torch.empty_like(dk_s), torch.empty_like(dv_s)])
+            dkv_pending = comm.exchange(dkv, [torch.empty_like(dk_s), torch.empty_like(dv_s)],
+                                        f"backward step {step}{where} (dK/dV exchange)")
         if kv_pending is not None:
             kv = tuple(kv_pending.wait())
     if dkv_pending is not None:

@@ -21,6 +21,11 @@ Backward mirrors it: each inner ring returns the node's fp32 dK/dV contribution 
 K/V it circulated; that node-level accumulator then travels on the outer ring one outer step
 behind the K/V (its exchange overlaps the next inner ring) and arrives, reduced over all
 nodes, at the owner.
+
+A failed or timed-out transfer raises :class:`~megatron_mtraining.distributed.CommError` naming
+the ring and the step, e.g. ``"inner ring backward step 1 of outer step 0 (dK/dV exchange)"`` or
+``"outer ring forward step 0 (K/V exchange for step 1)"`` (steps count from 0), this rank and its
+neighbours on that ring, within the group's timeout.
 """
 
 from __future__ import annotations
@@ -49,12 +54,12 @@ class DelayedComm(RingComm):
     completion: a slow inter-node link for overlap tests and simulations (the transfer itself
     runs at once; ``wait()`` returns no earlier than ``post time + delay_s``)."""
 
-    def __init__(self, group, delay_s: float):
-        super().__init__(group)
+    def __init__(self, group, delay_s: float, name: str = "flat"):
+        super().__init__(group, name)
         self.delay_s = float(delay_s)
 
-    def exchange(self, send, recv):
-        pending = super().exchange(send, recv)
+    def exchange(self, send, recv, where: str = "exchange"):
+        pending = super().exchange(send, recv, where)
         ready_at = time.perf_counter() + self.delay_s
         inner_wait = pending.wait
 
@@ -87,12 +92,13 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         for o in range(n_out):
             pending = None
             if o + 1 < n_out:
-                pending = outer.exchange(kv_outer, [torch.empty_like(kv_outer[0]), torch.empty_like(kv_outer[1])])
+                pending = outer.exchange(kv_outer, [torch.empty_like(kv_outer[0]), torch.empty_like(kv_outer[1])],
+                                         f"forward step {o} (K/V exchange for step {o + 1})")
                 if not overlap:
                     kv_next = tuple(pending.wait())
             node = (r_out - o) % n_out
             out, lse = ring_pass_forward(kernel, inner, q, kv_outer, out, lse,
-                                         lambda j, node=node: node * n_in + (r_in - j) % n_in)
+                                         lambda j, node=node: node * n_in + (r_in - j) % n_in, f" of outer step {o}")
             if pending is not None:
                 kv_outer = tuple(pending.wait()) if overlap else kv_next
         if cols is not None and (partial := cols.forward(q)) is not None:
@@ -121,18 +127,21 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         for o in range(n_out):
             kv_pending = None
             if o + 1 < n_out:
-                kv_pending = outer.exchange(kv_outer, [torch.empty_like(kv_outer[0]), torch.empty_like(kv_outer[1])])
+                kv_pending = outer.exchange(kv_outer, [torch.empty_like(kv_outer[0]), torch.empty_like(kv_outer[1])],
+                                            f"backward step {o} (K/V exchange for step {o + 1})")
                 if not overlap:
                     kv_next = tuple(kv_pending.wait())
             node = (r_out - o) % n_out
             dk_node, dv_node = ring_pass_backward(kernel, inner, dout, q, kv_outer, lse, delta, dq,
-                                                  lambda j, node=node: node * n_in + (r_in - j) % n_in)
+                                                  lambda j, node=node: node * n_in + (r_in - j) % n_in,
+                                                  f" of outer step {o}")
             if acc_pending is not None:            # other nodes' sum for the same owner
                 dk_in, dv_in = acc_pending.wait()
                 dk_node = dk_node + dk_in
                 dv_node = dv_node + dv_in
             acc = (dk_node, dv_node)
-            acc_pending = outer.exchange(acc, [torch.empty_like(dk_node), torch.empty_like(dv_node)])
+            acc_pending = outer.exchange(acc, [torch.empty_like(dk_node), torch.empty_like(dv_node)],
+                                         f"backward step {o} (dK/dV exchange)")
             if not overlap:
                 acc_pending.wait()
             if kv_pending is not None:
@@ -197,6 +206,7 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     q, k, v = last_dim_contiguous(q, k, v)
     if kernel is None:
         kernel = backend.dense_step(layout, cp_rank, seq_len, scale, bool(causal), device=q.device)
-    inner = RingComm(inner_group)
-    outer = DelayedComm(outer_group, outer_link_delay_s) if outer_link_delay_s > 0 else RingComm(outer_group)
+    inner = RingComm(inner_group, "inner")
+    outer = (DelayedComm(outer_group, outer_link_delay_s, "outer") if outer_link_delay_s > 0
+             else RingComm(outer_group, "outer"))
     return HierarchicalRingAttentionFunc.apply(q, k, v, kernel, inner, outer, bool(overlap), backend.delta)

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..common import default_softmax_scale
-from ..distributed import group_rank
+from ..distributed import comm_context, group_rank, wait_all
 from ..layout import Layout
 from ..ops.backends import KernelBackend
 from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
@@ -46,6 +46,8 @@ __all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_a
            "sparse_agreement_fields"]
 
 COLUMN_SCHEDULES = ("in_ring", "out_of_ring")
+_COLUMNS_FORWARD = "sparse ring forward: all_reduce of the out-of-ring column K/V"     # CommError context
+_COLUMNS_BACKWARD = "sparse ring backward: all_reduce of the out-of-ring column dK/dV"
 
 
 class ColumnPhase:
@@ -108,22 +110,23 @@ class ColumnPhase:
         self._kv = None
         self._pending = None
 
-    def _all_reduce(self, t: torch.Tensor):
+    def _all_reduce(self, t: torch.Tensor, where: str):
         if self.group is None or torch.distributed.get_world_size(self.group) == 1:
             return None
-        return torch.distributed.all_reduce(t, group=self.group, async_op=True)
+        with comm_context(where, self.group):
+            return torch.distributed.all_reduce(t, group=self.group, async_op=True)
 
     def begin_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Post the gather of the column K/V rows (async; overlaps the ring)."""
         buf = torch.zeros((2, k.shape[0], self.n, *k.shape[2:]), dtype=k.dtype, device=k.device)
         buf[0, :, self.mine_slot] = k[:, self.mine_local]
         buf[1, :, self.mine_slot] = v[:, self.mine_local]
-        self._kv, self._pending = buf, self._all_reduce(buf)
+        self._kv, self._pending = buf, self._all_reduce(buf, _COLUMNS_FORWARD)
 
     def forward(self, q: torch.Tensor):
         """``(out, lse)`` of this rank's queries against the gathered columns, or ``None`` if none."""
         if self._pending is not None:
-            self._pending.wait()
+            wait_all([self._pending], _COLUMNS_FORWARD, self.group)
             self._pending = None
         if self.empty:
             return None
@@ -139,12 +142,12 @@ class ColumnPhase:
             dq_c, dk_c, dv_c = self.backward_fn(dout, q, k_cols, v_cols, lse, delta, self.indices, self.softmax_scale)
             dq += dq_c
             grads = torch.stack((dk_c, dv_c))
-        self._grads, self._pending = grads, self._all_reduce(grads)
+        self._grads, self._pending = grads, self._all_reduce(grads, _COLUMNS_BACKWARD)
 
     def finish_backward(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add the summed column dK/dV rows this rank owns into its ``dk``/``dv`` (in place)."""
         if self._pending is not None:
-            self._pending.wait()
+            wait_all([self._pending], _COLUMNS_BACKWARD, self.group)
             self._pending = None
         dk[:, self.mine_local] += self._grads[0][:, self.mine_slot].to(dk.dtype)
         dv[:, self.mine_local] += self._grads[1][:, self.mine_slot].to(dv.dtype)

@@ -67,7 +67,8 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     """Run the training described by validated ``args`` (:func:`~megatron_mtraining.megatron.args.parse_args`).
 
     Flow: ``torch.distributed`` (gloo on CPU, nccl on GPU; torchrun env) ->
-    ``parallel_state.initialize_model_parallel(tp, context_parallel_size=cp)`` -> tokenizer ->
+    ``parallel_state.initialize_model_parallel(tp, context_parallel_size=cp)`` (every group with the
+    ``--distributed-timeout-minutes`` timeout) -> tokenizer ->
     GPTDataset -> GPTModel with the MTraining spec (``--cp-attention mtraining``: RoPE and the batch
     split on the CP layout's positions) or the Transformer Engine spec (``te``) -> megatron-core DDP +
     optimizer + ``OptimizerParamScheduler`` -> ``--load`` -> iterations -> ``--save``. The CP plan
@@ -98,7 +99,8 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     patches = apply_cpu_patches()  # [] on CUDA
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size,
-                                 hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
+                                 hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+                                 distributed_timeout_minutes=args.distributed_timeout_minutes)
     cpu_seed(args.seed)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 

@@ -23,7 +23,8 @@ def init_distributed(args) -> "torch.device":
     Uses the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR/PORT``);
     without ``WORLD_SIZE`` (a plain ``python`` start) it sets up a 1-rank world on a free local port.
     The backend is ``--distributed-backend`` or nccl on CUDA / gloo on CPU; the process-group
-    timeout is ``--distributed-timeout-minutes``. On CPU without ``OMP_NUM_THREADS`` the cores are
+    timeout is ``--distributed-timeout-minutes`` (the trainer passes the same value to Megatron's
+    ``initialize_model_parallel`` for the TP/CP/DP groups). On CPU without ``OMP_NUM_THREADS`` the cores are
     shared between the local ranks.
 
     Returns:

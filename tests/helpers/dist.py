@@ -19,11 +19,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["REPO_ROOT", "RunResult", "free_port", "worker_env", "run_torchrun", "run_python", "finish_process_group"]
+__all__ = ["REPO_ROOT", "RunResult", "RankResult", "free_port", "worker_env", "run_torchrun", "run_ranks", "run_python",
+           "finish_process_group"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,6 +133,89 @@ def run_torchrun(
             break
     assert res is not None
     return res
+
+
+@dataclass
+class RankResult:
+    """Outcome of one rank of :func:`run_ranks`: ``returncode`` (``None``: killed at the deadline),
+    ``stdout``, ``stderr``, and ``end_time`` (``time.time()`` when it exited, ``None`` if killed)."""
+
+    rank: int
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    end_time: Optional[float]
+
+    def tail(self, n: int = 3000) -> str:
+        return (f"rank {self.rank}: rc={self.returncode}\n--- stdout ---\n{self.stdout[-n:]}\n"
+                f"--- stderr ---\n{self.stderr[-n:]}")
+
+
+def run_ranks(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    timeout: float = 120.0,
+    wait_for: Optional[Sequence[int]] = None,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str | os.PathLike] = None,
+) -> list[RankResult]:
+    """Start ``nproc`` ranks of ``python script *args`` directly (``env://``: ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR/PORT``), without ``torch.distributed.run``.
+
+    For fault tests: torchrun stops every rank as soon as one fails, which would hide what the
+    survivors do on their own; here each rank's exit status and exit time are its own.
+
+    Args:
+        wait_for: the ranks to wait for (default: all); once they have exited (or at ``timeout``
+            seconds), every rank still running is killed (SIGKILL to its process group) and
+            reported with ``returncode=None``.
+        timeout: hard limit in seconds for the whole run.
+
+    Returns:
+        one :class:`RankResult` per rank, in rank order.
+    """
+    cwd = Path(cwd) if cwd is not None else REPO_ROOT
+    wait_for = list(range(nproc)) if wait_for is None else list(wait_for)
+    results: list[RankResult] = []
+    for _attempt in range(2):
+        port = free_port()
+        with tempfile.TemporaryDirectory() as tmp:
+            procs, files = [], []
+            for r in range(nproc):
+                out, err = open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+")
+                e = worker_env({**(env or {}), "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
+                                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=out, stderr=err,
+                                              text=True, env=e, cwd=str(cwd), start_new_session=True))
+                files.append((out, err))
+            ends: dict[int, float] = {}
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not all(r in ends for r in wait_for):
+                for r, p in enumerate(procs):
+                    if r not in ends and p.poll() is not None:
+                        ends[r] = time.time()
+                time.sleep(0.05)
+            for r, p in enumerate(procs):
+                if r not in ends and p.poll() is not None:
+                    ends[r] = time.time()
+                if r not in ends:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                p.wait()
+            results = []
+            for r, (p, (out, err)) in enumerate(zip(procs, files)):
+                out.seek(0)
+                err.seek(0)
+                results.append(RankResult(r, p.returncode if r in ends else None, out.read(), err.read(), ends.get(r)))
+                out.close()
+                err.close()
+        if not any("Address already in use" in res.stderr for res in results):
+            break
+    return results
 
 
 def run_python(

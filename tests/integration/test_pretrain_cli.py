@@ -102,6 +102,7 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--mtraining-config": "configs/demo_sparse.yaml", "--seq-length": 32}, 1, "'granularity'"),
     ({"--exit-duration-in-mins": 0}, 1, "--exit-duration-in-mins must be > 0"),
     ({"--exit-interval": 0}, 1, "--exit-interval must be >= 1"),
+    ({"--distributed-timeout-minutes": 0}, 1, "--distributed-timeout-minutes must be >= 1"),
     ({"--recompute-granularity": "full"}, 1, "--recompute-method"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
