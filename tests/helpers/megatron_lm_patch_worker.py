@@ -33,6 +33,13 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+if sys.version_info < (3, 12):
+    import typing
+
+    # Megatron-LM 0.19's megatron.training decorates methods with typing.override (Python 3.12),
+    # a marker without run-time effect; on 3.11 the same no-op lets its code run here.
+    typing.override = getattr(typing, "override", lambda f: f)
+
 
 def main(argv: list[str]) -> int:
     import torch

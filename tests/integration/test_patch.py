@@ -14,10 +14,11 @@ the patch by tag on small tagged git repositories and refuses an unsupported tag
 With ``MEGATRON_LM_DIR`` pointing to a Megatron-LM checkout (a supported tag; plain or already
 patched) or ``MEGATRON_LM_ARCHIVE`` to a ``git archive`` tarball of one: ``tools/check_patch.sh``
 reports OK or APPLIED; then the patched ``pretrain_gpt.py``/``gpt_builders.py`` (from a temporary
-copy: the checkout is not modified) run on CPU: the default ``te`` path imports nothing of this
-package, and CP=2 (striped and zigzag configs) gives the CP=1 per-token losses and gradients. Line
-0.19 needs Python >= 3.12 and megatron-core 0.19 (its ``megatron.training`` does not import on
-3.11): that run is marked ``gpu`` and meant for such a machine.
+copy: the checkout is not modified) run on CPU with the checkout's own ``megatron.core``: the
+default ``te`` path imports nothing of this package, and CP=2 (striped and zigzag configs) gives
+the CP=1 per-token losses and gradients. Line 0.19's ``megatron.training`` uses
+``typing.override`` (Python 3.12); on 3.11 the worker stands in a no-op for it. The same run on
+Python >= 3.12 with megatron-core 0.19 installed is marked ``gpu`` (for the GPU machine).
 """
 
 from __future__ import annotations
@@ -494,13 +495,12 @@ def _worker_env(patched: Path, d: Path) -> dict[str, str]:
 def _require_megatron_training(env: dict[str, str], line: str) -> None:
     from tests.helpers.dist import worker_env
 
-    probe = subprocess.run([sys.executable, "-c", "import megatron.training.arguments, pretrain_gpt"],
+    # typing.override: as the worker does on Python 3.11 for line 0.19
+    code = ("import typing; typing.override = getattr(typing, 'override', lambda f: f); "
+            "import megatron.training.arguments, pretrain_gpt")
+    probe = subprocess.run([sys.executable, "-c", code],
                            env=worker_env(env), capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
-        missing = re.findall(r"No module named '([^']+)'", probe.stderr)
-        why = ", ".join(missing) or probe.stderr.strip().splitlines()[-1][-200:]
-        if line == "0.19":
-            pytest.skip(f"Megatron-LM {line}'s megatron.training does not import here ({why})")
         pytest.fail(f"Megatron-LM {line}'s megatron.training does not import: {probe.stderr[-2000:]}")
 
 
@@ -542,10 +542,8 @@ def _run_patched_cp2_vs_cp1(tmp_path: Path, d: Path, line: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_patched_megatron_lm_cp2_matches_cp1_on_cpu(tmp_path, megatron_lm_checkout):
+    """Every line; the checkout's own megatron.core comes first on the path."""
     d, line = megatron_lm_checkout
-    if line == "0.19":
-        pytest.skip("Megatron-LM 0.19 runs in test_patched_megatron_lm_019_cp2_matches_cp1 (Python >= 3.12, "
-                    "megatron-core 0.19)")
     _run_patched_cp2_vs_cp1(tmp_path, d, line)
 
 
@@ -553,10 +551,11 @@ def test_patched_megatron_lm_cp2_matches_cp1_on_cpu(tmp_path, megatron_lm_checko
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_patched_megatron_lm_019_cp2_matches_cp1(tmp_path, megatron_lm_checkout):
-    """Line 0.19 end to end (gloo ranks; the GPU machine is where Python >= 3.12 and
-    megatron-core 0.19 are installed): the model is built through the patched GPTModelConfig."""
+    """Line 0.19 end to end where it is meant to run: Python >= 3.12 (no typing.override
+    stand-in) with megatron-core 0.19 installed (the GPU machine; the ranks use gloo)."""
     d, line = megatron_lm_checkout
     if line != "0.19":
         pytest.skip(f"MEGATRON_LM_DIR is Megatron-LM {line}; this test is for line 0.19")
+    assert sys.version_info >= (3, 12), "this test is for Python >= 3.12"
     assert compat.megatron_core_version() >= (0, 19, 0), "install megatron-core 0.19 for this test"
     _run_patched_cp2_vs_cp1(tmp_path, d, line)
