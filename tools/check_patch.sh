@@ -4,8 +4,9 @@
 #   usage: tools/check_patch.sh /path/to/Megatron-LM [PATCH]
 #
 # Without PATCH the patch is picked from the checkout's tag (`git describe --tags`):
-#   core_v0.16.x -> patches/megatron-lm-core_v0.16.patch, core_v0.17.x -> ..._v0.17.patch,
-#   core_v0.19.x -> ..._v0.19.patch (each patch's "Tested tags:" line lists the tags it was checked on).
+#   core_v0.16.x -> patches/megatron-lm-core_v0.16.patch, core_v0.17.x -> ..._v0.17.patch, and so on
+#   for every patches/megatron-lm-core_v<line>.patch (its "Tested tags:" line lists the tags it was
+#   checked on).
 # Another tag (or no tag, e.g. a main checkout) is an error listing the supported tags (exit 1);
 # pass PATCH to try a patch on such a checkout anyway.
 #

@@ -5,7 +5,7 @@
   naming the range. The ``core_attention`` contract (``CoreAttentionBuilder`` keywords, the forward
   signature), ``RotaryEmbedding`` and the GPT layer specs used here are the same across the range.
 * Megatron-LM: one patch per release line (:data:`MEGATRON_LM_LINES`,
-  ``patches/megatron-lm-core_v<line>.patch``). Lines 0.16 and 0.17 build the model in
+  ``patches/megatron-lm-core_v<line>.patch``). Lines 0.16 to 0.18 build the model in
   ``gpt_builders.gpt_builder``; from 0.19 on ``pretrain_gpt.py`` builds it from a
   ``GPTModelConfig`` (``megatron.training.models.gpt``), which
   :func:`gpt_model_config_with_mtraining` adapts.
@@ -40,6 +40,7 @@ MEGATRON_CORE_BELOW = (0, 20, 0)
 MEGATRON_LM_LINES: dict[str, tuple[str, ...]] = {
     "0.16": ("core_v0.16.0", "core_v0.16.1"),
     "0.17": ("core_v0.17.0", "core_v0.17.1"),
+    "0.18": ("core_v0.18.0", "core_v0.18.2"),
     "0.19": ("core_v0.19.0",),
 }
 

@@ -9,7 +9,7 @@ The patches (one per Megatron-LM line, see :mod:`megatron_mtraining.megatron.com
   command line is parsed, so a bad file is an argparse error naming the key);
 * ``get_batch``: :func:`get_batch_on_this_cp_rank_mtraining` instead of Megatron's zigzag
   ``get_batch_on_this_cp_rank``;
-* model building: lines 0.16 and 0.17 in ``gpt_builders.gpt_builder``: :func:`mtraining_layer_spec`
+* model building: lines 0.16 to 0.18 in ``gpt_builders.gpt_builder``: :func:`mtraining_layer_spec`
   (core_attention of the chosen spec) and, after ``GPTModel(...)``, :func:`install_mtraining_rope`;
   line 0.19 in ``pretrain_gpt.py``: :func:`mtraining_model_config` (the same two through the
   ``GPTModelConfig``).
@@ -190,10 +190,8 @@ def mtraining_layer_spec(spec: Any, args: Any) -> Any:
         RuntimeError: an unsupported megatron-core version.
         ValueError: as :func:`mtraining_plan`, or a spec without ``core_attention``.
     """
-    from megatron_mtraining.megatron.compat import check_megatron_core_version
     from megatron_mtraining.megatron.spec import replace_core_attention
 
-    check_megatron_core_version()
     return replace_core_attention(spec, mtraining_plan(args))
 
 

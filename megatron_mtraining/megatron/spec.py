@@ -15,6 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mtraining.config import MTrainingConfig
 from megatron_mtraining.megatron.attention import MTrainingAttention
+from megatron_mtraining.megatron.compat import check_megatron_core_version
 from megatron_mtraining.plan import CPPlan
 
 ConfigOrPlan = Union[MTrainingConfig, CPPlan, None]
@@ -66,7 +67,9 @@ def replace_core_attention(
 
     Raises:
         ValueError: ``spec`` has no ``submodules.self_attention.submodules.core_attention``.
+        RuntimeError: the installed megatron-core is outside ``>=0.16.1,<0.20``.
     """
+    check_megatron_core_version()
     spec = copy.deepcopy(spec)
     layer_specs = getattr(spec, "layer_specs", None)
     for layer_spec in layer_specs if layer_specs is not None else [spec]:

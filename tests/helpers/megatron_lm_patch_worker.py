@@ -8,7 +8,7 @@ Usage (from tests/integration/test_patch.py)::
 The Megatron-LM command line is parsed by Megatron-LM's own ``parse_args`` + ``validate_args``
 with the patched ``pretrain_gpt.add_cp_attention_args`` as ``extra_args_provider`` (so
 ``--cp-attention``/``--mtraining-config`` go through the real parser). Then: gloo world,
-``initialize_model_parallel``, the model as the patched Megatron-LM line builds it (0.16/0.17:
+``initialize_model_parallel``, the model as the patched Megatron-LM line builds it (0.16 to 0.18:
 ``gpt_builders.gpt_builder``; 0.19: ``gpt_config_from_args`` + the patch's
 ``mtraining_model_config`` + ``GPTModelBuilder.build_model`` and the config's pre-wrap hooks);
 it must have ``MTrainingAttention`` in every layer and a ``LayoutRotaryEmbedding``. Then the
@@ -93,7 +93,6 @@ def main(argv: list[str]) -> int:
                                  hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
     cpu_seed(1234)
     torch.manual_seed(1234)
-    line_019 = hasattr(pretrain_gpt, "BATCH_KEYS")  # 0.19: get_batch returns BATCH_KEYS's order
     model, _ = _build(args, gpt_builders, pretrain_gpt)
     kinds = sorted({type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers})
     assert kinds == ["MTrainingAttention"], kinds
@@ -105,8 +104,8 @@ def main(argv: list[str]) -> int:
               "position_ids": torch.arange(S).unsqueeze(0)}
     with cuda_requests_on_cpu():  # Megatron-LM's get_batch_on_this_tp_rank calls .cuda()
         got_batch = pretrain_gpt.get_batch(iter([sample]))
-    if line_019:
-        named = dict(zip(pretrain_gpt.BATCH_KEYS, got_batch))
+    if len(got_batch) == len(BATCH_KEYS):  # 0.18, 0.19: the values of BATCH_KEYS, in its order
+        named = dict(zip(BATCH_KEYS, got_batch))
         tokens, labels, loss_mask, position_ids = (named[k] for k in ("tokens", "labels", "loss_mask", "position_ids"))
         attention_mask, psp = named["attention_mask"], named["cu_seqlens"]
     else:
@@ -140,9 +139,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+#: Megatron-LM 0.18 and 0.19's get_batch return these fields, in this (alphabetical) order.
+BATCH_KEYS = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
+              "loss_mask", "max_seqlen", "position_ids", "tokens"]
+
+
 def _build(args, gpt_builders, pretrain_gpt):
     """The model as the patched line builds it (0.19: through its GPTModelConfig)."""
-    if not hasattr(pretrain_gpt, "BATCH_KEYS"):
+    if not hasattr(pretrain_gpt, "gpt_config_from_args"):  # 0.16 to 0.18: gpt_builders.gpt_builder
         return gpt_builders.gpt_builder(args, True, True), None
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import gpt_config_from_args
