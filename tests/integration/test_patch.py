@@ -468,9 +468,12 @@ def megatron_lm_checkout(tmp_path_factory):
         d = tops[0] if len(tops) == 1 and not (d / "pretrain_gpt.py").exists() else d
     d = Path(d)
     r = subprocess.run(["git", "-C", str(d), "describe", "--tags"], capture_output=True, text=True, timeout=60)
-    if (d / ".git").exists() and r.returncode == 0:
-        return d, compat.megatron_lm_line(r.stdout.strip())
-    for line, patch in PATCHES.items():  # no tag (an archive): the line whose patch fits
+    if (d / ".git").exists() and r.returncode == 0 and re.match(r"core_v\d+\.\d+", r.stdout):
+        try:
+            return d, compat.megatron_lm_line(r.stdout.strip())
+        except ValueError:
+            pass  # e.g. a main checkout, whose nearest tag is old: as without a tag
+    for line, patch in PATCHES.items():  # no usable tag (an archive, main): the line whose patch fits
         for extra in ([], ["--reverse"]):
             if subprocess.run(["git", "apply", "--check", *extra, str(patch)], cwd=d, capture_output=True,
                               timeout=60).returncode == 0:
@@ -480,7 +483,9 @@ def megatron_lm_checkout(tmp_path_factory):
 
 def test_git_apply_check_on_megatron_lm_checkout(megatron_lm_checkout):
     d, line = megatron_lm_checkout
-    r = _check(d, *([] if (d / ".git").exists() else [str(PATCHES[line])]))
+    r = subprocess.run(["git", "-C", str(d), "describe", "--tags"], capture_output=True, text=True, timeout=60)
+    tagged = (d / ".git").exists() and r.stdout.startswith(tuple(compat.MEGATRON_LM_LINES[line]))
+    r = _check(d, *([] if tagged else [str(PATCHES[line])]))
     print(r.stdout)
     assert r.returncode == 0 and ("OK:" in r.stdout or "APPLIED:" in r.stdout), r.stdout + r.stderr
     assert PATCHES[line].name in r.stdout
