@@ -497,7 +497,7 @@ def _patched_copy(tmp_path: Path, d: Path, line: str) -> Path:
     the checkout on PYTHONPATH."""
     out = tmp_path / "patched"
     out.mkdir()
-    for f in MEGATRON_LM_FILES:
+    for f in (*MEGATRON_LM_FILES, "model_provider.py"):
         shutil.copy(d / f, out / f)
     already = subprocess.run(["git", "apply", "--check", "--reverse", str(PATCHES[line])], cwd=out,
                              capture_output=True, timeout=60).returncode == 0
@@ -507,8 +507,8 @@ def _patched_copy(tmp_path: Path, d: Path, line: str) -> Path:
     return out
 
 
-def _worker_env(patched: Path, d: Path) -> dict[str, str]:
-    extra = os.pathsep.join([str(patched), str(d), str(ROOT)] +
+def _worker_env(patched: Path, d: Path | None) -> dict[str, str]:
+    extra = os.pathsep.join([str(patched)] + ([str(d)] if d is not None else []) + [str(ROOT)] +
                             [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     return {"PYTHONPATH": extra, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
@@ -525,13 +525,16 @@ def _require_megatron_training(env: dict[str, str], line: str) -> None:
         pytest.fail(f"Megatron-LM {line}'s megatron.training does not import: {probe.stderr[-2000:]}")
 
 
-def _run_patched_cp2_vs_cp1(tmp_path: Path, d: Path, line: str) -> None:
+def _run_patched_cp2_vs_cp1(tmp_path: Path, d: Path, line: str, checkout_megatron: bool = True) -> None:
+    """``checkout_megatron``: the checkout's ``megatron`` package first on the path; else only the
+    patched top-level files come from the checkout and ``megatron.core``/``megatron.training`` are
+    the installed megatron-core's (its wheels carry ``megatron/training`` from 0.17 on)."""
     import torch
 
     from tests.helpers.dist import run_torchrun
 
     patched = _patched_copy(tmp_path, d, line)
-    env = _worker_env(patched, d)
+    env = _worker_env(patched, d if checkout_megatron else None)
     _require_megatron_training(env, line)
     worker = ROOT / "tests/helpers/megatron_lm_patch_worker.py"
     res = run_torchrun(worker, ["--check-te-path"], nproc=1, timeout=300, env=env)
@@ -573,10 +576,12 @@ def test_patched_megatron_lm_cp2_matches_cp1_on_cpu(tmp_path, megatron_lm_checko
 @pytest.mark.timeout(1500)
 def test_patched_megatron_lm_019_cp2_matches_cp1(tmp_path, megatron_lm_checkout):
     """Line 0.19 end to end where it is meant to run: Python >= 3.12 (no typing.override
-    stand-in) with megatron-core 0.19 installed (the GPU machine; the ranks use gloo)."""
+    stand-in) with megatron-core 0.19 installed (the GPU machine; the ranks use gloo), whose
+    ``megatron.core`` and ``megatron.training`` are used; only ``pretrain_gpt.py``,
+    ``gpt_builders.py`` and ``model_provider.py`` come from the checkout."""
     d, line = megatron_lm_checkout
     if line != "0.19":
         pytest.skip(f"MEGATRON_LM_DIR is Megatron-LM {line}; this test is for line 0.19")
     assert sys.version_info >= (3, 12), "this test is for Python >= 3.12"
     assert compat.megatron_core_version() >= (0, 19, 0), "install megatron-core 0.19 for this test"
-    _run_patched_cp2_vs_cp1(tmp_path, d, line)
+    _run_patched_cp2_vs_cp1(tmp_path, d, line, checkout_megatron=False)
