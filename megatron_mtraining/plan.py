@@ -241,6 +241,8 @@ def front_door_problems(args: Any) -> list[str]:
         problems.append("--hybrid-context-parallel is not supported")
     if get("sft", False):
         problems.append("--sft is not supported (packed THD sequences)")
+    if get("dataloader_inter_document_masking", False):
+        problems.append("--dataloader-inter-document-masking is not supported (packed THD sequences)")
     if get("use_legacy_models", False):
         problems.append("--use-legacy-models is not supported")
     return problems

@@ -1,39 +1,64 @@
 #!/usr/bin/env bash
-# Check that patches/megatron-lm-core_v0.16.1.patch applies to a Megatron-LM checkout.
+# Check that the MTraining patch for a Megatron-LM checkout's release line applies to it.
 #
 #   usage: tools/check_patch.sh /path/to/Megatron-LM [PATCH]
+#
+# Without PATCH the patch is picked from the checkout's tag (`git describe --tags`):
+#   core_v0.16.x -> patches/megatron-lm-core_v0.16.patch, core_v0.17.x -> ..._v0.17.patch, and so on
+#   for every patches/megatron-lm-core_v<line>.patch (its "Tested tags:" line lists the tags it was
+#   checked on).
+# Another tag (or no tag, e.g. a main checkout) is an error listing the supported tags (exit 1);
+# pass PATCH to try a patch on such a checkout anyway.
 #
 # Runs `git apply --check` (read-only: nothing in the checkout changes) and reports one of
 #   OK       the patch applies cleanly            -> apply it with: git -C DIR apply PATCH   (exit 0)
 #   APPLIED  the patch is already applied (its reverse applies)                               (exit 0)
 #   FAIL     it does not apply (git's message follows; exit 1)
-# and the checkout's commit compared with core_v0.16.1 (55ac7082517c), the commit the patch was
-# made against. Exit 2: bad usage (no such directory or patch).
+# Exit 2: bad usage (no such directory or patch).
 set -uo pipefail
-TAG=core_v0.16.1
-TAG_COMMIT=55ac7082517c3878ae653c07c09c534b8aed49f6
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PATCHES="$HERE/patches"
 DIR="${1:-}"
-PATCH="${2:-$HERE/patches/megatron-lm-core_v0.16.1.patch}"
+PATCH="${2:-}"
+
+supported_tags() {
+  local p tags=()
+  for p in "$PATCHES"/megatron-lm-core_v*.patch; do
+    [ -f "$p" ] || continue
+    tags+=($(sed -n 's/^Tested tags: *//p' "$p"))
+  done
+  echo "${tags[*]}"
+}
+
 if [ -z "$DIR" ] || [ ! -d "$DIR" ]; then
-  echo "usage: $0 MEGATRON_LM_DIR [PATCH]   (MEGATRON_LM_DIR: a checkout of NVIDIA/Megatron-LM, tag $TAG)" >&2
+  echo "usage: $0 MEGATRON_LM_DIR [PATCH]   (MEGATRON_LM_DIR: a checkout of NVIDIA/Megatron-LM at one of: $(supported_tags))" >&2
   exit 2
 fi
-if [ ! -f "$PATCH" ]; then echo "patch not found: $PATCH" >&2; exit 2; fi
-PATCH="$(cd "$(dirname "$PATCH")" && pwd)/$(basename "$PATCH")"
+if [ -n "$PATCH" ] && [ ! -f "$PATCH" ]; then echo "patch not found: $PATCH" >&2; exit 2; fi
 for f in pretrain_gpt.py gpt_builders.py; do
   [ -f "$DIR/$f" ] || { echo "FAIL: $DIR/$f not found: is $DIR a Megatron-LM checkout?"; exit 1; }
 done
 
-if head=$(git -C "$DIR" rev-parse HEAD 2>/dev/null); then
-  if [ "$head" = "$TAG_COMMIT" ]; then
-    echo "checkout: $DIR at $head ($TAG)"
-  else
-    echo "checkout: $DIR at $head (not $TAG = $TAG_COMMIT; the patch may still apply)"
-  fi
+if [ -e "$DIR/.git" ] && desc=$(git -C "$DIR" describe --tags 2>/dev/null); then
+  echo "checkout: $DIR at $desc ($(git -C "$DIR" rev-parse HEAD))"
 else
-  echo "checkout: $DIR (not a git repository; checking the files as they are)"
+  desc=""
+  echo "checkout: $DIR (no git tag found: not a git checkout, or no tags fetched)"
 fi
+
+if [ -z "$PATCH" ]; then
+  line=$(printf '%s' "$desc" | sed -n 's/^core_v\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')
+  PATCH="$PATCHES/megatron-lm-core_v${line}.patch"
+  if [ -z "$line" ] || [ ! -f "$PATCH" ]; then
+    echo "FAIL: Megatron-LM ${desc:-(no tag)} is not supported; supported tags: $(supported_tags)"
+    echo "  (check out one of them, or pass a patch as the second argument to try it on this checkout)"
+    exit 1
+  fi
+  past=$(printf '%s' "$desc" | sed -n 's/.*-\([0-9][0-9]*\)-g[0-9a-f]*$/\1/p')
+  [ -n "$past" ] && echo "note: the checkout is $past commits past ${desc%-*-g*}; the ${line} patch may still apply"
+fi
+PATCH="$(cd "$(dirname "$PATCH")" && pwd)/$(basename "$PATCH")"
+echo "patch: $(basename "$PATCH") (tested tags: $(sed -n 's/^Tested tags: *//p' "$PATCH"))"
 
 if out=$(cd "$DIR" && git apply --check "$PATCH" 2>&1); then
   echo "OK: $(basename "$PATCH") applies cleanly (touches: $(grep '^diff --git' "$PATCH" | awk '{print substr($3,3)}' | tr '\n' ' '))"

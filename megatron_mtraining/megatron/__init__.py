@@ -1,5 +1,6 @@
-"""megatron-core 0.16.1 integration of the MTraining CP attention (the only package that imports
-``megatron.core``).
+"""megatron-core integration of the MTraining CP attention (the only package that imports
+``megatron.core``). Supported: megatron-core ``>=0.16.1,<0.20``; what differs between versions and
+Megatron-LM release lines is in :mod:`.compat`.
 
 Public API (imported lazily, so ``megatron_mtraining.megatron.args`` stays cheap to import):
 

@@ -1,4 +1,4 @@
-"""``MTrainingAttention``: a megatron-core 0.16.1 ``core_attention`` that runs ring attention.
+"""``MTrainingAttention``: a megatron-core ``core_attention`` (0.16.1 to 0.19) that runs ring attention.
 
 It replaces ``TEDotProductAttention`` / ``DotProductAttention`` inside ``SelfAttention`` (see
 :func:`megatron_mtraining.megatron.spec.get_gpt_layer_spec_with_mtraining`). ``SelfAttention``
@@ -94,7 +94,7 @@ def _is_plain_causal_mask(mask: torch.Tensor) -> bool:
 class MTrainingAttention(MegatronModule):
     """Causal self-attention over a CP-sharded sequence (megatron-core ``core_attention``).
 
-    Constructor arguments follow megatron-core 0.16.1's ``CoreAttentionBuilder`` contract
+    Constructor arguments follow megatron-core's ``CoreAttentionBuilder`` contract (0.16.1 to 0.19)
     (``Attention.__init__`` passes them as keywords), plus ``mtraining_config`` from the
     ``ModuleSpec.params``.
 

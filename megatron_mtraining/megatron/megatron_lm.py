@@ -1,15 +1,20 @@
-"""Glue for Megatron-LM's ``pretrain_gpt.py`` / ``gpt_builders.py`` (``patches/megatron-lm-core_v0.16.1.patch``).
+"""Glue for Megatron-LM's ``pretrain_gpt.py`` / ``gpt_builders.py`` (``patches/megatron-lm-core_v*.patch``).
 
-The patch adds two flags through an ``extra_args_provider`` and calls four functions of this
-package; everything else stays Megatron-LM's:
+The patches (one per Megatron-LM line, see :mod:`megatron_mtraining.megatron.compat`) add
+``--cp-attention {te,mtraining}`` (default ``te``: Megatron-LM unchanged) and
+``--mtraining-config FILE`` to ``pretrain_gpt.py``'s ``extra_args_provider`` and, only when
+``--cp-attention mtraining`` is given, import this module and call:
 
-* ``--cp-attention {te,mtraining}`` (default ``te``: Megatron-LM unchanged) and
-  ``--mtraining-config FILE`` (a YAML file, see :mod:`megatron_mtraining.config`; loaded and
-  checked while the command line is parsed, so a bad file is an argparse error naming the key).
-* ``gpt_builder``: ``replace_core_attention(spec, mtraining_plan(args))`` and, after
-  ``GPTModel(...)``, ``install_layout_rope(model, mtraining_plan(args))``.
-* ``get_batch``: ``get_batch_on_this_cp_rank_striped(batch, mtraining_plan(args))`` instead of
-  Megatron's zigzag ``get_batch_on_this_cp_rank``.
+* ``--mtraining-config FILE``: :func:`mtraining_config_file` (the YAML file is loaded while the
+  command line is parsed, so a bad file is an argparse error naming the key);
+* ``get_batch``: :func:`get_batch_on_this_cp_rank_mtraining` instead of Megatron's zigzag
+  ``get_batch_on_this_cp_rank``;
+* model building: lines 0.16 to 0.18 in ``gpt_builders.gpt_builder``: :func:`mtraining_layer_spec`
+  (core_attention of the chosen spec) and, after ``GPTModel(...)``, :func:`install_mtraining_rope`;
+  line 0.19 in ``pretrain_gpt.py``: :func:`mtraining_model_config` (the same two through the
+  ``GPTModelConfig``).
+
+On the default ``te`` path the patched files do not import this package.
 
 :func:`mtraining_config_from_args` applies the front-door rules shared with
 ``examples/pretrain_gpt.py`` (:func:`megatron_mtraining.plan.config_from_args`): the Megatron-LM
@@ -17,7 +22,8 @@ arguments the backend cannot serve (attention dropout, document masking with
 ``--reset-attention-mask`` / ``--reset-position-ids``, a dataloader attention mask, MTP, MLA,
 yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
 hierarchical sizes); each error names the flag or config key. :func:`mtraining_plan` resolves the
-run's :class:`~megatron_mtraining.plan.CPPlan` once.
+run's :class:`~megatron_mtraining.plan.CPPlan` once. :func:`add_mtraining_args` /
+:func:`mtraining_args_provider` define the same two flags for other Megatron-LM style scripts.
 
 Only ``argparse`` and :mod:`megatron_mtraining.config` are imported at module level.
 """
@@ -32,6 +38,11 @@ from megatron_mtraining.layout import Layout
 
 __all__ = [
     "add_mtraining_args",
+    "get_batch_on_this_cp_rank_mtraining",
+    "install_mtraining_rope",
+    "mtraining_config_file",
+    "mtraining_layer_spec",
+    "mtraining_model_config",
     "mtraining_args_provider",
     "mtraining_enabled",
     "mtraining_config_from_args",
@@ -42,8 +53,15 @@ __all__ = [
 CP_ATTENTION_CHOICES = ("te", "mtraining")
 
 
-def _config_file(value: str) -> str:
-    """argparse ``type=`` for ``--mtraining-config``: load now, so errors surface at parse time."""
+def mtraining_config_file(value: str) -> str:
+    """argparse ``type=`` for ``--mtraining-config``: loads the file now, so errors surface at parse time.
+
+    Returns:
+        ``value`` (the path).
+
+    Raises:
+        argparse.ArgumentTypeError: the file cannot be read or breaks a config rule (names the key).
+    """
     try:
         load_mtraining_config(value)
     except (OSError, ValueError) as e:
@@ -59,7 +77,7 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "TEDotProductAttention, zigzag split) or mtraining (MTraining ring attention, "
                             "striped split; needs --no-create-attention-mask-in-dataloader and "
                             "--attention-dropout 0)")
-    group.add_argument("--mtraining-config", type=_config_file, default=None, metavar="FILE",
+    group.add_argument("--mtraining-config", type=mtraining_config_file, default=None, metavar="FILE",
                        help="MTraining YAML config (configs/*.yaml); default: dense striped ring, "
                             "granularity 64. Used with --cp-attention mtraining.")
     return parser
@@ -148,3 +166,56 @@ def mtraining_plan(args: Any) -> Any:
 def mtraining_layout(args: Any) -> Layout:
     """The CP sequence layout (striped or zigzag) over ``--context-parallel-size`` ranks."""
     return mtraining_config_from_args(args).make_layout(int(getattr(args, "context_parallel_size", 1) or 1))
+
+
+def get_batch_on_this_cp_rank_mtraining(batch: Any, args: Any) -> dict:
+    """This CP rank's part of a GPT micro-batch with the run's layout (striped by default):
+    :func:`~megatron_mtraining.megatron.batch.get_batch_on_this_cp_rank_striped` with
+    :func:`mtraining_plan`. ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]`` ->
+    ``[b, s // cp]``; other keys pass through.
+
+    Raises:
+        ValueError: as :func:`mtraining_plan`, or an ``attention_mask`` in the batch.
+    """
+    from megatron_mtraining.megatron.batch import get_batch_on_this_cp_rank_striped
+
+    return get_batch_on_this_cp_rank_striped(batch, mtraining_plan(args))
+
+
+def mtraining_layer_spec(spec: Any, args: Any) -> Any:
+    """``spec`` (a layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``) with every
+    ``core_attention`` replaced by ``MTrainingAttention`` over the run's plan.
+
+    Raises:
+        RuntimeError: an unsupported megatron-core version.
+        ValueError: as :func:`mtraining_plan`, or a spec without ``core_attention``.
+    """
+    from megatron_mtraining.megatron.spec import replace_core_attention
+
+    return replace_core_attention(spec, mtraining_plan(args))
+
+
+def install_mtraining_rope(model: Any, args: Any) -> int:
+    """RoPE on this CP rank's layout positions (Megatron's CP RoPE slicing is zigzag-only):
+    :func:`~megatron_mtraining.megatron.rope.install_layout_rope` with :func:`mtraining_plan`.
+    Returns the number of rotary embeddings replaced."""
+    from megatron_mtraining.megatron.rope import install_layout_rope
+
+    return install_layout_rope(model, mtraining_plan(args))
+
+
+def mtraining_model_config(model_cfg: Any, args: Any) -> Any:
+    """Megatron-LM >= 0.19: the ``GPTModelConfig`` of ``pretrain_gpt.py`` with
+    :func:`mtraining_layer_spec` applied to its layer spec and :func:`install_mtraining_rope` run on
+    every model chunk before wrapping (see
+    :func:`~megatron_mtraining.megatron.compat.gpt_model_config_with_mtraining`).
+
+    Raises:
+        ValueError: as :func:`mtraining_config_from_args` (checked here, before any model is
+            built), or ``--attention-backend local``.
+    """
+    from megatron_mtraining.megatron.compat import gpt_model_config_with_mtraining
+
+    mtraining_config_from_args(args)
+    return gpt_model_config_with_mtraining(model_cfg, lambda spec: mtraining_layer_spec(spec, args),
+                                           lambda model: install_mtraining_rope(model, args))

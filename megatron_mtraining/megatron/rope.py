@@ -1,6 +1,6 @@
 """RoPE on each CP rank's true global positions for any :class:`Layout`.
 
-In megatron-core 0.16.1, ``GPTModel._preprocess`` asks ``self.rotary_pos_emb`` for the table of
+In megatron-core (0.16.1 to 0.19), ``GPTModel._preprocess`` asks ``self.rotary_pos_emb`` for the table of
 the *full* sequence (``rotary_seq_len = s_local * context_parallel_size``) and
 ``RotaryEmbedding.forward`` keeps this rank's rows with ``get_pos_emb_on_this_cp_rank``, which
 hard-codes the zigzag split (chunks ``r`` and ``2*cp-1-r``). The batch ``position_ids`` are not

@@ -8,15 +8,20 @@ Transformer Engine spec when TE imports and from the local (pure megatron-core) 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Optional, Union
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mtraining.config import MTrainingConfig
 from megatron_mtraining.megatron.attention import MTrainingAttention
+from megatron_mtraining.megatron.compat import check_megatron_core_version
 from megatron_mtraining.plan import CPPlan
 
 ConfigOrPlan = Union[MTrainingConfig, CPPlan, None]
+
+logger = logging.getLogger(__name__)
+_TE_NOTE_GIVEN = False
 
 __all__ = [
     "te_available",
@@ -62,7 +67,9 @@ def replace_core_attention(
 
     Raises:
         ValueError: ``spec`` has no ``submodules.self_attention.submodules.core_attention``.
+        RuntimeError: the installed megatron-core is outside ``>=0.16.1,<0.20``.
     """
+    check_megatron_core_version()
     spec = copy.deepcopy(spec)
     layer_specs = getattr(spec, "layer_specs", None)
     for layer_spec in layer_specs if layer_specs is not None else [spec]:
@@ -86,8 +93,9 @@ def get_gpt_layer_spec_with_mtraining(
     """GPT transformer-layer spec with :class:`MTrainingAttention` as core attention.
 
     Args:
-        use_te: ``True``: Transformer Engine spec (``get_gpt_layer_with_transformer_engine_spec``);
-            ``False``: local spec (``get_gpt_layer_local_spec``); ``None``: TE if it imports.
+        use_te: ``True``: Transformer Engine spec (``get_gpt_layer_with_transformer_engine_spec``;
+            untested with ``MTrainingAttention``); ``False``: local spec (``get_gpt_layer_local_spec``);
+            ``None``: TE if it imports, with one warning per process saying which spec was chosen.
         mtraining_config: the run's :class:`~megatron_mtraining.plan.CPPlan` or an
             :class:`~megatron_mtraining.config.MTrainingConfig` (default: dense striped ring,
             granularity 64); see :func:`replace_core_attention`.
@@ -100,8 +108,17 @@ def get_gpt_layer_spec_with_mtraining(
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    global _TE_NOTE_GIVEN
     if use_te is None:
         use_te = te_available()
+        if not _TE_NOTE_GIVEN:  # once per process, not once per model or layer
+            _TE_NOTE_GIVEN = True
+            if use_te:
+                logger.warning("MTrainingAttention in the Transformer Engine layer spec: this combination is "
+                               "untested (the local spec is tested); pass use_te=False for the local spec")
+            else:
+                logger.warning("Transformer Engine does not import: using megatron-core's local layer spec with "
+                               "MTrainingAttention (install transformer-engine[pytorch] for the TE spec)")
     if use_te:
         if not te_available():
             raise ImportError("use_te=True needs Transformer Engine (transformer_engine.pytorch), which does not import")

@@ -207,6 +207,23 @@ def test_spec_use_te_without_te_raises():
     assert spec.submodules.self_attention.submodules.core_attention.module is MTrainingAttention
 
 
+def test_spec_without_te_says_so_once(monkeypatch, caplog):
+    """TE is optional: choosing the spec without it logs one warning per process, not one per call."""
+    import logging
+
+    from megatron_mtraining.megatron import spec as spec_mod
+
+    if spec_mod.te_available():
+        pytest.skip("Transformer Engine is installed")
+    monkeypatch.setattr(spec_mod, "_TE_NOTE_GIVEN", False)
+    with caplog.at_level(logging.WARNING, logger=spec_mod.__name__):
+        for _ in range(3):
+            spec_mod.get_gpt_layer_spec_with_mtraining()
+        spec_mod.get_gpt_layer_spec_with_mtraining(use_te=False)  # an explicit choice needs no note
+    notes = [r.getMessage() for r in caplog.records if r.name == spec_mod.__name__]
+    assert len(notes) == 1 and "Transformer Engine does not import" in notes[0], notes
+
+
 # ------------------------------------------------------------------------------------ batch
 def _batch(s=256, b=2):
     toks = torch.arange(b * (s + 1)).reshape(b, s + 1)
