@@ -114,9 +114,10 @@ def test_dry_run_4_nodes_x_8_gpus(tmp_path):
     assert 1024 < port < 32768 and port == 15000 + 123456 % 15000
     # stable run folder from the job name, under OUTPUT_DIR; nothing to resume yet
     assert f"--save {tmp_path}/out/qwen-512k/checkpoints" in line and "--load" not in line
-    flat = _launch_line(_dry_run(tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/demo_sparse.yaml",
-                                 **job))
-    assert "--mtraining-config configs/demo_sparse.yaml" in flat
+    # the flat launch that configs/qwen2.5-0.5b.yaml documents (4 nodes, CP 32)
+    flat = _launch_line(_dry_run(tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/qwen2.5-0.5b.yaml",
+                                 MODEL="qwen2.5-0.5b", **job))
+    assert "--mtraining-config configs/qwen2.5-0.5b.yaml" in flat and "--context-parallel-size 32" in flat
     assert "--hierarchical-context-parallel-sizes" not in flat
     # HIERARCHICAL_CP=1 against a flat config is an error naming both
     r = _dry_run(tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/demo.yaml", HIERARCHICAL_CP="1",
