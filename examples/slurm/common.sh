@@ -244,7 +244,10 @@ mt_build_args() {
   [[ $exit_mins =~ ^[0-9]+$ ]] || mt_die "EXIT_DURATION_MINS='$exit_mins': expected whole minutes"
   [ "$exit_mins" = 0 ] || ARGS+=(--exit-duration-in-mins "$exit_mins")   # Megatron-LM: an int
   EXIT_SIGNAL=${EXIT_SIGNAL:-SIGUSR1}
-  case "$EXIT_SIGNAL" in SIGTERM|SIGINT|SIGUSR1|SIGUSR2) ;; *) mt_die "EXIT_SIGNAL=$EXIT_SIGNAL: expected SIGTERM, SIGINT, SIGUSR1 or SIGUSR2" ;; esac
+  case "$EXIT_SIGNAL" in
+    SIGTERM|SIGINT|SIGUSR1|SIGUSR2) ;;
+    *) mt_die "EXIT_SIGNAL=$EXIT_SIGNAL: expected SIGTERM, SIGINT, SIGUSR1 or SIGUSR2" ;;
+  esac
   if mt_has_flag --exit-signal-handler && mt_has_flag "--exit-signal "; then
     ARGS+=(--exit-signal-handler --exit-signal "$EXIT_SIGNAL")
   elif mt_has_flag --exit-signal-handler && [ "$EXIT_SIGNAL" = SIGTERM ]; then
@@ -258,7 +261,8 @@ mt_build_args() {
   local impl="" cfg_sizes=""
   if [ -n "${MTRAINING_CONFIG:-}" ]; then
     local desc
-    # shellcheck disable=SC2016
+    "$PYTHON" -m megatron_mtraining.config "$MTRAINING_CONFIG" >/dev/null || mt_die "bad MTRAINING_CONFIG=$MTRAINING_CONFIG"
+    # the implementation and the config's own hierarchical sizes (none: taken from the node layout)
     desc=$("$PYTHON" -c 'import sys
 from megatron_mtraining.config import load_mtraining_config
 c = load_mtraining_config(sys.argv[1])
@@ -295,6 +299,9 @@ print(c.implementation, *(c.hierarchical.sizes or ()))' "$MTRAINING_CONFIG") || 
   if [ "$hier" = 1 ]; then
     if [ -n "$cfg_sizes" ]; then
       read -r HCP_INNER HCP_OUTER <<<"$cfg_sizes"
+      [ $((HCP_INNER * HCP_OUTER)) -eq "$CP" ] \
+        || mt_die "$MTRAINING_CONFIG: hierarchical inner x outer = $HCP_INNER x $HCP_OUTER != CP=$CP" \
+                  "($NUM_NODES node(s) x $GPUS_PER_NODE ranks / TP $TP)"
       [ "$HCP_INNER" -le $((GPUS_PER_NODE / TP)) ] \
         || mt_log "warning: inner ring $HCP_INNER of $MTRAINING_CONFIG spans more than one node" \
                   "($((GPUS_PER_NODE / TP)) CP ranks per node)"
@@ -322,10 +329,15 @@ print(c.implementation, *(c.hierarchical.sizes or ()))' "$MTRAINING_CONFIG") || 
 
 # Runs the launch command "$@" (srun ...) with its output copied to LOG_DIR/train.log, then
 # requeues the job when the run stopped cleanly before TRAIN_ITERS (time limit, signal) and made
-# progress. DRY_RUN=1: prints the command and returns.
+# progress. Returns at once when the checkpoint is at TRAIN_ITERS already (a finished run, e.g. the
+# last job of a chain). DRY_RUN=1: prints the command and returns.
 mt_launch() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
     printf 'mtraining sbatch: dry run:'; printf ' %q' "$@"; printf '\n'
+    return 0
+  fi
+  if [[ ${RESUME_ITER:-} =~ ^[0-9]+$ ]] && [ "$RESUME_ITER" -ge "$TRAIN_ITERS" ]; then
+    mt_log "done: $RUN_DIR is at iteration $RESUME_ITER of $TRAIN_ITERS already: nothing to train"
     return 0
   fi
   # A signal meant for the ranks may reach this shell too (scancel -b/-f, --signal=B:...): the

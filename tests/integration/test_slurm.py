@@ -19,7 +19,7 @@ Each job must finish COMPLETED with exit code 0 and its log must show Megatron i
 cluster cannot be started here: not root, or slurm-wlm/munge missing and not installable (no
 apt-get / no access to the Debian archive). ``MTRAINING_SKIP_SLURM=1`` skips on purpose.
 Jobs are submitted together and run side by side (4 CPUs per emulated node, ``--oversubscribe``).
-Runtime on the 2-core machine, busy: about 2 minutes (+ ~20 s for apt-get the first time).
+Runtime on the 2-core machine, busy: about 4 minutes (+ ~20 s for apt-get the first time).
 
 Without Slurm: the flags the scripts pass exist, the scripts parse, the time-limit parser, and the
 launch command the scripts build for a 4-node x 8-GPU job (``DRY_RUN=1`` with the Slurm variables of
@@ -64,18 +64,20 @@ def test_scripts_use_only_flags_that_pretrain_gpt_accepts():
         assert r.returncode == 0, r.stderr
 
 
-def _dry_run(tmp_path: Path, script: str, **env) -> subprocess.CompletedProcess:
-    """``DRY_RUN=1`` run of an sbatch script outside Slurm with the given Slurm variables of a job."""
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
     from tests.helpers.tiny_data import make_tiny_dataset
 
-    data = tmp_path / "data"
-    if not (data / "tok.model").exists() and not list(data.glob("*.model")):
-        make_tiny_dataset(data)
-    prefix = str(next(data.glob("*.idx")))[:-4]
+    return make_tiny_dataset(tmp_path_factory.mktemp("dry_run_data"))
+
+
+def _dry_run(files, tmp_path: Path, script: str, **env) -> subprocess.CompletedProcess:
+    """``DRY_RUN=1`` run of an sbatch script outside Slurm with the given Slurm variables of a job."""
+    prefix, tok = files
     base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), "DRY_RUN": "1", "PYTHON": sys.executable,
-            "PYTHONPATH": str(ROOT), "MTRAINING_REPO": str(ROOT), "DATA_PREFIX": prefix,
-            "TOKENIZER_MODEL": str(next(data.glob("*.model"))), "SLURM_JOB_ID": "123456",
-            "SLURM_JOB_NAME": "qwen-512k", "SLURM_JOB_NODELIST": "gpu[01-04]", "MASTER_ADDR": "gpu01"}
+            "PYTHONPATH": str(ROOT), "MTRAINING_REPO": str(ROOT), "DATA_PREFIX": prefix, "TOKENIZER_MODEL": tok,
+            "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "qwen-512k", "SLURM_JOB_NODELIST": "gpu[01-04]",
+            "MASTER_ADDR": "gpu01"}
     return subprocess.run(["bash", str(ROOT / "examples/slurm" / script)], capture_output=True, text=True,
                           cwd=ROOT, env={**base, **env}, timeout=120)
 
@@ -98,13 +100,13 @@ def test_time_left_parser():
     assert out.stdout.split() == [f"[{v}]" for v in cases.values()]
 
 
-def test_dry_run_4_nodes_x_8_gpus(tmp_path):
+def test_dry_run_4_nodes_x_8_gpus(tiny_files, tmp_path):
     """The paper's 4 x 8 GPU shape: torchrun per node with 8 ranks, CP 32, hierarchical 8 x 4 from the
     hierarchical config; the same job with a flat config has no hierarchical flag (it failed before)."""
     job = {"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "1",
            "OUTPUT_DIR": str(tmp_path / "out"), "SRUN_EXTRA_ARGS": "--mpi=pmix --container-image=img.sqsh",
            "EXIT_DURATION_MINS": "1430"}
-    r = _dry_run(tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/qwen2.5-3b-512k.yaml", **job)
+    r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/qwen2.5-3b-512k.yaml", **job)
     line = _launch_line(r)
     assert "world 32 = TP 1 x CP 32 x DP 1" in r.stdout
     assert "--nodes=4 --ntasks=4 --ntasks-per-node=1 --mpi=pmix --container-image=img.sqsh bash" in line
@@ -115,44 +117,55 @@ def test_dry_run_4_nodes_x_8_gpus(tmp_path):
     # stable run folder from the job name, under OUTPUT_DIR; nothing to resume yet
     assert f"--save {tmp_path}/out/qwen-512k/checkpoints" in line and "--load" not in line
     # the flat launch that configs/qwen2.5-0.5b.yaml documents (4 nodes, CP 32)
-    flat = _launch_line(_dry_run(tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/qwen2.5-0.5b.yaml",
-                                 MODEL="qwen2.5-0.5b", **job))
+    flat = _launch_line(_dry_run(tiny_files, tmp_path, "train_multinode.sbatch",
+                                 MTRAINING_CONFIG="configs/qwen2.5-0.5b.yaml", MODEL="qwen2.5-0.5b", **job))
     assert "--mtraining-config configs/qwen2.5-0.5b.yaml" in flat and "--context-parallel-size 32" in flat
     assert "--hierarchical-context-parallel-sizes" not in flat
     # HIERARCHICAL_CP=1 against a flat config is an error naming both
-    r = _dry_run(tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/demo.yaml", HIERARCHICAL_CP="1",
-                 **job)
+    r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/demo.yaml",
+                 HIERARCHICAL_CP="1", **job)
     assert r.returncode != 0 and "HIERARCHICAL_CP=1 but configs/demo.yaml has implementation: striped" in r.stderr
+    # a config with its own sizes (8 x 4) on 2 nodes (CP 16): refused before anything starts
+    r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/hierarchical.yaml",
+                 **{**job, "SLURM_NNODES": "2"})
+    assert r.returncode != 0 and "hierarchical inner x outer = 8 x 4 != CP=16" in r.stderr, r.stderr
 
 
-def test_dry_run_ranks_follow_the_gpus_of_the_allocation(tmp_path):
+def test_dry_run_ranks_follow_the_gpus_of_the_allocation(tiny_files, tmp_path):
     """``sbatch --gpus-per-node=4`` of the 8-task single-node script starts 4 ranks, not 8."""
     job = {"SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "8", "OUTPUT_DIR": str(tmp_path / "out"),
            "EXIT_DURATION_MINS": "0"}
     for gpus in ({"SLURM_GPUS_ON_NODE": "4"}, {"SLURM_GPUS_PER_NODE": "h100:4"}):
-        r = _dry_run(tmp_path, "train_single_node.sbatch", **job, **gpus)
+        r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **job, **gpus)
         line = _launch_line(r)
         assert "--ntasks=4 --ntasks-per-node=4" in line and "--context-parallel-size 4" in line, line
         assert "--exit-duration-in-mins" not in line
-    r = _dry_run(tmp_path, "train_single_node.sbatch", **{**job, "SLURM_NTASKS_PER_NODE": "2"},
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "SLURM_NTASKS_PER_NODE": "2"},
                  SLURM_GPUS_ON_NODE="4")
     assert r.returncode != 0 and "4 GPUs but 2 tasks per node: submit with --ntasks-per-node=4" in r.stderr
 
 
-def test_dry_run_outputs_outside_the_repository_and_load_when_a_checkpoint_exists(tmp_path):
+def test_dry_run_outputs_outside_the_repository_and_load_when_a_checkpoint_exists(tiny_files, tmp_path):
     job = {"SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "EXIT_DURATION_MINS": "0"}
-    r = _dry_run(tmp_path, "train_single_node.sbatch", **job)            # no OUTPUT_DIR, no SCRATCH: $HOME
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **job)            # no OUTPUT_DIR, no SCRATCH: $HOME
     line = _launch_line(r)
     ckpt = tmp_path / "home" / "mtraining-runs" / "qwen-512k" / "checkpoints"
     assert f"--save {ckpt}" in line and "--load" not in line, line
     assert "OUTPUT_DIR not set: runs go to" in r.stdout
-    r = _dry_run(tmp_path, "train_single_node.sbatch", SCRATCH=str(tmp_path / "scratch"), RUN_NAME="run-a", **job)
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", SCRATCH=str(tmp_path / "scratch"),
+                 RUN_NAME="run-a", **job)
     assert f"--save {tmp_path}/scratch/mtraining-runs/run-a/checkpoints" in _launch_line(r)
     # a checkpoint in the stable folder: a new job (another id) of the same name passes --load
     ckpt.mkdir(parents=True, exist_ok=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("200")
-    r = _dry_run(tmp_path, "train_single_node.sbatch", **{**job, "SLURM_JOB_ID": "999"})
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "SLURM_JOB_ID": "999"})
     assert f"--load {ckpt}" in _launch_line(r) and "latest_checkpointed_iteration.txt: 200" in r.stdout
+    # a finished run (checkpoint at TRAIN_ITERS, e.g. the last job of a chain) launches nothing, even
+    # without DRY_RUN (outside an allocation srun would fail)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1000")
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "DRY_RUN": "0", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "is at iteration 1000 of 1000 already: nothing to train" in r.stdout
 
 
 def _skip_reason() -> str | None:
