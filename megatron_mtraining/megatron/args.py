@@ -26,6 +26,7 @@ __all__ = ["build_parser", "parse_args", "validate_args", "apply_mtraining_confi
 
 CP_ATTENTION_CHOICES = ("mtraining", "te")
 CP_LAYOUT_CHOICES = ("striped", "zigzag")
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")   # Megatron-LM's --exit-signal choices
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
 # HuggingFaceTokenizer: --tokenizer-model is a tokenizer.json (or a directory holding one), loaded with the
 # `tokenizers` library (megatron_mtraining.megatron.hf_tokenizer); the others: a sentencepiece .model file.
@@ -151,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="stop (saving a checkpoint when --save is given) after the first iteration that ends "
                         "more than this many minutes after the script started; ranks agree (Megatron-LM)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on the --exit-signal (default SIGTERM), finish the current iteration, save a checkpoint "
+                        "when --save is given and exit with status 0; the signal reaching any rank stops every "
+                        "rank after the same iteration (Megatron-LM)")
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, default=None,
+                   help="the signal of --exit-signal-handler (default SIGTERM; Slurm's --signal=USR1@SECONDS "
+                        "sends SIGUSR1 before the time limit) (Megatron-LM)")
     g.add_argument("--load", default=None)
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="torch_dist: megatron.core dist_checkpointing; torch: one torch.save file per rank")
@@ -339,6 +347,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise E(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
+    if args.exit_signal is not None and not args.exit_signal_handler:
+        raise E(f"--exit-signal {args.exit_signal} has no effect without --exit-signal-handler")
+    if args.exit_signal_handler and args.exit_signal is None:
+        args.exit_signal = "SIGTERM"
     for flag, val in (("--save-interval", args.save_interval), ("--eval-interval", args.eval_interval),
                       ("--exit-interval", args.exit_interval)):
         if val is not None and val < 1:

@@ -20,7 +20,8 @@ Modules (each imports megatron.core lazily, so ``--help`` and argument errors st
 * :mod:`.step`: ``forward_backward`` / ``evaluate`` with the exact global per-token loss.
 * :mod:`.checkpoint`: save/load with ``megatron.core.dist_checkpointing`` (or per-rank
   ``torch.save``), release checkpoints (weights only), checks that name the mismatching flag.
-* :mod:`.stop`: ``--exit-interval``, ``--exit-duration-in-mins`` and a caller's stop hook.
+* :mod:`.stop`: ``--exit-interval``, ``--exit-duration-in-mins``, ``--exit-signal-handler`` and a caller's
+  stop hook.
 * :mod:`.metrics`: the Megatron-LM log line, ``--metrics-file`` JSON lines, TensorBoard scalars.
 * :mod:`.loop`: ``train(args, hooks) -> TrainResult``, ``run(argv, hooks) -> TrainResult`` (parse +
   train) and ``main(argv, hooks) -> int``.
@@ -38,7 +39,7 @@ from .loop import IterationInfo, TrainHooks, TrainResult, main, run, train
 from .metrics import RunMetrics, open_metrics_file
 from .runtime import init_distributed, log0
 from .step import evaluate, forward_backward
-from .stop import StopPolicy
+from .stop import ExitSignalHandler, StopPolicy
 
 __all__ = [
     "build_model", "build_optimizer", "build_plan", "build_tokenizer", "count_params", "flops_per_iteration",
@@ -46,5 +47,5 @@ __all__ = [
     "load_checkpoint", "load_model_weights", "save_checkpoint", "build_parser", "parse_args", "CPBatchSplit",
     "MicroBatches", "build_datasets", "effective_split", "IterationInfo", "TrainHooks", "TrainResult", "main",
     "run", "train", "RunMetrics", "open_metrics_file", "init_distributed", "log0", "evaluate",
-    "forward_backward", "StopPolicy",
+    "forward_backward", "StopPolicy", "ExitSignalHandler",
 ]

@@ -14,7 +14,7 @@ from .data import CPBatchSplit, MicroBatches, build_datasets
 from .metrics import RunMetrics
 from .runtime import init_distributed, log0
 from .step import evaluate, forward_backward
-from .stop import StopPolicy
+from .stop import ExitSignalHandler, StopPolicy
 
 __all__ = ["IterationInfo", "TrainHooks", "TrainResult", "train", "run", "main"]
 
@@ -82,10 +82,21 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     Returns:
         :class:`TrainResult`. The process group is destroyed on return.
 
+    With ``--exit-signal-handler`` the handler of ``--exit-signal`` is installed for the whole call
+    (first thing, so a signal during set-up is not lost) and the previous one restored on return: the
+    run stops after the iteration in progress, saves with ``--save`` and returns normally.
+
     Raises:
         SystemExit: a checkpoint that does not fit the command line (message names the flag).
     """
     t_start = time.time() if t_start is None else t_start
+    if not getattr(args, "exit_signal_handler", False):
+        return _train(args, hooks, t_start, None)
+    with ExitSignalHandler(args.exit_signal) as handler:
+        return _train(args, hooks, t_start, handler)
+
+
+def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[ExitSignalHandler]) -> TrainResult:
     import torch
     import torch.distributed as dist
 
@@ -137,7 +148,9 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     valid_iter = (MicroBatches(valid_ds, args.micro_batch_size, dp, dp_rank, consumed=valid_consumed)
                   if valid_ds is not None else None)
     metrics = RunMetrics(args, flops_per_iteration(args, vocab), device, optimizer, rank0=dist.get_rank() == 0)
-    stop = StopPolicy(args, t_start, device, hook=hooks.should_stop if hooks else None)
+    stop = StopPolicy(args, t_start, device, hook=hooks.should_stop if hooks else None, signal_handler=handler)
+    if handler is not None:
+        log0(f" > --exit-signal-handler: on {handler.name} the run saves after the current iteration and exits")
 
     model.train()
     t_train = time.perf_counter()

@@ -3,23 +3,34 @@
 ``tools/local_slurm.sh`` installs Debian's ``slurm-wlm`` + ``munge`` when they are missing (root +
 apt-get; CI-friendly: nothing else to set up) and starts munged, slurmctld and two slurmd daemons
 (two emulated nodes on localhost, ``node1``/``node2``) with all state in a temp folder; the
-fixture stops them afterwards. Then, in CPU mode (gloo, tiny model, 3 iterations, a tiny dataset
-built here with a trained sentencepiece model + ``tools/preprocess_data.py``):
+fixture stops them afterwards. Then, in CPU mode (gloo, tiny model, a tiny dataset built here with
+a trained sentencepiece model + ``tools/preprocess_data.py``):
 
 * ``train_single_node.sbatch`` on one node, 2 Slurm tasks = 2 ranks (CP=2);
 * ``train_multinode.sbatch`` on both nodes, one task per node running torchrun (2 ranks each, CP=4,
-  node ranks from ``$SLURM_NODEID``).
+  node ranks from ``$SLURM_NODEID``) with a flat (non-hierarchical) config: no hierarchical flag;
+* preemption: a job gets ``scancel --signal=USR1`` mid-run, saves, exits 0 and requeues itself; the
+  requeued job (same id) resumes from that checkpoint; a second job with the same job name
+  (``--dependency=singleton``) resumes where the first one stopped (``--exit-interval``). Both loss
+  curves equal an uninterrupted run's, iteration by iteration.
 
 Each job must finish COMPLETED with exit code 0 and its log must show Megatron iteration lines
 (`` iteration        1/``) and a saved checkpoint. Skipped, with the reason, only when a Slurm
 cluster cannot be started here: not root, or slurm-wlm/munge missing and not installable (no
 apt-get / no access to the Debian archive). ``MTRAINING_SKIP_SLURM=1`` skips on purpose.
-Both jobs are submitted together and run side by side (4 CPUs per emulated node, ``--oversubscribe``).
-Runtime on the 2-core machine, busy: about 1.5 minutes (+ ~20 s for apt-get the first time).
+Jobs are submitted together and run side by side (4 CPUs per emulated node, ``--oversubscribe``).
+Runtime on the 2-core machine, busy: about 4 minutes (+ ~20 s for apt-get the first time).
+
+Without Slurm: the flags the scripts pass exist, the scripts parse, the time-limit parser, and the
+launch command the scripts build for a 4-node x 8-GPU job (``DRY_RUN=1`` with the Slurm variables of
+such a job): hierarchical flag only for a hierarchical config, ranks from the GPUs of the
+allocation, master port below the ephemeral range, ``SRUN_EXTRA_ARGS``, outputs outside the
+repository, ``--load`` exactly when the stable run folder holds a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -43,7 +54,7 @@ def test_scripts_use_only_flags_that_pretrain_gpt_accepts():
                                capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
     accepted = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", help_text))
     src = (ROOT / "examples/slurm/common.sh").read_text()
-    body = src[src.index("mt_build_args() {"):]
+    body = src[src.index("mt_build_args() {"):src.index("mt_launch() {")]
     used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", body))
     probed = {"--mtraining-config", "--hierarchical-context-parallel-sizes", "--help", "--pretrain-flags"}
     assert used - probed, "no flags found"
@@ -51,6 +62,110 @@ def test_scripts_use_only_flags_that_pretrain_gpt_accepts():
     for script in ("train_single_node.sbatch", "train_multinode.sbatch", "common.sh"):
         r = subprocess.run(["bash", "-n", str(ROOT / "examples/slurm" / script)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    from tests.helpers.tiny_data import make_tiny_dataset
+
+    return make_tiny_dataset(tmp_path_factory.mktemp("dry_run_data"))
+
+
+def _dry_run(files, tmp_path: Path, script: str, **env) -> subprocess.CompletedProcess:
+    """``DRY_RUN=1`` run of an sbatch script outside Slurm with the given Slurm variables of a job."""
+    prefix, tok = files
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), "DRY_RUN": "1", "PYTHON": sys.executable,
+            "PYTHONPATH": str(ROOT), "MTRAINING_REPO": str(ROOT), "DATA_PREFIX": prefix, "TOKENIZER_MODEL": tok,
+            "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "qwen-512k", "SLURM_JOB_NODELIST": "gpu[01-04]",
+            "MASTER_ADDR": "gpu01"}
+    return subprocess.run(["bash", str(ROOT / "examples/slurm" / script)], capture_output=True, text=True,
+                          cwd=ROOT, env={**base, **env}, timeout=120)
+
+
+def _launch_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("mtraining sbatch: dry run:")]
+    assert len(lines) == 1, r.stdout
+    return lines[0]
+
+
+def test_time_left_parser():
+    """``squeue -o %L`` / ``--time`` formats -> whole minutes; unlimited -> nothing."""
+    cases = {"59:59": "59", "1:00:00": "60", "04:00:00": "240", "1-00:00:00": "1440", "2-03": "3060",
+             "1-02:03": "1563", "0:30": "0", "7": "7", "UNLIMITED": "", "NOT_SET": "", "": ""}
+    script = f"source {ROOT / 'examples/slurm/common.sh'}; " + "; ".join(
+        f"echo \"[$(mt_minutes '{k}')]\"" for k in cases)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"[{v}]" for v in cases.values()]
+
+
+def test_dry_run_4_nodes_x_8_gpus(tiny_files, tmp_path):
+    """The paper's 4 x 8 GPU shape: torchrun per node with 8 ranks, CP 32, hierarchical 8 x 4 from the
+    hierarchical config; the same job with a flat config has no hierarchical flag (it failed before)."""
+    job = {"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "1",
+           "OUTPUT_DIR": str(tmp_path / "out"), "SRUN_EXTRA_ARGS": "--mpi=pmix --container-image=img.sqsh",
+           "EXIT_DURATION_MINS": "1430"}
+    r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/qwen2.5-3b-512k.yaml", **job)
+    line = _launch_line(r)
+    assert "world 32 = TP 1 x CP 32 x DP 1" in r.stdout
+    assert "--nodes=4 --ntasks=4 --ntasks-per-node=1 --mpi=pmix --container-image=img.sqsh bash" in line
+    assert "--context-parallel-size 32" in line and "--hierarchical-context-parallel-sizes 8 4" in line
+    assert "--exit-duration-in-mins 1430 --exit-signal-handler --exit-signal SIGUSR1" in line
+    port = int(re.search(r"master gpu01:(\d+)", r.stdout).group(1))
+    assert 1024 < port < 32768 and port == 15000 + 123456 % 15000
+    # stable run folder from the job name, under OUTPUT_DIR; nothing to resume yet
+    assert f"--save {tmp_path}/out/qwen-512k/checkpoints" in line and "--load" not in line
+    # the flat launch that configs/qwen2.5-0.5b.yaml documents (4 nodes, CP 32)
+    flat = _launch_line(_dry_run(tiny_files, tmp_path, "train_multinode.sbatch",
+                                 MTRAINING_CONFIG="configs/qwen2.5-0.5b.yaml", MODEL="qwen2.5-0.5b", **job))
+    assert "--mtraining-config configs/qwen2.5-0.5b.yaml" in flat and "--context-parallel-size 32" in flat
+    assert "--hierarchical-context-parallel-sizes" not in flat
+    # HIERARCHICAL_CP=1 against a flat config is an error naming both
+    r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/demo.yaml",
+                 HIERARCHICAL_CP="1", **job)
+    assert r.returncode != 0 and "HIERARCHICAL_CP=1 but configs/demo.yaml has implementation: striped" in r.stderr
+    # a config with its own sizes (8 x 4) on 2 nodes (CP 16): refused before anything starts
+    r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/hierarchical.yaml",
+                 **{**job, "SLURM_NNODES": "2"})
+    assert r.returncode != 0 and "hierarchical inner x outer = 8 x 4 != CP=16" in r.stderr, r.stderr
+
+
+def test_dry_run_ranks_follow_the_gpus_of_the_allocation(tiny_files, tmp_path):
+    """``sbatch --gpus-per-node=4`` of the 8-task single-node script starts 4 ranks, not 8."""
+    job = {"SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "8", "OUTPUT_DIR": str(tmp_path / "out"),
+           "EXIT_DURATION_MINS": "0"}
+    for gpus in ({"SLURM_GPUS_ON_NODE": "4"}, {"SLURM_GPUS_PER_NODE": "h100:4"}):
+        r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **job, **gpus)
+        line = _launch_line(r)
+        assert "--ntasks=4 --ntasks-per-node=4" in line and "--context-parallel-size 4" in line, line
+        assert "--exit-duration-in-mins" not in line
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "SLURM_NTASKS_PER_NODE": "2"},
+                 SLURM_GPUS_ON_NODE="4")
+    assert r.returncode != 0 and "4 GPUs but 2 tasks per node: submit with --ntasks-per-node=4" in r.stderr
+
+
+def test_dry_run_outputs_outside_the_repository_and_load_when_a_checkpoint_exists(tiny_files, tmp_path):
+    job = {"SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "EXIT_DURATION_MINS": "0"}
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **job)            # no OUTPUT_DIR, no SCRATCH: $HOME
+    line = _launch_line(r)
+    ckpt = tmp_path / "home" / "mtraining-runs" / "qwen-512k" / "checkpoints"
+    assert f"--save {ckpt}" in line and "--load" not in line, line
+    assert "OUTPUT_DIR not set: runs go to" in r.stdout
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", SCRATCH=str(tmp_path / "scratch"),
+                 RUN_NAME="run-a", **job)
+    assert f"--save {tmp_path}/scratch/mtraining-runs/run-a/checkpoints" in _launch_line(r)
+    # a checkpoint in the stable folder: a new job (another id) of the same name passes --load
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("200")
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "SLURM_JOB_ID": "999"})
+    assert f"--load {ckpt}" in _launch_line(r) and "latest_checkpointed_iteration.txt: 200" in r.stdout
+    # a finished run (checkpoint at TRAIN_ITERS, e.g. the last job of a chain) launches nothing, even
+    # without DRY_RUN (outside an allocation srun would fail)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1000")
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "DRY_RUN": "0", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "is at iteration 1000 of 1000 already: nothing to train" in r.stdout
 
 
 def _skip_reason() -> str | None:
@@ -154,7 +269,8 @@ def jobs(slurm, dataset, tmp_path_factory):
                  _job_env(dataset, single / "run", MTRAINING_CONFIG="configs/demo.yaml"), single)
     j2 = _submit(slurm, ["--nodes=2", "--gpus-per-node=0", "--oversubscribe"],
                  ROOT / "examples/slurm/train_multinode.sbatch",
-                 _job_env(dataset, multi / "run", MTRAINING_CPU_PROCS="2"), multi)
+                 _job_env(dataset, multi / "run", MTRAINING_CPU_PROCS="2", MTRAINING_CONFIG="configs/demo.yaml"),
+                 multi)
     yield {"single": (j1, single), "multi": (j2, multi)}
     subprocess.run(["scancel", j1, j2], env=slurm, capture_output=True, timeout=30)
 
@@ -174,9 +290,111 @@ def test_multinode_sbatch_cpu_mode_two_nodes(slurm, jobs):
     log = _wait(slurm, jid, d)
     run_dir = d / "run"
     assert "on 2 node(s)" in log and "world 4 = TP 1 x CP 4 x DP 1" in log
-    # hierarchical sizes derived from the node layout: inner = 2 ranks per node, outer = 2 nodes
-    assert ("hierarchical CP sizes would be 2 x 2" in log  # pretrain_gpt.py without the flag: flat ring
-            or "hierarchical CP: inner 2 (in a node) x outer 2 (across nodes)" in log), log[:3000]
+    # a flat config on 2 nodes is a flat ring: no hierarchical flag from the node count
+    assert "flat CP ring (configs/demo.yaml: implementation striped)" in log, log[:3000]
+    assert "--hierarchical-context-parallel-sizes" not in log, log[:3000]
     _check_training_log(log, run_dir)
     # one torchrun per node, each with its own node rank
     assert sorted(p.name for p in (run_dir / "logs" / "torchrun").iterdir()) == ["node0", "node1"]
+
+
+# --------------------------------------------------------------------- preemption, requeue, resume
+RESUME_ITERS = 40     # 8 micro-batches per iteration: a few seconds of training, long enough to signal
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _state(env, jid: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, env=env,
+                          timeout=30).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def resume_jobs(slurm, dataset, tmp_path_factory):
+    """Three runs of the same training (40 iterations, CP=2, 2 ranks) under one OUTPUT_DIR:
+    ``ref`` uninterrupted; ``sig`` gets SIGUSR1 (the test sends it) and requeues itself;
+    ``chain`` = two jobs of the same name, the second with --dependency=singleton, the first
+    stopping at iteration 20 (--exit-interval 20)."""
+    d = tmp_path_factory.mktemp("resume")
+    out = d / "out"
+    common = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--oversubscribe", "--time=10"]
+    script = ROOT / "examples/slurm/train_single_node.sbatch"
+
+    def env(name, **extra):
+        job = _job_env(dataset, out / "unused", OUTPUT_DIR=str(out), TRAIN_ITERS=str(RESUME_ITERS),
+                       GLOBAL_BATCH_SIZE="8", EXIT_MARGIN_MINS="1", **extra)
+        job.pop("RUN_DIR")                    # the stable folder OUTPUT_DIR/RUN_NAME (default: job name)
+        job["EXTRA_ARGS"] = f"--metrics-file {d / name}.jsonl {extra.get('EXTRA_ARGS', '')}"
+        return job
+
+    jobs = {"ref": _submit(slurm, [*common, "--job-name=ref"], script, env("ref"), d),
+            "sig": _submit(slurm, [*common, "--job-name=sig"], script, env("sig"), d),
+            "chain1": _submit(slurm, [*common, "--job-name=chain"], script,
+                              env("chain", AUTO_REQUEUE="0", EXTRA_ARGS="--exit-interval 20"), d)}
+    jobs["chain2"] = _submit(slurm, [*common, "--job-name=chain", "--dependency=singleton"], script,
+                             env("chain", AUTO_REQUEUE="0", EXTRA_ARGS="--exit-interval 20"), d)
+    yield jobs, d, out
+    subprocess.run(["scancel", *jobs.values()], env=slurm, capture_output=True, timeout=30)
+
+
+def _same_curve(run: list[dict], ref: list[dict]) -> None:
+    assert [x["iteration"] for x in run] == list(range(1, RESUME_ITERS + 1)), [x["iteration"] for x in run]
+    for x, y in zip(ref, run):
+        assert y["lr"] == pytest.approx(x["lr"], rel=1e-12), (x, y)
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-6), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6), (x, y)
+
+
+@pytest.mark.slow
+def test_signal_saves_exits_0_and_the_requeued_job_resumes_the_same_curve(slurm, resume_jobs):
+    jobs, d, out = resume_jobs
+    jid = jobs["sig"]
+    log_file = d / f"sig-{jid}.out"
+    t0 = time.monotonic()
+    while not (log_file.exists() and " iteration        3/" in log_file.read_text(errors="replace")):
+        assert time.monotonic() - t0 < 240 and _state(slurm, jid) in ("PENDING", "RUNNING", "CONFIGURING"), (
+            log_file.read_text(errors="replace")[-3000:] if log_file.exists() else "no log")
+        time.sleep(0.3)
+    subprocess.run(["scancel", "--signal=USR1", jid], env=slurm, check=True, timeout=30)
+    # the job requeues itself; Slurm holds a requeued job ~2 minutes (BeginTime): release it now
+    t0 = time.monotonic()
+    while "requeueing job" not in log_file.read_text(errors="replace") or _state(slurm, jid) != "PENDING":
+        assert time.monotonic() - t0 < 120, log_file.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], env=slurm, timeout=30)
+    log = _wait(slurm, jid, d)
+    info = subprocess.run(["scontrol", "show", "job", jid], capture_output=True, text=True, env=slurm).stdout
+    assert "Restarts=1" in info, info
+    m = re.search(r"exiting after iteration (\d+) \(SIGUSR1 received, --exit-signal-handler\)", log)
+    assert m, log[-4000:]
+    k = int(m.group(1))
+    assert 3 <= k < RESUME_ITERS
+    assert f"saved checkpoint {out}/sig/checkpoints/iter_{k:07d}" in log
+    assert f"stopped at iteration {k} of {RESUME_ITERS}: requeueing job {jid}" in log
+    # the requeued run (restart 1) found the checkpoint in the stable folder and loaded it
+    assert f"job {jid} (restart 1)" in log and f"latest_checkpointed_iteration.txt: {k}); --load" in log
+    assert f"loaded checkpoint {out}/sig/checkpoints/iter_{k:07d} (iteration {k})" in log
+    # from the 10-minute limit (read a few seconds into the job: 9 or 10 whole minutes left), minus the margin
+    limits = re.findall(r"time limit: (\d+) min left; --exit-duration-in-mins (\d+) \(EXIT_MARGIN_MINS=1\)", log)
+    assert len(limits) == 2 and all(left in ("9", "10") and int(mins) == int(left) - 1 for left, mins in limits), limits
+    assert (out / "sig" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(RESUME_ITERS)
+    _wait(slurm, jobs["ref"], d)
+    _same_curve(_metrics(d / "sig.jsonl"), _metrics(d / "ref.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_new_job_of_the_same_name_resumes_the_run(slurm, resume_jobs):
+    """--dependency=singleton chain: job 2 (a new job id) resumes job 1's checkpoint of iteration 20
+    from OUTPUT_DIR/<job name> and the two halves are the uninterrupted curve."""
+    jobs, d, out = resume_jobs
+    log1 = _wait(slurm, jobs["chain1"], d)
+    assert "exiting after iteration 20 (--exit-interval 20)" in log1
+    assert f"stopped at iteration 20 of {RESUME_ITERS}: submit again with the same RUN_NAME" in log1
+    log2 = _wait(slurm, jobs["chain2"], d)
+    assert f"latest_checkpointed_iteration.txt: 20); --load {out}/chain/checkpoints" in log2, log2[:3000]
+    assert f"loaded checkpoint {out}/chain/checkpoints/iter_0000020 (iteration 20)" in log2
+    assert f"done: {out}/chain (iteration {RESUME_ITERS})" in log2
+    _wait(slurm, jobs["ref"], d)
+    _same_curve(_metrics(d / "chain.jsonl"), _metrics(d / "ref.jsonl"))
