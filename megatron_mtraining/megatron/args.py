@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted for compatibility: the loss is always the exact global per-token mean")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
+                        "gradient is NaN/Inf, naming the iteration and the first offending parameter; "
+                        "--no-check-for-nan-in-loss-and-grad turns it off (default: on)")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="+", default=None,
