@@ -344,15 +344,23 @@ def test_indexed_dataset_checks(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_truncated_bin_is_an_error_before_training(tiny, tmp_path):
+@pytest.mark.parametrize("damage,needle", [("bin", ".bin: "), ("idx", ".idx: not a readable megatron indexed-dataset index")],
+                         ids=["bin_cut", "idx_header"])
+def test_truncated_or_corrupt_files_are_an_error_before_training(tiny, tmp_path, damage, needle):
+    """A ``.bin`` cut in half, an ``.idx`` with a corrupt header: exit status 1 naming the file."""
     import os
 
     p = _copy_data(tiny, tmp_path / "d")
-    os.truncate(p + ".bin", os.path.getsize(p + ".bin") // 2)
+    if damage == "bin":
+        os.truncate(p + ".bin", os.path.getsize(p + ".bin") // 2)
+    else:
+        raw = bytearray(Path(p + ".idx").read_bytes())
+        raw[0:4] = b"JUNK"
+        Path(p + ".idx").write_bytes(bytes(raw))
     r = run_python(SCRIPT, _argv(tiny, tmp_path, **{"--data-path": p, "--train-iters": 1}), timeout=300)
     assert r.returncode == 1, r.tail()
-    assert f"pretrain_gpt.py: error: --data-path {p}: {p}.bin:" in r.stderr and "truncated" in r.stderr, r.tail()
-    assert "iteration" not in r.stdout
+    assert f"pretrain_gpt.py: error: --data-path {p}: {p}{needle}" in r.stderr, r.tail()
+    assert "truncated" in r.stderr and "iteration" not in r.stdout, r.tail()
 
 
 @pytest.mark.slow
