@@ -292,6 +292,16 @@ def test_peak_table_and_flag():
             "--train-iters", "1", "--lr", "1"]
     p = build_parser()
     assert p.parse_args(base).check_for_nan_in_loss_and_grad is True
+    # a sparse run is checked on the weight matmuls only: 6 N T, N = L (4 h^2 + 2 h ffn) + h V here
+    from types import SimpleNamespace
+
+    from megatron_mtraining.training.build import flops_per_iteration
+
+    a = SimpleNamespace(hidden_size=8, num_layers=2, seq_length=16, num_attention_heads=2, kv_channels=4,
+                        num_query_groups=2, ffn_hidden_size=32, swiglu=False, global_batch_size=3)
+    n = 2 * (4 * 8 * 8 + 2 * 8 * 32) + 8 * 100
+    assert flops_per_iteration(a, 100, attention=False) == 6.0 * n * 3 * 16
+    assert flops_per_iteration(a, 100) == 6.0 * n * 3 * 16 + 6.0 * 2 * 16 * 8 * 3 * 16
     assert p.parse_args(base + ["--no-check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad is False
 
 
