@@ -16,6 +16,7 @@ status 1).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
 
@@ -115,12 +116,10 @@ class NanGuard:
     def after_backward(self, iteration: int, loss_sum, n_tokens) -> None:
         """Check the iteration's global loss (identical on every rank); on a non-finite loss name
         the first parameter with a non-finite gradient and value, then raise on every rank."""
-        import torch
-
         if not self.enabled:
             return
         loss = (loss_sum / n_tokens.clamp(min=1)).item()
-        if torch.isfinite(torch.tensor(loss)):
+        if math.isfinite(loss):
             return
         grad = self._first_bad(values=False)
         value = self._first_bad(values=True)
