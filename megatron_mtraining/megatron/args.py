@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
                         "when a micro-batch's fp32 logits exceed 1 GiB; 0: never")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
+                        "gradient is NaN/Inf, naming the iteration and the first offending parameter; "
+                        "--no-check-for-nan-in-loss-and-grad turns it off (default: on)")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="+", default=None,

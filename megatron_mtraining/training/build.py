@@ -192,14 +192,14 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_iteration(args, vocab_size: int) -> float:
+def flops_per_iteration(args, vocab_size: int, attention: bool = True) -> float:
     """Model FLOPs of one training iteration (forward + backward), the standard 6N + attention rule.
 
     ``6 * N * T`` for the matmul weights (N counts the QKV/out projections, MLP and the output
     (logit) layer, not the embedding lookup; 2 FLOPs per multiply-add, x3 for forward + backward)
-    plus the causal attention matmuls ``6 * L * S * (heads * head_dim)`` per token
-    (QK^T and PV: 4 * context * d_attn FLOPs forward, average causal context S/2, x3).
-    T = global batch x sequence length.
+    plus, with ``attention`` (default), the dense causal attention matmuls
+    ``6 * L * S * (heads * head_dim)`` per token (QK^T and PV: 4 * context * d_attn FLOPs forward,
+    average causal context S/2, x3). T = global batch x sequence length.
     """
     h, L, S = args.hidden_size, args.num_layers, args.seq_length
     d_q = args.num_attention_heads * args.kv_channels
@@ -207,4 +207,4 @@ def flops_per_iteration(args, vocab_size: int) -> float:
     mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
     n_matmul = L * (h * d_q + 2 * h * d_kv + d_q * h + mlp) + h * vocab_size
     tokens = args.global_batch_size * S
-    return tokens * (6.0 * n_matmul + 6.0 * L * S * d_q)
+    return tokens * (6.0 * n_matmul + (6.0 * L * S * d_q if attention else 0.0))

@@ -5,18 +5,34 @@
 ``SAVE/latest_checkpointed_iteration.txt``; it works on CPU/gloo. ``--ckpt-format torch`` is a
 plain fallback: one ``torch.save`` file per rank (``mp_rank_TT_cp_CC_dp_DDD.pt``) that can only be
 loaded with the same parallel layout. A ``release`` tracker (converted weights) loads the model only.
+
+A save is atomic: everything is written into ``SAVE/iter_XXXXXXX.tmp``, flushed to disk
+(``fsync`` of its files and directories), renamed to ``iter_XXXXXXX`` in one ``os.rename``, and only
+then is the tracker replaced (written to a temporary file, ``fsync``, ``os.replace``). A process
+killed at any point of a save therefore leaves either the previous checkpoint and tracker, or the
+new ones; a directory named ``iter_XXXXXXX`` is always complete. :func:`resolve_checkpoint` picks
+what ``--load`` resumes: the tracker's iteration when that checkpoint is complete, else the newest
+complete ``iter_XXXXXXX``; ``*.tmp`` leftovers are ignored (and removed by the next save), and each
+such decision is logged.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .runtime import log0
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "load_model_weights", "check_release_args",
-           "check_resume_schedule", "ARCH_KEYS", "SCHEDULE_FLAGS"]
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "resolve_checkpoint", "is_complete_checkpoint",
+           "load_model_weights", "check_release_args", "check_checkpoint_args", "check_resume_schedule",
+           "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TMP_SUFFIX = ".tmp"                       # iter_XXXXXXX.tmp: a save in progress (or killed)
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 def _rank_file(args) -> str:
@@ -26,15 +42,82 @@ def _rank_file(args) -> str:
             f"_dp_{ps.get_data_parallel_rank():03d}.pt")
 
 
+def _fsync_path(path: Union[str, Path]) -> None:
+    """``fsync`` one file or directory (a directory's fsync makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """``fsync`` every file and directory under ``root`` (``root`` last)."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _commit_checkpoint(tmp_dir: str, final_dir: str) -> None:
+    """Make the fully written ``tmp_dir`` the checkpoint ``final_dir`` (rank 0 only): flush it to
+    disk, then one ``os.rename``. An existing ``final_dir`` (the same iteration saved again) is moved
+    aside first and removed afterwards."""
+    _fsync_tree(tmp_dir)
+    old = None
+    if os.path.exists(final_dir):
+        old = final_dir + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    _fsync_path(os.path.dirname(final_dir) or ".")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_tracker(save_dir: str, iteration: Union[int, str]) -> None:
+    """Point ``save_dir/latest_checkpointed_iteration.txt`` at ``iteration`` atomically (rank 0 only):
+    write a temporary file, ``fsync`` it, ``os.replace`` it over the tracker, ``fsync`` the directory."""
+    path = os.path.join(save_dir, TRACKER)
+    tmp = path + TMP_SUFFIX
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(save_dir)
+
+
+def _remove_incomplete(save_dir: str) -> None:
+    """Remove ``iter_*.tmp`` (and ``iter_*.old``) directories that an interrupted save left in
+    ``save_dir`` (rank 0 only), saying so in the log."""
+    if not os.path.isdir(save_dir):
+        return
+    for name in sorted(os.listdir(save_dir)):
+        if name.startswith("iter_") and name.endswith((TMP_SUFFIX, ".old")) and os.path.isdir(
+                os.path.join(save_dir, name)):
+            log0(f" > removing incomplete checkpoint {os.path.join(save_dir, name)} (left by a save that did "
+                 "not finish)")
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
 def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
     """Save model, optimizer, scheduler and ``iteration`` into ``--save``/``iter_XXXXXXX`` (every rank
-    takes part) and then point ``latest_checkpointed_iteration.txt`` at it; returns the directory."""
+    takes part) and then point ``latest_checkpointed_iteration.txt`` at it; returns the directory.
+
+    Atomic (see the module docstring): the data goes to ``iter_XXXXXXX.tmp``, which is flushed and
+    renamed once complete; the tracker is replaced after the rename. Leftover ``*.tmp`` directories
+    of an earlier, interrupted save are removed first.
+    """
     import torch
     import torch.distributed as dist
 
     ckpt_dir = os.path.join(args.save, f"iter_{iteration:07d}")
+    tmp_dir = ckpt_dir + TMP_SUFFIX
     if dist.get_rank() == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
+        os.makedirs(args.save, exist_ok=True)
+        _remove_incomplete(args.save)
+        os.makedirs(tmp_dir)
     dist.barrier()
     meta = {"iteration": iteration, "checkpoint_version": 3.0, "ckpt_format": args.ckpt_format,
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}}
@@ -47,31 +130,134 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
         model_sd = model.module.sharded_state_dict()
         state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd),
                  "opt_param_scheduler": scheduler.state_dict(), **meta}
-        dist_checkpointing.save(state, ckpt_dir)
+        dist_checkpointing.save(state, tmp_dir)   # shard files are fsynced by megatron-core's writer
     else:  # fallback: one plain torch.save file per rank (same parallel layout required to load)
+        path = os.path.join(tmp_dir, _rank_file(args))
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "opt_param_scheduler": scheduler.state_dict(), **meta},
-                   os.path.join(ckpt_dir, _rank_file(args)))
-    dist.barrier()
+                    "opt_param_scheduler": scheduler.state_dict(), **meta}, path)
+        _fsync_path(path)
+    dist.barrier()                                 # every rank's part is written
     if dist.get_rank() == 0:
-        Path(args.save, "latest_checkpointed_iteration.txt").write_text(str(iteration))
+        _commit_checkpoint(tmp_dir, ckpt_dir)
+        _write_tracker(args.save, iteration)
+    dist.barrier()
     return ckpt_dir
 
 
-# --load of a converted checkpoint must describe the same network as the command line
+def is_complete_checkpoint(ckpt_dir: Union[str, Path]) -> bool:
+    """Whether ``ckpt_dir`` holds a whole checkpoint: megatron-core's ``metadata.json`` (written
+    last by ``dist_checkpointing.save``) for ``torch_dist``, or a ``mp_rank_*.pt`` file for
+    ``torch``. Directories written by :func:`save_checkpoint` are complete by construction (atomic
+    rename); this also rejects the half-written directories of a non-atomic writer."""
+    d = Path(ckpt_dir)
+    return d.is_dir() and ((d / "metadata.json").is_file() or any(d.glob("mp_rank_*.pt")))
+
+
+def resolve_checkpoint(load_dir: Union[str, Path]) -> tuple[Union[int, str, None], list[str]]:
+    """Which checkpoint of ``load_dir`` to resume: ``(iteration, notes)``.
+
+    ``iteration`` is the tracker's (``latest_checkpointed_iteration.txt``) when that checkpoint is
+    complete (``"release"`` for a release tracker), else the newest complete ``iter_XXXXXXX``, else
+    ``None`` (nothing to load). ``notes`` are the log lines explaining what was skipped: ``*.tmp``
+    directories of interrupted saves, incomplete directories, a missing or unreadable tracker, a
+    tracker naming a missing checkpoint, complete checkpoints newer than the tracker (the tracker
+    wins, so a tracker edited to go back is honoured).
+
+    Raises:
+        SystemExit: the tracker names a checkpoint that is missing or incomplete and no complete
+            checkpoint is left to fall back on.
+    """
+    load_dir = str(load_dir)
+    notes: list[str] = []
+    complete: list[int] = []
+    names = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
+    for name in names:
+        path = os.path.join(load_dir, name)
+        if name.startswith("iter_") and name.endswith((TMP_SUFFIX, ".old")) and os.path.isdir(path):
+            notes.append(f" > ignoring incomplete checkpoint {path} (a save that did not finish)")
+            continue
+        m = _ITER_RE.match(name)
+        if m and os.path.isdir(path):
+            if is_complete_checkpoint(path):
+                complete.append(int(m.group(1)))
+            else:
+                notes.append(f" > ignoring incomplete checkpoint {path} (no metadata.json / mp_rank_*.pt)")
+    complete.sort()
+    tracker = Path(load_dir, TRACKER)
+    wanted: Union[int, str, None] = None
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            return "release", notes
+        try:
+            wanted = int(text)
+        except ValueError:
+            notes.append(f" > {tracker}: unreadable ({text[:40]!r})")
+        if wanted is not None:
+            if wanted in complete:
+                newer = [i for i in complete if i > wanted]
+                if newer:
+                    notes.append(f" > {load_dir}: iter_{newer[-1]:07d} is newer than the tracker's iteration "
+                                 f"{wanted}; the tracker wins")
+                return wanted, notes
+            notes.append(f" > {tracker} names iteration {wanted}, but {load_dir}/iter_{wanted:07d} is missing or "
+                         "incomplete")
+        if not complete:
+            raise SystemExit(f"pretrain_gpt.py: error: --load {load_dir}: {tracker.name} reads {text[:40]!r} and no "
+                             "complete checkpoint (iter_XXXXXXX with metadata.json or mp_rank_*.pt) is there")
+    elif complete:
+        notes.append(f" > {load_dir}: no {TRACKER}")
+    if complete:
+        notes.append(f" > resuming from the newest complete checkpoint {load_dir}/iter_{complete[-1]:07d}")
+        return complete[-1], notes
+    return None, notes
+
+
+def _agreed_resolution(load_dir: str) -> tuple[Union[int, str, None], list[str]]:
+    """:func:`resolve_checkpoint` on rank 0, broadcast so that every rank loads the same one; an
+    error is raised on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return resolve_checkpoint(load_dir)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", resolve_checkpoint(load_dir))
+        except SystemExit as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise SystemExit(value)
+    return value
+
+
+# --load must describe the same network as the command line
 ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
              "kv_channels", "normalization", "swiglu", "disable_bias_linear", "position_embedding_type",
              "untie_embeddings_and_output_weights", "padded_vocab_size")
 
 
-def check_release_args(args, saved: dict, vocab: int, ckpt_dir: str) -> None:
-    """Exit with a message naming the flag when a release checkpoint's network differs from ``args``."""
-    mine = {**{k: getattr(args, k, None) for k in ARCH_KEYS}, "padded_vocab_size": vocab}
+def check_checkpoint_args(args, saved: dict, vocab: Optional[int], ckpt_dir: str) -> None:
+    """Exit with a message naming every flag whose value differs between ``args`` and the network a
+    checkpoint was saved with (``saved``: the arguments stored in it; absent keys are not compared).
+    ``vocab`` is the run's padded vocabulary; ``--max-position-embeddings`` is compared with learned
+    absolute position embeddings (it sizes their table).
+
+    Raises:
+        SystemExit: ``pretrain_gpt.py: error: --load DIR: CKPT holds a different network: --flag ...``.
+    """
+    keys = ARCH_KEYS + (("max_position_embeddings",) if args.position_embedding_type == "learned_absolute" else ())
+    mine = {**{k: getattr(args, k, None) for k in keys}, "padded_vocab_size": vocab}
     bad = [f"--{k.replace('_', '-')} {mine[k]!r} (checkpoint: {saved[k]!r})"
-           for k in ARCH_KEYS if k in saved and saved[k] != mine[k]]
+           for k in keys if k in saved and mine[k] is not None and saved[k] != mine[k]]
     if bad:
         raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} holds a different network: "
                          + "; ".join(bad) + " (see the flags file next to the checkpoint)")
+
+
+check_release_args = check_checkpoint_args     # the release checkpoint's check is the same
 
 
 # scheduler state (megatron-core OptimizerParamScheduler.state_dict) -> the flags that set it
@@ -93,32 +279,53 @@ def check_resume_schedule(args, scheduler, saved: dict, ckpt_dir: str) -> None:
                          "the flags of the run that saved it")
 
 
+def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:
+    return SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} cannot be loaded into the model of "
+                      f"the command line ({type(e).__name__}: {str(e)[:500]})")
+
+
 def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None) -> int:
-    """Restore from ``--load`` (latest iteration); returns the iteration (0 if nothing to load).
+    """Restore from ``--load``; returns the iteration (0 if nothing to load).
+
+    The checkpoint is chosen by :func:`resolve_checkpoint` (on rank 0, the same on every rank) and
+    its notes are logged. Its network must match the flags (:func:`check_checkpoint_args`, before
+    any tensor is read) and its LR schedule too (:func:`check_resume_schedule`).
 
     Megatron-LM's *release* convention is honoured: when ``latest_checkpointed_iteration.txt``
     reads ``release`` (converted weights, e.g. ``tools/convert_smollm2.py``), only the model is
-    loaded from ``LOAD/release`` (its architecture must match the flags, see
-    :func:`check_release_args`); the optimizer, LR schedule and iteration start fresh at 0.
+    loaded from ``LOAD/release``; the optimizer, LR schedule and iteration start fresh at 0.
+
+    Raises:
+        SystemExit: on every rank, with a message naming the flag or the file.
     """
     import torch
 
-    tracker = Path(args.load, "latest_checkpointed_iteration.txt")
-    if not tracker.is_file():
-        log0(f" > no checkpoint found under --load {args.load} ({tracker.name} missing); starting from scratch")
+    found, notes = _agreed_resolution(args.load)
+    for note in notes:
+        log0(note)
+    if found is None:
+        log0(f" > no checkpoint found under --load {args.load} ({TRACKER} missing); starting from scratch")
         return 0
-    if tracker.read_text().strip() == "release":
+    if found == "release":
         ckpt_dir = os.path.join(args.load, "release")
-        if args.ckpt_format == "torch_dist":
-            from megatron.core import dist_checkpointing
+        if not is_complete_checkpoint(ckpt_dir):
+            raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: the tracker reads 'release' but "
+                             f"{ckpt_dir} is missing or incomplete")
+        try:
+            if args.ckpt_format == "torch_dist":
+                from megatron.core import dist_checkpointing
 
-            check_release_args(args, dist_checkpointing.load_common_state_dict(ckpt_dir).get("args", {}),
-                               vocab, ckpt_dir)
-            state = dist_checkpointing.load({"model": model.module.sharded_state_dict()}, ckpt_dir)
-        else:
-            state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
-            check_release_args(args, state.get("args", {}), vocab, ckpt_dir)
-        model.module.load_state_dict(state["model"])
+                check_checkpoint_args(args, dist_checkpointing.load_common_state_dict(ckpt_dir).get("args", {}),
+                                      vocab, ckpt_dir)
+                state = dist_checkpointing.load({"model": model.module.sharded_state_dict()}, ckpt_dir)
+            else:
+                state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
+                check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
+            model.module.load_state_dict(state["model"])
+        except SystemExit:
+            raise
+        except Exception as e:
+            raise _does_not_fit(args, ckpt_dir, e) from e
         # The optimizer was built before the load: with --bf16/--fp16 it holds fp32 main copies of
         # the *initial* weights, and its first step would write them back over the loaded model.
         # Refresh them from the loaded parameters (Megatron-LM does the same when it loads a model
@@ -128,42 +335,51 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         log0(f" > loaded release checkpoint {ckpt_dir} (model weights only; optimizer, LR schedule and "
              "iteration start fresh)")
         return 0
-    iteration = int(tracker.read_text().strip())
+    iteration = int(found)
     ckpt_dir = os.path.join(args.load, f"iter_{iteration:07d}")
-    if args.ckpt_format == "torch_dist":
-        from megatron.core import dist_checkpointing
+    try:
+        if args.ckpt_format == "torch_dist":
+            from megatron.core import dist_checkpointing
 
-        model_sd = model.module.sharded_state_dict()
-        template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
-        state = dist_checkpointing.load(template, ckpt_dir)
-        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        check_resume_schedule(args, scheduler, common["opt_param_scheduler"], ckpt_dir)
-        scheduler.load_state_dict(common["opt_param_scheduler"])
-    else:
-        state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        check_resume_schedule(args, scheduler, state["opt_param_scheduler"], ckpt_dir)
-        scheduler.load_state_dict(state["opt_param_scheduler"])
+            common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+            check_checkpoint_args(args, common.get("args", {}), vocab, ckpt_dir)
+            model_sd = model.module.sharded_state_dict()
+            template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+            state = dist_checkpointing.load(template, ckpt_dir)
+            model.module.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            saved_schedule = common["opt_param_scheduler"]
+        else:
+            state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
+            check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
+            model.module.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            saved_schedule = state["opt_param_scheduler"]
+    except SystemExit:
+        raise
+    except Exception as e:
+        raise _does_not_fit(args, ckpt_dir, e) from e
+    check_resume_schedule(args, scheduler, saved_schedule, ckpt_dir)
+    scheduler.load_state_dict(saved_schedule)
     log0(f" > loaded checkpoint {ckpt_dir} (iteration {iteration})")
     return iteration
 
 
 def checkpoint_dir(load_dir: str, iteration: Optional[int] = None) -> tuple[str, Any]:
     """``(directory, iteration)`` of a checkpoint under ``load_dir``: ``iter_XXXXXXX`` of ``iteration``
-    (default: ``latest_checkpointed_iteration.txt``; ``release`` there means ``load_dir/release``).
+    (default: :func:`resolve_checkpoint`, i.e. the tracker's when complete, else the newest
+    complete one; ``release`` means ``load_dir/release``).
 
     Raises:
-        FileNotFoundError: no tracker file / no such directory.
+        FileNotFoundError: no checkpoint / no such directory.
     """
     if iteration is None:
-        tracker = Path(load_dir, "latest_checkpointed_iteration.txt")
-        if not tracker.is_file():
-            raise FileNotFoundError(f"{load_dir}: not a checkpoint directory ({tracker.name} missing)")
-        text = tracker.read_text().strip()
-        iteration = "release" if text == "release" else int(text)
+        try:
+            iteration, _notes = resolve_checkpoint(load_dir)
+        except SystemExit as e:
+            raise FileNotFoundError(str(e)) from None
+        if iteration is None:
+            raise FileNotFoundError(f"{load_dir}: not a checkpoint directory ({TRACKER} missing)")
     d = os.path.join(load_dir, "release" if iteration == "release" else f"iter_{iteration:07d}")
     if not os.path.isdir(d):
         raise FileNotFoundError(f"{d}: checkpoint of iteration {iteration} not found")

@@ -2,9 +2,100 @@
 
 from __future__ import annotations
 
+import os
+import struct
+from typing import Optional
+
 from .runtime import log0
 
-__all__ = ["effective_split", "build_datasets", "MicroBatches", "CPBatchSplit"]
+__all__ = ["check_indexed_dataset", "check_data", "effective_split", "build_datasets", "MicroBatches", "CPBatchSplit"]
+
+_SCAN_CHUNK = 1 << 26                      # tokens per np.max over the memory-mapped .bin
+
+
+def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> Optional[str]:
+    """What is wrong with the megatron indexed dataset ``prefix`` (``.bin`` + ``.idx``), or ``None``.
+
+    Checks that the ``.idx`` parses (megatron-core's ``IndexedDataset``: header, version, dtype) and
+    has exactly the size its header announces, that the sequence pointers are the running sum of
+    the sequence lengths and the ``.bin`` holds exactly that many tokens (a truncated or padded file
+    fails), that the document indices are ordered and end at the sequence count, and, with
+    ``vocab_size``, that every token id of the ``.bin`` is in ``[0, vocab_size)`` (a full read of the
+    ``.bin``, memory-mapped, in chunks of 64M tokens).
+
+    Returns:
+        a message naming the file and the violated rule, or ``None`` when the dataset is sound.
+    """
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    try:
+        ds = IndexedDataset(prefix, multimodal=False, mmap=True)
+    except (AssertionError, ValueError, KeyError, struct.error, OSError) as e:
+        return f"{idx}: not a readable megatron indexed-dataset index (truncated or corrupt: {str(e) or type(e).__name__})"
+    index = ds.index
+    lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
+    pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
+    docs = np.asarray(ds.document_indices, dtype=np.int64)
+    n, itemsize = len(lengths), np.dtype(index.dtype).itemsize
+    expected_idx = 34 + 4 * n + 8 * n + 8 * len(docs)
+    if os.path.getsize(idx) != expected_idx:
+        return (f"{idx}: {os.path.getsize(idx)} bytes, but its header ({n} sequences, {len(docs)} document "
+                f"indices) needs {expected_idx} (truncated or corrupt)")
+    if n and (lengths.min() < 0 or not np.array_equal(pointers, np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                                                      * itemsize)):
+        return f"{idx}: sequence lengths and pointers disagree (corrupt index)"
+    if len(docs) == 0 or docs[0] != 0 or docs[-1] != n or np.any(np.diff(docs) < 0):
+        return f"{idx}: document indices are not an ordered list from 0 to the {n} sequences (corrupt index)"
+    total = int(lengths.sum())
+    if os.path.getsize(bin_) != total * itemsize:
+        return (f"{bin_}: {os.path.getsize(bin_)} bytes, but {idx} describes {total} tokens of {itemsize} bytes "
+                f"= {total * itemsize} bytes (truncated, or not the .bin of this .idx)")
+    if vocab_size is None or total == 0:
+        return None
+    tokens = np.memmap(bin_, dtype=index.dtype, mode="r", shape=(total,))
+    for start in range(0, total, _SCAN_CHUNK):
+        chunk = tokens[start:start + _SCAN_CHUNK]
+        lo, hi = int(chunk.min()), int(chunk.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = int(np.argmax((chunk < 0) | (chunk >= vocab_size)))
+            return (f"{bin_}: token id {int(chunk[bad])} (token {start + bad}) is outside the vocabulary "
+                    f"[0, {vocab_size}) of the tokenizer: the data was made with another tokenizer than "
+                    "--tokenizer-model (tokenize it again with tools/preprocess_data.py, or pass the tokenizer that "
+                    "made it)")
+    return None
+
+
+def check_data(args, tokenizer) -> None:
+    """Check every ``--data-path`` prefix before training (:func:`check_indexed_dataset`): every
+    rank checks the file structure, rank 0 also reads every token id; the verdicts are gathered
+    so that every rank stops with the same message.
+
+    Raises:
+        SystemExit: ``pretrain_gpt.py: error: --data-path ...: <rule>`` on every rank.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    prefixes = list(args.data_path) if len(args.data_path) == 1 else list(args.data_path[1::2])
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    t0 = time.perf_counter()
+    msg = None
+    for prefix in prefixes:
+        msg = check_indexed_dataset(prefix, tokenizer.vocab_size if rank0 else None)
+        if msg:
+            msg = f"pretrain_gpt.py: error: --data-path {prefix}: {msg}"
+            break
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, msg)
+        msg = next((v for v in verdicts if v), None)
+    if msg:
+        raise SystemExit(msg)
+    log0(f" > checked --data-path ({len(prefixes)} dataset(s)): whole .bin/.idx files, token ids below the "
+         f"vocabulary size {tokenizer.vocab_size} ({time.perf_counter() - t0:.1f} s)")
 
 
 def effective_split(args, prefixes: list[str]) -> str:
@@ -35,10 +126,12 @@ def effective_split(args, prefixes: list[str]) -> str:
 def build_datasets(args, tokenizer):
     """``(train, valid)`` GPTDatasets of ``--data-path`` / ``--split`` sized for the whole run
     (``--train-iters`` x global batch; every evaluation's ``--eval-iters``). No dense attention
-    mask is built: causality comes from the layout positions."""
+    mask is built: causality comes from the layout positions. The files are checked first
+    (:func:`check_data`)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    check_data(args, tokenizer)
     if len(args.data_path) == 1:
         blend = ([args.data_path[0]], None)
     else:

@@ -11,6 +11,7 @@ from .build import (build_model, build_optimizer, build_plan, build_tokenizer, c
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import CPBatchSplit, MicroBatches, build_datasets
+from .faults import NanGuard, ThroughputGuard
 from .metrics import RunMetrics
 from .runtime import init_distributed, log0
 from .step import evaluate, forward_backward
@@ -117,6 +118,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
 
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
+    args.padded_vocab_size = vocab                 # saved with the checkpoint's arguments (Megatron-LM's name)
     train_ds, valid_ds = build_datasets(args, tokenizer)
 
     plan = build_plan(args)       # the run's CP plan: attention, RoPE and batch split share it
@@ -151,6 +153,10 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     stop = StopPolicy(args, t_start, device, hook=hooks.should_stop if hooks else None, signal_handler=handler)
     if handler is not None:
         log0(f" > --exit-signal-handler: on {handler.name} the run saves after the current iteration and exits")
+    nan_guard = NanGuard(args, model, device)
+    sparse = args.mtraining is not None and args.mtraining.sparse   # sparse attention does less than the dense count
+    throughput = ThroughputGuard(args, flops_per_iteration(args, vocab, attention=not sparse), device,
+                                 config.params_dtype)
 
     model.train()
     t_train = time.perf_counter()
@@ -163,7 +169,9 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss_sum, n_tok = forward_backward(model, optimizer, micro, split, device, train=True)
+        nan_guard.after_backward(iteration + 1, loss_sum, n_tok)
         finalize_model_grads([model])
+        nan_guard.after_grad_reduce(iteration + 1)
         lr = optimizer.param_groups[0]["lr"]
         update_ok, grad_norm, _ = optimizer.step()
         if update_ok:
@@ -172,6 +180,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         iteration += 1
+        throughput.check(iteration, dt)
         loss = (loss_sum / n_tok.clamp(min=1)).item()
         metrics.iteration(iteration, loss, grad_norm, lr, int(n_tok.item()), dt)
         if args.eval_iters > 0 and valid_iter is not None and iteration % args.eval_interval == 0:

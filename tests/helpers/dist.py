@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 __all__ = ["REPO_ROOT", "RunResult", "RankResult", "free_port", "worker_env", "run_torchrun", "run_ranks", "run_python",
+           "run_reaped",
            "finish_process_group"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -230,6 +231,46 @@ def run_python(
     cwd = Path(cwd) if cwd is not None else REPO_ROOT
     cmd = [sys.executable, str(script), *map(str, args)]
     return _run(cmd, timeout, worker_env(env), cwd)
+
+
+def run_reaped(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nproc: Optional[int] = None,
+    timeout: float = 300.0,
+    env: Optional[Mapping[str, str]] = None,
+) -> RunResult:
+    """Like :func:`run_python` (``nproc=None``) or :func:`run_torchrun`, for runs that may be killed.
+
+    Waits for the main process only (its output goes through files, not pipes) and then SIGKILLs
+    what is left of its session: a process killed with SIGKILL leaves its helper processes (e.g.
+    the checkpoint writer's multiprocessing manager) running, and they would hold a pipe open.
+    ``returncode`` is ``-9`` for a SIGKILLed plain ``python`` run.
+    """
+    import tempfile
+
+    if nproc is None:
+        cmd = [sys.executable, str(script), *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=worker_env(env), cwd=str(REPO_ROOT),
+                             start_new_session=True)
+        try:
+            rc: Optional[int] = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if rc is None:
+            p.wait()
+        fo.seek(0)
+        fe.seek(0)
+        return RunResult(cmd, rc, fo.read(), fe.read(), timed_out=rc is None)
 
 
 def start_process_group(backend: str = "gloo"):
