@@ -510,7 +510,8 @@ def _patched_copy(tmp_path: Path, d: Path, line: str) -> Path:
 def _worker_env(patched: Path, d: Path | None) -> dict[str, str]:
     extra = os.pathsep.join([str(patched)] + ([str(d)] if d is not None else []) + [str(ROOT)] +
                             [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return {"PYTHONPATH": extra, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    # the ranks run on gloo on the CPU, also on a GPU machine (two ranks cannot share one GPU there)
+    return {"PYTHONPATH": extra, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _require_megatron_training(env: dict[str, str], line: str) -> None:
