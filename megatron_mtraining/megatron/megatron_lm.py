@@ -9,13 +9,17 @@ package; everything else stays Megatron-LM's:
 * ``gpt_builder``: ``replace_core_attention(spec, mtraining_plan(args))`` and, after
   ``GPTModel(...)``, ``install_layout_rope(model, mtraining_plan(args))``.
 * ``get_batch``: ``get_batch_on_this_cp_rank_striped(batch, mtraining_plan(args))`` instead of
-  Megatron's zigzag ``get_batch_on_this_cp_rank``.
+  Megatron's zigzag ``get_batch_on_this_cp_rank``; with ``--reset-attention-mask`` its
+  ``packed_seq_params`` (the documents, from the EOD tokens) go to the model's forward.
+
+``--reset-attention-mask`` (attention inside documents), ``--reset-position-ids`` (RoPE positions
+restart per document, from the dataset's ``position_ids``) and ``--eod-mask-loss`` (the dataset's
+loss mask) pass through with the dense pattern; the EOD token is Megatron-LM's tokenizer's.
 
 :func:`mtraining_config_from_args` applies the front-door rules shared with
 ``examples/pretrain_gpt.py`` (:func:`megatron_mtraining.plan.config_from_args`): the Megatron-LM
-arguments the backend cannot serve (attention dropout, document masking with
-``--reset-attention-mask`` / ``--reset-position-ids``, a dataloader attention mask, MTP, MLA,
-yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
+arguments the backend cannot serve (attention dropout, ``--reset-attention-mask`` with the sparse
+pattern, a dataloader attention mask, MTP, MLA, yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
 hierarchical sizes); each error names the flag or config key. :func:`mtraining_plan` resolves the
 run's :class:`~megatron_mtraining.plan.CPPlan` once.
 
@@ -85,15 +89,15 @@ def mtraining_enabled(args: Any) -> bool:
 
 
 _CONFIGS: dict[tuple, MTrainingConfig] = {}
-_PLANS: dict[MTrainingConfig, Any] = {}
+_PLANS: dict[tuple, Any] = {}
 
 
 def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     """The validated config of this run (the file is read once per config path and layout).
 
     The rules are :func:`megatron_mtraining.plan.config_from_args`, the same as for
-    ``examples/pretrain_gpt.py``: unsupported Megatron-LM flags (``--reset-attention-mask``,
-    ``--reset-position-ids``, attention dropout, a dataloader mask, MTP, MLA, ...), the config
+    ``examples/pretrain_gpt.py``: unsupported Megatron-LM flags (attention dropout,
+    ``--reset-attention-mask`` with the sparse pattern, a dataloader mask, MTP, MLA, ...), the config
     against the run (sequence length, CP size), and the hierarchical rule (no config plus
     ``--hierarchical-context-parallel-sizes`` selects the dense hierarchical ring; a flat config
     with them is an error). Megatron-LM builds its hierarchical CP groups from the flag only, so a
@@ -110,7 +114,7 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     path = getattr(args, "mtraining_config", None)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length))
+    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length), bool(getattr(args, "reset_attention_mask", False)))
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = config_from_args(args)
@@ -131,18 +135,30 @@ def mtraining_plan(args: Any) -> Any:
         ValueError: as :func:`mtraining_config_from_args` and :func:`~megatron_mtraining.plan.resolve`.
     """
     from megatron_mtraining.megatron.attention import get_cp_group, plan_for_model
+    from megatron_mtraining.plan import packing_from_args
 
     cfg = mtraining_config_from_args(args)
     group = get_cp_group()
-    plan = _PLANS.get(cfg)
+    packing = packing_from_args(args, _megatron_lm_eod() if getattr(args, "reset_attention_mask", False) else None)
+    key = (cfg, packing)
+    plan = _PLANS.get(key)
     if plan is None or plan.cp_group is not group:
-        plan = plan_for_model(cfg)
-        _PLANS[cfg] = plan
+        plan = plan_for_model(cfg, packing=packing)
+        _PLANS[key] = plan
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if plan.cp_size != cp:
         raise ValueError(f"--context-parallel-size {cp} but the CP group has {plan.cp_size} ranks (call "
                          "mtraining_plan after initialize_model_parallel)")
     return plan
+
+
+def _megatron_lm_eod() -> int:
+    """The EOD token of Megatron-LM's global tokenizer (``--reset-attention-mask``: document ends)."""
+    try:
+        from megatron.training import get_tokenizer
+    except ImportError as e:
+        raise ValueError(f"--reset-attention-mask needs Megatron-LM's tokenizer for the EOD token ({e})") from None
+    return int(get_tokenizer().eod)
 
 
 def mtraining_layout(args: Any) -> Layout:

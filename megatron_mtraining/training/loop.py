@@ -106,7 +106,7 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
     train_ds, valid_ds = build_datasets(args, tokenizer)
 
-    plan = build_plan(args)       # the run's CP plan: attention, RoPE and batch split share it
+    plan = build_plan(args, tokenizer.eod)   # the run's CP plan: attention, RoPE and batch split share it
     config = transformer_config(args)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build_model(args, config, vocab, device, plan=plan)
