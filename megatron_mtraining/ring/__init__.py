@@ -151,18 +151,18 @@ def documents_error(documents, q: torch.Tensor, layout: Layout, cp: int, causal:
 
 def dense_step_kernel(backend: KernelBackend, layout: Layout, rank: int, seq_len: int, scale: float, causal: bool,
                       device, documents=None):
-    """The dense ring's step kernel of ``backend``; with packed ``documents`` the torch reference's
-    document-masked :class:`DenseStepKernel` (the only step kernel with document masks).
+    """The dense ring's step kernel of ``backend``; with packed ``documents`` its document-masked
+    step kernel (the torch reference :class:`DenseStepKernel` or the Triton dense steps).
 
     Raises:
         ValueError: packed documents with a backend whose step kernels have no document mask.
     """
     if documents is None:
         return backend.dense_step(layout, rank, seq_len, scale, causal, device=device)
-    if backend.name != "torch":
-        raise ValueError(f"packed sequences (document masks) run on the torch reference step kernels; kernel backend "
-                         f"{backend.name!r} has none (use kernel_backend='auto' or 'torch')")
-    return DenseStepKernel(layout, rank, seq_len, scale, causal, device=device, documents=documents)
+    if backend.name not in ("torch", "triton"):
+        raise ValueError(f"packed sequences (document masks) run on the torch or Triton step kernels; kernel backend "
+                         f"{backend.name!r} has none (use kernel_backend='auto', 'triton' or 'torch')")
+    return backend.dense_step(layout, rank, seq_len, scale, causal, device=device, documents=documents)
 
 
 def last_dim_contiguous(*ts: torch.Tensor):
@@ -305,7 +305,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             (the same on every rank): attention is causal *and* within a document, key blocks of
             other documents are skipped, padding tokens give exact zeros in the output and every
             gradient. A single document without padding runs the unpacked path. Runs on the torch
-            reference step kernels.
+            reference or the Triton dense step kernels (never FA4 or SDPA).
 
     q/k/v with a strided last dimension are copied to a unit last stride first (every backend).
 

@@ -201,7 +201,13 @@ def test_ring_cp1_packed_matches_reference_and_refuses_other_kernels():
         assert rel_err(got, want) <= 1e-10
     with pytest.raises(ValueError, match="packed documents describe 128-token streams"):
         ring_attention(q[:, :64], k[:, :64], v[:, :64], layout=Layout("striped", 1, 64), documents=docs)
-    for name in ("triton", "sdpa", "fa4"):
+    for name in ("sdpa", "fa4"):
         with pytest.raises(ValueError, match=f"kernel_backend='{name}' cannot run packed sequences"):
             select_backend(name, device="cpu", dtype=torch.float32, head_dim=64, packed=True)
     assert select_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, packed=True).name == "torch"
+    tri = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=64, packed=True, triton_available=True)
+    assert tri.name == "triton"
+    # on CUDA, auto keeps the Triton steps for packed documents but never FA4 or SDPA
+    cuda = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, packed=True,
+                          triton_available=True, fa4_available=True)
+    assert cuda.name == "triton" and cuda.dense_cp1 is None
