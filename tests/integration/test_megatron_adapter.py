@@ -445,14 +445,15 @@ def packed_ref(ref):
 
 @needs_ring
 @pytest.mark.slow
-@pytest.mark.parametrize("cp,granularity", [(1, 64), (2, 64), (4, 16)])
-def test_packed_gpt_cp_matches_cp1(packed_ref, cp, granularity):
+@pytest.mark.parametrize("cp,layout,granularity", [(1, "striped", 64), (2, "striped", 64), (4, "striped", 16),
+                                                   (2, "zigzag", 64)])
+def test_packed_gpt_cp_matches_cp1(packed_ref, cp, layout, granularity):
     """--reset-position-ids --reset-attention-mask --eod-mask-loss: CP=2/4 loss, grad norm, per-token losses,
     every gradient and the post-RoPE q/k (angles restart per document) equal CP=1; loss and gradients equal
     megatron-core's own dense document mask at CP=1 (whose RoPE angles are global, so q/k are not compared)."""
     tmp, weights, stock, cp1 = packed_ref
-    got = cp1 if cp == 1 else _run_worker(tmp, f"packed_cp{cp}", cp, "--packed", "--granularity", granularity,
-                                          "--ref-weights", weights)
+    got = cp1 if cp == 1 else _run_worker(tmp, f"packed_cp{cp}_{layout}", cp, "--packed", "--layout", layout,
+                                          "--granularity", granularity, "--ref-weights", weights)
     dev, ok = _compare(got, cp1)
     assert all(ok.values()), dev
     dev, ok = _compare(got, stock)
