@@ -14,7 +14,15 @@ All in one process, same inputs (bf16, batch 1, Qwen2.5-3B attention: 16 query h
 * ``ours``: :func:`megatron_mtraining.ops.triton.sparse_forward` / ``sparse_backward`` (plan built
   once, outside the timing; its build time is reported as ``prep_ms``), deterministic backward
   and the fast (atomic) one;
-* ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``).
+* ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``);
+* ``fa4_dense``: FlashAttention-4 dense causal (``--impls ...,fa4``);
+* ``fa4_sparse128``: our sparse step at 128-token slash blocks: slash lines rounded up to the
+  128x128 tiles they touch (:meth:`~megatron_mtraining.patterns.estimator.VerticalSlashPattern.coarsen`)
+  through FA4's block sparsity, token-level columns through our Triton column kernels, merged by LSE
+  (:class:`~megatron_mtraining.ops.fa4.FA4SparseStepKernel`, the ``fa4`` backend's sparse step);
+* ``ours_fast128``: our Triton kernels on the same 128-rounded pattern (64-row tiles);
+* ``fa4_round128``: FA4 alone, the pattern's slash lines *and* columns rounded up to 128x128 blocks
+  (what FA4's block sparsity can express by itself).
 
 Patterns: :func:`megatron_mtraining.patterns.synthetic.vertical_slash_indices` (sinks, local
 window, heavy-tailed vertical positions and slash offsets; documented there). Sparsity is relative to
@@ -168,6 +176,111 @@ def ours_fns(q, k, v, dout, plan, scale, deterministic, config=None, stats=None)
     return fwd, fwd_bwd
 
 
+def pattern_from_sets(pats, s, device, block=64):
+    """The :class:`VerticalSlashPattern` (batch 1) of per-head ``(block offsets, token columns)`` sets."""
+    from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+
+    slash = [[sorted(int(x) for x in o.tolist()) for o, _ in pats]]
+    vert = [[sorted(int(x) for x in c.tolist()) for _, c in pats]]
+    return VerticalSlashPattern.from_lists(s, block, slash, vert).to(device)
+
+
+def fa4_sparse_fns(q, k, v, dout, idx, scale, columns=True):
+    """FA4 slash blocks (+ Triton columns when ``columns``) of one causal step: the ``fa4`` backend's kernel."""
+    from megatron_mtraining.ops.fa4 import FA4SparseStepKernel
+    from megatron_mtraining.ops.triton import make_sparse_step_kernel
+
+    kern = FA4SparseStepKernel([idx], scale, fallback=make_sparse_step_kernel([idx], scale, deterministic=False),
+                               deterministic=False)
+    kern.expect_backward = True
+
+    def fwd():
+        return kern.forward(q, k, v, 0)
+
+    def fwd_bwd():
+        out, lse = kern.forward(q, k, v, 0)
+        o = out.to(q.dtype)
+        delta = launch.attention_delta(dout, o)
+        kern.begin_backward(o)
+        return kern.backward(dout, q, k, v, lse, delta, 0)
+
+    return fwd, fwd_bwd
+
+
+def round_to_blocks(idx):
+    """``idx`` (128-token blocks, causal, cp 1) with its columns rounded up to whole 128x128 tiles."""
+    from megatron_mtraining.patterns.indices import StepIndices
+
+    b, h, m = idx.block_count.shape
+    dev = idx.block_count.device
+    tile = torch.zeros(b, h, m, m + 1, dtype=torch.bool, device=dev)
+    w = idx.block_index.shape[-1]
+    ok = torch.arange(w, device=dev) < idx.block_count[..., None].long()
+    tile.scatter_(-1, torch.where(ok, idx.block_index.long(), torch.full_like(idx.block_index.long(), m)), True)
+    wc = idx.column_index.shape[-1]
+    okc = torch.arange(wc, device=dev) < idx.column_count[..., None].long()
+    cb = torch.where(okc, idx.column_index.long() // 128, torch.full_like(idx.column_index.long(), m))
+    tile.scatter_(-1, cb, True)
+    tile = tile[..., :m] & torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+    cnt = tile.sum(-1, dtype=torch.int32)
+    order = torch.sort((~tile).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    width = max(1, int(cnt.max()))
+    return StepIndices(cnt, order[..., :width].contiguous(), torch.zeros_like(cnt),
+                       torch.full((b, h, m, 1), -1, dtype=torch.int32, device=dev), True, 128)
+
+
+def fa4_rows(q, k, v, dout, pat64, scale, budget, cud, emit, base):
+    """``ours_fast128``, ``fa4_sparse128`` and ``fa4_round128`` rows for a 64-block pattern (cp 1).
+    Returns ``{impl: (fwd_ms, fwd_bwd_ms, computed pairs)}``."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern, refine_indices
+
+    s, d = q.shape[1], q.shape[3]
+    idx = convert_pattern(pat64.coarsen(128), Layout("striped", 1, 128), 0)[0]
+    fine = refine_indices(idx, 64)
+    col_pairs = int(((fine.column_count.long() + 63) // 64).sum()) * 64 * 64
+    block_pairs = int(idx.block_count.sum()) * 128 * 128
+    rounded = round_to_blocks(idx)
+    runs = {
+        "ours_fast128": (lambda: ours_fns(q, k, v, dout, launch.plan_from_indices(
+            fine.block_count, fine.block_index, fine.column_count, fine.column_index, True), scale, False),
+            block_pairs + col_pairs),
+        "fa4_sparse128": (lambda: fa4_sparse_fns(q, k, v, dout, idx, scale), block_pairs + col_pairs),
+        "fa4_round128": (lambda: fa4_sparse_fns(q, k, v, dout, rounded, scale), int(rounded.block_count.sum()) * 128 * 128),
+    }
+    got = {}
+    for impl, (make, pairs) in runs.items():
+        try:
+            f1, f2 = make()
+            t1, _ = bench(f1, budget)
+            t2, n2 = bench(f2, budget)
+            got[impl] = (t1, t2, pairs)
+            emit(dict(base, impl=impl, seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1),
+                      tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2), reps=n2,
+                      computed_over_causal=pairs / (q.shape[2] * s * (s + 1) / 2),
+                      speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None))
+        except Exception as e:
+            traceback.print_exc()
+            emit(dict(base, impl=impl, seq=s, d=d, error=repr(e)[:300]))
+        torch.cuda.empty_cache()
+    return got
+
+
+def fa4_dense_row(q, k, v, dout, budget, cud):
+    from megatron_mtraining.ops.fa4 import fa4_attention
+
+    s, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    qa, ka, va = (t.detach().requires_grad_(True) for t in (q, k, v))
+    f1 = lambda: fa4_attention(q, k, v, softmax_scale=d ** -0.5, causal=True)
+    f2 = lambda: torch.autograd.grad(fa4_attention(qa, ka, va, softmax_scale=d ** -0.5, causal=True), (qa, ka, va), dout)
+    t1, _ = bench(f1, budget, warmup=1)
+    t2, n2 = bench(f2, budget, warmup=1)
+    dense_pairs = hq * s * (s + 1) / 2
+    return dict(impl="fa4_dense", seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * dense_pairs, t1),
+                tflops_fwd_bwd=tflops(3.5 * 4 * d * dense_pairs, t2), reps=n2,
+                speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None)
+
+
 def prep_ms(idx, q_shape, k_shape):
     """Time to build the deterministic backward's index plans (inverted block index, column union) of a fresh
     plan of ``idx``: once per step in training, cached on the plan."""
@@ -270,6 +383,13 @@ def main():
                     traceback.print_exc()
                     emit(dict(impl="cudnn_dense", seq=s, d=d, error=repr(e)[:300]))
                 torch.cuda.empty_cache()
+            if "fa4" in impls:
+                try:
+                    emit(fa4_dense_row(q, k, v, dout, args.budget, cud))
+                except Exception as e:
+                    traceback.print_exc()
+                    emit(dict(impl="fa4_dense", seq=s, d=d, error=repr(e)[:300]))
+                torch.cuda.empty_cache()
             if args.dense:
                 for rb in (64, 128):
                     try:
@@ -328,6 +448,9 @@ def main():
                     if args.sweep:
                         sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, args.budget, args.sweep_only)
                         args.sweep = False
+                if "fa4" in impls:
+                    fa4_rows(q, k, v, dout, pattern_from_sets(pats, s, dev), scale, args.budget, cud, emit,
+                             dict(sparsity=sp))
                 flex_runs = [("", pats)]
                 if args.flex_slash and sp == args.detail_sparsity:
                     flex_runs.append(("_slash_only", [(o, c[:0]) for o, c in pats]))
@@ -399,7 +522,10 @@ def file_bench(args, d, dev, dt, impls, emit):
         row = cudnn_row(q, k, v, dout, args.budget, note="one layer; ")
         cud = row["fwd_bwd_ms"]
         emit(row)
+    if "fa4" in impls:
+        emit(fa4_dense_row(q, k, v, dout, args.budget, cud))
     tot = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    tot128: dict = {}
     tiles_sum = 0
     for layer in range(nl):
         hs = slice(layer * hq, (layer + 1) * hq)
@@ -412,6 +538,13 @@ def file_bench(args, d, dev, dt, impls, emit):
         tiles = block_tiles + column_tiles
         tiles_sum += tiles
         pairs = tiles * 64 * 64
+        if "fa4" in impls:
+            for impl, (t1, t2, pairs128) in fa4_rows(q, k, v, dout, sub, scale, args.budget, cud, emit,
+                                                     dict(layer=layer, note=f"layer {layer}")).items():
+                acc = tot128.setdefault(impl, [0.0, 0.0, 0])
+                acc[0] += t1
+                acc[1] += t2
+                acc[2] += pairs128
         for det in (True, False):
             f1, f2 = ours_fns(q, k, v, dout, plan, scale, det)
             t1, _ = bench(f1, args.budget)
@@ -422,6 +555,11 @@ def file_bench(args, d, dev, dt, impls, emit):
                       tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2), reps=n2,
                       computed_over_causal=pairs / dense_pairs, block_tiles=block_tiles, column_tiles=column_tiles,
                       speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None, note=f"layer {layer}"))
+    for impl, (t1, t2, pairs) in tot128.items():
+        emit(dict(impl=impl + "_all_layers", seq=s, d=d, layers=nl, fwd_ms=t1, fwd_bwd_ms=t2,
+                  tflops_fwd=tflops(4 * d * pairs, t1), tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
+                  computed_over_causal=pairs / (nl * dense_pairs),
+                  speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None, note=f"{nl} layers"))
     for det in (True, False):
         t1, t2 = tot[det]
         pairs = tiles_sum * 64 * 64

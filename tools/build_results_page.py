@@ -1,4 +1,9 @@
-"""Build ``docs/results.md`` from the result records in ``docs/results/*.json``.
+"""Build ``docs/results.md`` from the result records in ``docs/results/NN_*.json``.
+
+Records are the files whose names start with their two-digit order (``16_sparse_fa4.json``); other
+JSON files there are data tables that a record lists among its ``raw_files`` (``kernels.json``: one
+row per kernel measurement, with ``impl``, ``seq``, ``head_dim``, ``sparsity``, ``fwd_ms``,
+``fwd_bwd_ms``, ``speedup_vs_cudnn``, ``tflops_computed``, ``date``, ``gpu``, ``commit``).
 
 Each record is one measured result set (a JSON object) with these keys:
 
@@ -50,7 +55,7 @@ output files of each run are under `docs/results/raw/`. Where a run did not reco
 def load_records(results_dir: Path = RESULTS_DIR) -> list[dict]:
     """Load and validate every ``*.json`` record of ``results_dir``, sorted by ``order``."""
     records = []
-    for path in sorted(results_dir.glob("*.json")):
+    for path in sorted(results_dir.glob("[0-9][0-9]_*.json")):
         rec = json.loads(path.read_text())
         name = path.name
         for key in REQUIRED:

@@ -16,8 +16,9 @@ Backends (``kernel_backend`` in the configuration):
 * ``"fa4"``: FlashAttention-4 (:mod:`~megatron_mtraining.ops.fa4`; optional ``flash-attn-4``
   package, Hopper/Blackwell GPUs, bf16/fp16, ``head_dim`` 64/96/128) for dense causal attention at
   CP=1 and for the dense ring steps it can express exactly (striped granularity a multiple of 128,
-  zigzag chunks a multiple of 128, and every rank's own causal step); the other dense steps and all
-  sparse work run the Triton kernels. FA4 is used only after a one-time self-check for the shape
+  zigzag chunks a multiple of 128, and every rank's own causal step) and for the slash blocks of
+  vertical-slash patterns estimated at 128-token blocks (``vertical_slash.block_size: 128``); the
+  other dense steps, the vertical columns and patterns at 64-token blocks run the Triton kernels. FA4 is used only after a one-time self-check for the shape
   (:func:`~megatron_mtraining.ops.fa4.fa4_self_check`) passes; a shape it fails falls back to
   ``"triton"`` with a warning naming why.
 * ``"auto"`` (default): the fastest supported choice for the device. CPU: ``"torch"``. CUDA: FA4
@@ -244,9 +245,11 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
 
         dense_cp1 = sdpa_causal
     if use_fa4:
-        from .fa4 import fa4_causal, make_fa4_dense_step
+        from .fa4 import fa4_causal, make_fa4_dense_step, make_fa4_sparse_step
 
         dense_step = functools.partial(make_fa4_dense_step, fallback=dense_step, deterministic=deterministic)
+        if sparse_step is not None:
+            sparse_step = functools.partial(make_fa4_sparse_step, fallback=sparse_step, deterministic=deterministic)
         dense_cp1 = fa4_causal
         steps = "fa4"
     if name == "sdpa":

@@ -7,6 +7,11 @@ package imports and runs without it (CPU, CI, other GPUs).
 Two uses:
 
 * **CP=1 dense attention**: :func:`fa4_attention`, causal softmax attention with autograd.
+* **Sparse ring steps** (MTraining §3.3, vertical-slash): the slash blocks of a step whose pattern
+  was estimated at 128-token blocks (``vertical_slash.block_size: 128``, striped granularity a
+  multiple of 128) run through FA4's block sparsity, per batch and query head
+  (:func:`sparsity_from_indices`, pure); the token-level vertical columns run the Triton column
+  kernels; the two partial results are merged by LSE (:class:`FA4SparseStepKernel`).
 * **Dense ring steps** (MTraining §3.3, the striped ring's per-step work): every step of the dense
   ring is attention of the local queries over one owner's keys, masked by *global* positions (a
   key is visible iff ``k_pos <= q_pos``). :func:`plan_step` classifies each 128×128 tile of a step
@@ -34,6 +39,9 @@ from typing import Optional
 
 import torch
 
+from .merge import merge_attention
+from .sparse_reference import SparseStepKernel
+
 __all__ = [
     "FA4_BLOCK",
     "BlockSparsity",
@@ -41,6 +49,7 @@ __all__ = [
     "classify_tiles",
     "block_sparsity_from_tiles",
     "plan_step",
+    "sparsity_from_indices",
     "fa4_unavailable_reason",
     "fa4_forward",
     "fa4_backward",
@@ -48,6 +57,8 @@ __all__ = [
     "fa4_causal",
     "FA4DenseStepKernel",
     "make_fa4_dense_step",
+    "FA4SparseStepKernel",
+    "make_fa4_sparse_step",
     "fa4_self_check",
 ]
 
@@ -185,6 +196,50 @@ def plan_step(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True,
     return StepPlan("blocks", block_sparsity_from_tiles(full))
 
 
+#: Largest ``b * hq * M * N`` (query blocks × key blocks of one step) for which the backward block
+#: lists are built at full width without reading their maximum on the host.
+_FULL_WIDTH_LIMIT = 1 << 26
+
+
+def sparsity_from_indices(idx) -> BlockSparsity:
+    """FA4 block lists of the slash blocks of one sparse ring step, per batch and query head.
+
+    Args:
+        idx: a :class:`~megatron_mtraining.patterns.indices.StepIndices` with ``block_size`` equal to
+            :data:`FA4_BLOCK` (its columns are ignored: they run elsewhere).
+
+    Returns:
+        a :class:`BlockSparsity` with ``fwd_cnt [b, hq, M]`` (``idx.block_count``), ``fwd_idx
+        [b, hq, M, W]`` (``idx.block_index``, padding replaced by 0), ``bwd_cnt [b, hq, N]`` and
+        ``bwd_idx [b, hq, N, W']`` (per key block, the query blocks that list it, ascending, packed
+        left), ``empty_rows [b, hq, M]`` and ``tiles = -1`` (not counted: that would read the device).
+        ``M = N = s_local / 128``. Built on the device of ``idx`` without a host read when
+        ``b * hq * M * N <= 2**26`` (``W' = M``); larger steps read the widest backward list once.
+
+    Raises:
+        ValueError: ``idx.block_size != 128``.
+    """
+    if idx.block_size != FA4_BLOCK:
+        raise ValueError(f"FA4 block sparsity needs {FA4_BLOCK}-token blocks, got block_size {idx.block_size}")
+    cnt = idx.block_count.to(torch.int32)
+    b, h, m = cnt.shape
+    n = m                                       # a ring step's query and key shards have the same length
+    w = idx.block_index.shape[-1]
+    dev = cnt.device
+    valid = torch.arange(w, device=dev) < cnt[..., None].long()                    # [b, h, M, W]
+    fwd_idx = torch.where(valid, idx.block_index, torch.zeros_like(idx.block_index)).to(torch.int32).contiguous()
+    tile = torch.zeros(b, h, m, n + 1, dtype=torch.bool, device=dev)
+    col = torch.where(valid, idx.block_index.long().clamp(0, n - 1), torch.full_like(idx.block_index, n).long())
+    tile.scatter_(-1, col, True)
+    tt = tile[..., :n].transpose(-1, -2)                                          # [b, h, N, M]
+    bwd_cnt = tt.sum(-1, dtype=torch.int32)
+    width = m if b * h * m * n <= _FULL_WIDTH_LIMIT else max(1, int(bwd_cnt.max()))
+    order = torch.sort((~tt).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    bwd_idx = torch.where(torch.arange(width, device=dev) < bwd_cnt[..., None], order,
+                          torch.zeros_like(order)).to(torch.int32).contiguous()
+    return BlockSparsity(cnt.contiguous(), fwd_idx, bwd_cnt.contiguous(), bwd_idx, cnt == 0, -1)
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 
 
@@ -243,7 +298,11 @@ def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_sc
     bst = None if sparsity is None else _bsparse(sparsity.fwd_cnt, sparsity.fwd_idx)
     out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    block_sparse_tensors=bst, return_lse=True)
-    if sparsity is not None and bool(sparsity.empty_rows.any()):
+    if sparsity is not None and sparsity.empty_rows.dim() == 3:       # per-head lists: no host read
+        rows = sparsity.empty_rows.repeat_interleave(FA4_BLOCK, dim=-1)          # [b, hq, sq]
+        lse = torch.where(rows, torch.full_like(lse, float("-inf")), lse)
+        out = torch.where(rows.transpose(1, 2)[..., None], torch.zeros_like(out), out)
+    elif sparsity is not None and bool(sparsity.empty_rows.any()):
         rows = sparsity.empty_rows.repeat_interleave(FA4_BLOCK)
         out[:, rows] = 0
         lse[:, :, rows] = float("-inf")
@@ -365,11 +424,142 @@ def make_fa4_dense_step(layout, rank: int, seq_len: int, softmax_scale: float, c
     return FA4DenseStepKernel(q_pos, k_pos_of, softmax_scale, causal, fb, deterministic=deterministic)
 
 
+def _without_blocks(idx):
+    """``idx`` with its block (slash) work removed: the vertical columns only."""
+    from ..patterns.indices import KnownMax, StepIndices
+
+    b, hq, nqb = idx.block_count.shape
+    bc = torch.zeros_like(idx.block_count)
+    k = idx.known_max
+    known = (KnownMax.of(bc, idx.column_count, 0, k.column)
+             if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
+    return StepIndices(bc, torch.full((b, hq, nqb, 1), -1, dtype=idx.block_index.dtype, device=bc.device),
+                       idx.column_count, idx.column_index, idx.causal, idx.block_size, known_max=known)
+
+
+def _has(idx, which: str) -> bool:
+    """Whether ``idx`` lists any block / column, from ``known_max`` when valid (else assume yes)."""
+    k = idx.known_max
+    if k is not None and k.valid_for(idx.block_count, idx.column_count):
+        return getattr(k, which) > 0
+    return True
+
+
+class FA4SparseStepKernel(SparseStepKernel):
+    """Vertical-slash ring step kernel: slash blocks on FA4, vertical columns on the Triton kernels.
+
+    The ring's sparse step-kernel protocol (:class:`~megatron_mtraining.ops.sparse_reference.SparseStepKernel`):
+    ``forward(q, k, v, owner) -> (out fp32, lse fp32) | None``,
+    ``backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None``. For each step the
+    slash blocks (``StepIndices`` at 128-token blocks) run :func:`fa4_forward` / :func:`fa4_backward`
+    with per-head block lists (:func:`sparsity_from_indices`; FA4's causal mask on the rank's own
+    step) and the step's token-level columns run ``fallback`` (the Triton sparse kernel); the two are
+    merged by LSE (:func:`~megatron_mtraining.ops.merge.merge_attention`), and their gradients,
+    which both derive from the ring's final ``lse``/``out``, are summed. Out-of-ring column work
+    (:class:`~megatron_mtraining.ring.sparse.ColumnPhase`) runs ``fallback`` entirely.
+
+    The backward needs the ring's final ``out`` (:meth:`begin_backward`). With
+    ``deterministic=True`` (FA4 has no deterministic block-sparse backward on SM90) the backward of
+    every step runs ``fallback``, which is exact for any step.
+
+    Args:
+        steps: per-owner :class:`~megatron_mtraining.patterns.indices.StepIndices`, ``block_size`` 128.
+        softmax_scale: attention scale.
+        fallback: a sparse step kernel over the same ``steps`` (its ``forward_fn``/``backward_fn``
+            run the columns and the deterministic backward).
+        deterministic: backward without floating-point atomics.
+
+    Raises:
+        ValueError: a step whose ``block_size`` is not 128.
+    """
+
+    def __init__(self, steps, softmax_scale: float, *, fallback, deterministic: bool = False):
+        self.fallback, self.deterministic = fallback, bool(deterministic)
+        super().__init__(steps, softmax_scale, forward_fn=self._forward_step, backward_fn=self._backward_step)
+        bad = sorted({s.block_size for s in self.steps} - {FA4_BLOCK})
+        if bad:
+            raise ValueError(f"FA4 sparse steps need {FA4_BLOCK}-token blocks, got block_size {bad[0]}")
+        self._ring_ids = {id(s) for s in self.steps}
+        self._cache: dict = {}           # id(indices) -> (indices, BlockSparsity, columns-only indices)
+        self._out: Optional[torch.Tensor] = None
+
+    @property
+    def expect_backward(self) -> bool:
+        return self.fallback.expect_backward
+
+    @expect_backward.setter
+    def expect_backward(self, value: bool) -> None:
+        self.fallback.expect_backward = bool(value)
+
+    def begin_backward(self, out: torch.Tensor) -> None:
+        """The ring's final output (``[b, sq, hq, d]``, q's dtype), for the FA4 backward."""
+        self._out = out
+
+    def _parts(self, idx):
+        hit = self._cache.get(id(idx))
+        if hit is None or hit[0] is not idx:
+            sp = sparsity_from_indices(idx) if _has(idx, "block") else None
+            cols = _without_blocks(idx) if _has(idx, "column") else None
+            hit = self._cache[id(idx)] = (idx, sp, cols)
+        return hit[1], hit[2]
+
+    def _forward_step(self, q, k, v, idx, scale: float):
+        if id(idx) not in self._ring_ids:                       # out-of-ring columns
+            return self.fallback.forward_fn(q, k, v, idx, scale)
+        sp, cols = self._parts(idx)
+        res = None
+        if sp is not None:
+            out, lse = fa4_forward(q, k, v, softmax_scale=scale, causal=bool(idx.causal), sparsity=sp)
+            res = (out.float(), lse)
+        if cols is not None:
+            o2, l2 = self.fallback.forward_fn(q, k, v, cols, scale)
+            res = (o2, l2) if res is None else merge_attention(res[0], res[1], o2, l2)
+        if res is None:
+            return self.fallback.forward_fn(q, k, v, idx, scale)
+        return res
+
+    def _backward_step(self, dout, q, k, v, lse, delta, idx, scale: float):
+        if id(idx) not in self._ring_ids or self.deterministic or self._out is None:
+            return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
+        sp, cols = self._parts(idx)
+        grads = None
+        if sp is not None:
+            dq, dk, dv = fa4_backward(dout, q, k, v, self._out, lse, softmax_scale=scale, causal=bool(idx.causal),
+                                      sparsity=sp)
+            grads = (dq.float(), dk.float(), dv.float())
+        if cols is not None:
+            g2 = self.fallback.backward_fn(dout, q, k, v, lse, delta, cols, scale)
+            grads = g2 if grads is None else tuple(a + b for a, b in zip(grads, g2))
+        if grads is None:
+            return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
+        return grads
+
+
+def make_fa4_sparse_step(steps, softmax_scale: float, *, fallback, deterministic: bool = False):
+    """The sparse ring step kernel of the ``"fa4"`` backend (``sparse_step`` of
+    :class:`~megatron_mtraining.ops.backends.KernelBackend`): :class:`FA4SparseStepKernel` for
+    patterns at 128-token blocks, else ``fallback(steps, softmax_scale)`` alone (FA4's SM90 backward
+    has no narrower key blocks)."""
+    fb = fallback(steps, softmax_scale)
+    if any(s.block_size != FA4_BLOCK for s in steps):
+        return fb
+    return FA4SparseStepKernel(steps, softmax_scale, fallback=fb, deterministic=deterministic)
+
+
 # ---------------------------------------------------------------------------------------------- self-check
 
 #: Largest relative error (out, lse, dq, dk, dv against fp32 math on the same inputs) the self-check
 #: accepts. bf16 inputs give about 4e-3 (out) to 1e-2 (gradients) here; a wrong kernel gives O(1).
 SELF_CHECK_TOLERANCE = 5e-2
+
+
+def _compare(pairs, head_dim, hq, hkv, dtype, what: str = "") -> Optional[str]:
+    for name, (a, ref) in zip(("out", "lse", "dq", "dk", "dv"), pairs):
+        err = float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        if not err <= SELF_CHECK_TOLERANCE:
+            return (f"FA4 self-check failed for head_dim {head_dim}, {hq}/{hkv} heads, {dtype}: {what}{name} "
+                    f"relative error {err:.2e} > {SELF_CHECK_TOLERANCE:.0e}")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -405,22 +595,45 @@ def _self_check_cached(device_index: int, dtype: torch.dtype, head_dim: int, hq:
             out, lse = fa4_forward(q, k, v, softmax_scale=scale, causal=plan.kind == "causal", sparsity=plan.sparsity)
             dq, dk, dv = fa4_backward(do, q, k, v, out, lse, softmax_scale=scale, causal=plan.kind == "causal",
                                       sparsity=plan.sparsity)
-            for name, a, ref in (("out", out, out_ref), ("lse", lse, lse_ref), ("dq", dq, dq_ref),
-                                 ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
-                err = float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-                if not err <= SELF_CHECK_TOLERANCE:
-                    return (f"FA4 self-check failed for head_dim {head_dim}, {hq}/{hkv} heads, {dtype}: {name} "
-                            f"relative error {err:.2e} > {SELF_CHECK_TOLERANCE:.0e}")
+            why = _compare(((out, out_ref), (lse, lse_ref), (dq, dq_ref), (dk, dk_ref), (dv, dv_ref)),
+                           head_dim, hq, hkv, dtype)
+            if why:
+                return why
+        # a sparse own step: per-head block lists (head h lists the off-diagonal tile iff h is odd)
+        # under FA4's causal mask, as the vertical-slash ring runs it
+        listed = torch.ones(hq, 2, 2, dtype=torch.bool, device=dev).tril()
+        listed[0::2, 1, 0] = False
+        cnt = listed.sum(-1, dtype=torch.int32)[None].expand(2, hq, 2)
+        idx = torch.sort((~listed).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)[None].expand(2, hq, 2, 2)
+        tt = listed.transpose(-1, -2)
+        bcnt = tt.sum(-1, dtype=torch.int32)[None].expand(2, hq, 2)
+        bidx = torch.sort((~tt).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)[None].expand(2, hq, 2, 2)
+        sp = BlockSparsity(cnt.contiguous(), idx.contiguous(), bcnt.contiguous(), bidx.contiguous(), cnt == 0, -1)
+        qr = qf.clone().requires_grad_()
+        kr, vr = kk.clone().requires_grad_(), vv.clone().requires_grad_()
+        mask = listed.repeat_interleave(FA4_BLOCK, 1).repeat_interleave(FA4_BLOCK, 2) & torch.ones(
+            s, s, dtype=torch.bool, device=dev).tril()
+        sc = (torch.einsum("bqhd,bkhd->bhqk", qr, kr) * scale).masked_fill(~mask, float("-inf"))
+        out_ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(sc, -1), vr)
+        dq_ref, dk_ref, dv_ref = torch.autograd.grad(out_ref, (qr, kr, vr), dof)
+        dk_ref = dk_ref.view(2, s, hkv, rep, head_dim).sum(3)
+        dv_ref = dv_ref.view(2, s, hkv, rep, head_dim).sum(3)
+        out, lse = fa4_forward(q, k, v, softmax_scale=scale, causal=True, sparsity=sp)
+        dq, dk, dv = fa4_backward(do, q, k, v, out, lse, softmax_scale=scale, causal=True, sparsity=sp)
+        why = _compare(((out, out_ref), (lse, torch.logsumexp(sc, -1)), (dq, dq_ref), (dk, dk_ref), (dv, dv_ref)),
+                       head_dim, hq, hkv, dtype, what="sparse causal step: ")
+        if why:
+            return why
     except Exception as exc:  # a compile or launch error of the DSL kernels
         return f"FA4 self-check raised {type(exc).__name__}: {exc}"
     return None
 
 
 def fa4_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int) -> Optional[str]:
-    """``None`` when FA4 computes a block-sparse and a causal step correctly for this shape.
+    """``None`` when FA4 computes a block-sparse, a causal and a sparse causal step correctly for this shape.
 
-    Runs once per (device, dtype, head_dim, hq, hkv) and is cached: a block-causal step and a causal
-    step at 256 tokens, batch 2, forward and backward, against fp32 torch math on the same inputs. Returns
+    Runs once per (device, dtype, head_dim, hq, hkv) and is cached: a block-causal step, a causal
+    step and a causal step with per-head block lists at 256 tokens, batch 2, forward and backward, against fp32 torch math on the same inputs. Returns
     the reason otherwise (also when :func:`fa4_unavailable_reason` has one).
     """
     why = fa4_unavailable_reason(device, dtype, head_dim)

@@ -38,7 +38,7 @@ from .estimator import VerticalSlashPattern
 from .indices import KnownMax, StepIndices
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
-           "without_columns", "step_column_positions", "column_phase_indices"]
+           "without_columns", "refine_indices", "step_column_positions", "column_phase_indices"]
 
 
 def check_block_layout(layout: Layout, seq_len: int, block_size: int) -> None:
@@ -250,6 +250,51 @@ def without_columns(idx: StepIndices) -> StepIndices:
     return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
                        idx.causal, idx.block_size, known_max=known)
+
+
+def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
+    """``idx`` re-expressed with smaller blocks of ``block_size`` tokens (the same token-level mask).
+
+    Query block ``i`` of ``idx`` (``f = idx.block_size // block_size`` times larger) becomes the
+    ``f`` query blocks ``i*f .. i*f+f-1``; each listed key block ``j`` becomes ``j*f .. j*f+f-1``
+    (ascending, so lists stay sorted); the vertical columns of ``i`` are listed for each of its
+    ``f`` sub-blocks. ``causal`` is kept: the local-index mask still removes the sub-tiles above the
+    diagonal. Pure and vectorized (no host sync); ``known_max`` carries over, scaled.
+
+    Lets kernels with a fixed tile (the Triton kernels' 64 rows) run patterns estimated at a coarser
+    slash granularity (e.g. 128, the tile of FlashAttention-4's block-sparse backward).
+
+    Args:
+        idx: a :class:`StepIndices`.
+        block_size: the new block size; must divide ``idx.block_size``.
+
+    Returns:
+        a :class:`StepIndices` with ``block_size`` blocks (``idx`` itself when the sizes are equal).
+
+    Raises:
+        ValueError: ``block_size`` does not divide ``idx.block_size``.
+    """
+    if block_size < 1 or idx.block_size % block_size:
+        raise ValueError(f"block size {block_size} must divide the indices' block size {idx.block_size}")
+    f = idx.block_size // block_size
+    if f == 1:
+        return idx
+    b, hq, nqb = idx.block_count.shape
+    w = idx.block_index.shape[-1]
+    dev = idx.block_index.device
+    sub = torch.arange(f, device=dev, dtype=idx.block_index.dtype)
+    bi = idx.block_index[..., :, None] * f + sub                                   # [b, hq, nqb, w, f]
+    valid = (torch.arange(w, device=dev) < idx.block_count[..., None].long())[..., None]
+    bi = torch.where(valid, bi, torch.full_like(bi, -1)).flatten(-2)               # padding stays -1
+    bi = bi.repeat_interleave(f, dim=2)
+    bc = (idx.block_count * f).repeat_interleave(f, dim=2)
+    cc = idx.column_count.repeat_interleave(f, dim=2)
+    ci = idx.column_index.repeat_interleave(f, dim=2)
+    k = idx.known_max
+    known = (KnownMax.of(bc, cc, k.block * f, k.column)
+             if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
+    return StepIndices(bc.contiguous(), bi.contiguous(), cc.contiguous(), ci.contiguous(), idx.causal, block_size,
+                       known_max=known)
 
 
 def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):

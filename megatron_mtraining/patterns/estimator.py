@@ -209,6 +209,35 @@ class VerticalSlashPattern:
     def num_blocks(self) -> int:
         return self.seq_len // self.block_size
 
+    def coarsen(self, block_size: int) -> "VerticalSlashPattern":
+        """The pattern with its slash lines rounded up to ``block_size`` blocks (a multiple of
+        ``self.block_size``): every coarse tile that a selected fine diagonal touches is kept, so the
+        mask only grows (a fine diagonal ``d`` touches the coarse diagonals ``floor(d/f)`` and
+        ``ceil(d/f)``, ``f = block_size / self.block_size``). Vertical columns are unchanged.
+
+        Raises:
+            ValueError: ``block_size`` is not a multiple of ``self.block_size`` or does not divide
+                ``seq_len``.
+        """
+        if block_size % self.block_size or self.seq_len % block_size:
+            raise ValueError(f"block_size {block_size} must be a multiple of {self.block_size} and divide "
+                             f"seq_len {self.seq_len}")
+        f = block_size // self.block_size
+        if f == 1:
+            return self
+        nb = self.seq_len // block_size
+        ok = self.slash >= 0
+        d = self.slash.clamp(min=0)
+        hit = torch.zeros(*self.slash.shape[:2], nb + 1, dtype=torch.bool, device=self.slash.device)
+        for part in (d // f, (d + f - 1) // f):
+            hit.scatter_(-1, torch.where(ok, part.clamp(max=nb - 1), torch.full_like(part, nb)), True)
+        hit = hit[..., :nb]
+        cnt = hit.sum(-1)
+        width = max(1, int(cnt.max()) if cnt.numel() else 1)
+        order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+        slash = torch.where(torch.arange(width, device=hit.device) < cnt[..., None], order, torch.full_like(order, -1))
+        return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count)
+
     def to(self, device) -> "VerticalSlashPattern":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return VerticalSlashPattern(self.seq_len, self.block_size, mv(self.slash), mv(self.slash_count),

@@ -3,6 +3,8 @@ final ``out``/``lse``, for any step kernel of the ring's protocol. Results are u
 compare directly with an attention over the whole sequence."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from megatron_mtraining.ops.merge import merge_attention
@@ -43,3 +45,17 @@ def simulate_dense_ring(layout, q, k, v, dout, make_kernel, acc=torch.float32):
         dqs.append(dq)
     un = lambda parts, dim=1: layout.unshard(parts, dim=dim)
     return un(outs).to(acc), un(lses, 2), un(dqs), un(dks), un(dvs)
+
+
+def random_pattern(seq, bs, b, hq, seed, shared_columns=(), max_slash=3, max_vertical=6):
+    """A random vertical-slash pattern: block diagonal 0 plus up to ``max_slash`` other diagonals and
+    up to ``max_vertical`` columns per (sample, head), plus ``shared_columns`` in every head."""
+    from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+
+    rng = random.Random(seed)
+    nb = seq // bs
+    slash = [[[0] + rng.sample(range(1, nb), k=min(nb - 1, rng.randint(0, max_slash))) for _ in range(hq)]
+             for _ in range(b)]
+    vert = [[sorted(set(rng.sample(range(seq), k=rng.randint(0, max_vertical))) | set(shared_columns))
+             for _ in range(hq)] for _ in range(b)]
+    return VerticalSlashPattern.from_lists(seq, bs, slash, vert)

@@ -226,23 +226,24 @@ def test_dense_plan_skips_invisible_and_future_blocks():
     assert launch.dense_plan(torch.arange(64, 128), torch.arange(128, 192)) is None
 
 
-@pytest.mark.parametrize("columns", ["in_ring", "out_of_ring"])
-def test_sparse_ring_with_triton_kernels_and_column_phase(columns):
+@pytest.mark.parametrize("columns,bs", [("in_ring", 64), ("out_of_ring", 64), ("in_ring", 128)])
+def test_sparse_ring_with_triton_kernels_and_column_phase(columns, bs):
     """The sparse ring (cp=1) driven by the Triton step kernels, columns in the ring or in the
     out-of-ring column phase (gathered column K/V, non-causal step, LSE merge): fwd and
-    dQ/dK/dV vs fp64 attention masked with the same estimated pattern."""
+    dQ/dK/dV vs fp64 attention masked with the same estimated pattern. Slash blocks of 128 tokens
+    run as 64-row tiles (indices refined)."""
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig
     from megatron_mtraining.ring.sparse import sparse_ring_attention
     from tests.workers.vs_data import make_qkv, naive_masked_attention
 
-    s, hq, hkv, d = 256, 2, 1, 64
+    s, hq, hkv, d = 256 if bs == 64 else 1024, 2, 1, 64
     q, k, v = make_qkv(1, s, hq, hkv, d, seed=5)
     backend = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=d, seq_len_local=s, sparse=True)
     assert backend.name == "triton" and backend.estimator_impl == "triton" and backend.convert_impl == "triton"
     dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     qa, ka, va = (t.float().requires_grad_(True) for t in (q, k, v))
-    out, pat = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, 64), group=None,
-                                     config=VerticalSlashConfig(recall=0.9), softmax_scale=d ** -0.5,
+    out, pat = sparse_ring_attention(qa, ka, va, layout=Layout("striped", 1, bs), group=None,
+                                     config=VerticalSlashConfig(recall=0.9, block_size=bs), softmax_scale=d ** -0.5,
                                      return_pattern=True, backend=backend, columns=columns)
     out.backward(dout.float())
     mask = pat.dense_mask()

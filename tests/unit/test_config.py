@@ -31,6 +31,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "e2e_sparse.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r095.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r098.yaml": ("striped", "vertical_slash", 0.98, 64),
+    "fa4_128k.yaml": ("striped", "vertical_slash", 0.9, 128),
 }
 
 

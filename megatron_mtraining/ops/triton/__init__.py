@@ -34,11 +34,12 @@ from typing import Optional, Sequence
 import torch
 
 from ...common import acc_dtype, triton_runs_on
+from ...patterns.convert import refine_indices
 from ...patterns.indices import StepIndices
 from ..sparse_reference import SparseStepKernel
-from .launch import (DEFAULT_CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, delta_unsupported,
-                     dense_plan, document_plan, plan_from_indices, prebuild_backward_plans, sparse_backward,
-                     sparse_forward)
+from .launch import (BLOCK, DEFAULT_CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel,
+                     delta_unsupported, dense_plan, document_plan, plan_from_indices, prebuild_backward_plans,
+                     sparse_backward, sparse_forward)
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
@@ -53,9 +54,17 @@ def triton_usable(t: torch.Tensor) -> bool:
     return t.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_runs_on(t.device)
 
 
+def _tiles(indices: StepIndices) -> StepIndices:
+    """``indices`` with the kernels' 64-token blocks (:func:`~megatron_mtraining.patterns.convert.refine_indices`
+    for patterns estimated at a coarser slash granularity, e.g. 128)."""
+    return indices if indices.block_size == BLOCK else refine_indices(indices, BLOCK)
+
+
 def plan_for(indices: StepIndices) -> SparsePlan:
     """The kernel plan of ``indices`` (built anew; :class:`TritonSparseStepKernel` keeps its steps' plans
-    from the forward to the backward)."""
+    from the forward to the backward). Blocks coarser than the kernels' 64 tokens (a multiple of 64)
+    are split first."""
+    indices = _tiles(indices)
     return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
                              bool(indices.causal))
 
@@ -173,6 +182,7 @@ def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              softmax_scale: Optional[float] = None):
     """Partial attention of ``q`` over the keys listed by ``indices``: ``(out, lse)``, fp32
     (fp64 for fp64 inputs). Rows with no key: ``out = 0``, ``lse = -inf``."""
+    indices = _tiles(indices)
     return torch.ops.mtraining.sparse_attn_fwd(q, k, v, indices.block_count, indices.block_index,
                                                indices.column_count, indices.column_index, bool(indices.causal),
                                                _scale(q, softmax_scale), True)
@@ -183,6 +193,7 @@ def sparse_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               softmax_scale: Optional[float] = None, deterministic: bool = True):
     """Gradients of the global output through this step's keys given the final ``lse`` and
     ``delta = rowsum(dout * out)`` (both ``[b, hq, s]``): ``(dq, dk, dv)`` in fp32 (fp64 for fp64)."""
+    indices = _tiles(indices)
     return torch.ops.mtraining.sparse_attn_bwd(dout, q, k, v, lse, delta, indices.block_count, indices.block_index,
                                                indices.column_count, indices.column_index, bool(indices.causal),
                                                _scale(q, softmax_scale), bool(deterministic))
@@ -191,6 +202,7 @@ def sparse_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: StepIndices,
                      softmax_scale: Optional[float] = None, deterministic: bool = True) -> torch.Tensor:
     """Differentiable single-shard sparse attention; returns ``out`` in ``q.dtype``."""
+    indices = _tiles(indices)
     out, _ = torch.ops.mtraining.sparse_attn_fwd(q, k, v, indices.block_count, indices.block_index,
                                                  indices.column_count, indices.column_index, bool(indices.causal),
                                                  _scale(q, softmax_scale), bool(deterministic))
