@@ -193,31 +193,38 @@ class CPPlan:
                           **self.agreement_fields(softmax_scale, causal))
         self._checked.add(sig)
 
-    def check_documents(self, documents, q: torch.Tensor, what: str = "MTrainingAttention") -> None:
+    def check_documents(self, documents, q: torch.Tensor, what: str = "MTrainingAttention",
+                        error: Optional[str] = None) -> None:
         """Validate packed ``documents`` for inputs ``q`` ([b, s_local, h, d]) on every rank, once per
         documents object (a micro-batch's documents are shared by every layer).
 
+        ``error``: this rank's failure to build the documents (malformed offsets), or ``None``. The
+        verdicts and the documents' checksums are compared across the CP group first, so every rank
+        raises the same error.
+
         Raises:
-            ValueError: documents that do not describe ``q`` (length, batch) on any rank, or ranks whose
-                documents differ; NotImplementedError: a document mask with the sparse pattern.
+            ValueError: documents that could not be built or do not describe ``q`` (length, batch) on
+                any rank, or ranks whose documents differ; NotImplementedError: a document mask with
+                the sparse pattern.
         """
-        if documents is None or documents.single_document:
+        if documents is None and error is None:
             return
-        if self.sparse:
+        key = (id(self), tuple(q.shape))
+        if documents is None or key not in documents._agreed:
+            from megatron_mtraining.distributed import check_consistent_across_ranks
+            from megatron_mtraining.ring import documents_error
+
+            if error is None:
+                error = documents_error(documents, q, self.layout, self.cp_size)
+            if self.cp_size > 1:
+                check_consistent_across_ranks(self.cp_group, what, error=error,
+                                              documents=documents.agreement_key() if documents else (0,) * 5)
+            elif error is not None:
+                raise ValueError(f"{what}: {error}")
+            documents._agreed.add(key)
+        if self.sparse and not documents.single_document:
             raise NotImplementedError(f"{what}: packed sequences (document masks) are not supported with the "
                                       "vertical-slash pattern; use pattern: dense for packed documents")
-        key = (id(self), tuple(q.shape))
-        if key in documents._agreed:
-            return
-        from megatron_mtraining.distributed import check_consistent_across_ranks
-        from megatron_mtraining.ring import documents_error
-
-        error = documents_error(documents, q, self.layout, self.cp_size)
-        if self.cp_size > 1:
-            check_consistent_across_ranks(self.cp_group, what, error=error, documents=documents.agreement_key())
-        elif error is not None:
-            raise ValueError(f"{what}: {error}")
-        documents._agreed.add(key)
 
 
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,

@@ -237,8 +237,13 @@ class MTrainingAttention(MegatronModule):
         self.plan.check_inputs(q, k, v, softmax_scale=scale)   # every rank's verdict, once per shape
         documents = None
         if packed_seq_params is not None:
-            documents = documents_from_packed_seq_params(packed_seq_params, q.shape[1] * self.cp_size, q.shape[0])
-            self.plan.check_documents(documents, q)             # every rank's verdict, once per micro-batch
+            error = None
+            try:
+                documents = documents_from_packed_seq_params(packed_seq_params, q.shape[1] * self.cp_size,
+                                                             q.shape[0])
+            except ValueError as e:
+                error = str(e)
+            self.plan.check_documents(documents, q, error=error)  # every rank's verdict, once per micro-batch
             if documents.single_document:
                 documents = None                                # plain causal attention: the unpacked path
         cfg = self.mtraining_config

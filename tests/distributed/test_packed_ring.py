@@ -5,7 +5,8 @@ rank with an fp64 per-document reference (each document attended alone): cp 2 an
 granularity 16 and 1 and zigzag x GQA 1 and 4 x fp64 (<= 1e-10) and fp32 (<= 1e-5), documents of
 lengths 1 ... 2*cp*block that straddle stripes, padded documents and a rank whose stripes are all
 padding (exact zeros); at cp 4 also the 2 x 2 hierarchical ring. A single document must equal the
-unpacked ring bitwise, and documents that differ across ranks must be an error on every rank.
+unpacked ring bitwise, and documents that differ across ranks (or offsets malformed on one rank) must
+be an error on every rank.
 """
 import json
 
@@ -32,3 +33,5 @@ def test_packed_rings_match_per_document_reference(cp):
     assert single["bitwise"], single
     (dis,) = [r for r in rows if r["case"].get("check") == "disagreement"]
     assert all("ranks of the CP group disagree" in e and "documents=" in e for e in dis["errors"]), dis
+    (bad,) = [r for r in rows if r["case"].get("check") == "plan_disagreement"]
+    assert all("invalid input on group rank 0" in e and "the batch holds" in e for e in bad["errors"]), bad

@@ -94,6 +94,26 @@ def disagreement(group, layout):
         return {"error": str(e)}
 
 
+def plan_disagreement(group):
+    """MTrainingAttention's check (CPPlan.check_documents): offsets malformed on rank 0 only must be an
+    error on every rank, not a hang of the others in the ring."""
+    from megatron_mtraining.plan import resolve
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    plan = resolve({"granularity": 16}, cp_group=group)
+    q = torch.zeros(1, S // world, 4, D)
+    error, docs = None, None
+    try:
+        docs = PackedDocuments.from_cu_seqlens([0, 200] if rank == 0 else [0, 50, 128], S)
+    except ValueError as e:
+        error = str(e)
+    try:
+        plan.check_documents(docs, q, error=error)
+        return ""
+    except ValueError as e:
+        return str(e)
+
+
 def main():
     from tests.helpers.dist import finish_process_group, start_process_group
 
@@ -121,6 +141,9 @@ def main():
     errs = [None] * world
     dist.all_gather_object(errs, disagreement(group, Layout("striped", world, 16))["error"])
     emit({"check": "disagreement"}, {"errors": errs})
+    errs = [None] * world
+    dist.all_gather_object(errs, plan_disagreement(group))
+    emit({"check": "plan_disagreement"}, {"errors": errs})
     finish_process_group()
 
 
