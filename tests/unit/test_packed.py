@@ -211,3 +211,15 @@ def test_ring_cp1_packed_matches_reference_and_refuses_other_kernels():
     cuda = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, packed=True,
                           triton_available=True, fa4_available=True)
     assert cuda.name == "triton" and cuda.dense_cp1 is None
+
+
+@pytest.mark.parametrize("layout", [Layout("striped", 2, 16), Layout("striped", 4, 1), Layout("zigzag", 4)])
+def test_positions_per_local_token_equal_the_unsharded_ones(layout):
+    """Every local token's RoPE position is its position inside its document, whatever stripe or
+    rank it lands on (documents straddling stripes included)."""
+    cu, padded = DOCS["mixed"]
+    docs = PackedDocuments.from_cu_seqlens(cu, S, cu_seqlens_padded=padded)
+    whole = torch.tensor([p - max(c for c in cu if c <= p) for p in range(S)])[None]   # independent
+    assert torch.equal(docs.positions(Layout("striped", 1, 64), 0), whole)
+    for r in range(layout.cp_size):
+        assert torch.equal(docs.positions(layout, r), layout.shard(whole, r, dim=1))
