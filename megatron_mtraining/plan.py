@@ -45,9 +45,34 @@ from megatron_mtraining.distributed import group_rank, group_size
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 
-__all__ = ["CPPlan", "resolve", "config_from_args", "front_door_problems"]
+__all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "packing_from_args"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
+
+
+@dataclass(frozen=True)
+class DocumentPacking:
+    """How a run treats the documents packed into its sequences (Megatron-LM's flags).
+
+    Attributes:
+        reset_attention_mask: attention stays inside a document (``--reset-attention-mask``): the
+            batch split derives the documents from the EOD tokens and the attention masks by them.
+        reset_position_ids: RoPE positions restart at every document (``--reset-position-ids``):
+            the RoPE rows follow the batch's ``position_ids``.
+        eod_token: the token that ends a document (needed with ``reset_attention_mask``).
+    """
+
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_token: Optional[int] = None
+
+    def __post_init__(self):
+        if self.reset_attention_mask and self.eod_token is None:
+            raise ValueError("--reset-attention-mask needs the tokenizer's EOD token (document boundaries)")
+
+    @property
+    def active(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +91,7 @@ class CPPlan:
             ``None`` for dense attention.
         kernel_backend: the configured backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
         seq_len, device, dtype: what the plan was resolved for (``None``: not fixed).
+        packing: the run's :class:`DocumentPacking` (``None``: sequences are not packed documents).
     """
 
     config: MTrainingConfig
@@ -80,6 +106,7 @@ class CPPlan:
     seq_len: Optional[int] = None
     device: Optional[torch.device] = None
     dtype: Optional[torch.dtype] = None
+    packing: Optional[DocumentPacking] = None
     _checked: set = field(default_factory=set, repr=False, compare=False)
     _backends: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -97,8 +124,13 @@ class CPPlan:
     def deterministic(self) -> bool:
         return self.config.deterministic
 
+    @property
+    def document_mask(self) -> bool:
+        """True when attention is masked by documents (``--reset-attention-mask``)."""
+        return self.packing is not None and self.packing.reset_attention_mask
+
     def select_backend(self, *, device: torch.device, dtype: torch.dtype, head_dim: int,
-                       seq_len_local: Optional[int] = None):
+                       seq_len_local: Optional[int] = None, packed: bool = False):
         """The kernels for inputs on ``device`` with ``dtype``, ``head_dim`` and ``seq_len_local``.
 
         The single place where the plan's ``kernel_backend`` name becomes kernels
@@ -106,17 +138,19 @@ class CPPlan:
         ``deterministic``); the choice is cached per input signature, so a layer's forward pays for it
         once per run.
 
+        ``packed``: the inputs carry a document mask (only the torch reference step kernels have one).
+
         Raises:
             ValueError: an explicit backend that cannot run these inputs (naming the rule).
         """
-        key = (device.type, device.index, dtype, int(head_dim), seq_len_local)
+        key = (device.type, device.index, dtype, int(head_dim), seq_len_local, bool(packed))
         backend = self._backends.get(key)
         if backend is None:
             from megatron_mtraining.ops.backends import select_backend
 
             backend = select_backend(self.kernel_backend, device=device, dtype=dtype, head_dim=head_dim,
                                      seq_len_local=seq_len_local, cp_size=self.cp_size, sparse=self.sparse,
-                                     deterministic=self.deterministic)
+                                     deterministic=self.deterministic, packed=bool(packed))
             self._backends[key] = backend
         return backend
 
@@ -159,10 +193,43 @@ class CPPlan:
                           **self.agreement_fields(softmax_scale, causal))
         self._checked.add(sig)
 
+    def check_documents(self, documents, q: torch.Tensor, what: str = "MTrainingAttention",
+                        error: Optional[str] = None) -> None:
+        """Validate packed ``documents`` for inputs ``q`` ([b, s_local, h, d]) on every rank, once per
+        documents object (a micro-batch's documents are shared by every layer).
+
+        ``error``: this rank's failure to build the documents (malformed offsets), or ``None``. The
+        verdicts and the documents' checksums are compared across the CP group first, so every rank
+        raises the same error.
+
+        Raises:
+            ValueError: documents that could not be built or do not describe ``q`` (length, batch) on
+                any rank, or ranks whose documents differ; NotImplementedError: a document mask with
+                the sparse pattern.
+        """
+        if documents is None and error is None:
+            return
+        key = (id(self), tuple(q.shape))
+        if documents is None or key not in documents._agreed:
+            from megatron_mtraining.distributed import check_consistent_across_ranks
+            from megatron_mtraining.ring import documents_error
+
+            if error is None:
+                error = documents_error(documents, q, self.layout, self.cp_size)
+            if self.cp_size > 1:
+                check_consistent_across_ranks(self.cp_group, what, error=error,
+                                              documents=documents.agreement_key() if documents else (0,) * 5)
+            elif error is not None:
+                raise ValueError(f"{what}: {error}")
+            documents._agreed.add(key)
+        if self.sparse and not documents.single_document:
+            raise NotImplementedError(f"{what}: packed sequences (document masks) are not supported with the "
+                                      "vertical-slash pattern; use pattern: dense for packed documents")
+
 
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,
             seq_len: Optional[int] = None, device: Optional[torch.device] = None,
-            dtype: Optional[torch.dtype] = None) -> CPPlan:
+            dtype: Optional[torch.dtype] = None, packing: Optional[DocumentPacking] = None) -> CPPlan:
     """Fix the CP plan of a run: layout, groups, column schedule, pattern config, kernel backend.
 
     Args:
@@ -174,6 +241,7 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
             config has none, are the groups' sizes) and refused otherwise.
         seq_len: the global sequence length, checked against the layout and the sparse blocks.
         device, dtype: what the inputs will be (recorded; used for the kernel backend).
+        packing: the run's :class:`DocumentPacking` (``None``: no packed documents).
 
     Returns:
         The frozen :class:`CPPlan`. No communication happens here; the group numbering and the
@@ -182,9 +250,13 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
     Raises:
         ValueError: naming the config key / argument: a hierarchical config without groups or
             with sizes that differ from them, groups given to a flat config, a sequence length
-            the layout cannot split.
+            the layout cannot split, a document mask with the sparse pattern.
     """
     cfg = load_mtraining_config(config)
+    if packing is not None and not packing.active:
+        packing = None
+    if packing is not None and packing.reset_attention_mask and cfg.sparse:
+        raise ValueError(_SPARSE_PACKED)
     cp = group_size(cp_group)
     groups = None
     if cfg.implementation == "hierarchical":
@@ -205,7 +277,26 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
     return CPPlan(config=cfg, layout=cfg.make_layout(cp), cp_group=cp_group, cp_size=cp,
                   cp_rank=group_rank(cp_group), hierarchical_groups=groups, columns=cfg.columns,
                   pattern=cfg.vertical_slash if cfg.sparse else None, kernel_backend=cfg.kernel_backend,
-                  seq_len=seq_len, device=None if device is None else torch.device(device), dtype=dtype)
+                  seq_len=seq_len, device=None if device is None else torch.device(device), dtype=dtype,
+                  packing=packing)
+
+
+_SPARSE_PACKED = ("--reset-attention-mask: packed documents (document masks) are not supported with "
+                  "pattern: vertical_slash (the estimator and the sparse kernels have no document masks); "
+                  "use pattern: dense")
+
+
+def packing_from_args(args: Any, eod_token: Optional[int] = None) -> Optional[DocumentPacking]:
+    """The :class:`DocumentPacking` of a Megatron-LM style command line (``--reset-attention-mask``,
+    ``--reset-position-ids``), or ``None`` when neither is set.
+
+    Raises:
+        ValueError: ``--reset-attention-mask`` without ``eod_token``.
+    """
+    ram, rpi = bool(getattr(args, "reset_attention_mask", False)), bool(getattr(args, "reset_position_ids", False))
+    if not (ram or rpi):
+        return None
+    return DocumentPacking(reset_attention_mask=ram, reset_position_ids=rpi, eod_token=eod_token)
 
 
 
@@ -223,10 +314,6 @@ def front_door_problems(args: Any) -> list[str]:
     if get("attention_dropout", 0.0):
         problems.append(f"--attention-dropout {get('attention_dropout')}: the ring kernels have no attention "
                         "dropout; pass --attention-dropout 0.0")
-    for flag in ("reset_attention_mask", "reset_position_ids"):
-        if get(flag, False):
-            problems.append(f"--{flag.replace('_', '-')}: document masking (packed sequences) is not supported "
-                            "yet; the ring would attend across document boundaries")
     if get("create_attention_mask_in_dataloader", False):
         problems.append("pass --no-create-attention-mask-in-dataloader (causality comes from the layout's global "
                         "positions; a dense mask is built for zigzag rows and costs s^2 memory)")
@@ -269,6 +356,9 @@ def config_from_args(args: Any) -> MTrainingConfig:
         raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}: need INNER OUTER with "
                          f"INNER*OUTER = --context-parallel-size {cp}")
     seq = getattr(args, "seq_length", None)
-    return config_for_run(getattr(args, "mtraining_config", None), cp_size=cp,
-                          seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
-                          cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None))
+    cfg = config_for_run(getattr(args, "mtraining_config", None), cp_size=cp,
+                         seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
+                         cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None))
+    if getattr(args, "reset_attention_mask", False) and cfg.sparse:
+        raise ValueError(_SPARSE_PACKED)
+    return cfg

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Layout", "LAYOUT_KINDS"]
+__all__ = ["Layout", "LAYOUT_KINDS", "PackedDocuments", "cu_seqlens_from_eod"]
 
 LAYOUT_KINDS = ("striped", "zigzag", "contiguous")
 
@@ -177,3 +177,6 @@ class Layout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank {rank} out of range for cp_size {self.cp_size}")
+
+
+from .documents import PackedDocuments, cu_seqlens_from_eod  # noqa: E402  (pure index maps of packed streams)

@@ -137,9 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
                    help="accepted for compatibility: a dense mask is never built")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="refused: document masking (packed sequences) is not supported yet")
+                   help="attention stays inside each document (documents end at EOD tokens; "
+                        "--cp-attention mtraining, dense pattern)")
     g.add_argument("--reset-position-ids", action="store_true",
-                   help="refused: document masking (packed sequences) is not supported yet")
+                   help="positions (RoPE angles) restart at every document (--cp-attention mtraining)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",
                    help="HuggingFaceTokenizer: a tokenizer.json (tokenizers library, e.g. from "
                         "tools/convert_smollm2.py); the others: a sentencepiece model")
@@ -415,8 +416,8 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
             raise E("--mtraining-config needs --cp-attention mtraining")
         for flag in ("reset_attention_mask", "reset_position_ids"):
             if getattr(args, flag, False):
-                raise E(f"--{flag.replace('_', '-')}: document masking (packed sequences) is not supported by "
-                        "this trainer")
+                raise E(f"--{flag.replace('_', '-')}: packed documents need --cp-attention mtraining (the te "
+                        "path of this trainer has no document masks)")
         args.mtraining = None
         return
     if args.mtraining_config:

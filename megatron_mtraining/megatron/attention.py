@@ -26,7 +26,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
-from megatron_mtraining.plan import CPPlan, resolve
+from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
+from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
 from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 from megatron_mtraining.ring.sparse import sparse_ring_attention
@@ -58,10 +59,12 @@ def get_hierarchical_groups(pg_collection: Any = None) -> Optional[tuple]:
     return groups[0], groups[1]
 
 
-def plan_for_model(mtraining_config: Union[MTrainingConfig, CPPlan, None], pg_collection: Any = None) -> CPPlan:
+def plan_for_model(mtraining_config: Union[MTrainingConfig, CPPlan, None], pg_collection: Any = None,
+                   packing: Optional[DocumentPacking] = None) -> CPPlan:
     """The :class:`~megatron_mtraining.plan.CPPlan` of a model: ``mtraining_config`` itself when it
     is a plan, else the config resolved over the CP group (and, for ``implementation: hierarchical``,
-    Megatron's hierarchical CP groups) of ``pg_collection`` / ``parallel_state``.
+    Megatron's hierarchical CP groups) of ``pg_collection`` / ``parallel_state``, with the run's
+    document ``packing`` (:class:`~megatron_mtraining.plan.DocumentPacking`).
 
     Raises:
         ValueError: as :func:`~megatron_mtraining.plan.resolve` (e.g. a hierarchical config without
@@ -75,7 +78,7 @@ def plan_for_model(mtraining_config: Union[MTrainingConfig, CPPlan, None], pg_co
         raise ValueError("mtraining config: implementation 'hierarchical' needs Megatron's hierarchical CP groups: "
                          "initialize_model_parallel(..., hierarchical_context_parallel_sizes=[inner, outer]) "
                          "(--hierarchical-context-parallel-sizes INNER OUTER)")
-    return resolve(cfg, cp_group=get_cp_group(pg_collection), hierarchical_groups=hier)
+    return resolve(cfg, cp_group=get_cp_group(pg_collection), hierarchical_groups=hier, packing=packing)
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -186,36 +189,45 @@ class MTrainingAttention(MegatronModule):
             key, value: ``[s_local, b, ng, hn]`` (ng = query groups per TP rank; GQA, not expanded).
             attention_mask: ``None`` (``create_attention_mask=False``) or the plain causal mask
                 ``[b, 1, s, s]`` (ignored: causality is enforced from the layout's global positions
-                inside ring attention). Any other mask (document masking from
-                ``--reset-attention-mask``, packed sequences) is refused.
+                inside ring attention). Any other dense mask is refused (documents come as
+                ``packed_seq_params``).
             attn_mask_type: if given, must be ``AttnMaskType.causal``.
             attention_bias: must be ``None``.
-            packed_seq_params: must be ``None`` (THD / packed sequences are not supported).
+            packed_seq_params: ``None``, or megatron-core's ``PackedSeqParams`` of packed documents
+                (:mod:`megatron_mtraining.megatron.packed`): ``qkv_format="sbhd"`` with the shapes above,
+                or ``"thd"`` with ``query [t_local, np, hn]``, ``key, value [t_local, ng, hn]`` (one
+                stream). Attention is then causal *and* within a document; padding tokens (past
+                ``cu_seqlens``, or in a document's padded slot) give zeros. The whole stream is split by
+                the run's layout (every rank holds the same offsets). Dense pattern only.
 
         Returns:
-            ``[s_local, b, np * hn]``, dtype of ``query``.
+            ``[s_local, b, np * hn]`` (``thd``: ``[t_local, np * hn]``), dtype of ``query``.
 
         Raises:
-            NotImplementedError: ``attention_bias``, ``packed_seq_params``, a non-causal mask type or
-                a non-causal ``attention_mask``.
+            NotImplementedError: ``attention_bias``, a non-causal mask type, a non-causal
+                ``attention_mask``, or packed documents with the vertical-slash pattern.
             ValueError: malformed shapes (head counts not GQA-compatible, q/k length mismatch, a
                 length the layout cannot split), non-float dtypes, or CP ranks that disagree
                 (shapes, dtypes, ``softmax_scale``...); checked on every rank once per shape
-                (:meth:`~megatron_mtraining.plan.CPPlan.check_inputs`), so all ranks raise alike.
+                (:meth:`~megatron_mtraining.plan.CPPlan.check_inputs`), so all ranks raise alike; packed
+                offsets that are malformed, do not describe the batch or differ across ranks.
         """
         if attention_bias is not None:
             raise NotImplementedError("MTrainingAttention does not support attention_bias")
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "MTrainingAttention does not support packed sequences (packed_seq_params / THD format)"
-            )
+        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if thd:
+            if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+                raise ValueError(f"MTrainingAttention: packed_seq_params.qkv_format 'thd' needs [t, h, d] q/k/v, got "
+                                 f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))   # [t, 1, h, d]
         if attn_mask_type is not None:
             self._check_mask_type(attn_mask_type, "attn_mask_type")
         if attention_mask is not None and not _is_plain_causal_mask(attention_mask):
             raise NotImplementedError(
-                f"MTrainingAttention: a non-causal attention_mask {tuple(attention_mask.shape)} is not supported: "
-                "document masking (--reset-attention-mask, --reset-position-ids; packed sequences) would be "
-                "ignored by the ring; build the data without it (create_attention_mask=False)")
+                f"MTrainingAttention: a non-causal attention_mask {tuple(attention_mask.shape)} is not supported: a "
+                "dense mask would be ignored by the ring; build the data without it (create_attention_mask=False) "
+                "and pass packed documents as packed_seq_params (the batch split builds them with "
+                "--reset-attention-mask)")
         sq, b, np_, hn = query.shape if query.dim() == 4 else (query.shape[0], 0, 0, 0)
         sbhd = query.dim() == key.dim() == value.dim() == 4
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(max(hn, 1))
@@ -223,23 +235,36 @@ class MTrainingAttention(MegatronModule):
         k = key.transpose(0, 1).contiguous() if sbhd else key  # [b, s_local, ng, hn]
         v = value.transpose(0, 1).contiguous() if sbhd else value
         self.plan.check_inputs(q, k, v, softmax_scale=scale)   # every rank's verdict, once per shape
+        documents = None
+        if packed_seq_params is not None:
+            error = None
+            try:
+                documents = documents_from_packed_seq_params(packed_seq_params, q.shape[1] * self.cp_size,
+                                                             q.shape[0])
+            except ValueError as e:
+                error = str(e)
+            self.plan.check_documents(documents, q, error=error)  # every rank's verdict, once per micro-batch
+            if documents.single_document:
+                documents = None                                # plain causal attention: the unpacked path
         cfg = self.mtraining_config
         sparse = cfg.pattern == "vertical_slash"
         backend = self.plan.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                                           seq_len_local=q.shape[1])
+                                           seq_len_local=q.shape[1], packed=documents is not None)
         if sparse:
             out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=cfg.vertical_slash,
                                         softmax_scale=scale, check_inputs=False,
                                         hierarchical_groups=self.hierarchical_groups, columns=cfg.columns,
-                                        backend=backend)
+                                        backend=backend, documents=documents)
         elif self.hierarchical_groups is not None:
             inner, outer = self.hierarchical_groups
             out = hierarchical_ring_attention(q, k, v, layout=self.layout, inner_group=inner, outer_group=outer,
                                               softmax_scale=scale, causal=True, check_inputs=False,
-                                              backend=backend)
+                                              backend=backend, documents=documents)
         else:
             out = ring_attention(
                 q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True,
-                check_inputs=False, backend=backend
+                check_inputs=False, backend=backend, documents=documents
             )  # [b, s_local, np, hn]
+        if thd:
+            return out[0].reshape(sq, np_ * hn)
         return out.transpose(0, 1).reshape(sq, b, np_ * hn)

@@ -29,7 +29,15 @@ def get_batch_on_this_cp_rank_striped(
     ``layout.positions(cp_rank, s)`` in ascending order. ``labels`` must already be the shifted
     next tokens (GPTDataset does this on the whole sequence), so label ``i`` stays paired with
     token ``i`` after sharding. Other keys are passed through unchanged; ``None`` values stay
-    ``None``. With ``layout.cp_size == 1`` the batch is returned as is (same tensors).
+    ``None``. With ``layout.cp_size == 1`` the batch's tensors are returned as they are.
+
+    Packed documents: when the plan masks attention by documents (``--reset-attention-mask``,
+    :attr:`~megatron_mtraining.plan.CPPlan.document_mask`) and the batch has no ``packed_seq_params``,
+    the documents are read from the *whole* ``tokens`` before the split (a new document starts after
+    every EOD token, Megatron-LM's rule) and the result gets ``packed_seq_params``
+    (:func:`~megatron_mtraining.megatron.packed.packed_seq_params_from_eod`, the same offsets on every
+    CP rank) for the model's forward. ``position_ids`` are sharded as they come (GPTDataset resets
+    them with ``--reset-position-ids``).
 
     Args:
         batch: mapping of name to tensor (or ``None``).
@@ -42,13 +50,16 @@ def get_batch_on_this_cp_rank_striped(
 
     Raises:
         ValueError: ``attention_mask`` is not ``None`` (a dense mask is built for the zigzag query
-            rows; use ``create_attention_mask=False``), sequence lengths differ between keys, or the
-            sequence length cannot be split by ``layout`` (message names the layout rule).
+            rows; use ``create_attention_mask=False``), sequence lengths differ between keys, the
+            sequence length cannot be split by ``layout`` (message names the layout rule), or a
+            document mask without ``tokens``.
     """
+    packing = None
     if isinstance(layout, CPPlan):
         if cp_rank is not None and cp_rank != layout.cp_rank:
             raise ValueError(f"get_batch_on_this_cp_rank_striped: cp_rank={cp_rank} but the plan's CP rank is "
                              f"{layout.cp_rank}")
+        packing = layout.packing if layout.document_mask else None
         layout, cp_rank = layout.layout, layout.cp_rank
     elif cp_rank is None:
         raise ValueError("get_batch_on_this_cp_rank_striped: cp_rank is required with a Layout (or pass the CPPlan)")
@@ -73,6 +84,14 @@ def get_batch_on_this_cp_rank_striped(
     if seq_len is None:
         return out
     layout.check_seq_len(seq_len)
+    if packing is not None and batch.get("packed_seq_params") is None:
+        tokens = batch.get("tokens")
+        if tokens is None:
+            raise ValueError("get_batch_on_this_cp_rank_striped: --reset-attention-mask needs batch['tokens'] "
+                             "(documents end at EOD tokens)")
+        from megatron_mtraining.megatron.packed import packed_seq_params_from_eod
+
+        out["packed_seq_params"] = packed_seq_params_from_eod(tokens, packing.eod_token)
     if layout.cp_size == 1:
         return out
     for key in SEQ_KEYS:

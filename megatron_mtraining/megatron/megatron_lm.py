@@ -16,11 +16,14 @@ The patches (one per Megatron-LM line, see :mod:`megatron_mtraining.megatron.com
 
 On the default ``te`` path the patched files do not import this package.
 
+``--reset-attention-mask`` and ``--reset-position-ids`` are refused on this path: the patches'
+``get_batch`` does not hand documents to the model (packed documents run with
+``examples/pretrain_gpt.py`` and the Python API).
+
 :func:`mtraining_config_from_args` applies the front-door rules shared with
 ``examples/pretrain_gpt.py`` (:func:`megatron_mtraining.plan.config_from_args`): the Megatron-LM
-arguments the backend cannot serve (attention dropout, document masking with
-``--reset-attention-mask`` / ``--reset-position-ids``, a dataloader attention mask, MTP, MLA,
-yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
+arguments the backend cannot serve (attention dropout, ``--reset-attention-mask`` and
+``--reset-position-ids``, a dataloader attention mask, MTP, MLA, yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
 hierarchical sizes); each error names the flag or config key. :func:`mtraining_plan` resolves the
 run's :class:`~megatron_mtraining.plan.CPPlan` once. :func:`add_mtraining_args` /
 :func:`mtraining_args_provider` define the same two flags for other Megatron-LM style scripts.
@@ -110,8 +113,8 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     """The validated config of this run (the file is read once per config path and layout).
 
     The rules are :func:`megatron_mtraining.plan.config_from_args`, the same as for
-    ``examples/pretrain_gpt.py``: unsupported Megatron-LM flags (``--reset-attention-mask``,
-    ``--reset-position-ids``, attention dropout, a dataloader mask, MTP, MLA, ...), the config
+    ``examples/pretrain_gpt.py``: unsupported Megatron-LM flags (attention dropout,
+    ``--reset-attention-mask`` / ``--reset-position-ids`` on this path, a dataloader mask, MTP, MLA, ...), the config
     against the run (sequence length, CP size), and the hierarchical rule (no config plus
     ``--hierarchical-context-parallel-sizes`` selects the dense hierarchical ring; a flat config
     with them is an error). Megatron-LM builds its hierarchical CP groups from the flag only, so a
@@ -125,6 +128,12 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     problems = front_door_problems(args)
     if problems:
         raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
+    for flag in ("reset_attention_mask", "reset_position_ids"):
+        if getattr(args, flag, False):
+            # the patches' get_batch does not hand the documents to the model: refuse, never drop them
+            raise ValueError(f"--cp-attention mtraining: --{flag.replace('_', '-')} is not supported through the "
+                             "Megatron-LM patch (its get_batch does not pass the documents to the model); packed "
+                             "documents run with examples/pretrain_gpt.py or the Python API")
     path = getattr(args, "mtraining_config", None)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)

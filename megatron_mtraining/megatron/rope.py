@@ -8,6 +8,13 @@ used for RoPE. With the striped split the rows would be wrong, so :func:`install
 replaces ``model.rotary_pos_emb`` by a :class:`LayoutRotaryEmbedding` that returns
 ``emb[layout.positions(cp_rank, S)]``. It computes the table on ``inv_freq``'s device (no
 ``.cuda()``, no pinned memory), so it also runs on the CPU.
+
+Packed documents with ``--reset-position-ids``: positions restart at every document, so a local
+token's angle is its position inside its document, whatever stripe or rank it lands on. With a
+plan whose :class:`~megatron_mtraining.plan.DocumentPacking` resets positions,
+:func:`install_layout_rope` registers a forward pre-hook on the model that hands the forward's
+``position_ids`` (``[b, s_local]``, this rank's shard of the dataset's reset positions) to the
+embedding, which then returns the rows ``emb[position_ids]`` (``[s_local, b, 1, dim]``).
 """
 
 from __future__ import annotations
@@ -73,6 +80,26 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
         self.layout = layout
         self.cp_rank = 0 if cp_size == 1 else dist.get_rank(self.cp_group)
         self._emb_cache: dict[tuple, Tensor] = {}
+        self._positions: Optional[Tensor] = None
+
+    def set_positions(self, position_ids: Optional[Tensor]) -> None:
+        """Use ``position_ids`` (``[b, s_local]`` int, this rank's tokens) for the next forward's rows
+        (``None``: the layout's global positions). Set by :func:`install_layout_rope`'s hook."""
+        self._positions = position_ids
+
+    def _rows_of_positions(self, max_seq_len: int, offset: int) -> Tensor:
+        pos = self._positions
+        if pos.dim() != 2 or pos.shape[1] * self.layout.cp_size != max_seq_len:
+            raise ValueError(f"LayoutRotaryEmbedding: position_ids {tuple(pos.shape)} do not hold this rank's "
+                             f"{max_seq_len} // {self.layout.cp_size} tokens ([b, s_local] expected)")
+        key = ("full", int(max_seq_len), int(offset), self.inv_freq.device)
+        table = self._emb_cache.get(key)
+        if table is None:
+            table = self.get_emb(max_seq_len, offset)[:, 0, 0]          # [S, dim]
+            if len(self._emb_cache) >= 32:
+                self._emb_cache.clear()
+            self._emb_cache[key] = table
+        return table[pos.to(table.device).t()].unsqueeze(2)             # [s_local, b, 1, dim]
 
     @classmethod
     def from_rotary(
@@ -124,16 +151,28 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
             cp_group: ignored unless it differs from the construction group (then an error).
 
         Returns:
-            ``[S // cp_size, 1, 1, dim]`` fp32: rows ``layout.positions(cp_rank, S)`` of the table.
+            ``[S // cp_size, 1, 1, dim]`` fp32: rows ``layout.positions(cp_rank, S)`` of the table; with
+            positions set (:meth:`set_positions`) ``[S // cp_size, b, 1, dim]``, rows ``position_ids``.
+            ``packed_seq`` at CP=1: the table of ``S`` positions (megatron-core slices it per document).
 
         Raises:
-            NotImplementedError: ``packed_seq`` (THD).
-            ValueError: ``S`` cannot be split by the layout, or a different ``cp_group`` is passed.
+            NotImplementedError: ``packed_seq`` (THD) under CP > 1 (megatron-core's THD RoPE splits
+                every document in zigzag halves; the MTraining layout splits the stream as a whole: use
+                ``qkv_format="sbhd"`` packed params, :mod:`megatron_mtraining.megatron.packed`).
+            ValueError: ``S`` cannot be split by the layout, positions of another shape, or a
+                different ``cp_group`` is passed.
         """
         if packed_seq:
-            raise NotImplementedError("LayoutRotaryEmbedding does not support packed sequences (THD)")
+            if self.layout.cp_size > 1:
+                raise NotImplementedError(
+                    "LayoutRotaryEmbedding: RoPE of qkv_format 'thd' under context parallelism is not supported "
+                    "(megatron-core's THD RoPE assumes a per-document zigzag split); pass packed documents as "
+                    "qkv_format='sbhd' PackedSeqParams (megatron_mtraining.megatron.packed)")
+            return self.get_emb(max_seq_len, offset)
         if cp_group is not None and cp_group is not self.cp_group:
             raise ValueError("LayoutRotaryEmbedding was built for a different CP group")
+        if self._positions is not None:
+            return self._rows_of_positions(max_seq_len, offset)
         key = (int(max_seq_len), int(offset), self.inv_freq.device)
         emb = self._emb_cache.get(key)
         if emb is None:
@@ -166,7 +205,9 @@ def install_layout_rope(
     :class:`LayoutRotaryEmbedding` for ``layout``. Call before the first forward.
 
     Works through wrappers (DDP, ``Float16Module``). Models without RoPE (``learned_absolute``:
-    positions come from the sharded ``position_ids``; ``none``) are left alone.
+    positions come from the sharded ``position_ids``; ``none``) are left alone. When the plan's
+    packing resets positions (``--reset-position-ids``), a forward pre-hook on the model passes each
+    forward's ``position_ids`` to the embedding, so RoPE angles restart at every document.
 
     Args:
         model: a ``GPTModel`` or a wrapper of one.
@@ -185,9 +226,11 @@ def install_layout_rope(
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+    follow_positions = False
     if isinstance(layout, CPPlan):
         if cp_group is None:
             cp_group = layout.cp_group
+        follow_positions = layout.packing is not None and layout.packing.reset_position_ids
         layout = layout.layout
     replaced = 0
     for module in list(_unwrap(model).modules()):
@@ -201,4 +244,16 @@ def install_layout_rope(
         if isinstance(rot, RotaryEmbedding):
             module.rotary_pos_emb = LayoutRotaryEmbedding.from_rotary(rot, layout, cp_group)
             replaced += 1
+            if follow_positions:
+                module.register_forward_pre_hook(_positions_hook, with_kwargs=True)
     return replaced
+
+
+def _positions_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a ``GPTModel``: its ``position_ids`` (second argument) become the RoPE rows."""
+    pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+    if pos is not None and pos.shape[0] > 1 and getattr(getattr(module, "config", None), "apply_rope_fusion", False):
+        raise ValueError("--reset-position-ids with micro-batch size > 1 needs --no-rope-fusion (the fused RoPE "
+                         "kernel takes one row of angles per token position, shared by the batch)")
+    module.rotary_pos_emb.set_positions(pos)
+    return None

@@ -27,6 +27,12 @@ Backends (``kernel_backend`` in the configuration):
   against every limit above; where a limit fails (e.g. ``head_dim`` 80, fp64) the ring steps use
   the torch reference while the Triton estimator and ``delta`` kernels still run where they can.
 
+Packed documents (``packed=True``: a document mask from
+:class:`~megatron_mtraining.layout.PackedDocuments`) run on the step kernels whose masks take
+per-query key bounds: the torch reference and the Triton dense steps (mode 3 of
+:mod:`~megatron_mtraining.ops.triton.kernels`). ``"auto"`` chooses as for unpacked inputs but never
+FA4 or SDPA; an explicit ``"sdpa"`` or ``"fa4"`` with ``packed=True`` raises ``ValueError``.
+
 An explicit ``"triton"``, ``"sdpa"`` or ``"fa4"`` that cannot run the requested shape raises ``ValueError``
 naming the rule and the supported values; ``"auto"`` never raises for a supported float dtype.
 """
@@ -140,7 +146,7 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
                    seq_len_local: Optional[int] = None, cp_size: int = 1, sparse: bool = False,
                    deterministic: bool = True, kernel_config=None, prebuild_backward_plans: bool = True,
                    stats: Optional[dict] = None, triton_available: Optional[bool] = None,
-                   fa4_available: Optional[bool] = None) -> KernelBackend:
+                   fa4_available: Optional[bool] = None, packed: bool = False) -> KernelBackend:
     """Choose the attention kernels for one shape (see the module docstring for the rules).
 
     Args:
@@ -164,6 +170,8 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
             checked, :func:`~megatron_mtraining.ops.fa4.fa4_unavailable_reason` and the cached
             :func:`~megatron_mtraining.ops.fa4.fa4_self_check`); lets a caller decide for a device it
             does not hold.
+        packed: the attention has a packed-document mask (the torch and Triton dense step kernels
+            implement it; FA4 and SDPA do not).
 
     Returns:
         a :class:`KernelBackend`.
@@ -171,7 +179,8 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
     Raises:
         ValueError: an unknown ``name`` (naming :data:`KERNEL_BACKENDS`), a non-float ``dtype``, a
             ``head_dim`` or ``cp_size`` below 1, ``"triton"`` where a limit fails (each failing limit
-            named with the supported values), or ``"sdpa"`` with ``cp_size > 1`` or ``sparse``.
+            named with the supported values), ``"sdpa"`` with ``cp_size > 1`` or ``sparse``, or
+            ``"sdpa"`` or ``"fa4"`` with ``packed``.
     """
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, got {name!r}")
@@ -181,6 +190,9 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         raise ValueError(f"head_dim and cp_size must be >= 1, got head_dim={head_dim}, cp_size={cp_size}")
     device = torch.device(device)
     on_cuda = device.type == "cuda"
+    if packed and name in ("sdpa", "fa4"):
+        raise ValueError(f"kernel_backend={name!r} cannot run packed sequences (document masks): its kernels mask "
+                         "by causal positions only; use kernel_backend='auto', 'triton' or 'torch'")
     why = triton_unsupported(device=device, dtype=dtype, head_dim=head_dim, seq_len_local=seq_len_local,
                              triton_available=triton_available)
     if name == "triton" and why:
@@ -202,10 +214,10 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
     if name == "auto":
         triton_runs = on_cuda and (triton_runs_on(device) if triton_available is None else bool(triton_available))
         steps = "triton" if on_cuda and not why else "torch"
-        sdpa = on_cuda and dtype in (torch.bfloat16, torch.float16)
+        sdpa = on_cuda and dtype in (torch.bfloat16, torch.float16) and not packed
         pattern_kernels = triton_runs and dtype in TRITON_DTYPES
         fast_delta = triton_runs
-        use_fa4 = (steps == "triton" and _fa4_problem(device, dtype, head_dim, fa4_available) is None
+        use_fa4 = (steps == "triton" and not packed and _fa4_problem(device, dtype, head_dim, fa4_available) is None
                    and _fa4_passes_self_check(device, dtype, head_dim, fa4_available))
     else:
         steps = "triton" if name == "triton" else "torch"

@@ -17,6 +17,12 @@ Public API::
     # kernel.forward(q, k, v, owner) -> (out fp32, lse fp32) | None
     # kernel.backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None
 
+Packed documents (``documents=``, :class:`~megatron_mtraining.layout.PackedDocuments`): the plan
+lists, per 64-row tile, only the key blocks that meet the tile's document intervals; blocks inside
+every row's interval run unmasked and the others with the bounds mask (mode 3: ``lo <= k_pos <= hi``),
+so padding rows and other documents' keys cost nothing and give exact zeros. Streams of a batch with
+different documents run one launch per stream.
+
 The kernel runs where the Triton kernels do (bf16/fp16/fp32 on CUDA, or the CPU under the Triton
 interpreter; ``head_dim`` in 16/32/64/128/256; a local length that is a multiple of 64).
 :func:`~megatron_mtraining.ops.backends.select_backend` checks these limits before choosing it and
@@ -52,14 +58,73 @@ class DenseGpuStepKernel(DenseStepKernel):
         config: launch parameters (:class:`~megatron_mtraining.ops.triton.launch.KernelConfig`; default
             its defaults).
         stats: a dict receiving the registers / spills of each launched kernel, or ``None``.
+        documents: packed documents (64-row tiles; see the module docstring).
     """
 
     def __init__(self, layout, rank: int, seq_len: int, softmax_scale: float, causal: bool = True, device=None,
-                 deterministic: bool = True, row_block: int = 64, config=None, stats: Optional[dict] = None):
-        super().__init__(layout, rank, seq_len, softmax_scale, causal, device=device)
+                 deterministic: bool = True, row_block: int = 64, config=None, stats: Optional[dict] = None,
+                 documents=None):
+        super().__init__(layout, rank, seq_len, softmax_scale, causal, device=device, documents=documents)
         self.deterministic, self.row_block = deterministic, row_block
         self.config, self.stats = config, stats
         self._plans = {}
+        self._rows = None
+        if self.q_lo is not None:       # one plan for all streams when their documents are the same
+            same = bool((self.q_lo == self.q_lo[:1]).all() and (self.q_hi == self.q_hi[:1]).all())
+            self._rows = [slice(None)] if same else [slice(i, i + 1) for i in range(self.q_lo.shape[0])]
+
+    def _document_plan(self, owner: int, row: int):
+        key = (owner, row)
+        if key not in self._plans:
+            from .triton import document_plan
+            self._plans[key] = document_plan(self.q_lo[row], self.q_hi[row], self.k_pos(owner))
+        return self._plans[key]
+
+    def _rows_with_plans(self, owner: int):
+        """``[(rows, plan), ...]`` of a packed step: the batch rows and their plan (``None``: no key)."""
+        return [(r, self._document_plan(owner, 0 if r == slice(None) else r.start)) for r in self._rows]
+
+    def _packed_forward(self, q, k, v, owner: int):
+        from .triton import sparse_forward
+        parts = []
+        for rows, plan in self._rows_with_plans(owner):
+            qr = q[rows]
+            if plan is None:
+                parts.append(None)
+                continue
+            parts.append(sparse_forward(qr, k[rows], v[rows], plan, self.softmax_scale, config=self.config,
+                                        stats=self.stats))
+        if len(parts) == 1:
+            return parts[0]
+        import torch
+        b, sq, hq, d = q.shape
+        out = torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        for i, part in enumerate(parts):
+            if part is not None:
+                out[i:i + 1], lse[i:i + 1] = part
+        return out, lse
+
+    def _packed_backward(self, dout, q, k, v, lse, delta, owner: int):
+        from .triton import sparse_backward
+        import torch
+        grads = []
+        for rows, plan in self._rows_with_plans(owner):
+            if plan is None:
+                grads.append(None)
+                continue
+            grads.append(sparse_backward(dout[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], plan,
+                                         self.softmax_scale, self.deterministic, config=self.config,
+                                         stats=self.stats))
+        if len(grads) == 1:
+            return grads[0]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for i, g in enumerate(grads):
+            if g is not None:
+                dq[i:i + 1], dk[i:i + 1], dv[i:i + 1] = g
+        return dq, dk, dv
 
     def plan(self, owner: int):
         """The dense plan of this step (cached; ``None`` when no key is visible)."""
@@ -72,6 +137,9 @@ class DenseGpuStepKernel(DenseStepKernel):
     def forward(self, q, k, v, owner: int):
         if not self.visible(owner):
             return None
+        if self._rows is not None:
+            self._check_batch(q)
+            return self._packed_forward(q, k, v, owner)
         plan = self.plan(owner)
         if plan is None:
             return None
@@ -81,6 +149,8 @@ class DenseGpuStepKernel(DenseStepKernel):
     def backward(self, dout, q, k, v, lse, delta, owner: int):
         if not self.visible(owner):
             return None
+        if self._rows is not None:
+            return self._packed_backward(dout, q, k, v, lse, delta, owner)
         plan = self.plan(owner)
         if plan is None:
             return None

@@ -34,7 +34,8 @@ from ..ops.merge import merge_attention
 from ..ops.reference import DenseStepKernel, attention_delta_torch
 
 __all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "ring_input_error",
-           "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward"]
+           "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward", "packed_documents",
+           "documents_error", "dense_step_kernel"]
 
 
 def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, where: str = ""):
@@ -124,12 +125,51 @@ def begin_backward(kernel, out: torch.Tensor) -> None:
 
 
 def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,
-                sparse: bool = False) -> KernelBackend:
+                sparse: bool = False, packed: bool = False) -> KernelBackend:
     """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``."""
     if backend is not None:
         return backend
     return select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1],
-                          cp_size=cp_size, sparse=sparse)
+                          cp_size=cp_size, sparse=sparse, packed=packed)
+
+
+def packed_documents(documents):
+    """``documents`` when they need a document mask; ``None`` for no documents or a single document
+    per stream without padding (plain causal attention: the unpacked path runs, bitwise as without
+    documents)."""
+    if documents is None or documents.single_document:
+        return None
+    return documents
+
+
+def documents_error(documents, q: torch.Tensor, layout: Layout, cp: int, causal: bool = True) -> Optional[str]:
+    """This rank's verdict on packed documents for inputs ``q`` ([b, s_local, h, d]), or ``None``."""
+    if documents is None:
+        return None
+    if not causal:
+        return "packed documents need causal attention (causal=True)"
+    if documents.seq_len != q.shape[1] * cp:
+        return (f"packed documents describe {documents.seq_len}-token streams but the sequence has "
+                f"s_local*cp_size = {q.shape[1]}*{cp} = {q.shape[1] * cp} tokens")
+    if documents.batch_size != q.shape[0]:
+        return f"packed documents describe {documents.batch_size} streams but q has batch {q.shape[0]}"
+    return None
+
+
+def dense_step_kernel(backend: KernelBackend, layout: Layout, rank: int, seq_len: int, scale: float, causal: bool,
+                      device, documents=None):
+    """The dense ring's step kernel of ``backend``; with packed ``documents`` its document-masked
+    step kernel (the torch reference :class:`DenseStepKernel` or the Triton dense steps).
+
+    Raises:
+        ValueError: packed documents with a backend whose step kernels have no document mask.
+    """
+    if documents is None:
+        return backend.dense_step(layout, rank, seq_len, scale, causal, device=device)
+    if backend.name not in ("torch", "triton"):
+        raise ValueError(f"packed sequences (document masks) run on the torch or Triton step kernels; kernel backend "
+                         f"{backend.name!r} has none (use kernel_backend='auto', 'triton' or 'torch')")
+    return backend.dense_step(layout, rank, seq_len, scale, causal, device=device, documents=documents)
 
 
 def last_dim_contiguous(*ts: torch.Tensor):
@@ -211,7 +251,7 @@ def ring_input_error(q, k, v, layout: Layout, cp: int) -> Optional[str]:
 
 
 def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: bool = True,
-                      hierarchical_groups=None, **fields) -> int:
+                      hierarchical_groups=None, documents=None, **fields) -> int:
     """Validate ring inputs locally and (when ``across_ranks``) across the CP group; returns cp_size.
 
     The local rules (:func:`ring_input_error`, and for ``hierarchical_groups`` the group numbering
@@ -221,6 +261,7 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
     rather than a hang.
 
     ``fields``: extra values every rank must agree on (``causal``, ``softmax_scale``, sparse budgets...).
+    ``documents``: packed documents (:func:`documents_error` locally; every rank must hold the same).
 
     Raises:
         ValueError: q/k/v not ``[b, s_local, h, d]`` with matching batch, length and head_dim, k/v
@@ -232,6 +273,9 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
     error = ring_input_error(q, k, v, layout, cp)
     if error is None and hierarchical_groups is not None:
         error = hierarchical_numbering_error(*hierarchical_groups, group=group)
+    if error is None:
+        error = documents_error(documents, q, layout, cp, fields.get("causal", True))
+    fields["documents"] = documents.agreement_key() if documents is not None else (0, 0, 0, 0, 0)
     if across_ranks and cp > 1:
         check_consistent_across_ranks(group, what, error=error, q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                                       dtype=q.dtype, layout=LAYOUT_KINDS.index(layout.kind),
@@ -243,7 +287,8 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout,
                    group=None, softmax_scale: Optional[float] = None, causal: bool = True,
-                   check_inputs: bool = True, backend: Optional[KernelBackend] = None) -> torch.Tensor:
+                   check_inputs: bool = True, backend: Optional[KernelBackend] = None,
+                   documents=None) -> torch.Tensor:
     """Exact (dense) causal attention over a sequence sharded across a CP group.
 
     Args:
@@ -263,6 +308,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             of :mod:`megatron_mtraining.ops.dense_gpu` (position-masked 64x64 tiles) where they support
             the shape, SDPA for causal bf16/fp16 attention at CP=1; otherwise the torch reference
             :class:`DenseStepKernel` (the CPU path and the oracle).
+        documents: :class:`~megatron_mtraining.layout.PackedDocuments` of the ``b`` packed streams
+            (the same on every rank): attention is causal *and* within a document, key blocks of
+            other documents are skipped, padding tokens give exact zeros in the output and every
+            gradient. A single document without padding runs the unpacked path. Runs on the torch
+            reference or the Triton dense step kernels (never FA4 or SDPA).
 
     q/k/v with a strided last dimension are copied to a unit last stride first (every backend).
 
@@ -271,15 +321,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
 
     Raises:
         ValueError: shapes/dtypes inconsistent locally or across ranks, ``layout.cp_size`` not the
-            group size, or a global length ``s_local * cp_size`` the layout cannot split.
+            group size, a global length ``s_local * cp_size`` the layout cannot split, documents that
+            do not match the inputs or differ across ranks, or documents with a backend that has no
+            document masks.
     """
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    documents = packed_documents(documents)
     cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal),
-                           softmax_scale=scale)
-    backend = backend_for(q, cp, backend)
+                           softmax_scale=scale, documents=documents)
+    backend = backend_for(q, cp, backend, packed=documents is not None)
     q, k, v = last_dim_contiguous(q, k, v)
-    if cp == 1 and causal and backend.dense_cp1 is not None:
+    if cp == 1 and causal and backend.dense_cp1 is not None and documents is None:
         # the layout is the identity at cp=1, so this is plain causal attention (FA4 or SDPA: cuDNN/flash)
         return backend.dense_cp1(q, k, v, scale)
-    kernel = backend.dense_step(layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), device=q.device)
+    kernel = dense_step_kernel(backend, layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), q.device,
+                               documents)
     return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group), backend.delta)

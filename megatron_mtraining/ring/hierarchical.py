@@ -43,7 +43,8 @@ from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
 from ..ops.reference import attention_delta_torch
-from . import (_empty_out_lse, backend_for, begin_backward, column_phase_of, last_dim_contiguous, ring_input_error,
+from . import (_empty_out_lse, backend_for, begin_backward, column_phase_of, dense_step_kernel, documents_error,
+               last_dim_contiguous, packed_documents, ring_input_error,
                ring_pass_backward, ring_pass_forward)
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
@@ -156,7 +157,7 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 inner_group, outer_group, softmax_scale: Optional[float] = None,
                                 causal: bool = True, kernel: Optional[StepKernel] = None, overlap: bool = True,
                                 outer_link_delay_s: float = 0.0, check_inputs: bool = True,
-                                backend: Optional[KernelBackend] = None) -> torch.Tensor:
+                                backend: Optional[KernelBackend] = None, documents=None) -> torch.Tensor:
     """Exact causal attention over ``inner × outer`` CP ranks with a two-level ring.
 
     Args:
@@ -179,12 +180,15 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         backend: the kernels (:func:`~megatron_mtraining.ops.backends.select_backend`); ``None``:
             ``select_backend("auto")`` for these inputs (on CUDA the GPU dense step kernels, as in
             the flat ring).
+        documents: packed documents, as in :func:`~megatron_mtraining.ring.ring_attention` (dense
+            only: not with ``kernel``).
 
     Raises:
         ValueError: an inner or outer size of 1 (that is a flat ring or no CP: use
             :func:`~megatron_mtraining.ring.ring_attention`), ``inner*outer != layout.cp_size``,
             inner/outer groups that are not Megatron's numbering (e.g. swapped), invalid inputs
-            on any rank, or shapes/dtypes/parameters that disagree across ranks.
+            on any rank, or shapes/dtypes/parameters that disagree across ranks; documents with a
+            sparse ``kernel`` or a backend without document masks.
     """
     n_in, n_out = group_size(inner_group), group_size(outer_group)
     if n_in < 2 or n_out < 2:
@@ -193,19 +197,26 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     cp_rank = group_rank(outer_group) * n_in + group_rank(inner_group)
     seq_len = q.shape[1] * layout.cp_size
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    documents = packed_documents(documents)
+    if documents is not None and kernel is not None:
+        raise ValueError("hierarchical_ring_attention: packed documents run on the dense ring only (not with a "
+                         "sparse step kernel)")
     if check_inputs:
         error = (ring_input_error(q, k, v, layout, n_in * n_out)
-                 or hierarchical_numbering_error(inner_group, outer_group))
+                 or hierarchical_numbering_error(inner_group, outer_group)
+                 or documents_error(documents, q, layout, n_in * n_out, causal))
         check_hierarchical_consistent(inner_group, outer_group, "hierarchical_ring_attention", error,
                                       q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
                                       layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
-                                      sizes=(n_in, n_out), causal=bool(causal), softmax_scale=scale)
-    elif (error := ring_input_error(q, k, v, layout, n_in * n_out)) is not None:
+                                      sizes=(n_in, n_out), causal=bool(causal), softmax_scale=scale,
+                                      documents=documents.agreement_key() if documents is not None else (0,) * 5)
+    elif (error := (ring_input_error(q, k, v, layout, n_in * n_out)
+                    or documents_error(documents, q, layout, n_in * n_out, causal))) is not None:
         raise ValueError(error)
-    backend = backend_for(q, layout.cp_size, backend, sparse=kernel is not None)
+    backend = backend_for(q, layout.cp_size, backend, sparse=kernel is not None, packed=documents is not None)
     q, k, v = last_dim_contiguous(q, k, v)
     if kernel is None:
-        kernel = backend.dense_step(layout, cp_rank, seq_len, scale, bool(causal), device=q.device)
+        kernel = dense_step_kernel(backend, layout, cp_rank, seq_len, scale, bool(causal), q.device, documents)
     inner = RingComm(inner_group, "inner")
     outer = (DelayedComm(outer_group, outer_link_delay_s, "outer") if outer_link_delay_s > 0
              else RingComm(outer_group, "outer"))

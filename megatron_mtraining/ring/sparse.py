@@ -165,7 +165,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
                           return_pattern: bool = False, hierarchical_groups: Optional[tuple] = None,
-                          columns: str = "in_ring", backend: Optional[KernelBackend] = None):
+                          columns: str = "in_ring", backend: Optional[KernelBackend] = None, documents=None):
     """Causal attention restricted to the online-estimated vertical-slash pattern, over a CP group.
 
     Args:
@@ -189,6 +189,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             step kernel, estimator and index-conversion implementations; ``None``:
             ``select_backend("auto")`` for these inputs (the Triton kernels on CUDA where they support
             the shape, else :class:`SparseStepKernel` with the torch reference).
+        documents: packed documents: only ``None`` or a single document per stream without padding
+            (the estimator and the sparse kernels have no document masks yet).
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
@@ -197,7 +199,11 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
             group size, a layout that splits sparse blocks, an unknown ``columns`` schedule, or a
             backend without sparse kernels (``"sdpa"``).
+        NotImplementedError: packed documents that need a document mask.
     """
+    if documents is not None and not documents.single_document:
+        raise NotImplementedError("sparse_ring_attention: packed sequences (document masks) are not supported with "
+                                  "the vertical-slash pattern; use pattern: dense for packed documents")
     if columns not in COLUMN_SCHEDULES:
         raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)

@@ -60,7 +60,7 @@ def transformer_config(args):
     return TransformerConfig(**kw)
 
 
-def build_plan(args):
+def build_plan(args, eod_token=None):
     """The CP plan of a ``--cp-attention mtraining`` run (``None`` for ``te``).
 
     The one place the trainer resolves ``args.mtraining`` (the validated config) into a
@@ -69,6 +69,9 @@ def build_plan(args):
     ``--seq-length``. A run builds it once and hands it to the attention of every layer, to RoPE
     (the layout's positions) and to the batch split.
 
+    ``--reset-attention-mask`` / ``--reset-position-ids`` become the plan's
+    :class:`~megatron_mtraining.plan.DocumentPacking` (``eod_token``: the tokenizer's EOD token).
+
     Requires ``parallel_state.initialize_model_parallel`` to have run (the CP groups).
     """
     if args.cp_attention != "mtraining":
@@ -76,12 +79,12 @@ def build_plan(args):
     from megatron.core import parallel_state as ps
 
     from megatron_mtraining.megatron.attention import get_hierarchical_groups
-    from megatron_mtraining.plan import resolve
+    from megatron_mtraining.plan import packing_from_args, resolve
 
     cfg = args.mtraining                     # validated MTrainingConfig (args.validate_args)
     hier = get_hierarchical_groups() if cfg.implementation == "hierarchical" else None
     return resolve(cfg, cp_group=ps.get_context_parallel_group(), hierarchical_groups=hier,
-                   seq_len=args.seq_length)
+                   seq_len=args.seq_length, packing=packing_from_args(args, eod_token))
 
 
 def _mtraining_layer_spec(args, plan):

@@ -126,8 +126,9 @@ def effective_split(args, prefixes: list[str]) -> str:
 def build_datasets(args, tokenizer):
     """``(train, valid)`` GPTDatasets of ``--data-path`` / ``--split`` sized for the whole run
     (``--train-iters`` x global batch; every evaluation's ``--eval-iters``). No dense attention
-    mask is built: causality comes from the layout positions. The files are checked first
-    (:func:`check_data`)."""
+    mask is built: causality comes from the layout positions, document masks from the EOD tokens
+    (the batch split); ``--reset-position-ids`` resets the samples' ``position_ids``. The files are
+    checked first (:func:`check_data`).
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -143,7 +144,8 @@ def build_datasets(args, tokenizer):
     cfg = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, split=split,
         path_to_cache=args.data_cache_path, tokenizer=tokenizer, mmap_bin_files=True,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,  # causality comes from the layout positions, never a dense mask
     )
     train, valid, _test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build()

@@ -121,7 +121,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     args.padded_vocab_size = vocab                 # saved with the checkpoint's arguments (Megatron-LM's name)
     train_ds, valid_ds = build_datasets(args, tokenizer)
 
-    plan = build_plan(args)       # the run's CP plan: attention, RoPE and batch split share it
+    plan = build_plan(args, tokenizer.eod)   # the run's CP plan: attention, RoPE and batch split share it
     config = transformer_config(args)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build_model(args, config, vocab, device, plan=plan)

@@ -49,7 +49,8 @@ def forward_backward(model, optimizer, micro_batches: list[dict], split: Callabl
         last = i == len(local) - 1
         sync = model.no_sync() if (train and not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with sync:
-            per_token = model(b["tokens"], b["position_ids"], None, labels=b["labels"])  # [b, s_local]
+            per_token = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                              packed_seq_params=b.get("packed_seq_params"))  # [b, s_local]
             # torch.where, not multiply: a non-finite loss at a masked position must not leak (NaN*0)
             masked = torch.where(b["loss_mask"] > 0, per_token.float() * b["loss_mask"].float(),
                                  torch.zeros((), device=per_token.device))

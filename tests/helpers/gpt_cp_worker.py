@@ -1,6 +1,9 @@
 """Worker (run under torchrun, gloo): one forward/backward of a tiny megatron-core GPTModel.
 
 Used by tests/integration/test_megatron_adapter.py to check that CP=2/4 with MTrainingAttention equals CP=1.
+``--packed``: the batch holds documents ended by EOD tokens, with Megatron-LM's
+``--reset-position-ids --reset-attention-mask --eod-mask-loss`` (position ids and loss mask from
+megatron-core's GPTDataset rule; ``--attn local`` gets megatron-core's dense document mask).
 Rank 0 writes ``--out`` (a torch file) with the global loss, the unsharded per-token losses,
 the CP/DP-reduced gradients and the gradient norm.
 
@@ -22,6 +25,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 SEQ, BATCH, VOCAB = 256, 2, 512
+EOD = VOCAB - 1
+EOD_AT = ([0, 37, 38, 100, 191], [63, 64, 130, 255])   # token indices that become EOD (documents end there)
 
 
 def text_like_tokens(batch: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -48,6 +53,9 @@ def main() -> None:
     ap.add_argument("--rope-layout", default=None, help="negative control: RoPE rows of another layout")
     ap.add_argument("--mask", choices=["full", "uneven"], default="full")
     ap.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    ap.add_argument("--packed", action="store_true", help="documents ended by EOD tokens, reset positions and mask")
+    ap.add_argument("--packed-no-mask", action="store_true",
+                    help="negative control: with --packed, do not pass the documents to the attention")
     ap.add_argument("--ref-weights", default=None)
     ap.add_argument("--save-weights", default=None)
     ap.add_argument("--out", required=True)
@@ -86,12 +94,19 @@ def main() -> None:
         normalization="RMSNorm", calculate_per_token_loss=True, **cpu_transformer_config_kwargs(),
     )
     attn_layout = Layout(args.layout, cp_size=cp, granularity=args.granularity)
+    mt_config = MTrainingConfig(implementation=args.layout, granularity=args.granularity)
+    plan = None
+    if args.packed and args.attn != "local":       # the run's plan, with its packing, for every consumer
+        from megatron_mtraining.plan import DocumentPacking, resolve
+
+        plan = mt_config = resolve(mt_config, cp_group=cp_group, packing=DocumentPacking(
+            reset_attention_mask=True, reset_position_ids=True, eod_token=EOD))
     if args.attn == "local":
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     else:
         spec = get_gpt_layer_spec_with_mtraining(
             use_te=False, normalization="RMSNorm",
-            mtraining_config=MTrainingConfig(implementation=args.layout, granularity=args.granularity),
+            mtraining_config=mt_config,
         )
     torch.manual_seed(1234)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
@@ -102,7 +117,9 @@ def main() -> None:
     if args.save_weights and rank == 0:
         torch.save(model.state_dict(), args.save_weights)
     rope_layout = Layout(args.rope_layout or args.layout, cp_size=cp, granularity=args.granularity)
-    if args.attn != "local":
+    if plan is not None:
+        install_layout_rope(model, plan)
+    elif args.attn != "local":
         install_layout_rope(model, rope_layout, cp_group)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
 
@@ -114,15 +131,29 @@ def main() -> None:
         g = torch.Generator().manual_seed(7)
         drop = torch.rand(BATCH, pos1.numel(), generator=g) < 0.9
         loss_mask[:, pos1] = (~drop).float()
+    position_ids = torch.arange(SEQ).expand(BATCH, -1).contiguous()
+    doc_mask = None
+    if args.packed:
+        from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+        for b, ends in enumerate(EOD_AT):             # documents of 1, odd lengths, straddling stripes
+            toks[b, ends] = EOD
+        rows = [_get_ltor_masks_and_position_ids(toks[b, :-1], EOD, True, True, True, args.attn == "local")
+                for b in range(BATCH)]
+        loss_mask = torch.stack([r[1] for r in rows])
+        position_ids = torch.stack([r[2] for r in rows])
+        if args.attn == "local":
+            doc_mask = torch.stack([r[0] for r in rows])          # [b, 1, s, s], True = masked
     batch = {
         "tokens": toks[:, :-1].contiguous(),
         "labels": toks[:, 1:].contiguous(),  # shifted before sharding
         "loss_mask": loss_mask,
-        "position_ids": torch.arange(SEQ).expand(BATCH, -1).contiguous(),
+        "position_ids": position_ids,
         "attention_mask": None,
     }
     batch_layout = Layout(args.batch_layout or args.layout, cp_size=cp, granularity=args.granularity)
-    local = get_batch_on_this_cp_rank_striped(batch, batch_layout, cp_rank)
+    local = get_batch_on_this_cp_rank_striped(batch, plan if plan is not None else batch_layout, cp_rank)
+    packed_seq_params = None if args.packed_no_mask else local.pop("packed_seq_params", None)
 
     # capture layer 1's post-RoPE query/key (the core-attention inputs, [s_local, b, n, hn])
     captured: dict[str, torch.Tensor] = {}
@@ -136,7 +167,10 @@ def main() -> None:
     # the stock DotProductAttention needs an explicit causal mask on CPU (its default one is built
     # on CUDA); MTrainingAttention gets None, as from GPTDataset(create_attention_mask=False)
     attn_mask = torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None] if args.attn == "local" else None
-    loss_tok = model(local["tokens"], local["position_ids"], attn_mask, labels=local["labels"])  # [b, s/cp]
+    if doc_mask is not None:
+        attn_mask = doc_mask
+    loss_tok = model(local["tokens"], local["position_ids"], attn_mask, labels=local["labels"],
+                     packed_seq_params=packed_seq_params)  # [b, s/cp]
     mask = local["loss_mask"]
     local_sum = (loss_tok * mask).sum()
     local_cnt = mask.sum()

@@ -79,10 +79,23 @@ class TestMTrainingAttentionErrors:
         with pytest.raises(NotImplementedError, match="attention_bias"):
             _attn()(q, k, v, None, attention_bias=torch.zeros(1))
 
-    def test_packed_seq_params_raises(self):
+    def test_packed_seq_params_bad_format_or_offsets_raise(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
         q, k, v = _qkv()
-        with pytest.raises(NotImplementedError, match="packed_seq_params"):
-            _attn()(q, k, v, None, packed_seq_params=object())
+        cu = torch.tensor([0, 100, 128, 256], dtype=torch.int32)
+        with pytest.raises(ValueError, match="qkv_format must be one of"):
+            _attn()(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="bshd", cu_seqlens_q=cu))
+        with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_kv differ"):
+            _attn()(q, k, v, None, packed_seq_params=PackedSeqParams(
+                qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=torch.tensor([0, 50, 256])))
+        with pytest.raises(ValueError, match="the batch holds"):      # offsets past b * s
+            _attn()(q, k, v, None, packed_seq_params=PackedSeqParams(
+                qkv_format="sbhd", cu_seqlens_q=torch.tensor([0, 300])))
+        sparse = load_mtraining_config({"pattern": "vertical_slash"})
+        with pytest.raises(NotImplementedError, match="not supported with the vertical-slash pattern"):
+            _attn(mtraining_config=sparse)(q, k, v, None, packed_seq_params=PackedSeqParams(
+                qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
 
     @pytest.mark.parametrize("mask_type", [AttnMaskType.padding, AttnMaskType.no_mask, AttnMaskType.arbitrary])
     def test_non_causal_mask_type_raises(self, mask_type):
@@ -266,8 +279,92 @@ def test_layout_rope_cp1_equals_megatron_rope():
                             cp_group=None)
     ours = LayoutRotaryEmbedding.from_rotary(stock, Layout("striped", 1, 64))
     torch.testing.assert_close(ours(256), stock(256))
-    with pytest.raises(NotImplementedError, match="packed"):
-        ours(256, packed_seq=True)
+    torch.testing.assert_close(ours(256, packed_seq=True), stock(256, packed_seq=True))   # THD at CP=1
+
+
+def test_layout_rope_rows_follow_reset_position_ids():
+    """RoPE angle of every token = its position inside its document (megatron-core's table rows)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_mtraining.layout import PackedDocuments
+    from megatron_mtraining.megatron.rope import LayoutRotaryEmbedding
+
+    apply_cpu_patches()
+    stock = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True, cp_group=None)
+    ours = LayoutRotaryEmbedding.from_rotary(stock, Layout("striped", 1, 64))
+    docs = PackedDocuments.from_cu_seqlens([0, 7, 130, 256, 300, 512], 256, batch_size=2)
+    pos = docs.positions(Layout("striped", 1, 64), 0)                      # [2, 256]
+    ours.set_positions(pos)
+    rows = ours(256)
+    assert rows.shape == (256, 2, 1, 16)
+    table = stock(256)[:, 0, 0]
+    for b in range(2):
+        assert torch.equal(rows[:, b, 0], table[pos[b]])
+    assert torch.equal(rows[7, 0, 0], table[0]) and torch.equal(rows[10, 1, 0], table[10])
+    ours.set_positions(None)
+    assert torch.equal(ours(256), stock(256))
+    with pytest.raises(ValueError, match="do not hold this rank's"):
+        ours.set_positions(pos[:, :100])
+        ours(256)
+
+
+def _packed_reference(q, k, v, cu, scale):
+    """fp64 per-document attention of sbhd tensors (each document alone), grads by autograd."""
+    from tests.helpers.packed_ref import per_document_attention
+
+    t = lambda x: x.transpose(0, 1)
+    return per_document_attention(t(q), t(k), t(v), torch.ones_like(t(q)), cu, scale)
+
+
+def test_packed_sbhd_and_thd_match_per_document_reference():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    q, k, v = (x.double().requires_grad_(True) for x in _qkv(s=128, b=2))
+    cu = torch.tensor([0, 1, 40, 128, 200, 201, 256], dtype=torch.int32)     # rows of 128: 1 | 39 | 88 ; 72 | 1 | 55
+    attn = _attn()
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=128,
+                             max_seqlen_kv=128)
+    out = attn(q, k, v, None, packed_seq_params=params)                     # [s, b, np*hn]
+    out.sum().backward()
+    ref = _packed_reference(q, k, v, cu.tolist(), 8 ** -0.5)
+    want = ref[0].transpose(0, 1).reshape(out.shape)
+    assert (out - want).abs().max() <= 1e-10 * want.abs().max()
+    for got, r in zip((q.grad, k.grad, v.grad), ref[1:]):
+        r = r.transpose(0, 1)
+        assert (got - r).abs().max() <= 1e-10 * r.abs().max()
+    # thd: one stream [t, h, d] (row 0 of the batch above)
+    q1, k1, v1 = (x.detach()[:, 0].clone().requires_grad_(True) for x in (q, k, v))
+    cu1 = torch.tensor([0, 1, 40, 128], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu1, cu_seqlens_kv=cu1, max_seqlen_q=88, max_seqlen_kv=88)
+    out1 = attn(q1, k1, v1, None, packed_seq_params=thd)
+    assert out1.shape == (128, 4 * 8)
+    assert (out1 - want[:, 0]).abs().max() <= 1e-10 * want.abs().max()
+    # negative control: the same call without the documents is plain causal attention
+    assert (attn(q, k, v, None).detach() - want).abs().max() > 1e-2
+
+
+def test_packed_single_document_equals_unpacked_bitwise():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    q, k, v = _qkv(s=128, b=1)
+    cu = torch.tensor([0, 128], dtype=torch.int32)
+    attn = _attn()
+    got = attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu,
+                                                                 cu_seqlens_kv=cu))
+    assert torch.equal(got, attn(q, k, v, None))
+
+
+def test_batch_split_builds_packed_params_from_eod():
+    from megatron_mtraining.plan import DocumentPacking, resolve
+
+    plan = resolve(None, cp_group=None, packing=DocumentPacking(True, True, eod_token=9))
+    tokens = torch.tensor([[1, 2, 9, 3, 4, 9, 5, 6] * 16, [9] + [1] * 127])
+    local = get_batch_on_this_cp_rank_striped({"tokens": tokens, "labels": tokens}, plan)
+    params = local["packed_seq_params"]
+    assert params.qkv_format == "sbhd" and params.max_seqlen_q == 128
+    assert params.cu_seqlens_q.tolist()[:4] == [0, 3, 6, 11] and params.cu_seqlens_q.tolist()[-3:] == [128, 129, 256]
+    plain = get_batch_on_this_cp_rank_striped({"tokens": tokens}, resolve(None, cp_group=None))
+    assert "packed_seq_params" not in plain
 
 
 def test_install_layout_rope_replaces_and_rejects_yarn():
@@ -351,6 +448,42 @@ def test_negative_control_zigzag_rope_with_striped_split_mismatches(ref):
     dev, ok = _compare(got, want)
     assert not ok["loss_tok"] and not ok["grads"] and not ok["q"] and not ok["k"], dev
     # (the mean loss alone is too insensitive to RoPE errors in a random-init model; not asserted)
+
+
+@pytest.fixture(scope="module")
+def packed_ref(ref):
+    """Packed documents (EOD resets): CP=1 stock DotProductAttention with megatron-core's dense document
+    mask (an independent reference; its RoPE uses global positions) and CP=1 MTrainingAttention."""
+    tmp, weights, _ = ref
+    stock = _run_worker(tmp, "packed_stock", 1, "--attn", "local", "--packed", "--ref-weights", weights)
+    cp1 = _run_worker(tmp, "packed_cp1", 1, "--packed", "--ref-weights", weights)
+    return tmp, weights, stock, cp1
+
+
+@needs_ring
+@pytest.mark.slow
+@pytest.mark.parametrize("cp,layout,granularity", [(1, "striped", 64), (2, "striped", 64), (4, "striped", 16),
+                                                   (2, "zigzag", 64)])
+def test_packed_gpt_cp_matches_cp1(packed_ref, cp, layout, granularity):
+    """--reset-position-ids --reset-attention-mask --eod-mask-loss: CP=2/4 loss, grad norm, per-token losses,
+    every gradient and the post-RoPE q/k (angles restart per document) equal CP=1; loss and gradients equal
+    megatron-core's own dense document mask at CP=1 (whose RoPE angles are global, so q/k are not compared)."""
+    tmp, weights, stock, cp1 = packed_ref
+    got = cp1 if cp == 1 else _run_worker(tmp, f"packed_cp{cp}_{layout}", cp, "--packed", "--layout", layout,
+                                          "--granularity", granularity, "--ref-weights", weights)
+    dev, ok = _compare(got, cp1)
+    assert all(ok.values()), dev
+    dev, ok = _compare(got, stock)
+    assert all(v for key, v in ok.items() if key not in ("q", "k")), dev
+
+
+@needs_ring
+@pytest.mark.slow
+def test_negative_control_packed_without_document_mask_mismatches(packed_ref):
+    tmp, weights, _, cp1 = packed_ref
+    got = _run_worker(tmp, "packed_nomask", 2, "--packed", "--packed-no-mask", "--ref-weights", weights)
+    dev, ok = _compare(got, cp1)
+    assert not ok["loss_tok"] and not ok["grads"], dev
 
 
 @needs_ring

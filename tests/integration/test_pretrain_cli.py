@@ -263,3 +263,22 @@ def test_hierarchical_cp4_matches_cp1(tiny, tmp_path):
     for x, y in zip(a, b):
         assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+
+
+@pytest.mark.slow
+def test_packed_documents_cp2_and_hierarchical_cp4_match_cp1(tiny, tmp_path):
+    """``--reset-position-ids --reset-attention-mask --eod-mask-loss``: documents end at EOD tokens,
+    attention stays inside each document and RoPE positions restart; CP=2 (flat ring) and CP=4 (2 x 2
+    hierarchical ring) train exactly like CP=1, and the packed run differs from the unpacked one."""
+    packed = {"--reset-position-ids": None, "--reset-attention-mask": None}
+    a, _ = _train(tiny, tmp_path, "packed_cp1", 1, **packed)
+    b, _ = _train(tiny, tmp_path, "packed_cp2", 2, **packed)
+    c, out = _train(tiny, tmp_path, "packed_cp4", 4, **packed, **{"--hierarchical-context-parallel-sizes": "2 2"})
+    assert "implementation hierarchical" in out, out
+    assert len(a) == len(b) == len(c) == 3
+    for x, y, z in zip(a, b, c):
+        for got in (y, z):
+            assert got["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, got)
+            assert got["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, got)
+    plain, _ = _train(tiny, tmp_path, "unpacked_cp1", 1)
+    assert abs(plain[0]["lm_loss"] - a[0]["lm_loss"]) > 1e-4 or abs(plain[0]["grad_norm"] - a[0]["grad_norm"]) > 1e-4

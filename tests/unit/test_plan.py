@@ -10,6 +10,8 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
+import re
+
 import pytest
 import torch
 
@@ -114,8 +116,6 @@ def _pretrain(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(reset_attention_mask=True), "--reset-attention-mask: document masking"),
-    (dict(reset_position_ids=True), "--reset-position-ids: document masking"),
     (dict(attention_dropout=0.1), "--attention-dropout 0.1"),
     (dict(mtraining_config=str(ROOT / "configs" / "demo.yaml"), hierarchical_context_parallel_sizes=[2, 2]),
      "the run would use a flat ring"),
@@ -132,6 +132,39 @@ def test_front_doors_give_the_same_verdict(tmp_path, kw, needle):
     assert needle in str(ei.value)
     got = _pretrain(tmp_path, **kw)
     assert isinstance(got, str) and needle in got, got
+
+
+@pytest.mark.parametrize("kw", [dict(reset_attention_mask=True), dict(reset_position_ids=True),
+                                dict(reset_attention_mask=True, reset_position_ids=True)])
+def test_front_doors_accept_packed_documents_with_the_dense_pattern(tmp_path, kw):
+    from megatron_mtraining.megatron import megatron_lm
+    from megatron_mtraining.plan import DocumentPacking, packing_from_args, resolve
+
+    assert not config_from_args(_mlm(**kw)).sparse
+    assert not isinstance(_pretrain(tmp_path, **kw), str)
+    # the Megatron-LM patches do not hand documents to the model: refused there, never dropped
+    with pytest.raises(ValueError, match="not supported through the Megatron-LM patch"):
+        megatron_lm.mtraining_config_from_args(_mlm(**kw))
+    sparse = dict(kw, mtraining_config=str(ROOT / "configs" / "demo_sparse.yaml"))
+    if kw.get("reset_attention_mask"):
+        needle = "--reset-attention-mask: packed documents (document masks) are not supported with pattern: vertical_slash"
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            config_from_args(_mlm(**sparse))
+        assert needle in _pretrain(tmp_path, **sparse)
+    packing = packing_from_args(_mlm(**kw), eod_token=2)
+    assert packing == DocumentPacking(kw.get("reset_attention_mask", False), kw.get("reset_position_ids", False), 2)
+    assert resolve(None, cp_group=None, packing=packing).document_mask == bool(kw.get("reset_attention_mask"))
+    if kw.get("reset_attention_mask"):
+        with pytest.raises(ValueError, match="needs the tokenizer's EOD token"):
+            packing_from_args(_mlm(**kw))
+        with pytest.raises(ValueError, match="not supported with pattern: vertical_slash"):
+            resolve({"pattern": "vertical_slash"}, cp_group=None, packing=packing)
+    from megatron_mtraining.megatron.args import ArgumentValidationError, apply_mtraining_config
+
+    te = SimpleNamespace(context_parallel_size=1, hierarchical_context_parallel_sizes=None, cp_attention="te",
+                         mtraining_config=None, **kw)
+    with pytest.raises(ArgumentValidationError, match="packed documents need --cp-attention mtraining"):
+        apply_mtraining_config(te)
 
 
 def test_front_doors_agree_on_implied_hierarchical_ring(tmp_path):

@@ -37,13 +37,15 @@ from ...common import acc_dtype, triton_runs_on
 from ...patterns.convert import refine_indices
 from ...patterns.indices import StepIndices
 from ..sparse_reference import SparseStepKernel
-from .launch import (BLOCK, DEFAULT_CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel, delta_unsupported,
-                     dense_plan, plan_from_indices, prebuild_backward_plans, sparse_backward, sparse_forward)
+from .launch import (BLOCK, DEFAULT_CONFIG, KernelConfig, SparsePlan, attention_delta as _delta_kernel,
+                     delta_unsupported, dense_plan, document_plan, plan_from_indices, prebuild_backward_plans,
+                     sparse_backward, sparse_forward)
 
 __all__ = [
     "sparse_attention_forward", "sparse_attention_backward", "sparse_attention", "make_sparse_step_kernel",
     "TritonSparseStepKernel", "triton_usable", "triton_runs_on", "plan_for", "SparsePlan", "KernelConfig",
-    "DEFAULT_CONFIG", "dense_plan", "sparse_forward", "sparse_backward", "prebuild_backward_plans", "attention_delta",
+    "DEFAULT_CONFIG", "dense_plan", "document_plan", "sparse_forward", "sparse_backward", "prebuild_backward_plans",
+    "attention_delta",
 ]
 
 

@@ -12,7 +12,10 @@ Masks (``MASK_MODE``):
     0  none (every listed key is visible to every row of the tile);
     1  local causal: key local index <= query local index (``StepIndices.causal``);
     2  positions: key position <= query position, read from ``QPos``/``KPos`` (dense ring steps of
-       any layout).
+       any layout);
+    3  position bounds (packed documents): ``QPos[sq + row] <= key position <= QPos[row]``, i.e.
+       ``QPos`` holds ``[hi; lo]`` of every query (``sq = num_q_blocks * BLOCK_M``); a padding query
+       has ``lo > hi`` and sees nothing.
 Blocks are visited in two loops: slots ``[0, split)`` need no mask (the caller guarantees it),
 slots ``[split, count)`` are masked. Vertical columns are visited the same way (``COL_SPLIT``): whole
 64-column chunks among the first ``column_split`` slots (columns every row of the tile sees) run
@@ -94,8 +97,10 @@ def _sparse_fwd_kernel(
     else:
         split = tl.load(BlockSplit + bz * s_bsb + h * s_bsh + qb)
     idx_ptr = BlockIndex + bz * s_bib + h * s_bih + qb * s_biq
-    if MASK_MODE == 2:
+    if MASK_MODE >= 2:
         q_pos = tl.load(QPos + offs_m)
+    if MASK_MODE == 3:
+        q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
 
     # blocks that need no mask
     for i in range(0, split):
@@ -117,6 +122,10 @@ def _sparse_fwd_kernel(
         if MASK_MODE == 2:
             k_pos = tl.load(KPos + cols)
             qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        if MASK_MODE == 3:
+            k_pos = tl.load(KPos + cols)
+            inside = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
+            qk = tl.where(inside, qk, float("-inf"))
         m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
 
     if HAS_COLS:
@@ -225,8 +234,10 @@ def _sparse_bwd_dq_kernel(
         else:
             split = tl.load(BlockSplit + bz * s_bsb + h * s_bsh + qb)
         idx_ptr = BlockIndex + bz * s_bib + h * s_bih + qb * s_biq
-        if MASK_MODE == 2:
+        if MASK_MODE >= 2:
             q_pos = tl.load(QPos + offs_m)
+        if MASK_MODE == 3:
+            q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
         for i in range(0, split):
             kb = tl.load(idx_ptr + i)
             cols = kb * BLOCK_N + offs_n
@@ -245,6 +256,8 @@ def _sparse_bwd_dq_kernel(
                 else:
                     k_pos = tl.load(KPos + cols)
                     valid = k_pos[None, :] <= q_pos[:, None]
+                    if MASK_MODE == 3:
+                        valid = valid & (k_pos[None, :] >= q_lo[:, None])
                 p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
                 dq += _dot(ds.to(k.dtype), k, FP32)
 
@@ -330,7 +343,7 @@ def _sparse_bwd_dkdv_kernel(
 
     k = tl.load(K + bz * s_kb + g * s_kh + offs_n[:, None] * s_ks + offs_d[None, :])
     v = tl.load(V + bz * s_vb + g * s_vh + offs_n[:, None] * s_vs + offs_d[None, :])
-    if MASK_MODE == 2:
+    if MASK_MODE >= 2:
         k_pos = tl.load(KPos + offs_n)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -354,6 +367,9 @@ def _sparse_bwd_dkdv_kernel(
             else:
                 q_pos = tl.load(QPos + offs_m)
                 valid = k_pos[:, None] <= q_pos[None, :]
+                if MASK_MODE == 3:
+                    q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
+                    valid = valid & (k_pos[:, None] >= q_lo[None, :])
             pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
         dv += _dot(pT.to(do.dtype), do, FP32)
         dk += _dot(dsT.to(q.dtype), q, FP32)

@@ -44,9 +44,9 @@ class SparsePlan:
     block_index: torch.Tensor            # [B', H', nqb, max_nb] int32
     column_count: Optional[torch.Tensor]  # [B', H', nqb] int32 or None (no columns)
     column_index: Optional[torch.Tensor]  # [B', H', nqb, max_nc] int32
-    mask_mode: int                       # 0 none, 1 local causal, 2 positions
-    q_pos: Optional[torch.Tensor] = None  # [sq] int32 (mode 2)
-    k_pos: Optional[torch.Tensor] = None  # [sk] int32 (mode 2)
+    mask_mode: int                       # 0 none, 1 local causal, 2 positions, 3 position bounds
+    q_pos: Optional[torch.Tensor] = None  # [sq] int32 (mode 2); [2 * sq] = [hi; lo] (mode 3)
+    k_pos: Optional[torch.Tensor] = None  # [sk] int32 (modes 2, 3)
     row_block: int = BLOCK                # query rows per tile of the forward / dQ kernels (64 or 128)
     kv_plan: Optional["SparsePlan"] = None  # plan with 64-row tiles for the dK/dV kernel (if row_block != 64)
     _kv: dict = field(default_factory=dict, repr=False)
@@ -70,7 +70,7 @@ class SparsePlan:
         stays correct, it only leaves more chunks masked). The kernels run whole 64-column chunks of
         them unmasked. ``None`` for position masks (mode 2) or 128-row tiles, where every column
         chunk is masked. Cached."""
-        if not self.has_columns or self.mask_mode == 2 or self.row_block != BLOCK:
+        if not self.has_columns or self.mask_mode >= 2 or self.row_block != BLOCK:
             return None
         if self._column_split is None:
             ci, cc = self.column_index, self.column_count
@@ -148,6 +148,41 @@ def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, ro
         plan.kv_plan = dense_plan(q_pos, k_pos, causal, BLOCK)
         plan.kv_plan.mask_mode = plan.mask_mode
     return plan
+
+
+def document_plan(q_lo: torch.Tensor, q_hi: torch.Tensor, k_pos: torch.Tensor) -> Optional[SparsePlan]:
+    """Plan of dense attention between two shards under per-query key bounds (packed documents).
+
+    Key ``t`` is visible to query ``i`` iff ``q_lo[i] <= k_pos[t] <= q_hi[i]`` (``[sq]`` int64 each;
+    ``k_pos`` ascending). Key block ``kb`` is listed for a 64-row query tile iff it intersects the
+    union of the tile's intervals (blocks of other documents are not listed); it runs unmasked iff it
+    lies inside every row's interval, otherwise with the bounds mask (mode 3). Returns ``None`` when
+    no key is visible to any query. 64-row tiles only."""
+    sq, sk = q_lo.numel(), k_pos.numel()
+    nqb, nkb = sq // BLOCK, sk // BLOCK
+    dev = q_lo.device
+    big = torch.iinfo(torch.int64).max
+    lo, hi = q_lo.view(nqb, BLOCK), q_hi.view(nqb, BLOCK)
+    real = lo <= hi
+    tile_lo = torch.where(real, lo, torch.full_like(lo, big)).amin(1)
+    tile_hi = torch.where(real, hi, torch.full_like(hi, -1)).amax(1)
+    kp = k_pos.view(nkb, BLOCK)
+    kmin, kmax = kp.amin(1), kp.amax(1)
+    visible = (kmin[None, :] <= tile_hi[:, None]) & (kmax[None, :] >= tile_lo[:, None])
+    unmasked = visible & real.all(1)[:, None] & (kmax[None, :] <= hi.amin(1)[:, None]) & \
+        (kmin[None, :] >= lo.amax(1)[:, None])
+    count = visible.sum(1).to(torch.int32)
+    max_nb = int(count.max()) if nqb else 0
+    if max_nb == 0:
+        return None
+    kb = torch.arange(nkb, device=dev)
+    order = torch.where(visible, torch.where(unmasked, kb, nkb + kb), torch.full_like(kb, 2 * nkb))
+    index = (order.sort(1).values[:, :max_nb] % nkb).to(torch.int32).contiguous()
+    split = unmasked.sum(1).to(torch.int32)
+    mode = 3 if bool((split < count).any()) else 0
+    bounds = torch.cat([q_hi, q_lo]).clamp(-1, torch.iinfo(torch.int32).max)
+    return SparsePlan(count[None, None], split[None, None], index[None, None], None, None, mode,
+                      _i32(bounds).contiguous(), _i32(k_pos).contiguous())
 
 
 # ----------------------------------------------------------------------------- backward plans
@@ -292,7 +327,7 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     b, _, hq, _ = q_shape
     sk, hkv = k_shape[1], k_shape[2]
     kv_src = plan.kv_source
-    need_col = plan.has_columns and not plan.columns_by_atomics(deterministic, cfg) and plan.mask_mode != 2
+    need_col = plan.has_columns and not plan.columns_by_atomics(deterministic, cfg) and plan.mask_mode < 2
 
     def build():
         _kv_csr(kv_src, sk // BLOCK, hq, hkv)
@@ -519,7 +554,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
 
     # 3) deterministic columns: per-head partials, fixed-order reduction
     if plan.has_columns and not col_atomic:
-        if plan.mask_mode == 2:
+        if plan.mask_mode >= 2:
             raise ValueError("vertical columns are not supported with position masks")
         col_u, ucount, offsets_c, mid_c, ent_qb, ent_bits, upad, nchunks, nsplit, B_, H_ = _col_plan(plan, sk, b, hq)
         col_u_e = col_u.expand(b, hq, upad)

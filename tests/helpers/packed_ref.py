@@ -1,0 +1,36 @@
+"""Independent fp64 reference for packed sequences: every document attended alone, the results
+placed at the document's slot, padding rows zero; gradients by autograd."""
+from __future__ import annotations
+
+import torch
+
+
+def per_document_attention(q, k, v, dout, cu_seqlens, scale, cu_seqlens_padded=None, seq_len=None):
+    """``q [b, S, hq, d]``, ``k, v [b, S, hkv, d]``, ``dout`` like ``q``; ``cu_seqlens`` (list) over the
+    ``b`` rows concatenated (THD). Returns fp64 ``(out, dq, dk, dv)``, whole-sequence shaped."""
+    b, S = q.shape[:2]
+    pad = list(cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded)
+    cu = list(cu_seqlens)
+    rep = q.shape[2] // k.shape[2]
+    qf, kf, vf = (t.detach().double().reshape(b * S, *t.shape[2:]).requires_grad_(True) for t in (q, k, v))
+    out = torch.zeros(b * S, *q.shape[2:], dtype=torch.float64)
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        if n == 0:
+            continue
+        a = pad[i]
+        qq = qf[a:a + n]
+        kk = kf[a:a + n].repeat_interleave(rep, 1)
+        vv = vf[a:a + n].repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
+        out = out.index_put((torch.arange(a, a + n),), o)
+    out.backward(dout.detach().double().reshape(b * S, *q.shape[2:]))
+    shape = lambda t, like: t.reshape(like.shape)
+    return (shape(out.detach(), q), shape(qf.grad, q), shape(kf.grad, k), shape(vf.grad, v))
+
+
+def rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
