@@ -128,7 +128,7 @@ def build_datasets(args, tokenizer):
     (``--train-iters`` x global batch; every evaluation's ``--eval-iters``). No dense attention
     mask is built: causality comes from the layout positions, document masks from the EOD tokens
     (the batch split); ``--reset-position-ids`` resets the samples' ``position_ids``. The files are
-    checked first (:func:`check_data`).
+    checked first (:func:`check_data`)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
