@@ -14,6 +14,7 @@ thread pools thrash), the repository root on ``PYTHONPATH`` (so workers can
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -26,8 +27,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 __all__ = ["REPO_ROOT", "RunResult", "RankResult", "free_port", "worker_env", "run_torchrun", "run_ranks", "run_python",
-           "run_reaped",
-           "finish_process_group"]
+           "run_reaped", "finish_process_group", "one_rank_megatron"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -302,3 +302,27 @@ def finish_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_rank_megatron(backend: str = "gloo"):
+    """A one-rank default group and megatron-core's parallel state (TP = CP = 1) inside this
+    process, for in-process model tests; torn down afterwards.
+
+    The group starts from a ``tcp://`` address on a free port, so nothing is written into
+    ``os.environ``: ``MASTER_ADDR``/``MASTER_PORT`` left there would be inherited by every later
+    subprocess of the test session, which would then try to listen on the port this process holds.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if own:
+            dist.destroy_process_group()

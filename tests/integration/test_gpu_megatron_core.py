@@ -12,13 +12,12 @@ installed (CI covers 0.16.1 on CPU; run these with `pytest -m gpu` to check anot
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 import torch
 
-from tests.helpers.dist import free_port, run_torchrun
+from tests.helpers.dist import one_rank_megatron, run_torchrun
 from tests.helpers.tiny_data import make_tiny_dataset
 
 pytestmark = pytest.mark.gpu
@@ -28,20 +27,12 @@ SEQ, BATCH, VOCAB = 1024, 2, 512
 
 @pytest.fixture(scope="module")
 def world1():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    with one_rank_megatron("nccl"):
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    ps.destroy_model_parallel()
+        model_parallel_cuda_manual_seed(1234)
+        yield
 
 
 def _model(kind: str, dtype, state=None, softmax_scale=None):

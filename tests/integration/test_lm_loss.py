@@ -5,14 +5,13 @@ and the trainer flag end to end."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 import torch
 
 from megatron_mtraining.megatron.lm_loss import auto_chunk_tokens, install_chunked_lm_loss
-from tests.helpers.dist import free_port, run_torchrun
+from tests.helpers.dist import one_rank_megatron, run_torchrun
 from tests.helpers.tiny_data import make_tiny_dataset
 
 SEQ, BATCH, VOCAB = 200, 2, 384
@@ -20,19 +19,11 @@ SEQ, BATCH, VOCAB = 200, 2, 384
 
 @pytest.fixture(scope="module")
 def world1():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches
 
     apply_cpu_patches()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    yield
-    ps.destroy_model_parallel()
+    with one_rank_megatron("gloo"):
+        yield
 
 
 def _model(tied: bool):
