@@ -363,6 +363,9 @@ def test_signal_saves_exits_0_and_the_requeued_job_resumes_the_same_curve(slurm,
     while "requeueing job" not in log_file.read_text(errors="replace") or _state(slurm, jid) != "PENDING":
         assert time.monotonic() - t0 < 120, log_file.read_text(errors="replace")[-3000:]
         time.sleep(0.5)
+    # not within the second of the requeue: slurmd refuses a start there ("Job credential revoked",
+    # the previous run's credential is revoked at that second)
+    time.sleep(2.0)
     subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], env=slurm, timeout=30)
     log = _wait(slurm, jid, d)
     info = subprocess.run(["scontrol", "show", "job", jid], capture_output=True, text=True, env=slurm).stdout
