@@ -450,7 +450,9 @@ class MTrainingConfig:
     def attention_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments: ``layout``, ``granularity``, ``pattern``,
         ``vertical_slash`` (``None`` when dense), ``hierarchical`` (the ``(inner, outer)`` sizes or
-        ``None``), ``columns``, ``deterministic`` and ``kernel_backend``.
+        ``None``), ``columns``, ``deterministic`` and ``kernel_backend``. ``vertical_slash`` is the
+        base budgets; a per-layer policy (``dense_layers``, ``layer_overrides``) is
+        :meth:`layer_pattern` of each layer.
 
         Raises:
             ValueError: ``implementation: hierarchical`` without sizes (resolve them first with

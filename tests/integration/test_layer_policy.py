@@ -175,17 +175,29 @@ def test_trainer_flag_errors_name_num_layers(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_trains_with_a_layer_policy(tmp_path):
+def test_trainer_trains_with_a_layer_policy_and_cp2_matches_cp1(tmp_path):
+    """The example trainer with dense_layers and layer_overrides: CP=2 trains exactly like CP=1
+    (the policy is the same on every rank and per layer, not per rank)."""
     import json
+
+    from tests.helpers.dist import run_torchrun
 
     prefix, tok = make_tiny_dataset(tmp_path / "data")
     cfg = tmp_path / "policy.yaml"
     cfg.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.9, max_slash: 4}\ndense_layers: [1]\n"
                    "layer_overrides: {'2': {recall: 0.95}}\n")
-    m = tmp_path / "m.jsonl"
-    r = run_python(SCRIPT, _argv(prefix, tok, cfg, **{"--metrics-file": m, "--data-cache-path": tmp_path / "c"}),
-                   timeout=300)
-    assert r.returncode == 0, r.tail()
-    assert "dense 1; layers 2: recall=0.95" in r.stdout, r.stdout
-    rows = [json.loads(line) for line in m.read_text().splitlines()]
-    assert [x["iteration"] for x in rows] == [1, 2] and all(math.isfinite(x["lm_loss"]) for x in rows)
+    runs = []
+    for cp in (1, 2):
+        m = tmp_path / f"m{cp}.jsonl"
+        argv = _argv(prefix, tok, cfg, **{"--metrics-file": m, "--data-cache-path": tmp_path / "c",
+                                          "--context-parallel-size": cp})
+        r = run_python(SCRIPT, argv, timeout=300) if cp == 1 else run_torchrun(SCRIPT, argv, nproc=2, timeout=300)
+        assert r.returncode == 0, r.tail()
+        assert "dense 1; layers 2: recall=0.95" in r.stdout, r.stdout
+        runs.append([json.loads(line) for line in m.read_text().splitlines()])
+    a, b = runs
+    assert [x["iteration"] for x in a] == [x["iteration"] for x in b] == [1, 2]
+    for x, y in zip(a, b):
+        assert math.isfinite(x["lm_loss"])
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
