@@ -8,8 +8,10 @@ A stream of ``--seq-len`` tokens is filled with documents whose lengths come fro
 megatron-core's ``IndexedDataset``, in file order from ``--doc-offset``, cycling through the corpus
 if it is short), split into pieces of at most ``--max-doc-len`` tokens (one run per value; ``none``:
 whole documents), the last one cut at the end of the stream; or fixed lengths (``fixed:N``,
-``list:A,B,...``). For each length distribution, with the kernels of ``--backend`` at CP=1
-(:func:`~megatron_mtraining.ring.ring_attention`, one rank), fwd and fwd+bwd:
+``list:A,B,...``). For each length distribution, fwd and fwd+bwd of
+:func:`~megatron_mtraining.ring.ring_attention` on one rank with the kernels of ``--backend``
+(``auto``: the Triton dense steps on a GPU, the torch reference on the CPU; the unmasked and
+per-document runs use the same kernels unless ``--baseline-backend`` names others):
 
 * ``packed``: the stream with its document mask (``documents=PackedDocuments``: attention causal
   and within a document; key tiles of other documents skipped);
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto", help="kernel_backend of the packed run: auto | torch | triton")
     ap.add_argument("--baseline-backend", default=None,
-                    help="kernel_backend of the unmasked and per-document runs (default: --backend); e.g. sdpa")
+                    help="kernel_backend of the unmasked and per-document runs (default: the kernels --backend "
+                         "chose for the packed run, so that only the mask differs); e.g. sdpa for cuDNN")
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timed repetitions per measurement")
     ap.add_argument("--repeats", type=int, default=None, help="fixed repetitions instead of --budget")
     ap.add_argument("--seed", type=int, default=0)
@@ -150,8 +153,8 @@ def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype) -
         kw = {"repeats": args.repeats} if args.repeats else {"budget_s": args.budget}
         return measure(fn, device=dev, warmup=1, **kw).median_ms
 
-    base_name = args.baseline_backend or args.backend
     packed_b = _backend(args.backend, dev, dtype, d, s, True)
+    base_name = args.baseline_backend or packed_b.name      # default: the packed run's kernels, unmasked
     plain_b = _backend(base_name, dev, dtype, d, s, False)
     row = {"max_doc_len": cap, "documents": len(docs_len), "doc_len_min": min(docs_len),
            "doc_len_max": max(docs_len), "doc_len_mean": s / len(docs_len), "backend": packed_b.name,
