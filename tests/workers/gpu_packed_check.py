@@ -13,8 +13,9 @@ reference being the same per-document attention in bf16 torch ops. Padding token
 and dV; no NaN anywhere (the allocator is filled with NaN before each run).
 
 Cases (:data:`CASES`): documents of length 1, lengths not divisible by 64, documents straddling
-stripes, padded slots and trailing padding, GQA, striped cp 1/2/4 and zigzag cp 2.
-:data:`SMOKE_CASES`: tiny fp16 cases for the CPU under ``TRITON_INTERPRET=1``.
+stripes, padded slots and trailing padding, GQA, striped cp 1/2/4 and zigzag cp 2, bf16 and fp16.
+:data:`SMOKE_CASES`: tiny fp16 cases for the CPU under ``TRITON_INTERPRET=1`` (the interpreter has
+no bf16 arithmetic).
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ CASES = (
          hq=16, hkv=2, seed=6),
     Case("packed-cp1-padded-8k", ("striped", 1, 64), 8192, _PADDED_8K[0], _PADDED_8K[1], seed=7),
     Case("packed-striped-cp2-short-docs-16k", ("striped", 2, 64), 16384, (1, 5, 77, 300, 1) * 40 + (1024,), seed=8),
+    Case("packed-striped-cp2-mixed-8k-fp16", ("striped", 2, 64), 8192, _MIXED_8K, dtype=fp16, seed=9),
 )
 
 SMOKE_CASES = (
     Case("smoke-packed-striped-cp2", ("striped", 2, 64), 256, (1, 63, 65, 100, 27), hq=2, hkv=1, d=64, dtype=fp16),
     Case("smoke-packed-padded-cp2", ("striped", 2, 64), 256, (1, 50, 70), (64, 64, 100), hq=2, hkv=1, d=64,
          dtype=fp16, seed=1),
+    Case("smoke-packed-zigzag-cp2", ("zigzag", 2, 64), 256, (1, 63, 65, 100, 27), hq=2, hkv=1, d=64, dtype=fp16,
+         seed=2),
 )
 
 
