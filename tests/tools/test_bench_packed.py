@@ -198,3 +198,18 @@ def test_bench_packed_errors():
         with pytest.raises(SystemExit) as e:
             main(["--device", "cpu", "--backend", "torch"] + argv)
         assert str(e.value).startswith("error: ") and needle in str(e.value), (argv, e.value)
+
+
+@pytest.mark.gpu
+def test_bench_packed_on_gpu(tmp_path):
+    """The benchmark's GPU path at a small size: the Triton dense steps, packed and unmasked."""
+    js = tmp_path / "bench.json"
+    res = run_python("tools/bench_packed.py", [
+        "--seq-len", "16384", "--doc-lengths", "list:1,63,65,1000,4096", "--max-doc-len", "none,1024",
+        "--device", "cuda", "--backend", "triton", "--budget", "0.2", "--json", str(js)], timeout=600)
+    assert res.returncode == 0, res.tail()
+    rows = json.loads(js.read_text())["rows"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["backend"] == r["baseline_backend"] == "triton", r
+        assert r["packed_fwd_bwd_ms"] > 0 and r["per_document_sum_fwd_bwd_ms"] > 0 and r["unmasked_fwd_bwd_ms"] > 0

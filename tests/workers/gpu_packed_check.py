@@ -12,7 +12,9 @@ reference being the same per-document attention in bf16 torch ops. Padding token
 ``cu_seqlens`` in a padded slot, or past the last document) must give exact zeros in out, dQ, dK
 and dV; no NaN anywhere (the allocator is filled with NaN before each run).
 
-Cases (:data:`CASES`): documents of length 1, lengths not divisible by 64, documents straddling
+:func:`run_ring_case` checks the one-rank cases (:data:`RING_CASES`) through ``ring_attention``
+itself (its autograd function and the backend's delta kernel; ``kernel_backend: auto``, as a run
+with documents chooses). Cases (:data:`CASES`): documents of length 1, lengths not divisible by 64, documents straddling
 stripes, padded slots and trailing padding, GQA, striped cp 1/2/4 and zigzag cp 2, bf16 and fp16.
 :data:`SMOKE_CASES`: tiny fp16 cases for the CPU under ``TRITON_INTERPRET=1`` (the interpreter has
 no bf16 arithmetic).
@@ -87,6 +89,9 @@ CASES = (
     Case("packed-striped-cp2-mixed-8k-fp16", ("striped", 2, 64), 8192, _MIXED_8K, dtype=fp16, seed=9),
 )
 
+#: one-rank cases run through ring_attention itself (autograd, delta kernel), the backend chosen by ``auto``
+RING_CASES = tuple(c for c in CASES if c.layout[1] == 1)
+
 SMOKE_CASES = (
     Case("smoke-packed-striped-cp2", ("striped", 2, 64), 256, (1, 63, 65, 100, 27), hq=2, hkv=1, d=64, dtype=fp16),
     Case("smoke-packed-padded-cp2", ("striped", 2, 64), 256, (1, 50, 70), (64, 64, 100), hq=2, hkv=1, d=64,
@@ -156,9 +161,55 @@ def run_case(case: Case, device="cuda") -> dict:
                 seconds=round(time.time() - t0, 1))
 
 
+def run_ring_case(case: Case, device="cuda") -> dict:
+    """A one-rank case through :func:`~megatron_mtraining.ring.ring_attention` itself (its autograd
+    function, the backend's delta kernel and merge), ``kernel_backend`` chosen as the plan does
+    (``auto`` with documents); same oracle, reference and criterion as :func:`run_case`."""
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ring import ring_attention
+
+    if case.layout[1] != 1:
+        raise ValueError("run_ring_case runs one rank (cp 1)")
+    t0 = time.time()
+    layout = Layout(*case.layout)
+    cu, pad = offsets(case)
+    s = case.seq
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=case.batch,
+                                           cu_seqlens_padded=torch.tensor(pad), device=device)
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    mk = lambda h: torch.randn(case.batch, s, h, case.d, generator=g, device=device).to(case.dtype)  # noqa: E731
+    q, k, v, dout = mk(case.hq), mk(case.hkv), mk(case.hkv), mk(case.hq)
+    scale = case.d ** -0.5
+    gold = _per_document(lambda *a: oracle(*a), q, k, v, dout, cu, pad, scale)
+    ref = _per_document(lambda *a: bf16_reference(*a), q, k, v, dout, cu, pad, scale)
+    backend = select_backend("auto", device=device, dtype=case.dtype, head_dim=case.d, seq_len_local=s,
+                             packed=True, deterministic=False)
+
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = ring_attention(qq, kk, vv, layout=layout, group=None, softmax_scale=scale, backend=backend,
+                             documents=docs)
+        out.backward(dout)
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    out, dq, dk, dv = _poisoned(run, device)
+    ours = (out, dq, dk, dv)
+    names = ("out", "dq", "dk", "dv")
+    gold4, ref4 = (gold[0], *gold[2:]), (ref[0], *ref[2:])
+    e_ours = {n: rel_err(a, r) for n, a, r in zip(names, ours, gold4)}
+    e_ref = {n: rel_err(a, r) for n, a, r in zip(names, ref4, gold4)}
+    ratio = {n: e_ours[n] / max(e_ref[n], 1e-12) for n in names}
+    nan = any(bool(torch.isnan(t).any()) for t in ours)
+    padding = ~docs.real()
+    pad_zero = all(bool((t[padding] == 0).all()) for t in ours)
+    ok = (not nan) and pad_zero and all(ratio[n] <= 2.0 for n in names)
+    return dict(case=case.id + "-ring", backend=backend.name, err_ours=e_ours, err_bf16_ref=e_ref, ratio=ratio,
+                nan=nan, padding_exact_zero=pad_zero, ok=ok, seconds=round(time.time() - t0, 1))
+
+
 def describe(row: dict) -> str:
     return (f"{'OK ' if row['ok'] else 'BAD'} {row['case']:40s} "
-            + " ".join(f"{n}={row['err_ours'][n]:.2e}/{row['err_bf16_ref'][n]:.2e}" for n in NAMES)
+            + " ".join(f"{n}={row['err_ours'][n]:.2e}/{row['err_bf16_ref'][n]:.2e}" for n in row["err_ours"])
             + f" pad0={row['padding_exact_zero']} nan={row['nan']} ({row['seconds']}s)")
 
 
@@ -171,9 +222,10 @@ def main():
     if device == "cuda":
         print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     results, oks = [], []
-    for c in cases:
+    runs = [(run_case, c) for c in cases] + [(run_ring_case, c) for c in (RING_CASES if device == "cuda" else ())]
+    for fn, c in runs:
         try:
-            row = run_case(c, device)
+            row = fn(c, device)
             results.append(row)
             print(describe(row), flush=True)
             oks.append(row["ok"])
