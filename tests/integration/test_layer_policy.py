@@ -201,3 +201,25 @@ def test_trainer_trains_with_a_layer_policy_and_cp2_matches_cp1(tmp_path):
         assert math.isfinite(x["lm_loss"])
         assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+
+
+def test_pipeline_stage_layers_take_their_global_layer_number(monkeypatch):
+    """With pipeline parallelism megatron-core adds the stage's offset to layer_number before it reaches
+    the core attention; the policy is keyed by that global number (a stage holding layers 3-4 of 4)."""
+    import megatron.core.transformer.transformer_layer as tl
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_mtraining.megatron.spec import get_gpt_layer_spec_with_mtraining
+
+    cfg = MTrainingConfig(pattern="vertical_slash", dense_layers=[3], layer_overrides={"4": {"recall": 0.99}})
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, hidden_dropout=0.0, **cpu_transformer_config_kwargs())
+    with one_rank_megatron():
+        apply_cpu_patches()
+        plan = resolve(cfg, cp_group=None, num_layers=4)
+        spec = get_gpt_layer_spec_with_mtraining(use_te=False, mtraining_config=plan)
+        monkeypatch.setattr(tl, "get_transformer_layer_offset", lambda *a, **k: 2)     # the second of two stages
+        stage = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+        core = [layer.self_attention.core_attention for layer in stage]
+        assert [a.layer_number for a in core] == [3, 4]
+        assert core[0].plan.pattern is None and core[1].plan.pattern.recall == 0.99
