@@ -21,9 +21,10 @@ from torch.profiler import record_function
 __all__ = ["acc_dtype", "default_softmax_scale", "TRITON_DTYPES", "triton_importable", "triton_runs_on",
            "record_function", "REGIONS", "REGION_ESTIMATOR_SCORES", "REGION_ESTIMATOR_SELECTION", "REGION_CONVERT",
            "REGION_PLAN", "REGION_ATTENTION_FWD", "REGION_ATTENTION_BWD", "REGION_COPIES", "REGION_LM_HEAD_LOSS",
-           "REGION_OPTIMIZER", "profiled"]
+           "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled"]
 
 # profiler ranges (record_function names) of one training iteration
+REGION_INPUT_CHECK = "mtraining.input_check"                  # cross-rank input check (once per signature)
 REGION_ESTIMATOR_SCORES = "mtraining.estimator.scores"        # probe softmax, column and diagonal scores
 REGION_ESTIMATOR_SELECTION = "mtraining.estimator.selection"  # budgets, sorts, the selected lines
 REGION_CONVERT = "mtraining.convert"                          # pattern -> per-step block / column lists
@@ -33,7 +34,7 @@ REGION_ATTENTION_BWD = "mtraining.attention.backward"
 REGION_COPIES = "mtraining.copies"                            # q/k/v and output layout copies around attention
 REGION_LM_HEAD_LOSS = "mtraining.lm_head_loss"                # output layer and cross entropy
 REGION_OPTIMIZER = "mtraining.optimizer"                      # gradient reduction, optimizer step, zeroing
-REGIONS = (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, REGION_CONVERT, REGION_PLAN, REGION_ATTENTION_FWD,
+REGIONS = (REGION_INPUT_CHECK, REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, REGION_CONVERT, REGION_PLAN, REGION_ATTENTION_FWD,
            REGION_ATTENTION_BWD, REGION_COPIES, REGION_LM_HEAD_LOSS, REGION_OPTIMIZER)
 
 # input dtypes the Triton kernels (attention, estimator, delta) take

@@ -28,13 +28,15 @@ from typing import Iterable, Optional
 
 from ..common import REGION_ATTENTION_BWD, REGION_OPTIMIZER, REGIONS
 
-__all__ = ["SYNC_EVENTS", "OTHER", "ATTENTION_PATH", "region_of_events", "region_rows", "summarize",
+__all__ = ["SYNC_EVENTS", "OTHER", "FLUSH", "ATTENTION_PATH", "region_of_events", "region_rows", "summarize",
            "markdown_table"]
 
 #: CUDA runtime calls that block the host until the device (stream, event, whole device) is done.
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2")
 OTHER = "other"
+#: a range whose events are left out (the profiling tool's own wait for the device at the end)
+FLUSH = "profile.flush"
 _BWD_MARK = "autograd::engine::evaluate_function"
 #: regions of the attention path (run once per layer and micro-batch)
 ATTENTION_PATH = tuple(r for r in REGIONS if r.startswith("mtraining.") and r not in
@@ -70,7 +72,8 @@ def region_of_events(events: Iterable) -> list:
     ``region``: a name of ``REGIONS`` or :data:`OTHER`; ``phase``: ``"forward"``, ``"backward"`` or
     ``"step"`` (optimizer)."""
     names = set(REGIONS)
-    evs = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU")]
+    evs = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU") and e.name != FLUSH
+           and not any(a.name == FLUSH for a in _ancestors(e))]
     # pass 1: the explicit region and backward flag of every event
     info = []
     fwd_region = {}

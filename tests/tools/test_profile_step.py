@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megatron_mtraining.bench.profile import OTHER, markdown_table, region_of_events, region_rows, summarize
+from megatron_mtraining.bench.profile import FLUSH, OTHER, markdown_table, region_of_events, region_rows, summarize
 from megatron_mtraining.common import (REGION_ATTENTION_FWD, REGION_CONVERT, REGION_LM_HEAD_LOSS, REGION_OPTIMIZER,
                                        REGIONS)
 from tools import profile_step as ps
@@ -87,9 +87,11 @@ def test_sync_calls_are_counted_per_region():
     sel = _event("mtraining.estimator.selection")
     item = _event("aten::_local_scalar_dense", sel)
     opt = _event(REGION_OPTIMIZER)
+    flush = _event(FLUSH)
     evs = [sel, item, _event("cudaStreamSynchronize", item, total_us=300.0),
            _event("cudaLaunchKernel", item, device_us=50.0), opt,
-           _event("cudaDeviceSynchronize", opt, total_us=1000.0)]
+           _event("cudaDeviceSynchronize", opt, total_us=1000.0), flush,
+           _event("cudaDeviceSynchronize", flush, total_us=5000.0)]          # the tool's own wait: left out
     rows = region_rows(evs, iterations=1)
     s = summarize(rows, "cuda", layer_calls=1)
     by = {(r["region"], r["phase"]): r for r in rows}
@@ -98,6 +100,19 @@ def test_sync_calls_are_counted_per_region():
     assert by[("mtraining.estimator.selection", "forward")]["device_ms"] == pytest.approx(0.05)
     assert by[(REGION_OPTIMIZER, "step")]["syncs"] == 1
     assert s["syncs"] == 2 and s["attention_path_syncs"] == 1 and s["attention_path_syncs_per_layer"] == 1
+
+
+def test_input_check_range_only_when_the_check_runs():
+    """``mtraining.input_check`` marks the cross-rank check: present on a new signature, absent on a
+    signature already passed (the end-to-end test below relies on it)."""
+    from megatron_mtraining.plan import resolve
+
+    plan = resolve(None, cp_group=None)
+    q = torch.randn(1, 64, 2, 8, dtype=torch.float64)
+    for expect in (True, False):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            plan.check_inputs(q, q, q, softmax_scale=0.5)
+        assert any(e.name == "mtraining.input_check" for e in prof.events()) == expect
 
 
 def test_trainer_argv_and_shapes():
@@ -136,4 +151,6 @@ def test_one_mode_end_to_end_on_cpu(tmp_path):
                  "mtraining.copies", "mtraining.lm_head_loss", "mtraining.optimizer"):
         assert name in regions, name
     assert run["layer_calls"] == 4 and run["syncs"] is None and run["step_s"] > 0
+    # the cross-rank input check ran in the warm-up (once per signature), not in the profiled iteration
+    assert "mtraining.input_check" not in regions
     assert "| mtraining.convert | forward |" in md.read_text()
