@@ -170,11 +170,11 @@ def run_one(a, mode: str) -> dict:
     config = transformer_config(args)
     torch.manual_seed(args.seed)
     model = build_model(args, config, vocab, device, plan=plan)
-    model, optimizer, scheduler = build_optimizer(args, config, model)
-    if args.load:
+    if args.load:          # weights only, before the optimizer copies them (fp32 main weights)
         from megatron_mtraining.training.checkpoint import load_model_weights
 
-        load_model_weights(args.load, model)
+        load_model_weights(args.load, model, args.ckpt_format)
+    model, optimizer, scheduler = build_optimizer(args, config, model)
     gpt = _unwrap(model)
     _label(gpt.output_layer, "forward", REGION_LM_HEAD_LOSS)
     _label(gpt, "compute_language_model_loss", REGION_LM_HEAD_LOSS)

@@ -154,3 +154,21 @@ def test_one_mode_end_to_end_on_cpu(tmp_path):
     # the cross-rank input check ran in the warm-up (once per signature), not in the profiled iteration
     assert "mtraining.input_check" not in regions
     assert "| mtraining.convert | forward |" in md.read_text()
+
+
+@pytest.mark.gpu
+def test_cuda_syncs_are_found_in_a_real_trace():
+    """CUDA: an ``.item()`` inside a range is counted as a host sync of that range; queued kernels
+    without a read are not."""
+    x = torch.randn(1024, 1024, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(REGION_CONVERT):
+            (x @ x).sum().item()
+        with record_function(REGION_ATTENTION_FWD):
+            x @ x
+        torch.cuda.synchronize()
+    by = {(r["region"], r["phase"]): r for r in region_rows(prof.events())}
+    assert by[(REGION_CONVERT, "forward")]["syncs"] >= 1
+    assert by[(REGION_CONVERT, "forward")]["device_ms"] > 0
+    assert by[(REGION_ATTENTION_FWD, "forward")]["syncs"] == 0 and by[(REGION_ATTENTION_FWD, "forward")]["device_ms"] > 0
