@@ -233,11 +233,13 @@ class CPPlan:
                float(softmax_scale), bool(causal))
         if sig in self._checked:
             return
+        from megatron_mtraining.common import REGION_INPUT_CHECK, record_function
         from megatron_mtraining.ring import check_ring_inputs
 
-        check_ring_inputs(q, k, v, self.layout, self.cp_group, what, True,
-                          hierarchical_groups=self.hierarchical_groups,
-                          **self.agreement_fields(softmax_scale, causal))
+        with record_function(REGION_INPUT_CHECK):
+            check_ring_inputs(q, k, v, self.layout, self.cp_group, what, True,
+                              hierarchical_groups=self.hierarchical_groups,
+                              **self.agreement_fields(softmax_scale, causal))
         self._checked.add(sig)
 
     def check_documents(self, documents, q: torch.Tensor, what: str = "MTrainingAttention",

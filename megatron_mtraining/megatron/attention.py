@@ -25,6 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mtraining.common import REGION_COPIES, record_function
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
 from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
 from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
@@ -236,9 +237,10 @@ class MTrainingAttention(MegatronModule):
         sq, b, np_, hn = query.shape if query.dim() == 4 else (query.shape[0], 0, 0, 0)
         sbhd = query.dim() == key.dim() == value.dim() == 4
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(max(hn, 1))
-        q = query.transpose(0, 1).contiguous() if sbhd else query  # [b, s_local, np, hn]
-        k = key.transpose(0, 1).contiguous() if sbhd else key  # [b, s_local, ng, hn]
-        v = value.transpose(0, 1).contiguous() if sbhd else value
+        with record_function(REGION_COPIES):
+            q = query.transpose(0, 1).contiguous() if sbhd else query  # [b, s_local, np, hn]
+            k = key.transpose(0, 1).contiguous() if sbhd else key  # [b, s_local, ng, hn]
+            v = value.transpose(0, 1).contiguous() if sbhd else value
         self.plan.check_inputs(q, k, v, softmax_scale=scale)   # every rank's verdict, once per shape
         documents = None
         if packed_seq_params is not None:
@@ -272,4 +274,5 @@ class MTrainingAttention(MegatronModule):
             )  # [b, s_local, np, hn]
         if thd:
             return out[0].reshape(sq, np_ * hn)
-        return out.transpose(0, 1).reshape(sq, b, np_ * hn)
+        with record_function(REGION_COPIES):
+            return out.transpose(0, 1).reshape(sq, b, np_ * hn)
