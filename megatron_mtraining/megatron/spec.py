@@ -27,6 +27,8 @@ __all__ = [
     "te_available",
     "get_gpt_layer_spec_with_mtraining",
     "replace_core_attention",
+    "TorchNorm",
+    "local_block_spec",
 ]
 
 
@@ -42,6 +44,74 @@ def te_available() -> bool:
     except Exception:
         return False
     return True
+
+
+class TorchNorm:
+    """The local spec's norm (``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``), usable with Megatron's
+    sequence parallelism.
+
+    Same constructor and module as megatron-core's ``WrappedTorchNorm``, which refuses
+    ``config.sequence_parallel`` only because it does not mark its parameters: with sequence
+    parallelism each TP rank normalizes its own slice of the sequence, so the norm's weight
+    (and bias) gradients are partial sums that ``finalize_model_grads`` must all-reduce over the TP
+    group. Here the parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute
+    apex' ``FusedLayerNorm`` and Transformer Engine's norms set for the same purpose.
+
+    Raises:
+        ValueError: ``config.normalization`` is not LayerNorm or RMSNorm, or a norm option that
+            torch's norms lack (``layernorm_zero_centered_gamma``, ``persist_layer_norm``,
+            ``memory_efficient_layer_norm``) is set.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        import torch
+
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+            if getattr(config, flag, False):
+                raise ValueError(f"TransformerConfig.{flag} is not supported by torch's LayerNorm/RMSNorm "
+                                 "(the local layer spec without apex or Transformer Engine)")
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r}: the local layer spec supports "
+                             "LayerNorm and RMSNorm")
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def _swap_torch_norms(spec: Any) -> None:
+    """Replace megatron-core's ``WrappedTorchNorm`` by :class:`TorchNorm` throughout ``spec``."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    sub = getattr(spec, "submodules", None)
+    if sub is None or not hasattr(sub, "__dict__"):
+        return
+    for name, val in vars(sub).items():
+        if val is WrappedTorchNorm:
+            setattr(sub, name, TorchNorm)
+        elif isinstance(val, ModuleSpec):
+            if val.module is WrappedTorchNorm:
+                val.module = TorchNorm
+            _swap_torch_norms(val)
+
+
+def local_block_spec(layer_spec: ModuleSpec, num_layers: int):
+    """``TransformerBlockSubmodules`` of ``num_layers`` copies of ``layer_spec`` whose final norm is
+    :class:`TorchNorm` when ``layer_spec`` is a local spec (its norms are :class:`TorchNorm`).
+
+    ``GPTModel`` given a layer spec builds the block's final norm from megatron-core's default
+    (``WrappedTorchNorm`` without apex / TE), which refuses sequence parallelism; pass this block
+    spec as ``transformer_layer_spec`` instead.
+    """
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    sub = getattr(layer_spec, "submodules", None)
+    local = getattr(sub, "input_layernorm", None) is TorchNorm or getattr(
+        getattr(sub, "input_layernorm", None), "module", None) is TorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers,
+                                      layer_norm=TorchNorm if local else LayerNormImpl)
 
 
 def _mtraining_core_attention(mtraining_config: ConfigOrPlan) -> ModuleSpec:
@@ -100,7 +170,9 @@ def get_gpt_layer_spec_with_mtraining(
             :class:`~megatron_mtraining.config.MTrainingConfig` (default: dense striped ring,
             granularity 64); see :func:`replace_core_attention`.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; passed to the local spec (the TE spec
-            reads ``TransformerConfig.normalization`` itself).
+            reads ``TransformerConfig.normalization`` itself). The local spec's norms are
+            :class:`TorchNorm` (torch's norms, usable with sequence parallelism; with it, build the
+            model from :func:`local_block_spec` so that the final norm is one too).
         **kwargs: forwarded to the megatron-core spec function (e.g. ``qk_layernorm``).
 
     Raises:
@@ -125,4 +197,5 @@ def get_gpt_layer_spec_with_mtraining(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, **kwargs)
+        _swap_torch_norms(base)         # the same torch norms, usable with sequence parallelism
     return replace_core_attention(base, mtraining_config)
