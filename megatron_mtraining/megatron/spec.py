@@ -98,20 +98,23 @@ def _swap_torch_norms(spec: Any) -> None:
 
 
 def local_block_spec(layer_spec: ModuleSpec, num_layers: int):
-    """``TransformerBlockSubmodules`` of ``num_layers`` copies of ``layer_spec`` whose final norm is
-    :class:`TorchNorm` when ``layer_spec`` is a local spec (its norms are :class:`TorchNorm`).
+    """``TransformerBlockSubmodules`` of ``num_layers`` copies of ``layer_spec`` for sequence
+    parallelism without apex or Transformer Engine.
 
-    ``GPTModel`` given a layer spec builds the block's final norm from megatron-core's default
-    (``WrappedTorchNorm`` without apex / TE), which refuses sequence parallelism; pass this block
-    spec as ``transformer_layer_spec`` instead.
+    megatron-core's local spec and, given a layer spec, ``GPTModel``'s final norm use
+    ``WrappedTorchNorm``, which refuses ``config.sequence_parallel``. Here a copy of ``layer_spec``
+    has every ``WrappedTorchNorm`` replaced by :class:`TorchNorm` (the same torch module, its
+    parameters marked for the TP gradient all-reduce) and the block's final norm is
+    :class:`TorchNorm` too; a spec without ``WrappedTorchNorm`` (TE, apex) keeps its norms and
+    megatron-core's default final norm. Pass the result to ``GPTModel`` as ``transformer_layer_spec``.
     """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    sub = getattr(layer_spec, "submodules", None)
-    local = getattr(sub, "input_layernorm", None) is TorchNorm or getattr(
-        getattr(sub, "input_layernorm", None), "module", None) is TorchNorm
+    layer_spec = copy.deepcopy(layer_spec)
+    _swap_torch_norms(layer_spec)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers,
-                                      layer_norm=TorchNorm if local else LayerNormImpl)
+                                      layer_norm=TorchNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl)
 
 
 def _mtraining_core_attention(mtraining_config: ConfigOrPlan) -> ModuleSpec:
@@ -170,9 +173,8 @@ def get_gpt_layer_spec_with_mtraining(
             :class:`~megatron_mtraining.config.MTrainingConfig` (default: dense striped ring,
             granularity 64); see :func:`replace_core_attention`.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; passed to the local spec (the TE spec
-            reads ``TransformerConfig.normalization`` itself). The local spec's norms are
-            :class:`TorchNorm` (torch's norms, usable with sequence parallelism; with it, build the
-            model from :func:`local_block_spec` so that the final norm is one too).
+            reads ``TransformerConfig.normalization`` itself). For sequence parallelism with the
+            local spec, build the model from :func:`local_block_spec` of this spec.
         **kwargs: forwarded to the megatron-core spec function (e.g. ``qk_layernorm``).
 
     Raises:
@@ -197,5 +199,4 @@ def get_gpt_layer_spec_with_mtraining(
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, **kwargs)
-        _swap_torch_norms(base)         # the same torch norms, usable with sequence parallelism
     return replace_core_attention(base, mtraining_config)
