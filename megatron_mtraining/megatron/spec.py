@@ -81,20 +81,24 @@ class TorchNorm:
         return norm
 
 
-def _swap_torch_norms(spec: Any) -> None:
-    """Replace megatron-core's ``WrappedTorchNorm`` by :class:`TorchNorm` throughout ``spec``."""
+def _with_torch_norms(spec: Any) -> Any:
+    """A copy of ``spec`` with every megatron-core ``WrappedTorchNorm`` replaced by :class:`TorchNorm`.
+
+    ``ModuleSpec`` objects and their ``submodules`` are copied (shallow) along the way; ``params``
+    are shared, not deep-copied (a plan in them holds process groups).
+    """
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    sub = getattr(spec, "submodules", None)
-    if sub is None or not hasattr(sub, "__dict__"):
-        return
-    for name, val in vars(sub).items():
-        if val is WrappedTorchNorm:
-            setattr(sub, name, TorchNorm)
-        elif isinstance(val, ModuleSpec):
-            if val.module is WrappedTorchNorm:
-                val.module = TorchNorm
-            _swap_torch_norms(val)
+    if not isinstance(spec, ModuleSpec):
+        return TorchNorm if spec is WrappedTorchNorm else spec
+    spec = copy.copy(spec)
+    if spec.module is WrappedTorchNorm:
+        spec.module = TorchNorm
+    if spec.submodules is not None and hasattr(spec.submodules, "__dict__"):
+        spec.submodules = copy.copy(spec.submodules)
+        for name, val in vars(spec.submodules).items():
+            setattr(spec.submodules, name, _with_torch_norms(val))
+    return spec
 
 
 def local_block_spec(layer_spec: ModuleSpec, num_layers: int):
@@ -111,8 +115,7 @@ def local_block_spec(layer_spec: ModuleSpec, num_layers: int):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    layer_spec = copy.deepcopy(layer_spec)
-    _swap_torch_norms(layer_spec)
+    layer_spec = _with_torch_norms(layer_spec)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers,
                                       layer_norm=TorchNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl)
 

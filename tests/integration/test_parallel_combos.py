@@ -233,3 +233,27 @@ def test_bad_combinations_fail_on_every_rank(tiny, tmp_path, over, nproc, needle
     assert res.returncode not in (0, None), res.tail()
     assert res.stderr.count(needle) >= nproc, res.tail()       # every rank says why
     assert "iteration" not in res.stdout
+
+
+# ---------------------------------------------------------------------------- the norm spec
+def test_local_block_spec_uses_sequence_parallel_torch_norms():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_mtraining.config import MTrainingConfig
+    from megatron_mtraining.megatron.spec import TorchNorm, get_gpt_layer_spec_with_mtraining, local_block_spec
+
+    layer = get_gpt_layer_spec_with_mtraining(use_te=False, mtraining_config=MTrainingConfig(), normalization="RMSNorm")
+    block = local_block_spec(layer, 3)
+    assert len(block.layer_specs) == 3 and block.layer_norm is TorchNorm
+    sub = block.layer_specs[0].submodules
+    assert sub.input_layernorm is TorchNorm and sub.pre_mlp_layernorm is TorchNorm
+    assert sub.self_attention.submodules.core_attention.module is layer.submodules.self_attention.submodules.core_attention.module
+    assert layer.submodules.input_layernorm is WrappedTorchNorm          # the given spec is not modified
+    cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True)
+    norm = TorchNorm(cfg, 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    assert TorchNorm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=False), 8).bias.sequence_parallel is False
+    with pytest.raises(ValueError, match="L2Norm"):
+        TorchNorm(SimpleNamespace(normalization="L2Norm", sequence_parallel=False), 8)
