@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="accepted for compatibility: only 1 (the example trainer has no pipeline schedule)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism: the layer norms, dropout and residuals of each rank's "
                         "CP chunk are split along the sequence over the TP group (needs "
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cross-entropy-chunk-tokens", type=_chunk_tokens, default="auto", metavar="auto|0|N",
                    help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
-                        "when a micro-batch's fp32 logits exceed 1 GiB; 0: never")
+                        "when a micro-batch's fp32 logits exceed 1 GiB (never with --sequence-parallel); 0: never")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
                         "gradient is NaN/Inf, naming the iteration and the first offending parameter; "
@@ -284,6 +286,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                       ("--distributed-timeout-minutes", args.distributed_timeout_minutes)):
         if val is None or val < 1:
             raise E(f"{flag} must be >= 1, got {val}")
+    if args.pipeline_model_parallel_size != 1:
+        raise E(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the example trainer has no "
+                "pipeline schedule (pipeline parallelism is not supported; use 1)")
     if ws % (tp * cp) != 0:
         raise E(f"world size {ws} is not divisible by --tensor-model-parallel-size ({tp}) x "
                 f"--context-parallel-size ({cp})")
@@ -323,6 +328,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--sequence-parallel: the {args.seq_length // cp} tokens of each CP rank (--seq-length "
                 f"{args.seq_length} / --context-parallel-size {cp}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})")
+    if args.sequence_parallel and args.cross_entropy_chunk_tokens not in ("auto", 0):
+        raise E(f"--cross-entropy-chunk-tokens {args.cross_entropy_chunk_tokens} with --sequence-parallel: the "
+                "chunked LM-head loss does not support sequence parallelism (use auto, which does not chunk "
+                "with it, or 0)")
     if args.ffn_hidden_size % tp != 0:
         raise E(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:

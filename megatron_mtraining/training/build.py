@@ -188,10 +188,13 @@ def build_optimizer(args, config, model):
 
 
 def lm_loss_chunk_tokens(args, vocab_size: int) -> int:
-    """Sequence positions per chunk of the LM-head loss (``--cross-entropy-chunk-tokens``; 0: unchunked)."""
+    """Sequence positions per chunk of the LM-head loss (``--cross-entropy-chunk-tokens``; 0: unchunked;
+    ``auto`` never chunks with ``--sequence-parallel``)."""
     from megatron_mtraining.megatron.lm_loss import auto_chunk_tokens
 
     n = getattr(args, "cross_entropy_chunk_tokens", 0)
+    if n == "auto" and getattr(args, "sequence_parallel", False):
+        return 0                          # the chunked loss does not support sequence parallelism
     if n == "auto":
         vocab_local = vocab_size // args.tensor_model_parallel_size
         return auto_chunk_tokens(args.seq_length // args.context_parallel_size, args.micro_batch_size, vocab_local)

@@ -195,11 +195,14 @@ def test_recompute_cp2_matches_no_recompute(tiny, tmp_path, reference, cp2_refer
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("over,world,needle", [
     ({"--sequence-parallel": None}, 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ({"--pipeline-model-parallel-size": 2}, 2, "--pipeline-model-parallel-size 2: the example trainer has no"),
     ({"--tensor-model-parallel-size": 2, "--ffn-hidden-size": 99}, 2,
      "--ffn-hidden-size (99) must be divisible by --tensor-model-parallel-size (2)"),
     ({"--tensor-model-parallel-size": 2, "--sequence-parallel": None, "--context-parallel-size": 2,
       "--seq-length": 258, "--cp-granularity": 1}, 4, "the 129 tokens of each CP rank"),
     ({"--recompute-granularity": "full", "--recompute-method": "uniform"}, 1, "--recompute-num-layers"),
+    ({"--tensor-model-parallel-size": 2, "--sequence-parallel": None, "--cross-entropy-chunk-tokens": 64}, 2,
+     "--cross-entropy-chunk-tokens 64 with --sequence-parallel"),
 ])
 def test_validation_names_the_rule(tiny, over, world, needle):
     from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
