@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="accepted for compatibility: only 1 (the example trainer has no pipeline schedule)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism: the layer norms, dropout and residuals of each rank's "
+                        "CP chunk are split along the sequence over the TP group (needs "
+                        "--tensor-model-parallel-size > 1)")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-attention", choices=CP_ATTENTION_CHOICES, default="mtraining",
                    help="core attention under CP: mtraining (ring attention, striped layout; runs on CPU "
@@ -85,9 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SIZE", help="INNER OUTER: two-level ring (inner = intra-node CP ranks, outer = "
                                         "nodes); Megatron's hierarchical CP groups")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="activation recomputation (GPU only: megatron-core's checkpointing uses the CUDA RNG)")
+                   help="activation recomputation (megatron-core's): selective recomputes the core attention "
+                        "in the backward pass, full recomputes whole layers (--recompute-method, "
+                        "--recompute-num-layers); CPU and GPU")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state and fp32 main parameters over the data-parallel group "
+                        "(with CP: the DP x CP group), megatron-core's DistributedOptimizer (ZeRO-1)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
@@ -121,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cross-entropy-chunk-tokens", type=_chunk_tokens, default="auto", metavar="auto|0|N",
                    help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
-                        "when a micro-batch's fp32 logits exceed 1 GiB; 0: never")
+                        "when a micro-batch's fp32 logits exceed 1 GiB (never with --sequence-parallel); 0: never")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
                         "gradient is NaN/Inf, naming the iteration and the first offending parameter; "
@@ -277,6 +288,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                       ("--distributed-timeout-minutes", args.distributed_timeout_minutes)):
         if val is None or val < 1:
             raise E(f"{flag} must be >= 1, got {val}")
+    if args.pipeline_model_parallel_size != 1:
+        raise E(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the example trainer has no "
+                "pipeline schedule (pipeline parallelism is not supported; use 1)")
     if ws % (tp * cp) != 0:
         raise E(f"world size {ws} is not divisible by --tensor-model-parallel-size ({tp}) x "
                 f"--context-parallel-size ({cp})")
@@ -309,6 +323,19 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
         raise E(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
                 f"({args.seq_length}) with learned_absolute position embeddings")
+    if args.sequence_parallel and tp == 1:
+        raise E("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the "
+                "tensor-parallel group)")
+    if args.sequence_parallel and (args.seq_length // cp) % tp != 0:
+        raise E(f"--sequence-parallel: the {args.seq_length // cp} tokens of each CP rank (--seq-length "
+                f"{args.seq_length} / --context-parallel-size {cp}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+    if args.sequence_parallel and args.cross_entropy_chunk_tokens not in ("auto", 0):
+        raise E(f"--cross-entropy-chunk-tokens {args.cross_entropy_chunk_tokens} with --sequence-parallel: the "
+                "chunked LM-head loss does not support sequence parallelism (use auto, which does not chunk "
+                "with it, or 0)")
+    if args.ffn_hidden_size % tp != 0:
+        raise E(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:
         raise E("--bf16 and --fp16 are mutually exclusive")
 
@@ -328,9 +355,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             args.cp_layout = "striped"
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
-    if args.recompute_granularity is not None and not _cuda_available():
-        raise E(f"--recompute-granularity {args.recompute_granularity}: activation recomputation needs CUDA "
-                "(megatron-core's checkpoint function saves and restores the CUDA RNG state)")
     apply_mtraining_config(args, cp)          # mtraining: the layout rules are checked there
     if args.mtraining is None:
         try:
@@ -385,6 +409,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             if not Path(prefix + ext).is_file():
                 raise E(f"--data-path: {prefix + ext} not found (give the prefix without .bin/.idx)")
     args.split_fractions = parse_split(args.split)
+    if args.use_distributed_optimizer and (args.save or args.load):
+        raise E(f"{'--save' if args.save else '--load'} with --use-distributed-optimizer: the example trainer does "
+                "not checkpoint the distributed optimizer (megatron-core's sharded optimizer state cannot be "
+                "reloaded here); train without --save/--load, or without --use-distributed-optimizer")
     if args.load is not None and not Path(args.load).exists():
         raise E(f"--load: checkpoint directory not found: {args.load}")
     return args

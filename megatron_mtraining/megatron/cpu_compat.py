@@ -23,11 +23,13 @@ context is entered only around the wrapped functions, never globally.
 The patches (see :data:`_PATCHES`): ``RotaryEmbedding.get_emb``, ``GlobalMemoryBuffer.get_tensor``,
 ``_ParamAndGradBuffer.__init__``, the optimizers' ``__init__`` (FP32 / mixed precision / float16,
 ``ChainedOptimizer.get_loss_scale``), the grad scalers' ``__init__``, ``get_grad_norm_fp32`` /
-``clip_grad_by_total_norm_fp32`` / ``count_zeros_fp32``, ``dist_checkpointing.save`` / ``load``.
+``clip_grad_by_total_norm_fp32`` / ``count_zeros_fp32``, ``dist_checkpointing.save`` / ``load``,
+the tensor-parallel / sequence-parallel communication buffers, ``DistributedOptimizer.__init__``
+and the RNG-state save/restore of activation recomputation.
 :func:`patch_missing_psutil` is separate (not CUDA-related).
 
-Not patched (not on our path; avoid on CPU): sequence parallelism, CUDA graphs, the distributed
-optimizer, overlapped grad reduce (CUDA streams), inference KV caches, yarn/mrope embeddings, and
+Not patched (not on our path; avoid on CPU): CUDA graphs, overlapped grad reduce and param
+gather (CUDA streams), ``distribute_saved_activations``, inference KV caches, yarn/mrope embeddings, and
 ``rope_utils.get_pos_emb_on_this_cp_rank`` (our :mod:`megatron_mtraining.megatron.rope` replaces
 the CP slicing of RoPE altogether).
 
@@ -203,6 +205,53 @@ def _patch_dist_checkpointing() -> None:
         setattr(dist_checkpointing, name, wrapped)
 
 
+def _patch_tensor_parallel_comms() -> None:
+    """Sequence parallelism and tensor-parallel linears allocate their communication buffers with
+    ``device=torch.cuda.current_device()``: ``mappings._gather_along_first_dim`` /
+    ``_gather_along_last_dim`` / ``_reduce_scatter_along_first_dim`` (the SP all-gather and
+    reduce-scatter), and ``LinearWithGradAccumulationAndAsyncCommunication`` (the all-gathered
+    input and the reduce-scattered input gradient of a sequence-parallel linear). The mapping
+    functions are looked up by name inside ``mappings``, so wrapping the module attributes reaches
+    every caller; the autograd function's ``forward`` / ``backward`` are wrapped in place."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for name in ("_gather_along_first_dim", "_gather_along_last_dim", "_reduce_scatter_along_first_dim"):
+        _wrap_attr(mappings, name)
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    for name in ("forward", "backward"):
+        setattr(fn, name, staticmethod(_on_cpu(getattr(fn, name))))
+
+
+def _patch_distributed_optimizer() -> None:
+    """``DistributedOptimizer.__init__`` accepts model parameters only if ``param.type()`` is a
+    ``'torch.cuda.*Tensor'`` and builds its shard views there; ``_copy_model_params_to_main_params``
+    and the parameter all-gather buffers use ``torch.cuda.current_device()``
+    (``--use-distributed-optimizer``)."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    _wrap_attr(do.DistributedOptimizer, "__init__")
+
+
+def _patch_checkpoint_rng_states() -> None:
+    """Activation recomputation (``tensor_parallel.checkpoint``, ``CheckpointWithoutOutput``) saves
+    the CPU RNG state, the CUDA RNG state and megatron's RNG-tracker states in the forward pass and
+    restores them for the recomputation (``random._get_all_rng_states`` / ``_set_all_rng_states``).
+    Without CUDA there is no CUDA state: these two functions are replaced by ones that keep the CPU
+    state and the tracker's states (``cpu_seed``'s tracker runs on the CPU generator) and skip the
+    CUDA one, so the recomputed forward draws the same random numbers as the first."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_all_rng_states():
+        return torch.get_rng_state(), None, mrandom.get_cuda_rng_tracker().get_states()
+
+    def set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
+        torch.set_rng_state(cpu_rng_state)
+        mrandom.get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+
+    mrandom._get_all_rng_states = get_all_rng_states
+    mrandom._set_all_rng_states = set_all_rng_states
+
+
 _PATCHES: tuple[Callable[[], None], ...] = (
     _patch_rotary_get_emb,
     _patch_global_memory_buffer,
@@ -211,6 +260,9 @@ _PATCHES: tuple[Callable[[], None], ...] = (
     _patch_grad_scalers,
     _patch_clip_grads,
     _patch_dist_checkpointing,
+    _patch_tensor_parallel_comms,
+    _patch_distributed_optimizer,
+    _patch_checkpoint_rng_states,
 )
 
 

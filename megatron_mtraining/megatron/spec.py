@@ -27,6 +27,8 @@ __all__ = [
     "te_available",
     "get_gpt_layer_spec_with_mtraining",
     "replace_core_attention",
+    "TorchNorm",
+    "local_block_spec",
 ]
 
 
@@ -42,6 +44,80 @@ def te_available() -> bool:
     except Exception:
         return False
     return True
+
+
+class TorchNorm:
+    """The local spec's norm (``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``), usable with Megatron's
+    sequence parallelism.
+
+    Same constructor and module as megatron-core's ``WrappedTorchNorm``, which refuses
+    ``config.sequence_parallel`` only because it does not mark its parameters: with sequence
+    parallelism each TP rank normalizes its own slice of the sequence, so the norm's weight
+    (and bias) gradients are partial sums that ``finalize_model_grads`` must all-reduce over the TP
+    group. Here the parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute
+    apex' ``FusedLayerNorm`` and Transformer Engine's norms set for the same purpose.
+
+    Raises:
+        ValueError: ``config.normalization`` is not LayerNorm or RMSNorm, or a norm option that
+            torch's norms lack (``layernorm_zero_centered_gamma``, ``persist_layer_norm``,
+            ``memory_efficient_layer_norm``) is set.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        import torch
+
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+            if getattr(config, flag, False):
+                raise ValueError(f"TransformerConfig.{flag} is not supported by torch's LayerNorm/RMSNorm "
+                                 "(the local layer spec without apex or Transformer Engine)")
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r}: the local layer spec supports "
+                             "LayerNorm and RMSNorm")
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def _with_torch_norms(spec: Any) -> Any:
+    """A copy of ``spec`` with every megatron-core ``WrappedTorchNorm`` replaced by :class:`TorchNorm`.
+
+    ``ModuleSpec`` objects and their ``submodules`` are copied (shallow) along the way; ``params``
+    are shared, not deep-copied (a plan in them holds process groups).
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not isinstance(spec, ModuleSpec):
+        return TorchNorm if spec is WrappedTorchNorm else spec
+    spec = copy.copy(spec)
+    if spec.module is WrappedTorchNorm:
+        spec.module = TorchNorm
+    if spec.submodules is not None and hasattr(spec.submodules, "__dict__"):
+        spec.submodules = copy.copy(spec.submodules)
+        for name, val in vars(spec.submodules).items():
+            setattr(spec.submodules, name, _with_torch_norms(val))
+    return spec
+
+
+def local_block_spec(layer_spec: ModuleSpec, num_layers: int):
+    """``TransformerBlockSubmodules`` of ``num_layers`` copies of ``layer_spec`` for sequence
+    parallelism without apex or Transformer Engine.
+
+    megatron-core's local spec and, given a layer spec, ``GPTModel``'s final norm use
+    ``WrappedTorchNorm``, which refuses ``config.sequence_parallel``. Here a copy of ``layer_spec``
+    has every ``WrappedTorchNorm`` replaced by :class:`TorchNorm` (the same torch module, its
+    parameters marked for the TP gradient all-reduce) and the block's final norm is
+    :class:`TorchNorm` too; a spec without ``WrappedTorchNorm`` (TE, apex) keeps its norms and
+    megatron-core's default final norm. Pass the result to ``GPTModel`` as ``transformer_layer_spec``.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    layer_spec = _with_torch_norms(layer_spec)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers,
+                                      layer_norm=TorchNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl)
 
 
 def _mtraining_core_attention(mtraining_config: ConfigOrPlan) -> ModuleSpec:
@@ -100,7 +176,8 @@ def get_gpt_layer_spec_with_mtraining(
             :class:`~megatron_mtraining.config.MTrainingConfig` (default: dense striped ring,
             granularity 64); see :func:`replace_core_attention`.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; passed to the local spec (the TE spec
-            reads ``TransformerConfig.normalization`` itself).
+            reads ``TransformerConfig.normalization`` itself). For sequence parallelism with the
+            local spec, build the model from :func:`local_block_spec` of this spec.
         **kwargs: forwarded to the megatron-core spec function (e.g. ``qk_layernorm``).
 
     Raises:

@@ -47,6 +47,7 @@ def transformer_config(args):
         add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=getattr(args, "sequence_parallel", False),
         context_parallel_size=args.context_parallel_size, cp_comm_type="p2p",
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         calculate_per_token_loss=True,  # DDP sums grads; we divide by the global token count
@@ -117,6 +118,10 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
         spec = layer_spec
     elif mtraining:
         spec = _mtraining_layer_spec(args, plan)
+        if config.sequence_parallel:          # the block's final norm must take sequence parallelism too
+            from megatron_mtraining.megatron.spec import local_block_spec
+
+            spec = local_block_spec(spec, args.num_layers)
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -151,7 +156,9 @@ def build_optimizer(args, config, model):
 
     Returns:
         ``(ddp_model, optimizer, scheduler)``: ``DistributedDataParallel`` (gradients reduced in
-        fp32 with --bf16/--fp16), ``get_megatron_optimizer`` (``--optimizer``, clipping, loss
+        fp32 with --bf16/--fp16; reduce-scattered over DP x CP with --use-distributed-optimizer),
+        ``get_megatron_optimizer`` (megatron-core's ``DistributedOptimizer`` with
+        --use-distributed-optimizer) (``--optimizer``, clipping, loss
         scale) and ``OptimizerParamScheduler`` whose steps count samples (iterations x
         ``--global-batch-size``).
     """
@@ -159,14 +166,15 @@ def build_optimizer(args, config, model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    dist_opt = bool(getattr(args, "use_distributed_optimizer", False))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16 or args.fp16,
-                                               overlap_grad_reduce=False, use_distributed_optimizer=False)
+                                               overlap_grad_reduce=False, use_distributed_optimizer=dist_opt)
     model = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
-        loss_scale=args.loss_scale, use_distributed_optimizer=False,
+        loss_scale=args.loss_scale, use_distributed_optimizer=dist_opt,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
     gbs = args.global_batch_size
@@ -180,10 +188,13 @@ def build_optimizer(args, config, model):
 
 
 def lm_loss_chunk_tokens(args, vocab_size: int) -> int:
-    """Sequence positions per chunk of the LM-head loss (``--cross-entropy-chunk-tokens``; 0: unchunked)."""
+    """Sequence positions per chunk of the LM-head loss (``--cross-entropy-chunk-tokens``; 0: unchunked;
+    ``auto`` never chunks with ``--sequence-parallel``)."""
     from megatron_mtraining.megatron.lm_loss import auto_chunk_tokens
 
     n = getattr(args, "cross_entropy_chunk_tokens", 0)
+    if n == "auto" and getattr(args, "sequence_parallel", False):
+        return 0                          # the chunked loss does not support sequence parallelism
     if n == "auto":
         vocab_local = vocab_size // args.tensor_model_parallel_size
         return auto_chunk_tokens(args.seq_length // args.context_parallel_size, args.micro_batch_size, vocab_local)
