@@ -389,6 +389,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.eval_iters < 0:
         raise E(f"--eval-iters must be >= 0, got {args.eval_iters}")
 
+    if args.use_distributed_optimizer and (args.save or args.load):
+        raise E(f"{'--save' if args.save else '--load'} with --use-distributed-optimizer: the example trainer does "
+                "not checkpoint the distributed optimizer (megatron-core's sharded optimizer state cannot be "
+                "reloaded here); train without --save/--load, or without --use-distributed-optimizer")
+
     # --- files
     if not check_files:
         args.split_fractions = parse_split(args.split)
@@ -409,10 +414,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             if not Path(prefix + ext).is_file():
                 raise E(f"--data-path: {prefix + ext} not found (give the prefix without .bin/.idx)")
     args.split_fractions = parse_split(args.split)
-    if args.use_distributed_optimizer and (args.save or args.load):
-        raise E(f"{'--save' if args.save else '--load'} with --use-distributed-optimizer: the example trainer does "
-                "not checkpoint the distributed optimizer (megatron-core's sharded optimizer state cannot be "
-                "reloaded here); train without --save/--load, or without --use-distributed-optimizer")
     if args.load is not None and not Path(args.load).exists():
         raise E(f"--load: checkpoint directory not found: {args.load}")
     return args
