@@ -161,3 +161,19 @@ def test_per_query_head_repeats_group_rows_adjacently():
     with pytest.raises(ValueError, match="GQA"):
         st.per_query_head(3)
     assert dataclasses.replace(st, known_max=None).per_query_head(4).num_heads == 4
+
+
+def test_plan_carries_share_pattern_to_the_ring_and_the_agreement(tmp_path):
+    """The option reaches the consumers through the plan: its pattern config (what the attention
+    module passes to the sparse ring) and the fields every CP rank must agree on."""
+    from megatron_mtraining.plan import resolve
+
+    f = tmp_path / "c.yaml"
+    f.write_text("implementation: striped\ngranularity: 64\npattern: vertical_slash\n"
+                 "vertical_slash:\n  share_pattern: kv_group\n")
+    plan = resolve(str(f), cp_group=None, seq_len=1024, device="cpu", dtype=torch.float32)
+    assert plan.pattern.share_pattern == "kv_group"
+    fields = plan.agreement_fields(softmax_scale=0.125)
+    assert fields["share_pattern"] == 1
+    f.write_text("implementation: striped\ngranularity: 64\npattern: vertical_slash\n")
+    assert resolve(str(f), cp_group=None, seq_len=1024).agreement_fields(softmax_scale=0.125)["share_pattern"] == 0
