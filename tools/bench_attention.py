@@ -37,8 +37,9 @@ pairs. Times: :func:`megatron_mtraining.bench.measure` (median of CUDA-event tim
 --share-pattern kv_group --save-pattern``), timed as ``ours_{det,fast}_kvg_head`` (the same pattern
 repeated per query head: per-head programs, each K/V tile loaded once per query head),
 ``ours_{det,fast}_kvg_nopack`` (per-group indices, one program per query head) and
-``ours_{det,fast}_kvg_pack{128,256}`` (per-group indices, the group's heads packed into 128- / 256-row
-tiles). The work (pairs) is identical in all of them; ``speedup_vs_head`` compares with the first.
+``ours_{det,fast}_kvg_default`` (per-group indices, the default :class:`KernelConfig` packing),
+``ours_{det,fast}_kvg_pack{128,256}`` (the group's heads packed into 128- / 256-row forward tiles,
+partial tiles allowed, dQ unpacked) and ``ours_{det,fast}_kvg_pack256_dq{128,256}`` (dQ packed too). The work (pairs) is identical in all of them; ``speedup_vs_head`` compares with the first.
 ``both`` also keeps the per-head rows of the default run.
 
 ``--pattern-file P`` times the kernels on a saved pattern instead (e.g. one the online estimator made on real text
@@ -300,9 +301,14 @@ def kv_group_rows(q, k, v, dout, idx_g, scale, budget, emit, base, cud=None):
     s = q.shape[1]
     pairs = (int(idx_g.block_count.sum()) + int(((idx_g.column_count + 63) // 64).sum())) * 64 * 64 * (hq // k.shape[2])
     full = idx_g.per_query_head(hq)
-    variants = [("head", full, None), ("nopack", idx_g, dataclasses.replace(launch.DEFAULT_CONFIG, pack_gqa=False)),
-                ("pack128", idx_g, dataclasses.replace(launch.DEFAULT_CONFIG, pack_gqa_rows=128)),
-                ("pack256", idx_g, dataclasses.replace(launch.DEFAULT_CONFIG, pack_gqa_rows=256))]
+    cfg0 = launch.DEFAULT_CONFIG
+    anyp = dict(pack_gqa_partial=True, pack_gqa_min_heads=1)           # every packing, whatever the group size
+    variants = [("head", full, None), ("nopack", idx_g, dataclasses.replace(cfg0, pack_gqa=False)),
+                ("default", idx_g, cfg0),
+                ("pack128", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=128, pack_gqa_dq_rows=64, **anyp)),
+                ("pack256", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=256, pack_gqa_dq_rows=64, **anyp)),
+                ("pack256_dq128", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=256, pack_gqa_dq_rows=128, **anyp)),
+                ("pack256_dq256", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=256, pack_gqa_dq_rows=256, **anyp))]
     out, ref = {}, {}
     for name, idx, cfg in variants:
         plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True)

@@ -48,8 +48,8 @@ GQA group (each head's probe rows are softmax-normalised, so every head weighs t
 keeps the total mass ``last_q``), and steps 4-5 select one vertical set and one slash set per KV
 head from that mean. The pattern then has ``hkv`` heads; the selection, the all-reduce of the slash
 scores, the candidate all_gather and the index conversion run over ``hkv`` instead of ``hq`` heads
-(the probe softmax stays per query head), and the Triton kernels compute every query head of a
-group against each K/V tile they load. The ring moves whole K/V shards either way (no
+(the probe softmax stays per query head), and the Triton forward kernel computes several query
+heads of a group against each K/V tile it loads (``KernelConfig.pack_gqa``). The ring moves whole K/V shards either way (no
 communication is saved).
 
 Invariance. The pattern is a property of the sequence: it does not depend on ``cp_size`` or the
@@ -129,7 +129,8 @@ class VerticalSlashConfig:
         share_pattern: ``"head"`` (default): one pattern per query head; ``"kv_group"``: one pattern
             per KV head, shared by the ``hq / hkv`` query heads of its GQA group (selected from the
             group's mean probe mass, see :func:`estimate_vertical_slash`; the Triton kernels then
-            read each K/V tile once per group).
+            read one index list per group and pack several of its heads into one forward tile,
+            ``KernelConfig.pack_gqa``).
 
     Raises:
         ValueError: naming the offending field.

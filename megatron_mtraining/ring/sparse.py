@@ -183,8 +183,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             :mod:`megatron_mtraining.ring.hierarchical` instead of the flat ring. The pattern is still
             estimated over ``group``.
         config.share_pattern: ``"kv_group"`` estimates one pattern per KV head; the Triton step
-            kernels read it per group (every query head of a group against each K/V tile they load),
-            the other kernels get it repeated per query head.
+            kernels read it per group (``KernelConfig.pack_gqa``: several query heads of a group
+            against each K/V tile the forward loads), the other kernels get it repeated per query head.
         columns: ``"in_ring"`` (each ring step computes the columns its owner holds) or
             ``"out_of_ring"`` (:class:`ColumnPhase`: columns gathered once and computed outside the
             ring, which balances the steps; needs ``config.local_blocks >= 1``).

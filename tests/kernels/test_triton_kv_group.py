@@ -67,18 +67,25 @@ def _errs(got, ref, names):
     return {n: rel_err(g, r) for n, g, r in zip(names, got, ref)}
 
 
+_PACKINGS = {                                      # KernelConfig overrides: every tile mapping
+    "default": {},
+    "partial256": dict(pack_gqa_partial=True, pack_gqa_rows=256, pack_gqa_dq_rows=256, pack_gqa_min_heads=1),
+    "partial128": dict(pack_gqa_partial=True, pack_gqa_rows=128, pack_gqa_dq_rows=128, pack_gqa_min_heads=1),
+    "nopack": dict(pack_gqa=False),
+}
+
+
 @pytest.mark.parametrize("b,s,hq,hkv,d,causal", [
     (1, 128, 2, 2, 16, True),       # group size 1 (per-group == per-head)
     (1, 192, 3, 1, 16, True),       # group size 3, MQA (one index row for every head)
-    (2, 128, 6, 2, 32, True),       # group size 3: packed tile of 4 heads with a masked head, batch 2
+    (2, 128, 6, 2, 32, True),       # group size 3: partial packed tiles (a masked head), batch 2
     (1, 128, 8, 2, 16, False),      # group size 4, non-causal step (another owner)
 ])
-@pytest.mark.parametrize("pack,rows", [(True, 128), (True, 256), (False, 128)])
-def test_kv_group_kernels_match_fp64(b, s, hq, hkv, d, causal, pack, rows, monkeypatch):
+@pytest.mark.parametrize("packing", list(_PACKINGS))
+def test_kv_group_kernels_match_fp64(b, s, hq, hkv, d, causal, packing, monkeypatch):
     idx, (q, k, v, dout), scale, ref, (lse_g, delta_g) = _case(b, s, hq, hkv, d, causal, seed=hq * 10 + s + d)
     o_ref, l_ref, dq_r, dk_r, dv_r = ref
-    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, pack_gqa=pack,
-                                                                          pack_gqa_rows=rows))
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **_PACKINGS[packing]))
     out, lse = sparse_attention_forward(q, k, v, idx, scale)
     errs = _errs((out, lse), (o_ref, l_ref), ("out", "lse"))
     for det in (True, False):
@@ -94,11 +101,18 @@ def test_tile_mapping_packs_the_group():
         return launch.SparsePlan(*(torch.zeros(1, h, 2, dtype=torch.int32) for _ in range(2)),
                                  torch.zeros(1, h, 2, 1, dtype=torch.int32), None, None, 1)
     cfg = launch.DEFAULT_CONFIG
-    assert launch._heads(plan(8), 8, 2, cfg) == launch._Heads(8, 1, 1, 4, 8)              # per query head
-    assert launch._heads(plan(2), 8, 2, cfg) == launch._Heads(2, 4, 2, 2, 4)              # 128 rows: 2 heads
-    wide = dataclasses.replace(cfg, pack_gqa_rows=256)
-    assert launch._heads(plan(2), 6, 2, wide) == launch._Heads(2, 3, 4, 1, 2)             # 3 heads in a 4-slot tile
-    assert launch._heads(plan(2), 6, 2, dataclasses.replace(cfg, pack_gqa=False)) == launch._Heads(2, 3, 1, 3, 6)
+    H = launch._Heads
+    assert launch._heads(plan(8), 8, 2, cfg) == H(8, 1, 1, 4, 8)                 # per query head
+    assert launch._heads(plan(2), 8, 2, cfg) == H(2, 4, 4, 1, 2)                 # 256 rows: the 4 heads
+    assert launch._heads(plan(2), 16, 2, cfg) == H(2, 8, 4, 2, 4)                # 8 heads: two tiles of 4
+    assert launch._heads(plan(2), 16, 2, cfg, cfg.pack_gqa_dq_rows) == H(2, 8, 1, 8, 16)   # dQ: unpacked
+    assert launch._heads(plan(3), 9, 3, cfg) == H(3, 3, 1, 3, 9)                 # 3 heads: no power-of-two tile
+    assert launch._heads(plan(2), 4, 2, cfg) == H(2, 2, 1, 2, 4)                 # 2 heads < pack_gqa_min_heads
+    part = dataclasses.replace(cfg, pack_gqa_partial=True)
+    assert launch._heads(plan(2), 6, 2, part) == H(2, 3, 4, 1, 2)                # 3 heads in a 4-slot tile
+    two = dataclasses.replace(part, pack_gqa_rows=128, pack_gqa_min_heads=2)
+    assert launch._heads(plan(2), 6, 2, two) == H(2, 3, 2, 2, 4)                 # 2 + 1 (masked) heads
+    assert launch._heads(plan(2), 6, 2, dataclasses.replace(cfg, pack_gqa=False)) == H(2, 3, 1, 3, 6)
     with pytest.raises(ValueError, match="serve neither"):
         launch._heads(plan(3), 8, 2, cfg)
 

@@ -66,7 +66,7 @@ def test_share_pattern_kv_group_rows(tmp_path):
     assert not [r for r in rows if "error" in r], rows
     names = {r["impl"] for r in rows}
     for det in ("det", "fast"):
-        for var in ("head", "nopack", "pack128", "pack256"):
+        for var in ("head", "nopack", "default", "pack128", "pack256", "pack256_dq128", "pack256_dq256"):
             assert f"ours_{det}_kvg_{var}" in names and f"ours_{det}_kvg_{var}_all_layers" in names
     per_layer = [r for r in rows if r["impl"] == "ours_det_kvg_pack128"]
     assert [r["layer"] for r in per_layer] == [0]             # 2 rows, 2 KV heads per layer: one layer

@@ -10,7 +10,8 @@ Per launch (world size = cp): striped g=64, GQA 4/2 and 6/2, batch 2, S = 256, d
   different mask (negative control: the option changes the selection);
 * columns in the ring and out of it; kernels: the torch reference (``--kernels torch``: steps repeated
   per query head) or the Triton kernels in the CPU interpreter (``--kernels triton``: per-group
-  indices read by the kernels; the pattern is estimated by the fp64 torch path in both).
+  indices read by the kernels, every group's heads packed into one forward / dQ tile; the pattern is
+  estimated by the fp64 torch path in both).
 
     torchrun --nproc-per-node 2 tests/workers/kv_group_ring_check.py --kernels triton
 """
@@ -37,8 +38,13 @@ def check(prob, layout, group, kernels, columns, config):
     rank = dist.get_rank(group) if group is not None else 0
     cp = layout.cp_size
     ql, kl, vl, dl = prob.shards(layout, rank)
+    kcfg = None
+    if kernels == "triton":       # pack every group (2 heads of 4/2; 3 heads of 6/2 in a 4-slot tile with a masked head)
+        from megatron_mtraining.ops.triton.launch import KernelConfig
+
+        kcfg = KernelConfig(pack_gqa_partial=True, pack_gqa_min_heads=1, pack_gqa_dq_rows=256)
     backend = select_backend(kernels, device=ql.device, dtype=ql.dtype, head_dim=ql.shape[-1],
-                             seq_len_local=ql.shape[1], cp_size=cp, sparse=True)
+                             seq_len_local=ql.shape[1], cp_size=cp, sparse=True, kernel_config=kcfg)
     backend = dataclasses.replace(backend, estimator_impl="torch", convert_impl="torch")
     out, pat = sparse_ring_attention(ql, kl, vl, layout=layout, group=group, config=prob.cfg,
                                      softmax_scale=prob.scale, return_pattern=True, columns=columns,

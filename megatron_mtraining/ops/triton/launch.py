@@ -15,8 +15,8 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
 Index tensors may have size-1 batch / head dimensions (shared lists, e.g. dense ring steps);
 they are broadcast through zero strides, never copied. Their head dimension is ``hq`` (a pattern
 per query head), 1, or ``hkv`` (a pattern per GQA group): then query head ``h`` reads row
-``h // (hq / hkv)``, the forward / dQ kernels pack a group's heads into one tile
-(``KernelConfig.pack_gqa``) and the column plan holds one union per group.
+``h // (hq / hkv)``, the forward (and optionally the dQ) kernel packs several of a group's heads
+into one tile (``KernelConfig.pack_gqa``, :func:`_heads`) and the column plan holds one union per group.
 """
 
 from __future__ import annotations
@@ -205,11 +205,15 @@ class _Heads:
     num_hp: int         # head programs per query tile: hkv * hchunks
 
 
-def _heads(plan: SparsePlan, hq: int, hkv: int, cfg: "KernelConfig") -> _Heads:
+def _heads(plan: SparsePlan, hq: int, hkv: int, cfg: "KernelConfig", max_rows: Optional[int] = None) -> _Heads:
     """Head mapping of ``plan`` for ``hq`` query / ``hkv`` KV heads. Per-group indices with
     ``cfg.pack_gqa`` (64-row tiles only) pack ``hpp`` heads of a group into one tile of ``hpp * 64``
-    rows (``hpp`` = the next power of two >= ``hq / hkv``, capped at ``cfg.pack_gqa_rows / 64``), so
-    each K/V tile a program loads serves ``hpp`` query heads.
+    rows, so each K/V tile a program loads serves ``hpp`` query heads: ``hpp`` is the largest power
+    of two that divides the group size ``hq / hkv`` and fits ``max_rows / 64`` (default
+    ``cfg.pack_gqa_rows``, the forward's limit; the dQ kernel passes ``cfg.pack_gqa_dq_rows``); with
+    ``cfg.pack_gqa_partial`` the next power of two >= the group size, capped the same way (the last
+    tile of a group then masks its missing heads). Below ``cfg.pack_gqa_min_heads`` heads no tile is
+    packed (one program per query head, reading the group's index row).
 
     Raises:
         ValueError: index tensors whose head count is not 1, ``hq`` or ``hkv``.
@@ -224,7 +228,13 @@ def _heads(plan: SparsePlan, hq: int, hkv: int, cfg: "KernelConfig") -> _Heads:
         return _Heads(hq, 1, 1, rep, hq)
     hpp = 1
     if cfg.pack_gqa and plan.row_block == BLOCK:
-        hpp = min(1 << (rep - 1).bit_length(), max(1, cfg.pack_gqa_rows // BLOCK))
+        cap = max(1, (cfg.pack_gqa_rows if max_rows is None else max_rows) // BLOCK)
+        if cfg.pack_gqa_partial:
+            hpp = min(1 << (rep - 1).bit_length(), 1 << (cap.bit_length() - 1))
+        else:
+            hpp = min(rep & -rep, 1 << (cap.bit_length() - 1))       # largest power of two dividing rep
+        if hpp < cfg.pack_gqa_min_heads:
+            hpp = 1
     hchunks = -(-rep // hpp)
     return _Heads(hkv, rep, hpp, hchunks, hkv * hchunks)
 
@@ -478,7 +488,11 @@ class KernelConfig:
     column_split: bool = True      # run whole column chunks that every row sees without a mask
     pack_gqa: bool = True          # per-group indices (share_pattern kv_group): pack the query heads of a
                                    # group into one forward / dQ tile (each K/V tile loaded once for them)
-    pack_gqa_rows: int = 128       # largest packed tile (rows = heads per program * 64)
+    pack_gqa_rows: int = 256       # largest packed forward tile (rows = heads per program * 64)
+    pack_gqa_dq_rows: int = 64     # the same for the dQ kernel (64: no packing)
+    pack_gqa_min_heads: int = 4    # pack only tiles of at least this many heads (H200, 128K, 95 %: 4 heads
+                                   # of 16/2 at d 128 forward -14 %; 2 heads +10 %; dQ packing no gain)
+    pack_gqa_partial: bool = False  # allow a partial last tile (masked heads; 9/3 at d 64: +55 % forward)
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -594,7 +608,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     bm = plan.row_block
     nqt = sq // bm
     col_atomic = plan.columns_by_atomics(deterministic, cfg)
-    hd = _heads(plan, hq, hkv, cfg)
+    hd = _heads(plan, hq, hkv, cfg, cfg.pack_gqa_dq_rows)
     tile = hd.hpp * bm
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
