@@ -39,7 +39,8 @@ repeated per query head: per-head programs, each K/V tile loaded once per query 
 ``ours_{det,fast}_kvg_nopack`` (per-group indices, one program per query head) and
 ``ours_{det,fast}_kvg_default`` (per-group indices, the default :class:`KernelConfig` packing),
 ``ours_{det,fast}_kvg_pack{128,256}`` (the group's heads packed into 128- / 256-row forward tiles,
-partial tiles allowed, dQ unpacked) and ``ours_{det,fast}_kvg_pack256_dq{128,256}`` (dQ packed too). The work (pairs) is identical in all of them; ``speedup_vs_head`` compares with the first.
+partial tiles allowed, dQ unpacked) and ``ours_{det,fast}_kvg_pack256_dq{128,256}`` (dQ packed too).
+The work (pairs) is identical in all of them; ``speedup_vs_head`` compares with the first.
 ``both`` also keeps the per-head rows of the default run.
 
 ``--pattern-file P`` times the kernels on a saved pattern instead (e.g. one the online estimator made on real text
@@ -673,7 +674,8 @@ def file_bench_kv_group(args, pat, meta, d, dev, dt, impls, emit):
         head = tot.get(impl.rsplit("_kvg_", 1)[0] + "_kvg_head")
         emit(dict(impl=impl + "_all_layers", seq=s, d=d, layers=nl, fwd_ms=t1, fwd_bwd_ms=t2,
                   speedup_vs_head=(head[1] / t2) if head else None, pattern_meta=meta,
-                  speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None, note=f"{nl} layers of {args.pattern_file}"))
+                  speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None,
+                  note=f"{nl} layers of {args.pattern_file}"))
 
 
 def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):

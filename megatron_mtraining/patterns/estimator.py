@@ -101,8 +101,8 @@ from ..distributed import comm_context, group_rank, group_size
 from ..layout import Layout
 from ..common import TRITON_DTYPES, default_softmax_scale, triton_runs_on
 
-__all__ = ["SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "floor_first_sort",
-           "priority_order", "resolve_impl"]
+__all__ = ["SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash",
+           "floor_first_sort", "priority_order", "resolve_impl"]
 
 #: Values of :attr:`VerticalSlashConfig.share_pattern`: one pattern per query head, or per KV head.
 SHARE_PATTERNS = ("head", "kv_group")
@@ -150,8 +150,8 @@ class VerticalSlashConfig:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < float(r) <= 1.0):
             raise ValueError(f"VerticalSlashConfig.recall must be a number in (0, 1], got {r!r}")
         if self.share_pattern not in SHARE_PATTERNS:
-            raise ValueError(f"VerticalSlashConfig.share_pattern must be one of {', '.join(map(repr, SHARE_PATTERNS))}, "
-                             f"got {self.share_pattern!r}")
+            allowed = ", ".join(map(repr, SHARE_PATTERNS))
+            raise ValueError(f"VerticalSlashConfig.share_pattern must be one of {allowed}, got {self.share_pattern!r}")
         for f in fields(self):
             if f.name in ("recall", "share_pattern"):
                 continue

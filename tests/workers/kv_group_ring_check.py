@@ -39,7 +39,7 @@ def check(prob, layout, group, kernels, columns, config):
     cp = layout.cp_size
     ql, kl, vl, dl = prob.shards(layout, rank)
     kcfg = None
-    if kernels == "triton":       # pack every group (2 heads of 4/2; 3 heads of 6/2 in a 4-slot tile with a masked head)
+    if kernels == "triton":       # pack every group (4/2: 2 heads; 6/2: 3 heads in a 4-slot tile, one masked)
         from megatron_mtraining.ops.triton.launch import KernelConfig
 
         kcfg = KernelConfig(pack_gqa_partial=True, pack_gqa_min_heads=1, pack_gqa_dq_rows=256)
