@@ -18,6 +18,9 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
       inner: 8
       outer: 4
     columns: out_of_ring           # in_ring | out_of_ring (sparse only; where vertical columns are computed)
+    dense_layers: [1]              # sparse only: these layers (1-based, global) run the exact dense ring
+    layer_overrides:               # sparse only: per-layer vertical_slash fields (a layer "3" or a range "2-4")
+      "2-4": {recall: 0.98}
     deterministic: false
     kernel_backend: auto           # auto | torch | triton | sdpa (per-step attention kernels)
 
@@ -54,6 +57,7 @@ __all__ = [
     "KERNEL_BACKENDS",
     "HierarchicalConfig",
     "MTrainingConfig",
+    "LAYER_OVERRIDE_KEYS",
     "VerticalSlashConfig",
     "load_mtraining_config",
     "dump_mtraining_config",
@@ -69,6 +73,89 @@ _PREFIX = "mtraining config"
 
 class _ConfigError(ValueError):
     """Internal: a message without the ``mtraining config`` prefix (added by the loader)."""
+
+
+# ------------------------------------------------------------------------ per-layer policy
+#: The ``vertical_slash`` fields a ``layer_overrides`` entry may change (``block_size`` is one per
+#: run: the layout check, the kernels and the backend choice are fixed for the whole model).
+LAYER_OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(VerticalSlashConfig) if f.name != "block_size")
+
+LayerRange = tuple  # (first, last): 1-based, inclusive
+
+
+def _layer_range(item: Any, where: str) -> LayerRange:
+    """``3`` / ``"3"`` -> (3, 3); ``"2-5"`` -> (2, 5); anything else is a ``_ConfigError`` naming ``where``."""
+    if isinstance(item, bool):
+        raise _ConfigError(f"{where}: a layer must be a 1-based layer number or a range 'first-last', got {item!r}")
+    if isinstance(item, int):
+        first = last = item
+    elif isinstance(item, str) and re.fullmatch(r"\s*\d+\s*(-\s*\d+\s*)?", item):
+        parts = [int(x) for x in item.split("-")]
+        first, last = parts[0], parts[-1]
+    else:
+        raise _ConfigError(f"{where}: a layer must be a 1-based layer number or a range 'first-last', got {item!r}")
+    if first < 1:
+        raise _ConfigError(f"{where}: layer numbers are 1-based (Megatron's layer_number), got {item!r}")
+    if last < first:
+        raise _ConfigError(f"{where}: range {item!r} is empty (first > last)")
+    return (first, last)
+
+
+def _range_text(r: LayerRange) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
+def _normalize_dense_layers(value: Any) -> Optional[tuple[int, ...]]:
+    """``None`` / ``[]`` -> ``None``; a list of layer numbers and ranges -> sorted tuple of ints."""
+    if value is None:
+        return None
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        raise _ConfigError(f"'dense_layers' must be a list of 1-based layer numbers or ranges (e.g. [1, 2] or "
+                           f"['1-4']), got {value!r}; write [{value!r}] for one layer")
+    if not isinstance(value, (list, tuple)):
+        raise _ConfigError(f"'dense_layers' must be a list of 1-based layer numbers or ranges, got "
+                           f"{type(value).__name__} {value!r}")
+    seen: set[int] = set()
+    for item in value:
+        first, last = _layer_range(item, "'dense_layers'")
+        for n in range(first, last + 1):
+            if n in seen:
+                raise _ConfigError(f"'dense_layers': layer {n} is listed twice")
+            seen.add(n)
+    return tuple(sorted(seen)) or None
+
+
+def _normalize_overrides(value: Any) -> Optional[tuple]:
+    """``None`` / ``{}`` -> ``None``; ``{"2-4": {"recall": 0.98}}`` -> ``(((2, 4), (("recall", 0.98),)),)``,
+    sorted by first layer; the normalized form is accepted as is."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):            # already normalized (dataclasses.replace, copies)
+        value = {_range_text(r): dict(items) for r, items in value}
+    if not isinstance(value, Mapping):
+        raise _ConfigError(f"'layer_overrides' must be a mapping of layer (\"3\") or range (\"2-4\") to "
+                           f"vertical_slash fields, got {type(value).__name__} {value!r}")
+    entries = []
+    for key, fields_ in value.items():
+        where = f"'layer_overrides.{key}'"
+        rng = _layer_range(key, f"'layer_overrides' key {key!r}")
+        if not isinstance(fields_, Mapping) or not fields_:
+            raise _ConfigError(f"{where} must be a non-empty mapping of vertical_slash fields "
+                               f"({', '.join(LAYER_OVERRIDE_KEYS)}), got {fields_!r}")
+        for name in fields_:
+            if name == "block_size":
+                raise _ConfigError(f"{where}: 'block_size' cannot be set per layer (one slash block size per run: "
+                                   "the layout, the kernels and the backend are fixed for the whole model)")
+            if name not in LAYER_OVERRIDE_KEYS:
+                raise _ConfigError(f"unknown key 'layer_overrides.{key}.{name}' (allowed: "
+                                   f"{', '.join(LAYER_OVERRIDE_KEYS)})")
+        entries.append((rng, tuple(sorted(fields_.items()))))
+    entries.sort()
+    for (a, _), (b, _) in zip(entries, entries[1:]):
+        if b[0] <= a[1]:
+            raise _ConfigError(f"'layer_overrides': ranges '{_range_text(a)}' and '{_range_text(b)}' overlap "
+                               f"(layer {b[0]} would have two overrides); each layer may appear in one entry only")
+    return tuple(entries) or None
 
 
 @dataclass(frozen=True)
@@ -120,6 +207,18 @@ class MTrainingConfig:
             outside the ring, which balances the ring steps; docs/design.md). Only with
             ``pattern: vertical_slash`` (``out_of_ring`` relies on ``local_blocks >= 1``, which the
             estimator config enforces).
+        dense_layers: layers that run the exact dense ring instead of the sparse pattern: a list of
+            1-based *global* layer numbers (Megatron's ``layer_number``; with pipeline parallelism the
+            number counts from the model's first layer, not the stage's) and ``"first-last"``
+            ranges, e.g. ``[1, "30-32"]``; stored as a sorted tuple of ints. ``None``: every layer is
+            sparse. Only with ``pattern: vertical_slash``.
+        layer_overrides: per-layer ``vertical_slash`` fields, a mapping of a layer (``"3"``) or a
+            range (``"2-4"``) to fields of :data:`LAYER_OVERRIDE_KEYS` (``block_size`` is one per
+            run), e.g. ``{"2-4": {"recall": 0.98}}``; the other fields come from
+            ``vertical_slash``. Stored as a sorted tuple of ``((first, last), ((field, value), ...))``.
+            Ranges may not overlap each other or ``dense_layers``. Only with ``pattern: vertical_slash``.
+            Layer numbers are checked against the model's number of layers by :meth:`check_layers`
+            (run by :func:`config_for_run` with ``num_layers`` and by the core attention).
         deterministic: request deterministic kernels (no atomics in the backward pass); the CPU
             reference kernels are always deterministic.
         kernel_backend: the per-step attention kernels: ``"auto"`` (the fastest one that supports
@@ -136,11 +235,15 @@ class MTrainingConfig:
     vertical_slash: VerticalSlashConfig = field(default_factory=VerticalSlashConfig)
     hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
     columns: str = "in_ring"
+    dense_layers: Optional[tuple[int, ...]] = None
+    layer_overrides: Optional[tuple] = None
     deterministic: bool = False
     kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         try:
+            object.__setattr__(self, "dense_layers", _normalize_dense_layers(self.dense_layers))
+            object.__setattr__(self, "layer_overrides", _normalize_overrides(self.layer_overrides))
             self._validate()
         except _ConfigError as e:
             raise ValueError(f"{_PREFIX}: {e}") from None
@@ -177,6 +280,83 @@ class MTrainingConfig:
                 raise _ConfigError(f"'granularity' ({self.granularity}) must be a multiple of "
                                    f"'vertical_slash.block_size' ({bs}): the sparse ring keeps whole blocks "
                                    "on one rank")
+        self._validate_layer_policy()
+
+    def _validate_layer_policy(self) -> None:
+        for key in ("dense_layers", "layer_overrides"):
+            if getattr(self, key) is not None and self.pattern != "vertical_slash":
+                raise _ConfigError(f"'{key}' applies to the sparse pattern only, but 'pattern' is {self.pattern!r} "
+                                   f"(every layer is dense already; set pattern: vertical_slash or remove '{key}')")
+        dense = set(self.dense_layers or ())
+        for rng, items in self.layer_overrides or ():
+            both = sorted(n for n in dense if rng[0] <= n <= rng[1])
+            if both:
+                raise _ConfigError(f"layer {both[0]} is in 'dense_layers' and in 'layer_overrides' "
+                                   f"'{_range_text(rng)}' (a dense layer has no sparse budgets to override)")
+            try:
+                dataclasses.replace(self.vertical_slash, **dict(items))
+            except ValueError as e:
+                msg = re.sub(r"VerticalSlashConfig\.(\w+)", rf"'layer_overrides.{_range_text(rng)}.\1'", str(e))
+                raise _ConfigError(msg) from None
+
+    # ------------------------------------------------------------------ per-layer policy
+    def layer_pattern(self, layer_number: int) -> Optional[VerticalSlashConfig]:
+        """The estimator budgets of layer ``layer_number`` (1-based, global), or ``None`` when the
+        layer runs the exact dense ring (``pattern: dense``, or the layer is in ``dense_layers``).
+
+        Raises:
+            ValueError: ``layer_number`` is not an int >= 1.
+        """
+        if isinstance(layer_number, bool) or not isinstance(layer_number, int) or layer_number < 1:
+            raise ValueError(f"{_PREFIX}: layer numbers are 1-based ints (Megatron's layer_number), got "
+                             f"{layer_number!r}")
+        if not self.sparse or layer_number in (self.dense_layers or ()):
+            return None
+        for (first, last), items in self.layer_overrides or ():
+            if first <= layer_number <= last:
+                return dataclasses.replace(self.vertical_slash, **dict(items))
+        return self.vertical_slash
+
+    @property
+    def has_layer_policy(self) -> bool:
+        """True when some layers differ from the others (``dense_layers`` or ``layer_overrides``)."""
+        return self.dense_layers is not None or self.layer_overrides is not None
+
+    def layer_policy_text(self) -> str:
+        """A canonical one-line description of ``dense_layers`` and ``layer_overrides`` (``""``: none);
+        the CP ranks compare it, and logs print it."""
+        parts = []
+        if self.dense_layers:
+            parts.append("dense " + ",".join(map(str, self.dense_layers)))
+        for rng, items in self.layer_overrides or ():
+            parts.append(f"layers {_range_text(rng)}: " + ",".join(f"{k}={v!r}" for k, v in items))
+        return "; ".join(parts)
+
+    def check_layers(self, num_layers: int, flag: str = "num_layers") -> None:
+        """Check that ``dense_layers`` and ``layer_overrides`` name layers of a model with
+        ``num_layers`` layers (Megatron's ``--num-layers``: the whole model, every pipeline stage).
+
+        Raises:
+            ValueError: ``--num-layers N: mtraining config 'dense_layers' names layer M > N ...``.
+        """
+        n = int(num_layers)
+        where = f"{flag} {n}" if flag.startswith("--") else f"{flag}={n}"
+        if self.dense_layers and self.dense_layers[-1] > n:
+            raise ValueError(f"{where}: {_PREFIX} 'dense_layers' names layer {self.dense_layers[-1]}, but the model "
+                             f"has layers 1..{n} (layer numbers are 1-based and global)")
+        for rng, _ in self.layer_overrides or ():
+            if rng[1] > n:
+                raise ValueError(f"{where}: {_PREFIX} 'layer_overrides' range '{_range_text(rng)}' names layer "
+                                 f"{rng[1]}, but the model has layers 1..{n} (layer numbers are 1-based and global)")
+
+    def layer_vertical_slash_configs(self) -> tuple[VerticalSlashConfig, ...]:
+        """Every distinct estimator config of the run (``vertical_slash`` and each override)."""
+        if not self.sparse:
+            return ()
+        out = [self.vertical_slash]
+        for _, items in self.layer_overrides or ():
+            out.append(dataclasses.replace(self.vertical_slash, **dict(items)))
+        return tuple(out)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -255,6 +435,11 @@ class MTrainingConfig:
             if vs.last_q > seq_len:
                 raise ValueError(f"{_PREFIX}: 'vertical_slash.last_q' ({vs.last_q}) exceeds the sequence "
                                  f"length {seq_len}")
+            for rng, items in self.layer_overrides or ():
+                last_q = dict(items).get("last_q")
+                if last_q is not None and last_q > seq_len:
+                    raise ValueError(f"{_PREFIX}: 'layer_overrides.{_range_text(rng)}.last_q' ({last_q}) exceeds "
+                                     f"the sequence length {seq_len}")
 
     def with_hierarchical_sizes(self, sizes: Optional[Sequence[int]]) -> "MTrainingConfig":
         """This config with ``hierarchical.inner``/``outer`` set to ``sizes`` (``None``: unchanged)."""
@@ -266,7 +451,9 @@ class MTrainingConfig:
     def attention_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments: ``layout``, ``granularity``, ``pattern``,
         ``vertical_slash`` (``None`` when dense), ``hierarchical`` (the ``(inner, outer)`` sizes or
-        ``None``), ``columns``, ``deterministic`` and ``kernel_backend``.
+        ``None``), ``columns``, ``deterministic`` and ``kernel_backend``. ``vertical_slash`` is the
+        base budgets; a per-layer policy (``dense_layers``, ``layer_overrides``) is
+        :meth:`layer_pattern` of each layer.
 
         Raises:
             ValueError: ``implementation: hierarchical`` without sizes (resolve them first with
@@ -298,6 +485,10 @@ class MTrainingConfig:
             out["hierarchical"] = {"inner": self.hierarchical.inner, "outer": self.hierarchical.outer}
         if self.sparse:
             out["columns"] = self.columns
+        if self.dense_layers is not None:
+            out["dense_layers"] = list(self.dense_layers)
+        if self.layer_overrides is not None:
+            out["layer_overrides"] = {_range_text(r): dict(items) for r, items in self.layer_overrides}
         out["deterministic"] = self.deterministic
         if self.kernel_backend != "auto":
             out["kernel_backend"] = self.kernel_backend
@@ -340,7 +531,7 @@ def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
         raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
     _check_keys(d, _TOP_KEYS, "")
     kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic",
-                                            "kernel_backend") if k in d}
+                                            "kernel_backend", "dense_layers", "layer_overrides") if k in d}
     pattern = d.get("pattern", MTrainingConfig.pattern)
     impl = d.get("implementation", MTrainingConfig.implementation)
     vs = d.get("vertical_slash")
@@ -452,6 +643,7 @@ def config_for_run(
     megatron_hierarchical_sizes: Optional[Sequence[int]] = None,
     cp_layout: Optional[str] = None,
     granularity: Optional[int] = None,
+    num_layers: Optional[int] = None,
 ) -> MTrainingConfig:
     """The config of a run, checked against it: the one rule of every front door.
 
@@ -469,6 +661,8 @@ def config_for_run(
         seq_len: the sequence length (checked against the layout and sparse blocks when given).
         megatron_hierarchical_sizes: ``--hierarchical-context-parallel-sizes`` (``None``: not given).
         cp_layout, granularity: the layout flags of a run without a config (ignored with one).
+        num_layers: the model's number of layers (``--num-layers``, the whole model); when given,
+            ``dense_layers`` and ``layer_overrides`` must name layers ``1 .. num_layers``.
 
     Returns:
         The validated config, with ``hierarchical`` sizes filled in for the hierarchical ring.
@@ -495,6 +689,8 @@ def config_for_run(
                          "with implementation: hierarchical or drop the flag")
     if seq_len is not None:
         cfg.check_run(cp_size=cp_size, seq_len=seq_len, megatron_hierarchical_sizes=hcp)
+    if num_layers is not None:
+        cfg.check_layers(num_layers, flag="--num-layers")
     return cfg.with_hierarchical_sizes(cfg.hierarchical_sizes(cp_size, hcp))
 
 
@@ -540,6 +736,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         vs = f", recall {cfg.vertical_slash.recall}" if cfg.sparse else ""
         hs = f", inner x outer {cfg.hierarchical.inner} x {cfg.hierarchical.outer}" if cfg.hierarchical.sizes else ""
+        hs += f", {cfg.layer_policy_text()}" if cfg.has_layer_policy else ""
         print(f"{f}: ok ({cfg.implementation}, granularity {cfg.granularity}, {cfg.pattern}{vs}{hs}"
               f"{', deterministic' if cfg.deterministic else ''})")
     return rc

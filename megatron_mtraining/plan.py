@@ -28,6 +28,7 @@ This module does not import megatron.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -92,6 +93,11 @@ class CPPlan:
         kernel_backend: the configured backend name (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
         seq_len, device, dtype: what the plan was resolved for (``None``: not fixed).
         packing: the run's :class:`DocumentPacking` (``None``: sequences are not packed documents).
+        num_layers: the model's number of layers the layer policy was checked against (``None``:
+            not yet; checked by :meth:`for_layer`).
+        layer_number: ``None`` for the run's plan; for the per-layer view of :meth:`for_layer`,
+            its 1-based global layer number (``pattern`` is then that layer's budgets, ``None`` for
+            a dense layer).
     """
 
     config: MTrainingConfig
@@ -107,12 +113,51 @@ class CPPlan:
     device: Optional[torch.device] = None
     dtype: Optional[torch.dtype] = None
     packing: Optional[DocumentPacking] = None
+    num_layers: Optional[int] = None
+    layer_number: Optional[int] = None
     _checked: set = field(default_factory=set, repr=False, compare=False)
     _backends: dict = field(default_factory=dict, repr=False, compare=False)
+    _layers: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def for_layer(self, layer_number: int, num_layers: Optional[int] = None) -> "CPPlan":
+        """The plan of one layer: the same layout, groups, kernels and input checks, with ``pattern``
+        set by the config's per-layer policy (:meth:`~megatron_mtraining.config.MTrainingConfig.layer_pattern`):
+        ``None`` (the exact dense ring) for ``dense_layers``, the overridden budgets for
+        ``layer_overrides``, ``vertical_slash`` otherwise.
+
+        The views share the run plan's caches: one cross-rank input check per shape covers every
+        layer (the whole policy is among the agreed fields, :meth:`agreement_fields`). Views are
+        cached per layer.
+
+        Args:
+            layer_number: Megatron's 1-based *global* layer number (``TransformerLayer.layer_number``,
+                which includes the pipeline stage's offset).
+            num_layers: the model's number of layers (``TransformerConfig.num_layers``); the layer
+                policy and ``layer_number`` are checked against it.
+
+        Raises:
+            ValueError: ``layer_number`` not in ``1 .. num_layers``, or a policy naming a layer past
+                ``num_layers`` (naming the config key).
+        """
+        root = self if self.layer_number is None else self._layers["root"]
+        n = num_layers if num_layers is not None else root.num_layers
+        if n is not None:
+            self.config.check_layers(n)
+            if isinstance(layer_number, int) and not isinstance(layer_number, bool) and layer_number > n:
+                raise ValueError(f"layer_number {layer_number} > num_layers={n} (layer numbers are 1-based and global)")
+        view = root._layers.get(layer_number)
+        if view is None:
+            pattern = self.config.layer_pattern(layer_number)
+            view = dataclasses.replace(root, pattern=pattern, layer_number=layer_number,
+                                       num_layers=n, _checked=root._checked, _backends=root._backends,
+                                       _layers={"root": root})
+            root._layers[layer_number] = view
+        return view
 
     @property
     def sparse(self) -> bool:
-        """True for the vertical-slash pattern."""
+        """True for the vertical-slash pattern (a per-layer view: in this layer; the run plan: the
+        config's pattern, whatever ``dense_layers`` say)."""
         return self.pattern is not None
 
     @property
@@ -143,7 +188,7 @@ class CPPlan:
         Raises:
             ValueError: an explicit backend that cannot run these inputs (naming the rule).
         """
-        key = (device.type, device.index, dtype, int(head_dim), seq_len_local, bool(packed))
+        key = (device.type, device.index, dtype, int(head_dim), seq_len_local, bool(packed), self.sparse)
         backend = self._backends.get(key)
         if backend is None:
             from megatron_mtraining.ops.backends import select_backend
@@ -155,16 +200,18 @@ class CPPlan:
         return backend
 
     def agreement_fields(self, softmax_scale: float, causal: bool = True) -> dict:
-        """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout)."""
+        """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout):
+        the same for the run plan and every per-layer view (the whole layer policy is one field)."""
         fields = dict(causal=bool(causal), softmax_scale=float(softmax_scale),
                       implementation=IMPLEMENTATIONS.index(self.config.implementation),
                       kernel_backend=KERNEL_BACKENDS.index(self.kernel_backend),
                       deterministic=bool(self.deterministic),
                       hierarchical=self.hierarchical_sizes or (0, 0))
-        if self.sparse:
+        if self.config.sparse:
             from megatron_mtraining.ring.sparse import sparse_agreement_fields
 
-            fields.update(sparse_agreement_fields(self.pattern, self.columns))
+            fields.update(sparse_agreement_fields(self.config.vertical_slash, self.columns))
+            fields["layer_policy"] = self.config.layer_policy_text()
         return fields
 
     def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
@@ -186,11 +233,13 @@ class CPPlan:
                float(softmax_scale), bool(causal))
         if sig in self._checked:
             return
+        from megatron_mtraining.common import REGION_INPUT_CHECK, record_function
         from megatron_mtraining.ring import check_ring_inputs
 
-        check_ring_inputs(q, k, v, self.layout, self.cp_group, what, True,
-                          hierarchical_groups=self.hierarchical_groups,
-                          **self.agreement_fields(softmax_scale, causal))
+        with record_function(REGION_INPUT_CHECK):
+            check_ring_inputs(q, k, v, self.layout, self.cp_group, what, True,
+                              hierarchical_groups=self.hierarchical_groups,
+                              **self.agreement_fields(softmax_scale, causal))
         self._checked.add(sig)
 
     def check_documents(self, documents, q: torch.Tensor, what: str = "MTrainingAttention",
@@ -222,14 +271,15 @@ class CPPlan:
             elif error is not None:
                 raise ValueError(f"{what}: {error}")
             documents._agreed.add(key)
-        if self.sparse and not documents.single_document:
+        if self.config.sparse and not documents.single_document:
             raise NotImplementedError(f"{what}: packed sequences (document masks) are not supported with the "
                                       "vertical-slash pattern; use pattern: dense for packed documents")
 
 
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,
             seq_len: Optional[int] = None, device: Optional[torch.device] = None,
-            dtype: Optional[torch.dtype] = None, packing: Optional[DocumentPacking] = None) -> CPPlan:
+            dtype: Optional[torch.dtype] = None, packing: Optional[DocumentPacking] = None,
+            num_layers: Optional[int] = None) -> CPPlan:
     """Fix the CP plan of a run: layout, groups, column schedule, pattern config, kernel backend.
 
     Args:
@@ -242,6 +292,9 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
         seq_len: the global sequence length, checked against the layout and the sparse blocks.
         device, dtype: what the inputs will be (recorded; used for the kernel backend).
         packing: the run's :class:`DocumentPacking` (``None``: no packed documents).
+        num_layers: the model's number of layers (``--num-layers``); the config's ``dense_layers``
+            and ``layer_overrides`` must lie in ``1 .. num_layers`` (otherwise checked when a layer
+            takes its view, :meth:`CPPlan.for_layer`).
 
     Returns:
         The frozen :class:`CPPlan`. No communication happens here; the group numbering and the
@@ -250,9 +303,12 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
     Raises:
         ValueError: naming the config key / argument: a hierarchical config without groups or
             with sizes that differ from them, groups given to a flat config, a sequence length
-            the layout cannot split, a document mask with the sparse pattern.
+            the layout cannot split, a document mask with the sparse pattern, a layer policy naming a
+            layer past ``num_layers``.
     """
     cfg = load_mtraining_config(config)
+    if num_layers is not None:
+        cfg.check_layers(num_layers)
     if packing is not None and not packing.active:
         packing = None
     if packing is not None and packing.reset_attention_mask and cfg.sparse:
@@ -278,7 +334,7 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
                   cp_rank=group_rank(cp_group), hierarchical_groups=groups, columns=cfg.columns,
                   pattern=cfg.vertical_slash if cfg.sparse else None, kernel_backend=cfg.kernel_backend,
                   seq_len=seq_len, device=None if device is None else torch.device(device), dtype=dtype,
-                  packing=packing)
+                  packing=packing, num_layers=num_layers)
 
 
 _SPARSE_PACKED = ("--reset-attention-mask: packed documents (document masks) are not supported with "
@@ -339,7 +395,7 @@ def config_from_args(args: Any) -> MTrainingConfig:
     """The checked config of a Megatron-LM style command line (both front doors).
 
     Reads ``mtraining_config`` (path or ``None``), ``context_parallel_size``,
-    ``hierarchical_context_parallel_sizes``, ``seq_length`` and, without a config, ``cp_layout`` /
+    ``hierarchical_context_parallel_sizes``, ``seq_length``, ``num_layers`` and, without a config, ``cp_layout`` /
     ``cp_granularity``; applies :func:`front_door_problems` and
     :func:`~megatron_mtraining.config.config_for_run`.
 
@@ -358,7 +414,8 @@ def config_from_args(args: Any) -> MTrainingConfig:
     seq = getattr(args, "seq_length", None)
     cfg = config_for_run(getattr(args, "mtraining_config", None), cp_size=cp,
                          seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
-                         cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None))
+                         cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None),
+                         num_layers=getattr(args, "num_layers", None))
     if getattr(args, "reset_attention_mask", False) and cfg.sparse:
         raise ValueError(_SPARSE_PACKED)
     return cfg

@@ -56,6 +56,18 @@ Patterns (``--pattern``): ``dense`` (full causal), ``synthetic`` (seeded per hea
 :func:`megatron_mtraining.patterns.synthetic.synthetic_pattern`), ``file`` (``--pattern-file``, format in
 :mod:`megatron_mtraining.patterns.io`).
 
+``--pattern packed``: dense causal attention *within packed documents* (no sparse pattern): a
+stream of ``--seq-len`` tokens filled with documents (``--doc-lengths corpus`` takes the document
+lengths of ``--data-path PREFIX.idx``, split at ``--max-doc-len``; ``fixed:N`` / ``list:A,B,...``),
+and the work of a worker at a ring step is the part of ``causal & same document`` between its
+queries and the owner's keys (:mod:`megatron_mtraining.bench.packing`: 64x64 tiles that hold such
+a pair, or pairs). Each row also gives the same layout's metrics for the unpacked causal
+sequence (``unpacked_worker_imbalance``) and ``work_fraction_of_causal``. FLOP model only::
+
+    python tools/imbalance.py --pattern packed --seq-len 131072 --max-doc-len 4096 --cp 8 --json packed.json
+    python tools/imbalance.py --pattern packed --seq-len 131072 --max-doc-len 8192 --sweep --cps 2,4,8,16 \
+        --layouts zigzag,striped-64,striped-128
+
 ``--model gpu`` runs the same schedule as real kernels on one device (virtual CP): for each
 (worker, step) it builds the worker's query shard, the owner's K/V shard and the converter's
 StepIndices, and times the sparse forward and backward (Triton kernels of
@@ -552,6 +564,88 @@ HEADER = (f"{'cp':>4} | {'layout':<11} | {'vertical':<11} | {'worker':>7} | {'st
           f"{'total':>7} | {'work/causal':>7}")
 
 
+# ============================================================================ packed documents
+def packed_lengths(args) -> Tuple[List[int], dict]:
+    """The document lengths of the packed stream of ``args`` and a description of their source."""
+    from megatron_mtraining.bench.packing import pack_lengths, parse_length_spec
+
+    try:
+        kind, vals = parse_length_spec(args.doc_lengths)
+        source = {"doc_lengths": args.doc_lengths, "max_doc_len": args.max_doc_len}
+        if kind == "corpus":
+            from megatron_mtraining.data.corpus import default_data_dir
+            from megatron_mtraining.training.data import document_lengths
+
+            prefix = args.data_path or str(default_data_dir() / "megatron" / "books_text_document")
+            vals = document_lengths(prefix).tolist()
+            if not vals:
+                raise ValueError(f"--data-path {prefix}: no documents")
+            off = args.doc_offset % len(vals)
+            vals = vals[off:] + vals[:off]
+            source.update(data_path=prefix, corpus_documents=len(vals), doc_offset=args.doc_offset)
+        docs = pack_lengths(vals, args.seq_len, args.max_doc_len)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    source.update(documents=len(docs), doc_len_min=min(docs), doc_len_max=max(docs))
+    return docs, source
+
+
+def packed_result(doc_lengths: List[int], seq_len: int, layout: Layout, unit: str) -> dict:
+    """Metrics of the dense ring over packed documents on ``layout`` (one configuration)."""
+    from megatron_mtraining.bench.packing import packed_pair_work, packed_tile_work
+
+    work = packed_tile_work if unit == "tiles" else packed_pair_work
+    pair = work(doc_lengths, seq_len, layout)
+    unpacked = work([seq_len], seq_len, layout)
+    W = by_step(pair)
+    cp = layout.cp_size
+    res = {"layout": layout_name(layout), "cp": cp, "vertical": "packed", "unit": unit, **metrics(W, cp),
+           "W": W.tolist(), "phases": [f"step {s}" for s in range(cp)],
+           "work_fraction_of_causal": float(pair.sum() / unpacked.sum()),
+           "documents": len(doc_lengths)}
+    um = metrics(by_step(unpacked), cp)
+    res.update(unpacked_worker_imbalance=um["worker_imbalance"], unpacked_step_imbalance=um["step_imbalance"])
+    return res
+
+
+def packed_main(args, argv) -> int:
+    t0 = time.perf_counter()
+    if args.model != "flops":
+        raise SystemExit("error: --pattern packed uses the FLOP model (--model flops)")
+    args.seq_len = 131072 if args.seq_len is None else args.seq_len
+    if args.seq_len < BLOCK or args.seq_len % BLOCK:
+        raise SystemExit(f"error: --seq-len must be a positive multiple of {BLOCK}")
+    docs, source = packed_lengths(args)
+    print(f"packed: {len(docs)} documents ({min(docs)}..{max(docs)} tokens) in {args.seq_len} tokens", flush=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "png")}
+    if args.sweep:
+        layouts = [(cp, layout_from_spec(spec, cp)) for cp in (int(x) for x in args.cps.split(","))
+                   for spec in args.layouts.split(",")]
+    else:
+        layouts = [(args.cp, Layout(args.layout, args.cp, args.granularity))]
+    rows = []
+    print(HEADER + " | unpacked worker")
+    for cp, layout in layouts:
+        try:
+            r = packed_result(docs, args.seq_len, layout, args.unit)
+        except ValueError as e:
+            if not args.sweep:
+                raise SystemExit(f"error: {e}") from None
+            print(f"{cp:>4} | {layout_name(layout):<11} | skipped: {e}")
+            continue
+        rows.append(r)
+        print(row_text(r) + f" | {r['unpacked_worker_imbalance']:>7.3f}", flush=True)
+    result = {"config": config, "pattern_source": source, "rows": rows} if args.sweep else \
+        {**rows[0], "config": config, "pattern_source": source}
+    if args.png and rows:
+        plot(rows, args.png, f"packed documents, seq {args.seq_len}, {args.unit}", ncols=len(rows))
+    result["elapsed_s"] = time.perf_counter() - t0
+    if args.json:
+        write_json(args.json, result_record(result, device="cpu", argv=argv))
+        print(f"wrote {args.json}")
+    return 0
+
+
 # ============================================================================ CLI
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -565,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--unit", choices=UNITS, default="tiles", help="work unit of the FLOP model (see above)")
     ap.add_argument("--vertical", choices=VERTICAL_MODES, default="in-ring", help="where column work runs")
     pat = ap.add_argument_group("pattern")
-    pat.add_argument("--pattern", choices=["dense", "synthetic", "file"], default="synthetic")
+    pat.add_argument("--pattern", choices=["dense", "synthetic", "file", "packed"], default="synthetic")
     pat.add_argument("--pattern-file", default=None, help="--pattern file: .npz/.pt pattern file (megatron_mtraining.patterns.io format)")
     pat.add_argument("--save-pattern", default=None, help="write the pattern used (.npz or .pt) and continue")
     pat.add_argument("--heads", type=int, default=16, help="query heads of dense/synthetic patterns")
@@ -574,6 +668,12 @@ def build_parser() -> argparse.ArgumentParser:
     pat.add_argument("--sinks", type=int, default=64, help="synthetic: attention-sink tokens")
     pat.add_argument("--window-blocks", type=int, default=16, help="synthetic: minimum local window (64-token blocks)")
     pat.add_argument("--max-vertical", type=int, default=4096, help="synthetic: column cap per head")
+    pk = ap.add_argument_group("packed documents (--pattern packed)")
+    pk.add_argument("--doc-lengths", default="corpus", help="corpus | fixed:N | list:A,B,... (cycled)")
+    pk.add_argument("--data-path", default=None,
+                    help="--doc-lengths corpus: tokenized corpus prefix (default DATA/megatron/books_text_document)")
+    pk.add_argument("--doc-offset", type=int, default=0, help="first corpus document used")
+    pk.add_argument("--max-doc-len", type=int, default=None, help="split documents into pieces of at most N tokens")
     sw = ap.add_argument_group("sweep (FLOP model)")
     sw.add_argument("--sweep", action="store_true", help="table over --cps x --layouts x --verticals")
     sw.add_argument("--cps", default="8,16,32")
@@ -618,6 +718,8 @@ def make_pattern(args) -> Tuple[VerticalSlashPattern, dict]:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.pattern == "packed":
+        return packed_main(args, argv)
     t0 = time.perf_counter()
     pattern, source = make_pattern(args)
     if args.save_pattern:

@@ -23,6 +23,13 @@ layer and head:
   fused Triton score kernels on CUDA; the dense attention is the torch reference). ``null`` when
   ``--timing-repeats 0``.
 
+Every layer is reported with Megatron's 1-based ``layer_number`` (the numbering of the config's
+``dense_layers`` and ``layer_overrides``), and the summary lists the layers whose exact recall is
+below their target, so a per-layer policy can be chosen from these measurements. With
+``--mtraining-config FILE`` (a sparse config) each layer is measured with its own budgets from the
+file's ``vertical_slash`` and ``layer_overrides``; its ``dense_layers`` are reported as exact
+(``dense: true``, nothing estimated).
+
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
 (``megatron_mtraining.patterns.io`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
@@ -100,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--max-slash", type=int, default=dflt.max_slash)
     est.add_argument("--share-pattern", default=dflt.share_pattern, choices=["head", "kv_group"],
                      help="kv_group: one pattern per KV head (GQA group); recall is still reported per query head")
+    est.add_argument("--mtraining-config", default=None, metavar="FILE",
+                     help="measure a sparse config's per-layer policy instead of the flags above: its "
+                          "vertical_slash budgets, layer_overrides and dense_layers (reported as exact)")
     out = ap.add_argument_group("output")
     out.add_argument("--out", default="pattern_recall", help="writes OUT.json and OUT.png")
     out.add_argument("--plot-heads", type=int, default=4, help="number of heads drawn in the PNG (0: no PNG)")
@@ -366,6 +376,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                                   max_slash=args.max_slash, share_pattern=args.share_pattern)
     except ValueError as e:        # names the field: VerticalSlashConfig.recall -> --recall
         raise SystemExit(f"error: {e}") from None
+    policy = None                  # the MTrainingConfig whose per-layer budgets are measured
+    if args.mtraining_config:
+        from megatron_mtraining.config import load_mtraining_config
+
+        changed = [f"--{k.replace('_', '-')}" for k in ("recall", "last_q", "sink_tokens", "local_blocks",
+                                                        "max_vertical", "max_slash", "share_pattern")
+                   if getattr(args, k) != getattr(VerticalSlashConfig(), k)]
+        if changed:
+            raise SystemExit(f"error: --mtraining-config sets the estimator budgets; drop {', '.join(changed)}")
+        try:
+            policy = load_mtraining_config(args.mtraining_config)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --mtraining-config: {e}") from None
+        if not policy.sparse:
+            raise SystemExit(f"error: --mtraining-config {args.mtraining_config}: pattern {policy.pattern!r}; the "
+                             "recall of a pattern needs pattern: vertical_slash")
+        if args.save_pattern and policy.dense_layers:
+            raise SystemExit("error: --save-pattern with a config that has dense_layers: a pattern file holds one "
+                             "vertical-slash pattern per layer, and a dense layer has none")
+        cfg = policy.vertical_slash
     if args.seq_length < 1 or args.seq_length % cfg.block_size:
         raise SystemExit(f"error: --seq-length must be a positive multiple of {cfg.block_size}")
     if args.num_samples < 1:
@@ -406,6 +436,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if int(tokens.max()) >= vocab:
         raise SystemExit(f"error: token id {int(tokens.max())} >= vocab size {vocab}")
     model, config = build_model(args, vocab, saved)
+    if policy is not None:
+        try:
+            policy.check_layers(config.num_layers, flag="--num-layers")
+        except ValueError as e:
+            raise SystemExit(f"error: --mtraining-config {args.mtraining_config}: {e}") from None
     source = "fresh initialization (no --load)"
     if info is not None:
         load_weights(model, info, ckpt_dir)
@@ -436,28 +471,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     pos1 = torch.arange(seq, device=dev)
     report = {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
               "num_samples": args.num_samples, "config": cfg.__dict__, "device": args.device,
-              "recall_stride": args.recall_stride, "layers": []}
+              "recall_stride": args.recall_stride, "layers": [],
+              "layer_policy": None if policy is None else policy.layer_policy_text()}
     grid = sampled_rows(seq, args.recall_stride)
     report["recall_rows"] = int(grid.sum())
     picks = []
     saved_rows = ([], [])                  # (slash offsets, vertical positions) per layer x sample x head
     for li, (q, k, v) in enumerate(captured):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        group_pattern = estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale)
+        layer_number = li + 1                          # Megatron's 1-based layer_number (dense_layers, layer_overrides)
+        lcfg = cfg if policy is None else policy.layer_pattern(layer_number)
+        if lcfg is None:                               # dense_layers: the exact ring, nothing estimated or lost
+            layer = {"layer": li, "layer_number": layer_number, "dense": True, "heads": [], "recall_mean": 1.0,
+                     "sparsity_mean": 0.0, "estimator_s": None, "dense_attention_s": None,
+                     "sparse_reference_s": None, "est_time_ratio": None}
+            report["layers"].append(layer)
+            print(f"layer {li} (layer_number {layer_number}): dense (dense_layers)", flush=True)
+            continue
+        group_pattern = estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale)
         for rows, t in zip(saved_rows, (group_pattern.slash, group_pattern.vertical)):
             rows.extend(r[r >= 0].numpy() for r in t.reshape(-1, t.shape[-1]).cpu())
         pattern = per_query_head(group_pattern, q.shape[2])          # kv_group: each group's row per query head
         steps = convert_pattern(group_pattern, one, 0)
         t_est = t_att = t_sparse = None
         if args.timing_repeats > 0:
-            t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale),
+            t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale),
                           args.timing_repeats, dev)
             t_att = timed(lambda: attention_forward(q, k, v, pos1, pos1, scale), args.timing_repeats, dev)
             t_sparse = timed(lambda: sparse_attention_forward(q, k, v, steps[0], scale), args.timing_repeats, dev)
         inside = exact_mass_inside(q, k, lambda r0, r1: pattern_rows(pattern, r0, r1).double(), scale,
-                                   stride=args.recall_stride, last_q=cfg.last_q).cpu()
+                                   stride=args.recall_stride, last_q=lcfg.last_q).cpu()
         recall = inside[..., grid].mean(-1)                           # [b, hq]
-        probe_recall = inside[..., seq - cfg.last_q:].mean(-1)
+        probe_recall = inside[..., seq - lcfg.last_q:].mean(-1)
         work = work_fraction(steps, nb, bs).cpu().repeat_interleave(q.shape[2] // group_pattern.num_heads, 1)
         heads = []
         for h in range(q.shape[2]):
@@ -470,23 +515,29 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "est_vertical_mass": pattern.est_vertical_mass[:, h].tolist(),
                 "est_slash_mass": pattern.est_slash_mass[:, h].tolist(),
             })
-        layer = {"layer": li, "heads": heads, "recall_mean": recall.mean().item(),
+        layer = {"layer": li, "layer_number": layer_number, "dense": False, "recall_target": lcfg.recall,
+                 "heads": heads, "recall_mean": recall.mean().item(),
                  "sparsity_mean": 1.0 - work.mean().item(), "estimator_s": t_est, "dense_attention_s": t_att,
                  "sparse_reference_s": t_sparse, "est_time_ratio": None if t_est is None else t_est / t_att}
         report["layers"].append(layer)
-        print(f"layer {li}: recall {layer['recall_mean']:.4f}  sparsity {layer['sparsity_mean']:.3f}  "
+        print(f"layer {li} (layer_number {layer_number}): recall {layer['recall_mean']:.4f} "
+              f"(target {lcfg.recall})  sparsity {layer['sparsity_mean']:.3f}  "
               f"estimator/attention time {'-' if t_est is None else format(layer['est_time_ratio'], '.3f')}  "
               f"budgets v={[hh['vertical'][0] for hh in heads]} s={[hh['slash'][0] for hh in heads]}", flush=True)
         if li in (0, len(captured) - 1):
             for h in range(q.shape[2]):
                 picks.append((li, h, heads[h]["sparsity"], q, k, pattern))
     layers = report["layers"]
+    sparse_layers = [l for l in layers if not l["dense"]]
     report["summary"] = {
         "recall_mean": sum(l["recall_mean"] for l in layers) / len(layers),
-        "recall_min_head": min(hh["recall"] for l in layers for hh in l["heads"]),
+        "recall_min_head": min((hh["recall"] for l in layers for hh in l["heads"]), default=1.0),
         "sparsity_mean": sum(l["sparsity_mean"] for l in layers) / len(layers),
-        "est_time_ratio_mean": (None if args.timing_repeats <= 0 else
-                                sum(l["est_time_ratio"] for l in layers) / len(layers)),
+        "est_time_ratio_mean": (None if args.timing_repeats <= 0 or not sparse_layers else
+                                sum(l["est_time_ratio"] for l in sparse_layers) / len(sparse_layers)),
+        # measured, per layer: the 1-based layer numbers whose exact recall is below their target
+        "layers_below_recall_target": [l["layer_number"] for l in sparse_layers
+                                       if l["recall_mean"] < l["recall_target"]],
     }
     out_json, out_png = Path(args.out + ".json"), Path(args.out + ".png")   # OUT may contain dots
     write_json(out_json, result_record(report, device=dev, argv=argv))

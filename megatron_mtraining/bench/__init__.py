@@ -6,7 +6,8 @@
 * :mod:`.plotting` — :func:`pyplot` (matplotlib on Agg, imported lazily), :func:`save_figure`,
   :func:`draw_niah_grid`;
 * :mod:`.metrics` — :func:`read_metrics_rows`, :func:`read_metrics` (the trainer's metrics file);
-* :mod:`.inputs` — :func:`structured_qkv` (synthetic vertical-slash inputs), :func:`kept_fraction`.
+* :mod:`.inputs` — :func:`structured_qkv` (synthetic vertical-slash inputs), :func:`kept_fraction`;
+* :mod:`.packing` — packed-document streams (:func:`pack_lengths`) and their work per (worker, ring step).
 
 Imports only torch, the standard library and the package's layers up to the kernels (``layout``,
 ``patterns``, ``ops``); never ``ring``, ``megatron`` or ``training``.

@@ -245,13 +245,15 @@ def _chunk_tokens(text: str):
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
-                  te_importable: Optional[bool] = None) -> argparse.Namespace:
+                  te_importable: Optional[bool] = None, check_files: bool = True) -> argparse.Namespace:
     """Check and complete ``args`` in place (derived defaults, ``args.data_parallel_size`` ...).
 
     Args:
         args: parsed arguments.
         world_size: number of ranks (default: ``WORLD_SIZE`` from the environment).
         te_importable: override Transformer Engine detection (tests).
+        check_files: check the tokenizer, data and ``--load`` paths (``False``: tools that feed the
+            model synthetic tokens, e.g. ``tools/profile_step.py``).
 
     Returns:
         ``args`` with ``ffn_hidden_size``, ``kv_channels``, ``max_position_embeddings``,
@@ -364,6 +366,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--eval-iters must be >= 0, got {args.eval_iters}")
 
     # --- files
+    if not check_files:
+        args.split_fractions = parse_split(args.split)
+        return args
     if args.tokenizer_model is None:
         raise E(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
     if args.tokenizer_type == "HuggingFaceTokenizer":

@@ -25,6 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mtraining.common import REGION_COPIES, record_function
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
 from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
 from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
@@ -103,7 +104,10 @@ class MTrainingAttention(MegatronModule):
 
     Args:
         config: the model's ``TransformerConfig``.
-        layer_number: 1-based global layer number (unused; kept for the contract).
+        layer_number: 1-based global layer number (megatron-core adds the pipeline stage's offset);
+            selects this layer's view of the plan (:meth:`~megatron_mtraining.plan.CPPlan.for_layer`):
+            the exact dense ring for the config's ``dense_layers``, the ``layer_overrides`` budgets,
+            or ``vertical_slash``.
         attn_mask_type: must be ``AttnMaskType.causal`` (GPT).
         attention_type: must be ``"self"``.
         attention_dropout: dropout probability; ``None`` means ``config.attention_dropout``.
@@ -120,7 +124,8 @@ class MTrainingAttention(MegatronModule):
     Raises:
         ValueError: attention dropout > 0, a plan or CP group whose size is not
             ``TransformerConfig.context_parallel_size``, a hierarchical config without Megatron's
-            hierarchical CP groups.
+            hierarchical CP groups, ``dense_layers`` / ``layer_overrides`` naming a layer past
+            ``TransformerConfig.num_layers``.
         NotImplementedError: ``attn_mask_type`` other than causal, or cross attention.
     """
 
@@ -153,7 +158,8 @@ class MTrainingAttention(MegatronModule):
             )
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type
-        self.plan = plan_for_model(mtraining_config, pg_collection)
+        self.plan = plan_for_model(mtraining_config, pg_collection).for_layer(
+            layer_number, num_layers=getattr(config, "num_layers", None))
         self.mtraining_config = self.plan.config
         self.cp_group = self.plan.cp_group
         self.cp_size = self.plan.cp_size
@@ -231,9 +237,10 @@ class MTrainingAttention(MegatronModule):
         sq, b, np_, hn = query.shape if query.dim() == 4 else (query.shape[0], 0, 0, 0)
         sbhd = query.dim() == key.dim() == value.dim() == 4
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(max(hn, 1))
-        q = query.transpose(0, 1).contiguous() if sbhd else query  # [b, s_local, np, hn]
-        k = key.transpose(0, 1).contiguous() if sbhd else key  # [b, s_local, ng, hn]
-        v = value.transpose(0, 1).contiguous() if sbhd else value
+        with record_function(REGION_COPIES):
+            q = query.transpose(0, 1).contiguous() if sbhd else query  # [b, s_local, np, hn]
+            k = key.transpose(0, 1).contiguous() if sbhd else key  # [b, s_local, ng, hn]
+            v = value.transpose(0, 1).contiguous() if sbhd else value
         self.plan.check_inputs(q, k, v, softmax_scale=scale)   # every rank's verdict, once per shape
         documents = None
         if packed_seq_params is not None:
@@ -247,11 +254,11 @@ class MTrainingAttention(MegatronModule):
             if documents.single_document:
                 documents = None                                # plain causal attention: the unpacked path
         cfg = self.mtraining_config
-        sparse = cfg.pattern == "vertical_slash"
+        sparse = self.plan.sparse                     # this layer's policy (dense_layers: exact dense ring)
         backend = self.plan.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                                            seq_len_local=q.shape[1], packed=documents is not None)
         if sparse:
-            out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=cfg.vertical_slash,
+            out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=self.plan.pattern,
                                         softmax_scale=scale, check_inputs=False,
                                         hierarchical_groups=self.hierarchical_groups, columns=cfg.columns,
                                         backend=backend, documents=documents)
@@ -267,4 +274,5 @@ class MTrainingAttention(MegatronModule):
             )  # [b, s_local, np, hn]
         if thd:
             return out[0].reshape(sq, np_ * hn)
-        return out.transpose(0, 1).reshape(sq, b, np_ * hn)
+        with record_function(REGION_COPIES):
+            return out.transpose(0, 1).reshape(sq, b, np_ * hn)

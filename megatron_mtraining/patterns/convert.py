@@ -22,17 +22,18 @@ the maximum counts over (b, hq, query block), at least 1.
 Layouts must keep ``block_size`` blocks whole on one rank: striped with ``granularity %
 block_size == 0``, zigzag with ``(S / (2 * cp)) % block_size == 0``, contiguous with ``(S / cp) %
 block_size == 0``. Work is vectorized over (b, hq, blocks, columns); Python loops run only over owners.
-:func:`convert_pattern` reads from the device once (every output width of every owner; twice at
-cp > 1) and copies nothing to it.
+:func:`convert_pattern` copies nothing to the device and, with static widths (the default on CUDA:
+host upper bounds of the counts), reads nothing from it; with data-dependent widths it reads once
+(every output width of every owner; twice at cp > 1).
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
-from ..common import triton_runs_on
+from ..common import REGION_CONVERT, record_function, triton_runs_on
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
 from .indices import KnownMax, StepIndices
@@ -91,9 +92,12 @@ def _pick(cs: torch.Tensor, values: torch.Tensor, fill: int, width: int) -> torc
     return ext.expand(*lead, ext.shape[-1]).gather(-1, torch.searchsorted(cs, want))
 
 
-def _maxima(counts) -> list:
+def _maxima(counts, bounds=None) -> list:
     """``count.max()`` of every count tensor (0 when empty), one host sync for all (the output widths
-    ``max(1, .)`` are data dependent)."""
+    ``max(1, .)`` are data dependent). ``bounds`` (static widths): the host upper bounds of the
+    counts, returned as they are (no device read)."""
+    if bounds is not None:
+        return [int(x) for x in bounds]
     live = [i for i, c in enumerate(counts) if c.numel()]
     maxes = torch.stack([counts[i].amax() for i in live]).tolist() if live else []
     out = [0] * len(counts)
@@ -123,7 +127,14 @@ def _use_triton(impl: str, t: torch.Tensor, cp: int) -> bool:
     return triton_runs_on(t.device)
 
 
-def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, impl: str = "torch") -> List[StepIndices]:
+def _sees(layout: Layout, rank: int, owner: int, seq_len: int) -> bool:
+    """Whether some key of ``owner`` precedes some query of ``rank`` (host arithmetic on the chunks)."""
+    c = layout.chunk_len(seq_len)
+    return min(layout.chunk_ids(owner, seq_len)) * c <= (max(layout.chunk_ids(rank, seq_len)) + 1) * c - 1
+
+
+def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, impl: str = "torch",
+             static_widths: bool = False) -> List[StepIndices]:
     """:class:`StepIndices` of ``rank``'s queries against each owner in ``owners`` (layout checked).
 
     The indices of the module docstring, built with few device ops and host syncs: one sync for all
@@ -138,6 +149,10 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     * Compaction (:func:`_prefix`, :func:`_pick`): int32 cumsum of the mask, a binary search per
       output slot, a gather. With ``impl`` resolving to Triton (cp 1, ``owners == [rank]``), the
       kernel of :mod:`megatron_mtraining.patterns.triton.convert` builds the same lists in one launch.
+    * ``static_widths``: the index widths are host upper bounds (blocks: ``min(#offset slots, owner
+      blocks)``; columns: the pattern's vertical width, at most the owner's length; 0 for an owner
+      whose keys all follow this rank's queries) instead of the largest counts: no host sync, the
+      same lists with more ``-1`` padding, ``known_max`` holding the bounds (``exact=False``).
     """
     S, bs = pattern.seq_len, pattern.block_size
     dev = pattern.slash.device
@@ -157,10 +172,11 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         from .triton.convert import convert_rows
 
         b_cnt, b_idx, c_cnt, c_idx = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs)
-        mb, mc = _maxima([b_cnt, c_cnt])                                # the host sync
+        bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
+        mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         return [StepIndices(block_count=b_cnt, block_index=b_idx[..., :max(1, mb)].contiguous(), column_count=c_cnt,
                             column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
-                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc))]
+                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths))]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
@@ -172,7 +188,9 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     else:
         o_rank, _ = layout.global_to_local(vert.clamp(min=0), S)
         pre = {o: _prefix((vert >= 0) & (o_rank == o)) for o in owners}
-        widths = _maxima([pre[o][1] for o in owners])                   # host sync (cp > 1 only)
+        s_loc = S // cp
+        widths = _maxima([pre[o][1] for o in owners],                   # host sync (cp > 1, unless static)
+                         [min(vert.shape[-1], s_loc)] * len(owners) if static_widths else None)
         own_cols = {o: _pick(pre[o][0], vert, -1, max(1, w)) for o, w in zip(owners, widths)}
 
     pending = []
@@ -206,7 +224,14 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         c_cs, c_cnt = _prefix(kept)
         pending.append((o, table, b_cs, b_cnt, c_cs, c_cnt, loc))
 
-    maxima = _maxima([x for p in pending for x in (p[3], p[5])])       # the host sync
+    if static_widths:                                                   # host bounds of every count
+        bounds = []
+        for o, *_ in pending:
+            seen = _sees(layout, rank, o, S)
+            nkb = nqb if o == rank else S // cp // bs
+            bounds += [min(ns, nkb) if seen else 0, min(own_cols[o].shape[-1], S // cp) if seen else 0]
+    maxima = _maxima([x for p in pending for x in (p[3], p[5])],       # the host sync (unless static)
+                     bounds if static_widths else None)
     steps = []
     for j, (o, table, b_cs, b_cnt, c_cs, c_cnt, loc) in enumerate(pending):
         mb, mc = maxima[2 * j], maxima[2 * j + 1]
@@ -215,7 +240,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         steps.append(StepIndices(
             block_count=b_cnt, block_index=kb, column_count=c_cnt,
             column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
-            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc)))
+            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths)))
     return steps
 
 
@@ -225,19 +250,27 @@ def step_indices(pattern: VerticalSlashPattern, layout: Layout, rank: int, owner
     return _convert(pattern, layout, rank, [owner])[0]
 
 
-def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int, impl: str = "auto") -> List[StepIndices]:
+def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int, impl: str = "auto",
+                    static_widths: Optional[bool] = None) -> List[StepIndices]:
     """Per-owner :class:`StepIndices` of ``rank``: element ``o`` is the step against owner ``o``'s K/V.
 
     ``impl``: ``"torch"`` (the reference, any device and cp), ``"triton"`` (one kernel launch,
     :mod:`megatron_mtraining.patterns.triton.convert`; cp 1 only; bitwise the same tensors) or ``"auto"``
     (default: the kernel on CUDA at cp 1, else torch).
 
+    ``static_widths``: index widths from host upper bounds (the pattern's widths, the owners'
+    lengths) instead of the largest counts, so that nothing is read back from the device; the
+    lists are the same up to their ``-1`` padding, ``known_max`` then holds the bounds. ``None``
+    (default): static on CUDA, the largest counts elsewhere.
+
     Raises:
         ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`); an unknown
             ``impl``, or ``impl="triton"`` at cp > 1 or where Triton cannot run.
     """
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
-    return _convert(pattern, layout, rank, list(range(layout.cp_size)), impl)
+    static = pattern.slash.is_cuda if static_widths is None else bool(static_widths)
+    with record_function(REGION_CONVERT):
+        return _convert(pattern, layout, rank, list(range(layout.cp_size)), impl, static)
 
 
 def without_columns(idx: StepIndices) -> StepIndices:
@@ -245,7 +278,7 @@ def without_columns(idx: StepIndices) -> StepIndices:
     b, hq, nqb = idx.column_count.shape
     k = idx.known_max
     cc = torch.zeros_like(idx.column_count)
-    known = (KnownMax.of(idx.block_count, cc, k.block, 0)
+    known = (KnownMax.of(idx.block_count, cc, k.block, 0, k.exact)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
@@ -291,7 +324,7 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     cc = idx.column_count.repeat_interleave(f, dim=2)
     ci = idx.column_index.repeat_interleave(f, dim=2)
     k = idx.known_max
-    known = (KnownMax.of(bc, cc, k.block * f, k.column)
+    known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(bc.contiguous(), bi.contiguous(), cc.contiguous(), ci.contiguous(), idx.causal, block_size,
                        known_max=known)

@@ -82,9 +82,11 @@ values and one all_gather of ``2 * b * hq * min(max_vertical, S_local)`` fp64 va
 is the same in both paths: per row, two stable sorts over disjoint segments (the floors, the rest)
 of the slash scores and of the local column scores (``[b, hq, S_local]``; fp32 keys on the Triton
 path when the probes span one query block, else fp64), at cp > 1 a merge of the gathered candidates
-(:func:`priority_order`), cumsums for the budgets, a sort of each kept set, and **one host sync**
-(the two output widths; the probe gather's owner map is host arithmetic, the key positions are built
-on the device). Peak extra memory of the
+(:func:`priority_order`), cumsums for the budgets and a sort of each kept set. **No host sync** with
+static widths (the default on CUDA: the outputs are padded to the caps ``max_slash`` /
+``max_vertical``, known on the host), one otherwise (the two output widths, read from the counts);
+the probe gather's owner map is host arithmetic on Python ints, the key positions are built on the
+device. Peak extra memory of the
 torch path is bounded by key chunking (``_LOGIT_BUDGET`` elements); of the Triton path by the two
 fp32 outputs above (and their fp64 copies).
 """
@@ -99,7 +101,8 @@ import torch.distributed as dist
 
 from ..distributed import comm_context, group_rank, group_size
 from ..layout import Layout
-from ..common import TRITON_DTYPES, default_softmax_scale, triton_runs_on
+from ..common import (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, TRITON_DTYPES, default_softmax_scale,
+                      record_function, triton_runs_on)
 
 __all__ = ["SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash",
            "floor_first_sort", "priority_order", "resolve_impl"]
@@ -360,10 +363,13 @@ def _budget(sorted_score: torch.Tensor, n_floor: int, cap: int, target: float, t
     return last + 1, cum.gather(-1, last[..., None]).squeeze(-1)
 
 
-def _widths(*counts) -> list:
-    """Output widths of :func:`_take_sorted` for ``(count, n)`` pairs: ``max(1, min(n, count.max()))``
-    each, with one host sync for all of them (the output shapes are data dependent)."""
-    live = [i for i, (cnt, n) in enumerate(counts) if cnt.numel() and n]
+def _widths(*counts, static: bool = False) -> list:
+    """Output widths of :func:`_take_sorted` for ``(count, n, cap)`` triples: ``max(1, min(n, count.max()))``
+    each, with one host sync for all of them (the output shapes are data dependent); with ``static``
+    the bound ``max(1, min(n, cap))`` instead (``count <= min(n, cap)`` by :func:`_budget`), no device read."""
+    if static:
+        return [max(1, min(n, cap)) for _, n, cap in counts]
+    live = [i for i, (cnt, n, _) in enumerate(counts) if cnt.numel() and n]
     maxes = torch.stack([counts[i][0].amax() for i in live]).tolist() if live else []
     out = [1] * len(counts)
     for i, m in zip(live, maxes):
@@ -418,13 +424,14 @@ def _all_gather_candidates(score: torch.Tensor, pos: torch.Tensor, group, cp: in
 
 
 def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout: Layout, rank: int, S: int, L: int,
-            config: VerticalSlashConfig, gather=None) -> VerticalSlashPattern:
+            config: VerticalSlashConfig, gather=None, static_widths: bool = False) -> VerticalSlashPattern:
     """Budgets and selection (step 4/5 of the module docstring) from the scores: ``slash [b, hq, S/bs]``
     fp64 (all-reduced), this rank's ``col [b, hq, S_local]`` at ``k_pos`` (fp64, or fp32 values that
     the fp64 path would hold exactly: the fused path with one probe query block).
 
     ``gather`` (cp > 1): ``(score, pos) -> (score, pos)`` concatenated over the CP group in rank order
-    (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths)."""
+    (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths), none
+    with ``static_widths`` (the widths are then the caps, see :func:`estimate_vertical_slash`)."""
     nb, sl = slash.shape[-1], col.shape[-1]
     target = float(config.recall) * L
     take_all = float(config.recall) >= 1.0
@@ -443,7 +450,8 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
         v_score, v_pos = _merge_candidates(*gather(v_score, v_pos), config.sink_tokens)
     v_cnt, v_cov = _budget(v_score, min(config.sink_tokens, S), config.max_vertical, target, take_all)
 
-    ws, wv = _widths((s_cnt, nb), (v_cnt, v_pos.shape[-1]))              # the one host sync
+    ws, wv = _widths((s_cnt, nb, config.max_slash), (v_cnt, v_pos.shape[-1], config.max_vertical),
+                     static=static_widths)                                # the one host sync (unless static)
     s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
@@ -454,26 +462,31 @@ def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp:
                           last_q: int) -> torch.Tensor:
     """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank.
 
-    The owner map is host arithmetic; runs of consecutive rows are sliced (no index tensor copied to
-    the device, which on CUDA synchronizes). One owner holding every probe (striped with
-    granularity >= last_q, zigzag, cp 1): its rows are the result (a view of ``q`` when contiguous)."""
+    The owner map is host arithmetic on Python ints (no tensor is read, so nothing waits for the
+    device); runs of consecutive rows are sliced (no index tensor copied to the device, which on
+    CUDA synchronizes). One owner holding every probe (striped with granularity >= last_q, zigzag,
+    cp 1): its rows are the result (a view of ``q`` when contiguous)."""
     b, _, hq, d = q.shape
-    glob = torch.arange(seq_len - last_q, seq_len)
-    owners, local = layout.global_to_local(glob, seq_len)
+    rows_of = {}                                      # owner -> (probe slots, local rows), ascending
+    for i, t in enumerate(range(seq_len - last_q, seq_len)):
+        o, loc = layout.global_to_local(t, seq_len)
+        slots, locs = rows_of.setdefault(int(o), ([], []))
+        slots.append(i)
+        locs.append(int(loc))
 
-    def rows(idx: torch.Tensor):            # a slice when idx is a run of consecutive integers
-        i0 = int(idx[0])
-        return slice(i0, i0 + idx.numel()) if torch.equal(idx, torch.arange(i0, i0 + idx.numel())) \
-            else idx.to(q.device)
+    def rows(idx: list):                    # a slice when idx is a run of consecutive integers
+        i0 = idx[0]
+        return slice(i0, i0 + len(idx)) if idx == list(range(i0, i0 + len(idx))) \
+            else torch.tensor(idx, dtype=torch.long).to(q.device)
 
     parts = []
-    for o in torch.unique(owners).tolist():           # sorted: same order on every rank
-        sel = (owners == o).nonzero().squeeze(1)
+    for o in sorted(rows_of):                         # sorted: same order on every rank
+        sel, loc = rows_of[o]
         if o == rank:
-            r = rows(local[sel])
+            r = rows(loc)
             buf = (q[:, r] if isinstance(r, slice) else q.index_select(1, r)).contiguous()
         else:
-            buf = torch.empty((b, sel.numel(), hq, d), dtype=q.dtype, device=q.device)
+            buf = torch.empty((b, len(sel), hq, d), dtype=q.dtype, device=q.device)
         if cp > 1:
             with comm_context(f"vertical-slash estimator: broadcast of the probe queries of group rank {o}", group):
                 dist.broadcast(buf, src=dist.get_global_rank(group, o), group=group)
@@ -600,7 +613,8 @@ def _group_mean(scores: torch.Tensor, hkv: int) -> torch.Tensor:
 @torch.no_grad()
 def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
                             config: VerticalSlashConfig = VerticalSlashConfig(),
-                            softmax_scale: Optional[float] = None, impl: str = "auto") -> VerticalSlashPattern:
+                            softmax_scale: Optional[float] = None, impl: str = "auto",
+                            static_widths: Optional[bool] = None) -> VerticalSlashPattern:
     """Estimate the global vertical-slash pattern of this forward pass (identical on every rank).
 
     Args:
@@ -617,6 +631,12 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             (fp32 scores from bf16/fp16/fp32 inputs; CUDA, or CPU under ``TRITON_INTERPRET=1``);
             ``"auto"`` (default): ``"triton"`` for CUDA bf16/fp16/fp32 inputs when Triton imports,
             else ``"torch"``. The selection is always fp64 torch.
+        static_widths: pad ``slash`` to ``min(S / block_size, max_slash)`` and ``vertical`` to
+            ``min(candidates, max_vertical)`` entries (the caps: known on the host, so the
+            estimator reads nothing back from the device) instead of the largest count (one host
+            sync). The selected lines are the same; only the amount of ``-1`` padding differs.
+            ``None`` (default): static on CUDA (a host sync stalls the launch queue), the largest
+            count elsewhere.
 
     Returns:
         :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
@@ -651,10 +671,24 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
     fused = resolve_impl(impl, q, k) == "triton"
     nb = S // bs
-    dev = q.device
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
-    f64 = torch.float64
 
+    static = q.is_cuda if static_widths is None else bool(static_widths)
+    with record_function(REGION_ESTIMATOR_SCORES):
+        col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused,
+                                    share_kv_group=config.share_pattern == "kv_group")
+    with record_function(REGION_ESTIMATOR_SELECTION):
+        gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
+        return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths=static)
+
+
+def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int, scale: float,
+            fused: bool, share_kv_group: bool = False):
+    """Steps 1-3 of the module docstring: ``(col [b, hq, S_local], slash [b, hq, S/bs] all-reduced fp64,
+    k_pos [S_local])``; with ``share_kv_group`` both averaged over each GQA group first (``[b, hkv, ...]``,
+    :func:`_group_mean`)."""
+    b, _, hq, _ = q.shape
+    dev, f64 = q.device, torch.float64
     k_pos = layout.positions(rank, S, device=dev)                       # ascending
     probe = _gather_probe_queries(q, layout, group, rank, cp, S, L)      # [b, L, hq, d]
     # probe rows of global query block u are the contiguous range [max(0, u*bs - (S-L)), (u+1)*bs - (S-L))
@@ -681,9 +715,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
     else:
         col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp)
-    if config.share_pattern == "kv_group":
-        col, slash = _group_mean(col, hkv), _group_mean(slash, hkv)
+    if share_kv_group:
+        col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")
-
-    gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
-    return _select(slash, col, k_pos, layout, rank, S, L, config, gather)
+    return col, slash, k_pos

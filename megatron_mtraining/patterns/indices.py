@@ -55,21 +55,26 @@ BLOCK_SIZE = 64
 class KnownMax:
     """Host copies of ``block_count.max()`` and ``column_count.max()`` of one :class:`StepIndices`
     (the converter reads them anyway for the index widths), valid only while its two count tensors
-    are the very tensors they were read from, unmodified (identity and version counter)."""
+    are the very tensors they were read from, unmodified (identity and version counter).
 
-    __slots__ = ("block", "column", "_refs", "_versions")
+    ``exact=False``: ``block`` and ``column`` are upper bounds known on the host (the static index
+    widths of a conversion that reads nothing back from the device), not the maxima."""
 
-    def __init__(self, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int):
-        self.block, self.column = int(block), int(column)
+    __slots__ = ("block", "column", "exact", "_refs", "_versions")
+
+    def __init__(self, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int,
+                 exact: bool = True):
+        self.block, self.column, self.exact = int(block), int(column), bool(exact)
         self._refs = (weakref.ref(block_count), weakref.ref(column_count))
         self._versions = (block_count._version, column_count._version)
 
     @classmethod
-    def of(cls, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int):
+    def of(cls, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int,
+           exact: bool = True):
         """A record, or ``None`` for inference tensors (they keep no version counter)."""
         if block_count.is_inference() or column_count.is_inference():
             return None
-        return cls(block_count, column_count, block, column)
+        return cls(block_count, column_count, block, column, exact)
 
     def valid_for(self, block_count: torch.Tensor, column_count: torch.Tensor) -> bool:
         return (self._refs[0]() is block_count and self._refs[1]() is column_count
@@ -121,7 +126,11 @@ class StepIndices:
 
     def is_empty(self) -> bool:
         """True when no query block has any key on this step (the step is skipped). No host sync when
-        ``known_max`` is valid for the count tensors, else two."""
+        ``known_max`` is valid for the count tensors, else two.
+
+        With upper bounds only (``known_max.exact`` false, static widths) the answer comes from the
+        bounds: ``False`` unless both are 0, so a step that happens to be empty still runs; its
+        kernels see zero counts, which they treat as rows without keys (``out = 0``, ``lse = -inf``)."""
         k = self.known_max
         if k is not None and k.valid_for(self.block_count, self.column_count):
             return k.block == 0 and k.column == 0

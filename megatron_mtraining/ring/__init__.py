@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from ..common import acc_dtype, default_softmax_scale
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, profiled, \
+    record_function
 from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
@@ -189,6 +190,7 @@ class RingAttentionFunc(torch.autograd.Function):
     """
 
     @staticmethod
+    @profiled(REGION_ATTENTION_FWD)
     def forward(ctx, q, k, v, kernel, comm, delta: Optional[DeltaFunction] = None):
         comm = comm if isinstance(comm, RingComm) else RingComm(comm)
         cp, rank = comm.size, comm.rank
@@ -206,6 +208,7 @@ class RingAttentionFunc(torch.autograd.Function):
         return out
 
     @staticmethod
+    @profiled(REGION_ATTENTION_BWD)
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         comm = ctx.comm
@@ -333,7 +336,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
     q, k, v = last_dim_contiguous(q, k, v)
     if cp == 1 and causal and backend.dense_cp1 is not None and documents is None:
         # the layout is the identity at cp=1, so this is plain causal attention (FA4 or SDPA: cuDNN/flash)
-        return backend.dense_cp1(q, k, v, scale)
+        with record_function(REGION_ATTENTION_FWD):
+            return backend.dense_cp1(q, k, v, scale)
     kernel = dense_step_kernel(backend, layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), q.device,
                                documents)
     return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group), backend.delta)

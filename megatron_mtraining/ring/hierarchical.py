@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..common import acc_dtype, default_softmax_scale
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, profiled
 from ..distributed import (RingComm, check_hierarchical_consistent, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
@@ -81,6 +81,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
     :class:`~megatron_mtraining.ring.RingAttentionFunc`."""
 
     @staticmethod
+    @profiled(REGION_ATTENTION_FWD)
     def forward(ctx, q, k, v, kernel, inner: RingComm, outer: RingComm, overlap: bool,
                 delta: Optional[DeltaFunction] = None):
         n_in, n_out = inner.size, outer.size
@@ -111,6 +112,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         return out
 
     @staticmethod
+    @profiled(REGION_ATTENTION_BWD)
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         kernel, inner, outer, overlap = ctx.kernel, ctx.inner, ctx.outer, ctx.overlap

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..common import default_softmax_scale
+from ..common import REGION_PLAN, default_softmax_scale, record_function
 from ..distributed import comm_context, group_rank, wait_all
 from ..layout import Layout
 from ..ops.backends import KernelBackend
@@ -226,18 +226,19 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     if backend.name != "triton":      # only the Triton kernels read per-group indices (kv_group) directly
         steps = [st.per_query_head(q.shape[2]) for st in steps]
     rank = group_rank(group)
-    if columns == "out_of_ring":
-        col_steps = steps
-        steps = [without_columns(st) for st in steps]
-    kernel = backend.sparse_step(steps, scale)
-    try:       # a hint for kernels that prepare their backward during the forward (custom kernels may refuse it)
-        kernel.expect_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    except AttributeError:
-        pass
-    if columns == "out_of_ring":
-        kernel.column_phase = ColumnPhase(col_steps, pattern, layout, rank, group,
-                                          getattr(kernel, "forward_fn", sparse_attention_forward),
-                                          getattr(kernel, "backward_fn", sparse_attention_backward), scale)
+    with record_function(REGION_PLAN):
+        if columns == "out_of_ring":
+            col_steps = steps
+            steps = [without_columns(st) for st in steps]
+        kernel = backend.sparse_step(steps, scale)
+        try:   # a hint for kernels that prepare their backward during the forward (custom kernels may refuse it)
+            kernel.expect_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        except AttributeError:
+            pass
+        if columns == "out_of_ring":
+            kernel.column_phase = ColumnPhase(col_steps, pattern, layout, rank, group,
+                                              getattr(kernel, "forward_fn", sparse_attention_forward),
+                                              getattr(kernel, "backward_fn", sparse_attention_backward), scale)
     if hierarchical_groups is None:
         out = RingAttentionFunc.apply(q, k, v, kernel, group, backend.delta)
     else:

@@ -84,7 +84,7 @@ def build_plan(args, eod_token=None):
     cfg = args.mtraining                     # validated MTrainingConfig (args.validate_args)
     hier = get_hierarchical_groups() if cfg.implementation == "hierarchical" else None
     return resolve(cfg, cp_group=ps.get_context_parallel_group(), hierarchical_groups=hier,
-                   seq_len=args.seq_length, packing=packing_from_args(args, eod_token))
+                   seq_len=args.seq_length, packing=packing_from_args(args, eod_token), num_layers=args.num_layers)
 
 
 def _mtraining_layer_spec(args, plan):

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .runtime import log0
 
-__all__ = ["check_indexed_dataset", "check_data", "effective_split", "build_datasets", "MicroBatches", "CPBatchSplit"]
+__all__ = ["document_lengths", "check_indexed_dataset", "check_data", "effective_split", "build_datasets", "MicroBatches", "CPBatchSplit"]
 
 _SCAN_CHUNK = 1 << 26                      # tokens per np.max over the memory-mapped .bin
 
@@ -96,6 +96,26 @@ def check_data(args, tokenizer) -> None:
         raise SystemExit(msg)
     log0(f" > checked --data-path ({len(prefixes)} dataset(s)): whole .bin/.idx files, token ids below the "
          f"vocabulary size {tokenizer.vocab_size} ({time.perf_counter() - t0:.1f} s)")
+
+
+def document_lengths(prefix: str):
+    """Token count of every document of a tokenized ``PREFIX.bin/.idx`` pair (megatron-core's
+    ``IndexedDataset``): int64 numpy ``[num_documents]``.
+
+    Raises:
+        FileNotFoundError: ``PREFIX.idx`` or ``PREFIX.bin`` does not exist.
+    """
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for ext in (".idx", ".bin"):
+        if not os.path.isfile(prefix + ext):
+            raise FileNotFoundError(f"{prefix}{ext} not found (a tokenized corpus prefix, e.g. "
+                                    "data/megatron/books_text_document)")
+    ds = IndexedDataset(prefix, mmap=True)
+    seq = np.asarray(ds.sequence_lengths, dtype=np.int64)
+    idx = np.asarray(ds.document_indices, dtype=np.int64)
+    return np.add.reduceat(seq, idx[:-1]) if idx.size > 1 else np.zeros(0, dtype=np.int64)
 
 
 def effective_split(args, prefixes: list[str]) -> str:

@@ -136,6 +136,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
          f"{', granularity ' + str(args.cp_granularity) if args.cp_layout == 'striped' else ''}"
          + (f", implementation {args.mtraining.implementation}, pattern {args.mtraining.pattern}"
             + (f", columns {args.mtraining.columns}" if args.mtraining.sparse else "")
+            + (f", {args.mtraining.layer_policy_text()}" if args.mtraining.has_layer_policy else "")
             + (f", hierarchical {args.hierarchical_context_parallel_sizes}"
                if args.hierarchical_context_parallel_sizes else "") if args.mtraining else "") + ")")
     log0(f" > model: {n_params / 1e6:.2f}M parameters (vocab {tokenizer.vocab_size} padded to {vocab}), "

@@ -21,6 +21,8 @@ Scenarios:
     hier_ok                 4 ranks, correct groups: runs and matches the flat ring
     plan_once               the CP plan's check communicates once per shape signature (2 ranks)
     plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
+    layer_policy_one_rank   rank 1's config keeps another layer dense (per-layer policy); the check
+                            runs from the view of layer 2, which is sparse on both ranks
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ def run(scenario: str) -> dict:
         finally:
             dist.all_gather = real
         extra["collectives"] = len(calls)
+    elif scenario == "layer_policy_one_rank":
+        from megatron_mtraining.plan import resolve
+
+        cfg = {"granularity": 64, "pattern": "vertical_slash", "dense_layers": [1 if rank == 0 else 3]}
+        plan = resolve(cfg, cp_group=world, seq_len=64 * dist.get_world_size(), num_layers=3)
+        q, k, v = _qkv()
+        plan.for_layer(2).check_inputs(q, k, v, softmax_scale=0.25)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     return extra

@@ -81,3 +81,10 @@ def test_plan_checks_once_per_shape_signature():
 
 def test_plan_check_input_invalid_on_one_rank_fails_on_every_rank():
     _same_error_everywhere(_run("plan_gqa_one_rank", 2), "invalid input on group rank 1: GQA needs")
+
+
+def test_layer_policy_mismatch_is_an_error():
+    """Ranks whose per-layer policies differ disagree even in a layer that both run sparse."""
+    rows = _run("layer_policy_one_rank", 2)
+    _same_error_everywhere(rows, "ranks of the CP group disagree")
+    assert "layer_policy" in rows[0]["error"], rows[0]["error"]

@@ -158,3 +158,46 @@ def test_share_pattern_kv_group_reports_recall_per_query_head(tmp_path):
     z = np.load(pat)
     meta = json.loads(str(z["meta"]))
     assert meta["rows_per_layer"] == 2 and meta["share_pattern"] == "kv_group" and z["slash"].shape[0] == 2
+
+
+def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
+    """--mtraining-config: each layer is measured with its own budgets (layer_overrides), dense_layers
+    are reported as exact; every layer carries Megatron's 1-based layer_number."""
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.5, max_slash: 2, max_vertical: 64}\n"
+                   "dense_layers: [1]\nlayer_overrides: {'3': {recall: 1.0, max_slash: 8, max_vertical: 512}}\n")
+    out = tmp_path / "rec"
+    res = run_python("tools/pattern_recall.py", [
+        "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "512", "--timing-repeats", "0",
+        "--plot-heads", "0", "--out", str(out), "--mtraining-config", str(cfg)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    assert "layer 0 (layer_number 1): dense (dense_layers)" in res.stdout, res.tail()
+    report = json.loads((tmp_path / "rec.json").read_text())
+    layers = report["layers"]
+    assert [l["layer_number"] for l in layers] == [1, 2, 3] and [l["dense"] for l in layers] == [True, False, False]
+    assert layers[0]["recall_mean"] == 1.0 and layers[0]["heads"] == []
+    assert [l["recall_target"] for l in layers[1:]] == [0.5, 1.0]
+    # recall 1.0 with caps over every line keeps all the mass; the tight budgets of layer 2 lose some
+    assert layers[2]["recall_mean"] == pytest.approx(1.0, abs=1e-12)
+    assert layers[1]["recall_mean"] < 0.999
+    assert report["layer_policy"] == "dense 1; layers 3: max_slash=8,max_vertical=512,recall=1.0"
+    below = report["summary"]["layers_below_recall_target"]
+    assert set(below) <= {2} and all(isinstance(n, int) for n in below)
+
+
+def test_pattern_recall_config_policy_errors(tmp_path):
+    from tools.pattern_recall import main
+
+    base = ["--data-path", str(tmp_path / "none"), "--seq-length", "256", "--out", str(tmp_path / "rec")]
+    dense, sparse = tmp_path / "dense.yaml", tmp_path / "sparse.yaml"
+    dense.write_text("pattern: dense\n")
+    sparse.write_text("pattern: vertical_slash\ndense_layers: [1]\n")
+    for extra, needle in [(["--mtraining-config", str(dense)], "needs pattern: vertical_slash"),
+                          (["--mtraining-config", str(sparse), "--recall", "0.8"], "drop --recall"),
+                          (["--mtraining-config", str(sparse), "--save-pattern", str(tmp_path / "p.npz")],
+                           "a dense layer has none")]:
+        with pytest.raises(SystemExit) as exc:
+            main(base + extra)
+        assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)

@@ -13,6 +13,7 @@ from megatron_mtraining.config import (
     HierarchicalConfig,
     MTrainingConfig,
     VerticalSlashConfig,
+    config_for_run,
     dump_mtraining_config,
     load_mtraining_config,
 )
@@ -222,3 +223,87 @@ def test_cli_validates_files_and_prints_pretrain_flags(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("patern: dense\n")
     assert main([str(tmp_path / "bad.yaml")]) == 1
     assert "unknown key 'patern'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ per-layer policy
+SPARSE = {"pattern": "vertical_slash", "vertical_slash": {"recall": 0.9}}
+
+
+def test_layer_policy_resolves_per_layer_and_round_trips(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.9}\ndense_layers: [1, '6-7']\n"
+                    "layer_overrides:\n  2-4: {recall: 0.99}\n  5: {max_vertical: 128}\n")
+    cfg = load_mtraining_config(path)
+    assert cfg.dense_layers == (1, 6, 7)
+    assert cfg.layer_overrides == (((2, 4), (("recall", 0.99),)), ((5, 5), (("max_vertical", 128),)))
+    got = {n: cfg.layer_pattern(n) for n in range(1, 9)}
+    assert [n for n, p in got.items() if p is None] == [1, 6, 7]
+    assert {n: got[n].recall for n in (2, 3, 4, 5, 8)} == {2: 0.99, 3: 0.99, 4: 0.99, 5: 0.9, 8: 0.9}
+    assert got[5].max_vertical == 128 and got[8] == cfg.vertical_slash and got[4].max_vertical == 4096
+    assert load_mtraining_config(cfg.to_dict()) == cfg and hash(load_mtraining_config(cfg.to_dict())) == hash(cfg)
+    assert load_mtraining_config(dump_mtraining_config(cfg, tmp_path / "o.yaml") and tmp_path / "o.yaml") == cfg
+    assert dataclasses.replace(cfg, columns="out_of_ring").layer_overrides == cfg.layer_overrides
+    assert cfg.layer_policy_text() == "dense 1,6,7; layers 2-4: recall=0.99; layers 5: max_vertical=128"
+    # the direct API takes the same forms; no policy: every layer has the base budgets
+    assert MTrainingConfig(pattern="vertical_slash", dense_layers=["6-7", 1],
+                           layer_overrides={"5": {"max_vertical": 128}, 2: {"recall": 0.9}}).dense_layers == (1, 6, 7)
+    plain = load_mtraining_config(SPARSE)
+    assert not plain.has_layer_policy and plain.layer_pattern(3) == plain.vertical_slash
+    assert MTrainingConfig().layer_pattern(1) is None and MTrainingConfig(dense_layers=[]).dense_layers is None
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"pattern": "dense", "vertical_slash": None, "dense_layers": [1]}, "'dense_layers' applies to the sparse pattern only"),
+    ({"pattern": "dense", "vertical_slash": None, "layer_overrides": {"1": {"recall": 0.9}}},
+     "'layer_overrides' applies to the sparse pattern only"),
+    ({"dense_layers": 2}, "write [2] for one layer"),
+    ({"dense_layers": [0]}, "1-based"),
+    ({"dense_layers": [True]}, "1-based layer number or a range"),
+    ({"dense_layers": ["4-2"]}, "is empty (first > last)"),
+    ({"dense_layers": [1, "1-3"]}, "layer 1 is listed twice"),
+    ({"layer_overrides": [1]}, "'layer_overrides' must be a mapping"),
+    ({"layer_overrides": {"a": {"recall": 0.9}}}, "'layer_overrides' key 'a'"),
+    ({"layer_overrides": {"1-3": {"recall": 0.9}, "3": {"recall": 0.8}}}, "ranges '1-3' and '3' overlap"),
+    ({"layer_overrides": {"2": {}}}, "'layer_overrides.2' must be a non-empty mapping"),
+    ({"layer_overrides": {"2": {"recal": 0.9}}}, "unknown key 'layer_overrides.2.recal'"),
+    ({"layer_overrides": {"2": {"block_size": 128}}}, "'block_size' cannot be set per layer"),
+    ({"layer_overrides": {"2-3": {"recall": 1.5}}}, "'layer_overrides.2-3.recall' must be a number in (0, 1]"),
+    ({"layer_overrides": {"2": {"max_vertical": 8}}}, "'layer_overrides.2.max_vertical' (8) must be >= sink_tokens"),
+    ({"dense_layers": [3], "layer_overrides": {"2-4": {"recall": 0.9}}},
+     "layer 3 is in 'dense_layers' and in 'layer_overrides' '2-4'"),
+])
+def test_layer_policy_errors_name_the_rule(extra, needle):
+    data = {k: v for k, v in {**SPARSE, **extra}.items() if v is not None}
+    with pytest.raises(ValueError) as e:
+        load_mtraining_config(data)
+    assert str(e.value).startswith("mtraining config: ") and needle in str(e.value), str(e.value)
+    with pytest.raises(ValueError):                                  # the direct API: the same rule
+        MTrainingConfig(**{k: (load_mtraining_config(SPARSE).vertical_slash if k == "vertical_slash" else v)
+                           for k, v in data.items()})
+
+
+def test_layer_numbers_are_checked_against_num_layers():
+    cfg = load_mtraining_config({**SPARSE, "dense_layers": [1], "layer_overrides": {"3-4": {"recall": 0.99}}})
+    cfg.check_layers(4)
+    assert config_for_run(cfg, cp_size=1, seq_len=256, num_layers=4) == cfg
+    with pytest.raises(ValueError, match=r"^--num-layers 3: mtraining config 'layer_overrides' range '3-4' names "
+                                         r"layer 4, but the model has layers 1\.\.3"):
+        config_for_run(cfg, cp_size=1, seq_len=256, num_layers=3)
+    with pytest.raises(ValueError, match=r"^num_layers=0: mtraining config 'dense_layers' names layer 1"):
+        cfg.check_layers(0)
+    with pytest.raises(ValueError, match="'layer_overrides.3-4.last_q' \\(512\\) exceeds the sequence length 256"):
+        load_mtraining_config({**SPARSE, "layer_overrides": {"3-4": {"last_q": 512}}}).check_run(1, 256)
+    with pytest.raises(ValueError, match="layer numbers are 1-based"):
+        cfg.layer_pattern(0)
+
+
+def test_cli_prints_the_layer_policy(tmp_path, capsys):
+    from megatron_mtraining.config import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text("pattern: vertical_slash\ndense_layers: [1]\n")
+    assert main([str(path)]) == 0
+    assert "dense 1" in capsys.readouterr().out
+    path.write_text("pattern: vertical_slash\ndense_layers: [1]\nlayer_overrides: {1: {recall: 0.9}}\n")
+    assert main([str(path)]) == 1
+    assert "layer 1 is in 'dense_layers'" in capsys.readouterr().err

@@ -174,3 +174,37 @@ def test_front_doors_agree_on_implied_hierarchical_ring(tmp_path):
     a = megatron_lm.mtraining_config_from_args(_mlm(**kw))
     b = _pretrain(tmp_path, **kw).mtraining
     assert a == b and a.implementation == "hierarchical" and a.hierarchical.sizes == (2, 2)
+
+
+# ------------------------------------------------------------------------------ per-layer policy
+def test_layer_views_share_the_plan_and_agree_on_the_whole_policy():
+    cfg = {"pattern": "vertical_slash", "dense_layers": [1], "layer_overrides": {"3": {"recall": 0.99}}}
+    plan = resolve(cfg, cp_group=None, seq_len=256, num_layers=3)
+    views = [plan.for_layer(n) for n in (1, 2, 3)]
+    assert [v.sparse for v in views] == [False, True, True] and plan.sparse
+    assert views[2].pattern.recall == 0.99 and views[1].pattern == plan.pattern
+    assert plan.for_layer(2) is views[1] and views[1].for_layer(3) is views[2]     # cached, one per layer
+    assert all(v._checked is plan._checked and v._backends is plan._backends for v in views)
+    assert all(v.layout == plan.layout and v.cp_group is plan.cp_group for v in views)
+    fields = {v.layer_number: v.agreement_fields(0.25) for v in views}
+    assert fields[1] == fields[2] == fields[3] == plan.agreement_fields(0.25)
+    assert fields[1]["layer_policy"] == "dense 1; layers 3: recall=0.99"
+    other = resolve({**cfg, "dense_layers": [2]}, cp_group=None).for_layer(1)
+    assert other.agreement_fields(0.25)["layer_policy"] != fields[1]["layer_policy"]   # a rank with another policy
+    # a dense layer of a sparse config picks the dense kernels; a sparse layer the sparse ones
+    q = torch.zeros(1, 256, 2, 16)
+    b1 = views[0].select_backend(device=q.device, dtype=q.dtype, head_dim=16, seq_len_local=256)
+    b2 = views[1].select_backend(device=q.device, dtype=q.dtype, head_dim=16, seq_len_local=256)
+    assert len(plan._backends) == 2, (b1, b2)
+    with pytest.raises(ValueError, match="layer_number 4 > num_layers=3"):
+        plan.for_layer(4)
+    with pytest.raises(ValueError, match="'dense_layers' names layer 1, but the model has layers 1..0"):
+        resolve(cfg, cp_group=None, num_layers=0)
+
+
+def test_config_from_args_checks_num_layers():
+    args = SimpleNamespace(mtraining_config=None, context_parallel_size=1, seq_length=256, num_layers=2)
+    assert config_from_args(args).pattern == "dense"
+    args.mtraining_config = {"pattern": "vertical_slash", "dense_layers": ["2-3"]}
+    with pytest.raises(ValueError, match=r"^--num-layers 2: mtraining config 'dense_layers' names layer 3"):
+        config_from_args(args)

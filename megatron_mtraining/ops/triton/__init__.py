@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...common import acc_dtype, triton_runs_on
+from ...common import REGION_PLAN, acc_dtype, record_function, triton_runs_on
 from ...patterns.convert import refine_indices
 from ...patterns.indices import StepIndices
 from ..sparse_reference import SparseStepKernel
@@ -247,14 +247,16 @@ class TritonSparseStepKernel(SparseStepKernel):
 
     def _forward_step(self, q, k, v, idx: StepIndices, scale: float):
         early = self.prebuild and self.expect_backward
-        plan = self.plan(idx)       # its int32 copies of the indices are written before `ready`
+        with record_function(REGION_PLAN):
+            plan = self.plan(idx)   # its int32 copies of the indices are written before `ready`
         ready = None
         if early and q.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(q.device))   # the forward kernel comes next
         out = sparse_forward(q, k, v, plan, scale, config=self.config, stats=self.stats)
         if early:
-            prebuild_backward_plans(plan, q.shape, k.shape, self.deterministic, config=self.config, after=ready)
+            with record_function(REGION_PLAN):
+                prebuild_backward_plans(plan, q.shape, k.shape, self.deterministic, config=self.config, after=ready)
         return out
 
     def _backward_step(self, dout, q, k, v, lse, delta, idx: StepIndices, scale: float):

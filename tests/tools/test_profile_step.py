@@ -1,0 +1,174 @@
+"""tools/profile_step.py and megatron_mtraining.bench.profile on CPU.
+
+The region sums are checked against a trace whose ops are known (record_function ranges, an
+autograd backward, a fake CUDA sync call); the tool itself runs one mode of a tiny model end to end
+(``slow``: one subprocess, about 20 s on one core).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from megatron_mtraining.bench.profile import FLUSH, OTHER, markdown_table, region_of_events, region_rows, summarize
+from megatron_mtraining.common import (REGION_ATTENTION_FWD, REGION_CONVERT, REGION_LM_HEAD_LOSS, REGION_OPTIMIZER,
+                                       REGIONS)
+from tools import profile_step as ps
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _trace():
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(REGION_ATTENTION_FWD):
+            y = torch.tanh(x @ w)                   # its backward belongs to attention.backward
+        with record_function(REGION_CONVERT):
+            with torch.no_grad():
+                torch.cumsum(torch.ones(5), 0)      # no autograd node, forward only
+        with record_function(REGION_LM_HEAD_LOSS):
+            loss = (y.exp()).sum()
+        z = y.detach() * 2                          # outside every range: other
+        loss.backward()
+        with record_function(REGION_OPTIMIZER):
+            with torch.no_grad():
+                w -= 0.1 * w.grad
+    return prof, z
+
+
+def test_backward_ops_land_in_their_forward_region():
+    prof, _ = _trace()
+    got = {}
+    for e, region, phase in region_of_events(prof.events()):
+        got.setdefault((region, phase), set()).add(e.name)
+    assert "aten::mm" in got[(REGION_ATTENTION_FWD, "forward")]
+    bwd_attn = got[("mtraining.attention.backward", "backward")]
+    assert any("TanhBackward" in n for n in bwd_attn) and any("MmBackward" in n for n in bwd_attn)
+    assert any("ExpBackward" in n for n in got[(REGION_LM_HEAD_LOSS, "backward")])
+    assert "aten::cumsum" in got[(REGION_CONVERT, "forward")]
+    assert ("mtraining.convert", "backward") not in got
+    assert "aten::mul" in got[(OTHER, "forward")]
+    assert any(n.startswith("aten::sub") for n in got[(REGION_OPTIMIZER, "step")])
+    # negative control: the tanh backward is not charged to the LM head
+    assert not any("TanhBackward" in n for n in got[(REGION_LM_HEAD_LOSS, "backward")])
+
+
+def test_rows_sum_to_the_trace_and_cpu_syncs_are_not_applicable():
+    prof, _ = _trace()
+    rows = region_rows(prof.events(), iterations=2)
+    total = sum(float(e.self_cpu_time_total) for e in prof.events()) / 1e3 / 2
+    assert sum(r["host_ms"] for r in rows) == pytest.approx(total, rel=1e-9)
+    s = summarize(rows, "cpu", layer_calls=4, step_s=0.5)
+    assert s["syncs"] is None and s["attention_path_syncs_per_layer"] is None
+    assert all(r["syncs"] is None for r in s["rows"])
+    table = markdown_table({"dense": s})
+    assert "| **total** |" in table and "n/a" in table
+    lines = [x.split("|")[1].strip() for x in table.splitlines() if x.startswith("| mtraining.")]
+    assert lines == sorted(lines, key=lambda r: REGIONS.index(r))
+
+
+def _event(name, parent=None, cpu_us=1.0, total_us=None, device_us=0.0):
+    return SimpleNamespace(name=name, cpu_parent=parent, self_cpu_time_total=cpu_us,
+                           cpu_time_total=cpu_us if total_us is None else total_us,
+                           self_device_time_total=device_us, device_type="DeviceType.CPU", sequence_nr=-1,
+                           thread=1, fwd_thread=0)
+
+
+def test_sync_calls_are_counted_per_region():
+    """The CUDA path of the counter on hand-made events: a stream sync under the estimator's
+    selection (one per layer call), a device sync in the optimizer; launches are not syncs."""
+    sel = _event("mtraining.estimator.selection")
+    item = _event("aten::_local_scalar_dense", sel)
+    opt = _event(REGION_OPTIMIZER)
+    flush = _event(FLUSH)
+    evs = [sel, item, _event("cudaStreamSynchronize", item, total_us=300.0),
+           _event("cudaLaunchKernel", item, device_us=50.0), opt,
+           _event("cudaDeviceSynchronize", opt, total_us=1000.0), flush,
+           _event("cudaDeviceSynchronize", flush, total_us=5000.0)]          # the tool's own wait: left out
+    rows = region_rows(evs, iterations=1)
+    s = summarize(rows, "cuda", layer_calls=1)
+    by = {(r["region"], r["phase"]): r for r in rows}
+    assert by[("mtraining.estimator.selection", "forward")]["syncs"] == 1
+    assert by[("mtraining.estimator.selection", "forward")]["sync_ms"] == pytest.approx(0.3)
+    assert by[("mtraining.estimator.selection", "forward")]["device_ms"] == pytest.approx(0.05)
+    assert by[(REGION_OPTIMIZER, "step")]["syncs"] == 1
+    assert s["syncs"] == 2 and s["attention_path_syncs"] == 1 and s["attention_path_syncs_per_layer"] == 1
+
+
+def test_input_check_range_only_when_the_check_runs():
+    """``mtraining.input_check`` marks the cross-rank check: present on a new signature, absent on a
+    signature already passed (the end-to-end test below relies on it)."""
+    from megatron_mtraining.plan import resolve
+
+    plan = resolve(None, cp_group=None)
+    q = torch.randn(1, 64, 2, 8, dtype=torch.float64)
+    for expect in (True, False):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            plan.check_inputs(q, q, q, softmax_scale=0.5)
+        assert any(e.name == "mtraining.input_check" for e in prof.events()) == expect
+
+
+def test_trainer_argv_and_shapes():
+    a = ps.build_parser().parse_args(["--shape", "smollm2-135m", "--seq-length", "32768", "--", "--foo"])
+    argv = ps.trainer_argv(a, "mtraining")
+    assert argv[argv.index("--num-layers") + 1] == "30" and argv[argv.index("--num-attention-heads") + 1] == "9"
+    assert argv[argv.index("--num-query-groups") + 1] == "3" and argv[argv.index("--kv-channels") + 1] == "64"
+    assert "--mtraining-config" in argv and argv[-1] == "--foo"
+    assert "--mtraining-config" not in ps.trainer_argv(a, "dense")
+    with pytest.raises(SystemExit):
+        ps.main(["--modes", "dense,sparse", "--shape", "tiny"])
+    with pytest.raises(SystemExit):
+        ps.main(["--active", "0"])
+
+
+@pytest.mark.slow
+def test_one_mode_end_to_end_on_cpu(tmp_path):
+    cfg = tmp_path / "vs.yaml"
+    cfg.write_text("implementation: striped\ngranularity: 64\npattern: vertical_slash\n"
+                   "vertical_slash: {recall: 0.9, last_q: 64, block_size: 64, sink_tokens: 16, local_blocks: 1, "
+                   "max_vertical: 64, max_slash: 4}\n")
+    out = tmp_path / "p.json"
+    md = tmp_path / "p.md"
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "profile_step.py"), "--shape", "tiny",
+                        "--seq-length", "256", "--global-batch-size", "2", "--warmup", "1", "--timed", "1",
+                        "--active", "1", "--modes", "mtraining", "--mtraining-config", str(cfg), "--json", str(out),
+                        "--markdown", str(md)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads(out.read_text())
+    run = rec["runs"]["mtraining"]
+    assert rec["meta"]["tool"] == "profile_step"
+    regions = {r["region"] for r in run["rows"]}
+    for name in ("mtraining.estimator.scores", "mtraining.estimator.selection", "mtraining.convert",
+                 "mtraining.plan", "mtraining.attention.forward", "mtraining.attention.backward",
+                 "mtraining.copies", "mtraining.lm_head_loss", "mtraining.optimizer"):
+        assert name in regions, name
+    assert run["layer_calls"] == 4 and run["syncs"] is None and run["step_s"] > 0
+    # the cross-rank input check ran in the warm-up (once per signature), not in the profiled iteration
+    assert "mtraining.input_check" not in regions
+    assert "| mtraining.convert | forward |" in md.read_text()
+
+
+@pytest.mark.gpu
+def test_cuda_syncs_are_found_in_a_real_trace():
+    """CUDA: an ``.item()`` inside a range is counted as a host sync of that range; queued kernels
+    without a read are not."""
+    x = torch.randn(1024, 1024, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(REGION_CONVERT):
+            (x @ x).sum().item()
+        with record_function(REGION_ATTENTION_FWD):
+            x @ x
+        torch.cuda.synchronize()
+    by = {(r["region"], r["phase"]): r for r in region_rows(prof.events())}
+    assert by[(REGION_CONVERT, "forward")]["syncs"] >= 1
+    assert by[(REGION_CONVERT, "forward")]["device_ms"] > 0
+    assert by[(REGION_ATTENTION_FWD, "forward")]["syncs"] == 0 and by[(REGION_ATTENTION_FWD, "forward")]["device_ms"] > 0

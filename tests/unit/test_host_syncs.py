@@ -1,0 +1,181 @@
+"""The steady-state sparse path reads nothing back from the device (no host synchronisation).
+
+On CUDA an op whose result the host needs (``.item()``, ``bool(t)``, ``int(t)``, ``.tolist()``,
+``nonzero``, ``unique``, ``masked_select``, boolean-mask indexing, ``repeat_interleave`` of a tensor
+without ``output_size``, ``bincount``, ``torch.equal``) waits for every kernel queued before it.
+On the CPU these ops are cheap, so the test traps them instead: :class:`HostReadTrap` (a
+``TorchDispatchMode`` plus patches of the Python-level readers) raises on each of them. The
+vertical-slash estimator and the index conversion with static widths (the CUDA default) run under
+it, and their result is checked against the same calls with data-dependent widths: the same
+selected lines, the same token-level masks of every ring step. Negative control: the
+data-dependent widths trip the trap. On a GPU (marker ``gpu``) the whole sparse ring forward and
+backward runs under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_mtraining.layout import Layout
+from megatron_mtraining.ops.sparse_reference import SparseStepKernel
+from megatron_mtraining.patterns.convert import convert_pattern, step_key_mask, without_columns
+from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+from tests.workers.vs_data import make_qkv
+
+aten = torch.ops.aten
+_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+          aten.bincount.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+          aten._unique.default}
+
+
+class HostRead(AssertionError):
+    pass
+
+
+class HostReadTrap(TorchDispatchMode):
+    """Raise :class:`HostRead` on every op that, on CUDA, makes the host wait for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self._saved = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS:
+            raise HostRead(f"host read: {func}")
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+            idx = args[1]
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx):
+                raise HostRead(f"host read: boolean-mask indexing ({func})")
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            raise HostRead("host read: repeat_interleave without output_size")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        def trap(name):
+            def raiser(self, *a, **k):
+                raise HostRead(f"host read: Tensor.{name}")
+            return raiser
+        for name in ("tolist", "numpy"):
+            self._saved.append((name, getattr(torch.Tensor, name)))
+            setattr(torch.Tensor, name, trap(name))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved:
+            setattr(torch.Tensor, name, fn)
+        self._saved.clear()
+        return super().__exit__(*exc)
+
+
+CFG = VerticalSlashConfig(recall=0.9, last_q=64, block_size=64, sink_tokens=16, local_blocks=1,
+                          max_vertical=96, max_slash=6)
+
+
+def _inputs(S=1024, hq=4, hkv=2, d=16, seed=0):
+    q, k, v = make_qkv(1, S, hq, hkv, d, seed=seed)
+    return q, k, v
+
+
+def _masks(steps, s_local):
+    return [step_key_mask(st, s_local, counts=True) for st in steps]
+
+
+def test_trap_catches_the_readers():
+    """The trap fires on each kind of host read (so the tests below can fail)."""
+    t = torch.arange(6)
+    for read in (lambda: t.max().item(), lambda: bool(t.any()), lambda: int(t.sum()), lambda: t.tolist(),
+                 lambda: t.nonzero(), lambda: torch.unique(t), lambda: t[t > 2],
+                 lambda: torch.repeat_interleave(t, t), lambda: torch.equal(t, t)):
+        with pytest.raises(HostRead):
+            with HostReadTrap():
+                read()
+    with HostReadTrap():                    # fixed-size device-side work passes
+        torch.sort(t).values.cumsum(0).clamp(max=3).gather(0, t.flip(0))
+
+
+def test_estimator_and_conversion_without_host_reads():
+    q, k, _ = _inputs()
+    layout = Layout("striped", 1, 64)
+    with HostReadTrap():
+        pat = estimate_vertical_slash(q, k, layout=layout, config=CFG, impl="torch", static_widths=True)
+        steps = convert_pattern(pat, layout, 0, impl="torch", static_widths=True)
+        kernel = SparseStepKernel([without_columns(st) for st in steps] + steps, 0.25)
+    assert kernel.empty == [False, False]
+    ref = estimate_vertical_slash(q, k, layout=layout, config=CFG, impl="torch", static_widths=False)
+    ref_steps = convert_pattern(ref, layout, 0, impl="torch", static_widths=False)
+    # static widths are the caps; the data-dependent ones the largest counts
+    assert pat.slash.shape[-1] == CFG.max_slash and pat.vertical.shape[-1] == CFG.max_vertical
+    assert ref.slash.shape[-1] <= CFG.max_slash and ref.vertical.shape[-1] <= CFG.max_vertical
+    assert pat.same_selection(ref)
+    assert torch.equal(pat.slash_count, ref.slash_count) and torch.equal(pat.vertical_count, ref.vertical_count)
+    for a, b in zip(steps, ref_steps):
+        assert torch.equal(a.block_count, b.block_count) and torch.equal(a.column_count, b.column_count)
+        assert a.known_max is not None and not a.known_max.exact and b.known_max.exact
+        assert a.known_max.block >= b.known_max.block and a.known_max.column >= b.known_max.column
+    for a, b in zip(_masks(steps, 1024), _masks(ref_steps, 1024)):
+        assert torch.equal(a, b)
+
+
+def test_data_dependent_widths_trip_the_trap():
+    """Negative control: the data-dependent widths read the counts back."""
+    q, k, _ = _inputs(seed=1)
+    layout = Layout("striped", 1, 64)
+    with pytest.raises(HostRead):
+        with HostReadTrap():
+            estimate_vertical_slash(q, k, layout=layout, config=CFG, impl="torch", static_widths=False)
+    pat = estimate_vertical_slash(q, k, layout=layout, config=CFG, impl="torch", static_widths=True)
+    with pytest.raises(HostRead):
+        with HostReadTrap():
+            convert_pattern(pat, layout, 0, impl="torch", static_widths=False)
+
+
+@pytest.mark.parametrize("kind,cp", [("striped", 2), ("striped", 4), ("zigzag", 2), ("contiguous", 4)])
+def test_conversion_at_cp_without_host_reads(kind, cp):
+    """Every rank's per-owner steps at cp > 1 (the conversion itself needs no collective): no host
+    read with static widths, the same token masks as with the data-dependent widths; a contiguous
+    layout's future owners have zero bounds (skipped without a device read)."""
+    S = 1024
+    q, k, _ = _inputs(S, seed=cp)
+    pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, 64), config=CFG, impl="torch",
+                                  static_widths=True)       # the global pattern (identical on every rank)
+    layout = Layout(kind, cp, 64)
+    for rank in range(cp):
+        with HostReadTrap():
+            steps = convert_pattern(pat, layout, rank, impl="torch", static_widths=True)
+            empty = SparseStepKernel(steps, 0.25).empty
+        ref = convert_pattern(pat, layout, rank, impl="torch", static_widths=False)
+        for a, b in zip(_masks(steps, S // cp), _masks(ref, S // cp)):
+            assert torch.equal(a, b)
+        if kind == "contiguous":
+            assert empty == [o > rank for o in range(cp)]
+
+
+@pytest.mark.gpu
+def test_estimator_conversion_and_step_kernel_have_no_sync_on_cuda():
+    """CUDA (Triton scores and conversion, bf16): after a warm-up call (kernel compilation), the
+    estimator, the conversion and the step kernel's set-up run without a host synchronisation
+    (``torch.cuda.set_sync_debug_mode("error")``). The Triton kernels' backward index plans still
+    synchronise (built on a side stream during the forward kernel; docs/design.md)."""
+    from megatron_mtraining.ops.backends import select_backend
+
+    q, k, _ = (t.to("cuda", torch.bfloat16) for t in make_qkv(1, 4096, 8, 2, 64, seed=0))
+    layout = Layout("striped", 1, 64)
+    backend = select_backend("triton", device=q.device, dtype=q.dtype, head_dim=64, seq_len_local=4096,
+                             cp_size=1, sparse=True)
+
+    def run():
+        pat = estimate_vertical_slash(q, k, layout=layout, config=CFG, impl=backend.estimator_impl)
+        steps = convert_pattern(pat, layout, 0, impl=backend.convert_impl)
+        return backend.sparse_step(steps, 0.125), pat
+
+    _, ref = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernel, pat = run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert pat.same_selection(ref) and kernel.empty == [False]
