@@ -13,6 +13,7 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
     vertical_slash:                # fields of patterns.estimator.VerticalSlashConfig (all optional)
       recall: 0.9
       max_vertical: 4096
+      share_pattern: head          # head | kv_group (one pattern per GQA group)
     hierarchical:                  # optional; default: Megatron's --hierarchical-context-parallel-sizes
       inner: 8
       outer: 4

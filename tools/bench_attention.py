@@ -31,6 +31,18 @@ causal work. Effective TFLOP/s count the tiles each implementation computes (our
 ``fwd = 4*d*pairs`` and ``fwd+bwd = 3.5 * fwd``. ``tflops_useful`` counts only the pattern's useful
 pairs. Times: :func:`megatron_mtraining.bench.measure` (median of CUDA-event timings after warm-up).
 
+``--share-pattern kv_group`` (or ``both``) adds, on the same q/k/v, rows for one pattern per GQA group
+(``vertical_slash.share_pattern: kv_group``): a synthetic pattern of ``--kv-heads`` heads (with
+``--pattern-file``: ``--kv-heads`` rows per layer, e.g. a file saved by ``tools/pattern_recall.py
+--share-pattern kv_group --save-pattern``), timed as ``ours_{det,fast}_kvg_head`` (the same pattern
+repeated per query head: per-head programs, each K/V tile loaded once per query head),
+``ours_{det,fast}_kvg_nopack`` (per-group indices, one program per query head) and
+``ours_{det,fast}_kvg_default`` (per-group indices, the default :class:`KernelConfig` packing),
+``ours_{det,fast}_kvg_pack{128,256}`` (the group's heads packed into 128- / 256-row forward tiles,
+partial tiles allowed, dQ unpacked) and ``ours_{det,fast}_kvg_pack256_dq{128,256}`` (dQ packed too).
+The work (pairs) is identical in all of them; ``speedup_vs_head`` compares with the first.
+``both`` also keeps the per-head rows of the default run.
+
 ``--pattern-file P`` times the kernels on a saved pattern instead (e.g. one the online estimator made on real text
 with ``tools/pattern_recall.py --save-pattern``): layer by layer, ``--heads`` rows of the file per layer, the file's
 sequence length, random q/k/v; cuDNN dense causal on one layer of the same shape is the comparison.
@@ -281,6 +293,49 @@ def fa4_dense_row(q, k, v, dout, budget, cud):
                 speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None)
 
 
+def kv_group_rows(q, k, v, dout, idx_g, scale, budget, emit, base, cud=None):
+    """``share_pattern kv_group`` rows (module docstring) of the per-group indices ``idx_g`` (``hkv`` heads).
+    Returns ``{impl: (fwd_ms, fwd_bwd_ms)}``."""
+    import dataclasses
+
+    hq, d = q.shape[2], q.shape[3]
+    s = q.shape[1]
+    pairs = (int(idx_g.block_count.sum()) + int(((idx_g.column_count + 63) // 64).sum())) * 64 * 64 * (hq // k.shape[2])
+    full = idx_g.per_query_head(hq)
+    cfg0 = launch.DEFAULT_CONFIG
+    anyp = dict(pack_gqa_partial=True, pack_gqa_min_heads=1)           # every packing, whatever the group size
+    variants = [("head", full, None), ("nopack", idx_g, dataclasses.replace(cfg0, pack_gqa=False)),
+                ("default", idx_g, cfg0),
+                ("pack128", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=128, pack_gqa_dq_rows=64, **anyp)),
+                ("pack256", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=256, pack_gqa_dq_rows=64, **anyp)),
+                ("pack256_dq128", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=256, pack_gqa_dq_rows=128, **anyp)),
+                ("pack256_dq256", idx_g, dataclasses.replace(cfg0, pack_gqa_rows=256, pack_gqa_dq_rows=256, **anyp))]
+    out, ref = {}, {}
+    for name, idx, cfg in variants:
+        plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True)
+        for det in (True, False):
+            impl = f"ours_{'det' if det else 'fast'}_kvg_{name}"
+            try:
+                stats: dict = {}
+                f1, f2 = ours_fns(q, k, v, dout, plan, scale, det, config=cfg, stats=stats)
+                t1, _ = bench(f1, budget)
+                t2, n2 = bench(f2, budget)
+                if name == "head":
+                    ref[det] = t2
+                out[impl] = (t1, t2)
+                regs = {kn: st.get("n_regs") for kn, st in stats.items()}
+                emit(dict(impl=impl, seq=s, d=d, fwd_ms=t1, fwd_bwd_ms=t2, tflops_fwd=tflops(4 * d * pairs, t1),
+                          tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2), reps=n2, kernel_regs=regs,
+                          speedup_vs_head=(ref[det] / t2) if det in ref else None,
+                          speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None, **base))
+            except Exception as e:
+                traceback.print_exc()
+                emit(dict(impl=impl, seq=s, d=d, error=repr(e)[:300], **base))
+        del plan
+        torch.cuda.empty_cache()
+    return out
+
+
 def prep_ms(idx, q_shape, k_shape):
     """Time to build the deterministic backward's index plans (inverted block index, column union) of a fresh
     plan of ``idx``: once per step in training, cached on the plan."""
@@ -328,6 +383,9 @@ def main():
                          "the rows left over are dropped")
     ap.add_argument("--once", action="store_true",
                     help="run our deterministic fwd+bwd once per case, no timing (for ncu)")
+    ap.add_argument("--share-pattern", choices=["head", "kv_group", "both"], default="head",
+                    help="kv_group: time one pattern per GQA group (per-head expansion vs per-group indices, "
+                         "packed or not) instead of the per-head rows; both: the two")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)   # CPU + Triton interpreter
@@ -408,6 +466,12 @@ def main():
                         emit(dict(impl=f"ours_dense{rb}", seq=s, d=d, error=repr(e)[:300]))
                     torch.cuda.empty_cache()
             for sp in [float(x) for x in args.sparsity.split(",")]:
+                if args.share_pattern != "head":
+                    idx_g, st_g = vertical_slash_indices(s, hkv, sp, seed=args.seed, device=dev)
+                    kv_group_rows(q, k, v, dout, idx_g, scale, args.budget, emit, dict(sparsity=sp), cud)
+                    del idx_g
+                    if args.share_pattern == "kv_group":
+                        continue
                 t0 = time.time()
                 idx, st, pats = vertical_slash_indices(s, hq, sp, seed=args.seed, device=dev, return_sets=True)
                 gen_s = time.time() - t0
@@ -502,6 +566,8 @@ def file_bench(args, d, dev, dt, impls, emit):
     pat, meta = load_pattern(args.pattern_file)
     s, hq, hkv = pat.seq_len, args.heads, args.kv_heads
     rows = pat.slash.shape[1]
+    if args.share_pattern != "head":
+        return file_bench_kv_group(args, pat, meta, d, dev, dt, impls, emit)
     if hq % hkv:
         raise SystemExit(f"error: --heads {hq} is not a multiple of --kv-heads {hkv}")
     if rows < hq:
@@ -569,6 +635,47 @@ def file_bench(args, d, dev, dt, impls, emit):
                   speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None, pattern_meta=meta,
                   note=f"{nl} layers of {args.pattern_file}" + (f" regrouped {hq} rows per layer, {rows % hq} "
                                                                   f"rows left over" if args.regroup_heads else "")))
+
+
+def file_bench_kv_group(args, pat, meta, d, dev, dt, impls, emit):
+    """``--share-pattern kv_group`` on a saved pattern: ``--kv-heads`` rows per layer (a per-group pattern file)."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+
+    s, hq, hkv = pat.seq_len, args.heads, args.kv_heads
+    rows = pat.slash.shape[1]
+    if hq % hkv or rows % hkv:
+        raise SystemExit(f"error: --share-pattern kv_group needs --heads {hq} a multiple of --kv-heads {hkv} and "
+                         f"{args.pattern_file}'s {rows} head rows a multiple of --kv-heads (a per-group file)")
+    nl = rows // hkv if args.layers <= 0 else min(args.layers, rows // hkv)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    q = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
+    k = torch.randn(1, s, hkv, d, device=dev, generator=g).to(dt)
+    v = torch.randn(1, s, hkv, d, device=dev, generator=g).to(dt)
+    dout = torch.randn(1, s, hq, d, device=dev, generator=g).to(dt)
+    cud = None
+    if "cudnn" in impls:
+        row = cudnn_row(q, k, v, dout, args.budget, note="one layer; ")
+        cud = row["fwd_bwd_ms"]
+        emit(row)
+    tot: dict = {}
+    for layer in range(nl):
+        hs = slice(layer * hkv, (layer + 1) * hkv)
+        sub = VerticalSlashPattern(s, pat.block_size, pat.slash[:, hs], pat.slash_count[:, hs], pat.vertical[:, hs],
+                                   pat.vertical_count[:, hs]).to(dev)
+        idx = convert_pattern(sub, Layout("striped", 1, 64), 0)[0]
+        for impl, (t1, t2) in kv_group_rows(q, k, v, dout, idx, d ** -0.5, args.budget, emit,
+                                            dict(layer=layer, note=f"layer {layer}"), cud).items():
+            acc = tot.setdefault(impl, [0.0, 0.0])
+            acc[0] += t1
+            acc[1] += t2
+    for impl, (t1, t2) in tot.items():
+        head = tot.get(impl.rsplit("_kvg_", 1)[0] + "_kvg_head")
+        emit(dict(impl=impl + "_all_layers", seq=s, d=d, layers=nl, fwd_ms=t1, fwd_bwd_ms=t2,
+                  speedup_vs_head=(head[1] / t2) if head else None, pattern_meta=meta,
+                  speedup_fwd_bwd_vs_cudnn=(nl * cud / t2) if cud else None,
+                  note=f"{nl} layers of {args.pattern_file}"))
 
 
 def breakdown(q, k, v, dout, plan, scale, s, d, sp, emit, st):

@@ -14,6 +14,10 @@ layer and head:
 * ``sparsity``: fraction of the causal work skipped, counting what a kernel computes — every active
   64x64 tile (the diagonal tile in full) plus 64 query rows per extra vertical column;
 * ``vertical`` / ``slash``: the chosen budgets (columns, block diagonals);
+* ``--share-pattern kv_group``: one pattern per KV head (``vertical_slash.share_pattern``); every
+  query head is still scored on its own attention (``recall`` per query head, ``kv_head`` its
+  group), so the report shows what sharing costs each head; ``--save-pattern`` then writes one row
+  per (layer, sample, KV head) (``tools/bench_attention.py --share-pattern kv_group --pattern-file``);
 * ``est_time_ratio``: the estimator's time / the exact (dense) attention forward's time of the
   layer on the same device (the estimator's default implementation there: torch on the CPU, the
   fused Triton score kernels on CUDA; the dense attention is the torch reference). ``null`` when
@@ -101,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--local-blocks", type=int, default=dflt.local_blocks)
     est.add_argument("--max-vertical", type=int, default=dflt.max_vertical)
     est.add_argument("--max-slash", type=int, default=dflt.max_slash)
+    est.add_argument("--share-pattern", default=dflt.share_pattern, choices=["head", "kv_group"],
+                     help="kv_group: one pattern per KV head (GQA group); recall is still reported per query head")
     est.add_argument("--mtraining-config", default=None, metavar="FILE",
                      help="measure a sparse config's per-layer policy instead of the flags above: its "
                           "vertical_slash budgets, layer_overrides and dense_layers (reported as exact)")
@@ -303,6 +309,20 @@ def pattern_rows(pattern, r0: int, r1: int) -> torch.Tensor:
     return (on_slash | on_vert) & (kp[None, :] <= qp[:, None])
 
 
+def per_query_head(pattern, hq: int):
+    """``pattern`` with one row per query head (a ``share_pattern kv_group`` pattern's ``hkv`` rows
+    repeated for the heads of each group; ``pattern`` itself when it has ``hq`` rows)."""
+    from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+
+    r = hq // pattern.num_heads
+    if r == 1:
+        return pattern
+    rep = lambda t: None if t is None else t.repeat_interleave(r, 1)  # noqa: E731
+    return VerticalSlashPattern(pattern.seq_len, pattern.block_size, rep(pattern.slash), rep(pattern.slash_count),
+                                rep(pattern.vertical), rep(pattern.vertical_count), rep(pattern.est_slash_mass),
+                                rep(pattern.est_vertical_mass))
+
+
 def work_fraction(steps, nb: int, bs: int) -> torch.Tensor:
     """Per (b, head): computed work / dense causal work (tiles of bs x bs, columns of bs rows)."""
     work = sum(st.block_count.double().sum(-1) * bs * bs + st.column_count.double().sum(-1) * bs for st in steps)
@@ -353,7 +373,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = VerticalSlashConfig(recall=args.recall, last_q=args.last_q, sink_tokens=args.sink_tokens,
                                   local_blocks=args.local_blocks, max_vertical=args.max_vertical,
-                                  max_slash=args.max_slash)
+                                  max_slash=args.max_slash, share_pattern=args.share_pattern)
     except ValueError as e:        # names the field: VerticalSlashConfig.recall -> --recall
         raise SystemExit(f"error: {e}") from None
     policy = None                  # the MTrainingConfig whose per-layer budgets are measured
@@ -361,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from megatron_mtraining.config import load_mtraining_config
 
         changed = [f"--{k.replace('_', '-')}" for k in ("recall", "last_q", "sink_tokens", "local_blocks",
-                                                        "max_vertical", "max_slash")
+                                                        "max_vertical", "max_slash", "share_pattern")
                    if getattr(args, k) != getattr(VerticalSlashConfig(), k)]
         if changed:
             raise SystemExit(f"error: --mtraining-config sets the estimator budgets; drop {', '.join(changed)}")
@@ -468,10 +488,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             report["layers"].append(layer)
             print(f"layer {li} (layer_number {layer_number}): dense (dense_layers)", flush=True)
             continue
-        pattern = estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale)
-        for rows, t in zip(saved_rows, (pattern.slash, pattern.vertical)):
+        group_pattern = estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale)
+        for rows, t in zip(saved_rows, (group_pattern.slash, group_pattern.vertical)):
             rows.extend(r[r >= 0].numpy() for r in t.reshape(-1, t.shape[-1]).cpu())
-        steps = convert_pattern(pattern, one, 0)
+        pattern = per_query_head(group_pattern, q.shape[2])          # kv_group: each group's row per query head
+        steps = convert_pattern(group_pattern, one, 0)
         t_est = t_att = t_sparse = None
         if args.timing_repeats > 0:
             t_est = timed(lambda: estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale),
@@ -482,11 +503,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    stride=args.recall_stride, last_q=lcfg.last_q).cpu()
         recall = inside[..., grid].mean(-1)                           # [b, hq]
         probe_recall = inside[..., seq - lcfg.last_q:].mean(-1)
-        work = work_fraction(steps, nb, bs).cpu()
+        work = work_fraction(steps, nb, bs).cpu().repeat_interleave(q.shape[2] // group_pattern.num_heads, 1)
         heads = []
         for h in range(q.shape[2]):
             heads.append({
-                "head": h,
+                "head": h, "kv_head": h // (q.shape[2] // k.shape[2]),
                 "recall": recall[:, h].mean().item(), "recall_min_sample": recall[:, h].min().item(),
                 "probe_recall": probe_recall[:, h].mean().item(),
                 "sparsity": 1.0 - work[:, h].mean().item(),
@@ -528,7 +549,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         save_pattern(args.save_pattern, pattern_from_arrays(seq, *saved_rows),
                      {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
                       "layers": len(captured), "rows_per_layer": len(saved_rows[0]) // max(1, len(captured)),
-                      "recall_target": cfg.recall})
+                      "recall_target": cfg.recall, "share_pattern": cfg.share_pattern})
         print(f"wrote {args.save_pattern}", flush=True)
     if args.plot_heads > 0 and picks:
         picks.sort(key=lambda x: -x[2])                       # the sparsest heads are the most telling

@@ -127,6 +127,7 @@ def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Raises:
         ValueError: inconsistent shapes.
     """
+    indices = indices.per_query_head(q.shape[2]) if q.dim() == 4 else indices
     _check(q, k, v, indices)
     acc = acc_dtype(q.dtype)
     b, sq, hq, d = q.shape
@@ -168,6 +169,7 @@ def sparse_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     Returns:
         ``(dq, dk, dv)`` shaped like ``q, k, v``, in :func:`acc_dtype`.
     """
+    indices = indices.per_query_head(q.shape[2]) if q.dim() == 4 else indices
     _check(q, k, v, indices)
     acc = acc_dtype(q.dtype)
     b, sq, hq, d = q.shape

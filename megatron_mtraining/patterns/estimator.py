@@ -40,10 +40,17 @@ Every forward pass, from the current (already position-encoded) ``q`` and ``k`` 
    top-``cap``, so the result equals a selection over all columns. Slash scores are a tiny
    vector: ``all_reduce`` then identical selection on every rank.
 
-Per query head, not per KV group: the per-step index format (:class:`StepIndices`) is per query
-head, the ring moves whole K/V shards (a per-group pattern would save no communication), and the
-recall target is a per-head guarantee — pooling a sink head and a local head of one KV group would
-let the pooled mass reach the target while one of the heads stays far below it.
+Per query head by default (``VerticalSlashConfig.share_pattern="head"``): the recall target is a
+per-head guarantee — pooling a sink head and a local head of one KV group lets the pooled mass
+reach the target while one of the heads stays far below it. ``share_pattern="kv_group"`` trades
+that guarantee for cheaper kernels: the scores of step 3 are averaged over the query heads of each
+GQA group (each head's probe rows are softmax-normalised, so every head weighs the same and the mean
+keeps the total mass ``last_q``), and steps 4-5 select one vertical set and one slash set per KV
+head from that mean. The pattern then has ``hkv`` heads; the selection, the all-reduce of the slash
+scores, the candidate all_gather and the index conversion run over ``hkv`` instead of ``hq`` heads
+(the probe softmax stays per query head), and the Triton forward kernel computes several query
+heads of a group against each K/V tile it loads (``KernelConfig.pack_gqa``). The ring moves whole K/V shards either way (no
+communication is saved).
 
 Invariance. The pattern is a property of the sequence: it does not depend on ``cp_size`` or the
 layout beyond floating-point rounding. With ``impl="torch"`` scores are computed in fp64 from the
@@ -97,8 +104,11 @@ from ..layout import Layout
 from ..common import (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, TRITON_DTYPES, default_softmax_scale,
                       record_function, triton_runs_on)
 
-__all__ = ["VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash", "floor_first_sort",
-           "priority_order", "resolve_impl"]
+__all__ = ["SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash",
+           "floor_first_sort", "priority_order", "resolve_impl"]
+
+#: Values of :attr:`VerticalSlashConfig.share_pattern`: one pattern per query head, or per KV head.
+SHARE_PATTERNS = ("head", "kv_group")
 
 # Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
 _LOGIT_BUDGET = 1 << 23
@@ -119,6 +129,11 @@ class VerticalSlashConfig:
             (>= 1, so every query always sees itself).
         max_vertical: cap on vertical columns per (sample, head); >= ``sink_tokens``.
         max_slash: cap on block diagonals per (sample, head); >= ``local_blocks``.
+        share_pattern: ``"head"`` (default): one pattern per query head; ``"kv_group"``: one pattern
+            per KV head, shared by the ``hq / hkv`` query heads of its GQA group (selected from the
+            group's mean probe mass, see :func:`estimate_vertical_slash`; the Triton kernels then
+            read one index list per group and pack several of its heads into one forward tile,
+            ``KernelConfig.pack_gqa``).
 
     Raises:
         ValueError: naming the offending field.
@@ -131,13 +146,17 @@ class VerticalSlashConfig:
     local_blocks: int = 2
     max_vertical: int = 4096
     max_slash: int = 1024
+    share_pattern: str = "head"
 
     def __post_init__(self) -> None:
         r = self.recall
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < float(r) <= 1.0):
             raise ValueError(f"VerticalSlashConfig.recall must be a number in (0, 1], got {r!r}")
+        if self.share_pattern not in SHARE_PATTERNS:
+            allowed = ", ".join(map(repr, SHARE_PATTERNS))
+            raise ValueError(f"VerticalSlashConfig.share_pattern must be one of {allowed}, got {self.share_pattern!r}")
         for f in fields(self):
-            if f.name == "recall":
+            if f.name in ("recall", "share_pattern"):
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int):
@@ -581,6 +600,15 @@ def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, grou
     return col, slash
 
 
+def _group_mean(scores: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``share_pattern="kv_group"``: the mean of ``[b, hq, n]`` line scores over the query heads of
+    each GQA group (query head ``h`` in group ``h // (hq / hkv)``), ``[b, hkv, n]`` fp64. Each
+    head's probe rows are softmax-normalised (mass ``last_q`` per head), so the mean keeps the
+    total mass ``last_q`` and the recall target ``recall * last_q`` of the selection."""
+    b, hq, n = scores.shape
+    return scores.to(torch.float64).view(b, hkv, hq // hkv, n).mean(2)
+
+
 # ----------------------------------------------------------------------------------- estimator
 @torch.no_grad()
 def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
@@ -612,6 +640,12 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
 
     Returns:
         :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
+        One entry per query head (``[b, hq, ...]``) with ``config.share_pattern="head"``; one per
+        KV head (``[b, hkv, ...]``, shared by query heads ``g * hq/hkv .. (g+1) * hq/hkv - 1``) with
+        ``"kv_group"``: the column and block-diagonal scores (step 3) of the group's query heads,
+        each from its own softmax-normalised probe rows, are averaged (fp64) before the budgets and
+        the selection (steps 4-5), which then run once per KV head; the recall target applies to
+        the group's mean mass (``est_*_mass`` report it).
 
     Raises:
         ValueError: shape mismatch, ``layout.cp_size`` not the group size, a sequence the layout
@@ -641,16 +675,18 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
 
     static = q.is_cuda if static_widths is None else bool(static_widths)
     with record_function(REGION_ESTIMATOR_SCORES):
-        col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused)
+        col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused,
+                                    share_kv_group=config.share_pattern == "kv_group")
     with record_function(REGION_ESTIMATOR_SELECTION):
         gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
         return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths=static)
 
 
 def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int, scale: float,
-            fused: bool):
+            fused: bool, share_kv_group: bool = False):
     """Steps 1-3 of the module docstring: ``(col [b, hq, S_local], slash [b, hq, S/bs] all-reduced fp64,
-    k_pos [S_local])``."""
+    k_pos [S_local])``; with ``share_kv_group`` both averaged over each GQA group first (``[b, hkv, ...]``,
+    :func:`_group_mean`)."""
     b, _, hq, _ = q.shape
     dev, f64 = q.device, torch.float64
     k_pos = layout.positions(rank, S, device=dev)                       # ascending
@@ -679,5 +715,7 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
             slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
     else:
         col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp)
+    if share_kv_group:
+        col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")
     return col, slash, k_pos

@@ -27,6 +27,11 @@ Per ring step (query rank ``r``, K/V owner ``o``), in **local** coordinates of t
                                                column may sit in the diagonal block when d = 0 is
                                                not selected; leaving it unmasked leaks the future).
 
+The head dimension ``hq`` is the query heads' for a pattern per query head; for a pattern per GQA
+group (``VerticalSlashConfig.share_pattern="kv_group"``) it is ``hkv`` and query head ``h`` reads row
+``h // (hq / hkv)`` (:meth:`StepIndices.per_query_head` repeats the rows for kernels that need one
+per query head).
+
 Padding written by :mod:`megatron_mtraining.patterns.convert` is ``-1`` (kernels must not read
 entries at positions ``>= count``); widths are the max counts, at least 1.
 
@@ -90,6 +95,34 @@ class StepIndices:
     causal: bool
     block_size: int = BLOCK_SIZE
     known_max: Optional[KnownMax] = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_heads(self) -> int:
+        """Heads of the index tensors: ``hq`` (a pattern per query head), ``hkv`` (one per GQA
+        group, ``share_pattern="kv_group"``: query head ``h`` reads row ``h // (hq / hkv)``) or 1."""
+        return self.block_count.shape[1]
+
+    def per_query_head(self, hq: int) -> "StepIndices":
+        """These indices with one row per query head (``self`` if it has ``hq`` heads already): each
+        row of a per-group (or shared) index repeated for the query heads that read it, so the heads
+        of a group are adjacent. For kernels without grouped indices (the torch reference, FA4).
+
+        Raises:
+            ValueError: ``hq`` is not a multiple of :attr:`num_heads`.
+        """
+        h = self.num_heads
+        if h == hq:
+            return self
+        if h < 1 or hq % h:
+            raise ValueError(f"StepIndices with {h} heads cannot serve {hq} query heads (GQA needs hq % heads == 0)")
+        r = hq // h
+        rep = lambda t: t.repeat_interleave(r, dim=1)  # noqa: E731
+        k = self.known_max
+        out = StepIndices(rep(self.block_count), rep(self.block_index), rep(self.column_count),
+                          rep(self.column_index), self.causal, self.block_size)
+        if k is not None and k.valid_for(self.block_count, self.column_count):
+            out.known_max = KnownMax.of(out.block_count, out.column_count, k.block, k.column)
+        return out
 
     def is_empty(self) -> bool:
         """True when no query block has any key on this step (the step is skipped). No host sync when

@@ -38,7 +38,7 @@ from ..ops.backends import KernelBackend
 from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
 from ..patterns.convert import (check_block_layout, column_phase_indices, convert_pattern, local_block_ids,
                                 without_columns)
-from ..patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
+from ..patterns.estimator import SHARE_PATTERNS, VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
 from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous
 
@@ -158,7 +158,7 @@ def sparse_agreement_fields(config: VerticalSlashConfig, columns: str) -> dict:
     """The sparse parameters every CP rank must agree on (for the cross-rank input check)."""
     return dict(budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
                          config.max_vertical, config.max_slash), recall=float(config.recall),
-                columns=COLUMN_SCHEDULES.index(columns))
+                columns=COLUMN_SCHEDULES.index(columns), share_pattern=SHARE_PATTERNS.index(config.share_pattern))
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
@@ -182,6 +182,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             numbering gives this rank's index in ``group``): run the two-level ring of
             :mod:`megatron_mtraining.ring.hierarchical` instead of the flat ring. The pattern is still
             estimated over ``group``.
+        config.share_pattern: ``"kv_group"`` estimates one pattern per KV head; the Triton step
+            kernels read it per group (``KernelConfig.pack_gqa``: several query heads of a group
+            against each K/V tile the forward loads), the other kernels get it repeated per query head.
         columns: ``"in_ring"`` (each ring step computes the columns its owner holds) or
             ``"out_of_ring"`` (:class:`ColumnPhase`: columns gathered once and computed outside the
             ring, which balances the steps; needs ``config.local_blocks >= 1``).
@@ -220,6 +223,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                                                             config=config, softmax_scale=scale,
                                                             impl=backend.estimator_impl)
     steps = convert_pattern(pattern, layout, group_rank(group), impl=backend.convert_impl)
+    if backend.name != "triton":      # only the Triton kernels read per-group indices (kv_group) directly
+        steps = [st.per_query_head(q.shape[2]) for st in steps]
     rank = group_rank(group)
     with record_function(REGION_PLAN):
         if columns == "out_of_ring":

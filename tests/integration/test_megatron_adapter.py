@@ -187,6 +187,32 @@ class TestMTrainingAttentionForward:
         assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@needs_ring
+def test_share_pattern_kv_group_reaches_the_sparse_ring():
+    """vertical_slash.share_pattern from the config reaches the sparse ring through the plan: the
+    module's output is the kv_group sparse ring's (one pattern per KV head), not the per-head one's."""
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+    from tests.workers.vs_data import make_qkv
+
+    q, k, v = (t.float().transpose(0, 1).contiguous() for t in make_qkv(2, 256, 4, 2, 16, seed=5))   # sbhd
+    vs = dict(recall=0.8, sink_tokens=16, local_blocks=1)
+    mod = _attn(config=_config(hidden_size=64), mtraining_config=load_mtraining_config(
+        {"pattern": "vertical_slash", "vertical_slash": {**vs, "share_pattern": "kv_group"}}))
+    out = mod(q, k, v, None)
+    bshd = lambda t: t.transpose(0, 1).contiguous()  # noqa: E731
+    runs = {}
+    for share in ("kv_group", "head"):
+        o, pat = sparse_ring_attention(bshd(q), bshd(k), bshd(v), layout=Layout("striped", 1, 64),
+                                       config=load_mtraining_config({"pattern": "vertical_slash", "vertical_slash": {
+                                           **vs, "share_pattern": share}}).vertical_slash,
+                                       softmax_scale=1.0 / math.sqrt(16), return_pattern=True)
+        runs[share] = (o.transpose(0, 1).reshape(256, 2, 64), pat)
+    assert runs["kv_group"][1].num_heads == 2 and runs["head"][1].num_heads == 4
+    torch.testing.assert_close(out, runs["kv_group"][0], rtol=1e-6, atol=1e-6)
+    assert (out - runs["head"][0]).abs().max() > 1e-3          # negative control: the option matters
+
+
 # ------------------------------------------------------------------------------------ spec
 def test_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

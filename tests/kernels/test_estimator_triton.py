@@ -216,6 +216,7 @@ def test_kernel_input_errors():
     (torch.float32, dict(recall=0.9, sink_tokens=4, max_vertical=256)),
     (torch.float32, dict(recall=0.9, last_q=48, block_size=32, sink_tokens=4)),
     (torch.float16, dict(recall=0.8, sink_tokens=8, local_blocks=1)),
+    (torch.float32, dict(recall=0.9, sink_tokens=4, share_pattern="kv_group")),     # one pattern per KV head
 ])
 def test_estimator_triton_selects_the_torch_pattern(dtype, cfg):
     q, k, _ = make_qkv(2, 512, 4, 2, 32, seed=3, dtype=dtype)

@@ -52,3 +52,23 @@ def test_rows_that_do_not_fit_are_clear_errors(tmp_path):
     assert res.returncode != 0 and "fewer than --heads 8" in res.stderr, res.tail()
     res, _ = _bench(tmp_path, pat, "--heads", "4", "--kv-heads", "3", "--regroup-heads")
     assert res.returncode != 0 and "not a multiple of --kv-heads 3" in res.stderr, res.tail()
+
+
+@pytest.mark.slow
+def test_share_pattern_kv_group_rows(tmp_path):
+    """--share-pattern kv_group: --kv-heads rows of the file per layer, timed per head (repeated rows)
+    and per group (unpacked, packed into 128- and 256-row tiles), every variant with the same work."""
+    pat = tmp_path / "p.npz"
+    _pattern(pat, rows=2, seq=128)
+    res, out = _bench(tmp_path, pat, "--heads", "4", "--kv-heads", "2", "--share-pattern", "kv_group")
+    assert res.returncode == 0, res.tail()
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    names = {r["impl"] for r in rows}
+    for det in ("det", "fast"):
+        for var in ("head", "nopack", "default", "pack128", "pack256", "pack256_dq128", "pack256_dq256"):
+            assert f"ours_{det}_kvg_{var}" in names and f"ours_{det}_kvg_{var}_all_layers" in names
+    per_layer = [r for r in rows if r["impl"] == "ours_det_kvg_pack128"]
+    assert [r["layer"] for r in per_layer] == [0]             # 2 rows, 2 KV heads per layer: one layer
+    res, _ = _bench(tmp_path, pat, "--heads", "4", "--kv-heads", "3", "--share-pattern", "kv_group")
+    assert res.returncode != 0 and "multiple of --kv-heads" in res.stderr, res.tail()

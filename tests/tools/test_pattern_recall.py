@@ -136,6 +136,30 @@ def test_strided_recall_without_timings_end_to_end(tmp_path):
         assert 0 < h2["recall"] <= 1
 
 
+def test_share_pattern_kv_group_reports_recall_per_query_head(tmp_path):
+    """--share-pattern kv_group: one pattern per KV head (saved rows: layer x sample x KV head), recall
+    and sparsity still per query head, the heads of a group with the same budgets."""
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    out, pat = tmp_path / "rec", tmp_path / "pat.npz"
+    res = run_python("tools/pattern_recall.py", [
+        "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "256", "--recall", "0.9",
+        "--sink-tokens", "16", "--share-pattern", "kv_group", "--timing-repeats", "0", "--plot-heads", "0",
+        "--out", str(out), "--save-pattern", str(pat)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    report = json.loads((tmp_path / "rec.json").read_text())
+    assert report["config"]["share_pattern"] == "kv_group"
+    heads = report["layers"][0]["heads"]
+    assert [h["kv_head"] for h in heads] == [0, 0, 1, 1]
+    for a, b in ((0, 1), (2, 3)):                         # one pattern per group
+        assert heads[a]["vertical"] == heads[b]["vertical"] and heads[a]["slash"] == heads[b]["slash"]
+        assert heads[a]["sparsity"] == heads[b]["sparsity"]
+    assert all(0.0 < h["recall"] <= 1.0 for h in heads)
+    z = np.load(pat)
+    meta = json.loads(str(z["meta"]))
+    assert meta["rows_per_layer"] == 2 and meta["share_pattern"] == "kv_group" and z["slash"].shape[0] == 2
+
+
 def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
     """--mtraining-config: each layer is measured with its own budgets (layer_overrides), dense_layers
     are reported as exact; every layer carries Megatron's 1-based layer_number."""

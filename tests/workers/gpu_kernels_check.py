@@ -8,7 +8,8 @@ reference (tests/workers/gpu_common.py) vs the same fp64 oracle; the criterion i
 ``err(ours) <= 2 * err(bf16 reference)`` for out, lse, dQ, dK, dV separately (the non-deterministic
 backward too, for dQ, dK, dV). Deterministic backward: three runs, bitwise equal. Outputs are
 poisoned with NaN before each run; no NaN may appear. Cases (:data:`CASES`): synthetic
-vertical-slash patterns (4K, 8K; head_dim 128 and 64; Qwen2.5-3B heads 16/2), random indices with
+vertical-slash patterns (4K, 8K; head_dim 128 and 64; Qwen2.5-3B heads 16/2), the same with one
+pattern per KV head (``kv_group``: per-group indices, Qwen2.5-3B 16/2 and SmolLM2 9/3), random indices with
 blocks past the diagonal (1K), the dense position-mask step kernel on a causal shard (4K, 32K),
 striped block-causal steps (owner < rank and owner > rank) and a zigzag step; the delta kernel
 (``rowsum(dout * out)``) against fp64, within 2x torch fp32. :data:`SMOKE_CASES`: tiny fp16 cases
@@ -63,6 +64,12 @@ CASES = (
          dict(s=4096, hq=16, hkv=2, d=128, dtype=fp16, sparsity=0.9, seed=2)),
     Case("random1k-d128-past-diag", "random 1K d128 h8/2 (blocks past diag)", "sparse",
          dict(s=1024, hq=8, hkv=2, d=128, dtype=bf16, sparsity=0, seed=3, rand=True)),
+    Case("vs4k-90-d128-kvg", "vs 4K 90% d128 h16/2 kv_group", "sparse",
+         dict(s=4096, hq=16, hkv=2, d=128, dtype=bf16, sparsity=0.9, kv_group=True)),
+    Case("vs4k-90-d64-kvg-h9", "vs 4K 90% d64 h9/3 kv_group", "sparse",
+         dict(s=4096, hq=9, hkv=3, d=64, dtype=bf16, sparsity=0.9, kv_group=True)),
+    Case("random1k-d64-kvg-h8", "random 1K d64 h8/2 kv_group (blocks past diag)", "sparse",
+         dict(s=1024, hq=8, hkv=2, d=64, dtype=bf16, sparsity=0, rand=True, kv_group=True, seed=3)),
     Case("vs8k-95-d128", "vs 8K 95% d128 h16/2", "sparse",
          dict(s=8192, hq=16, hkv=2, d=128, dtype=bf16, sparsity=0.95, seed=4)),
     Case("dense-causal-4k-d128", "dense causal 4K d128 h16/2", "dense",
@@ -145,8 +152,12 @@ def delta_case(name, s, hq, d, dtype, device="cuda"):
                 finite=finite, ok=ok, seconds=round(time.time() - t0, 1))
 
 
-def sparse_case(name, s, hq, hkv, d, dtype, sparsity, seed=0, rand=False, device="cuda"):
-    """Sparse forward / backward kernels on a vertical-slash (or random, ``rand``) causal step."""
+def sparse_case(name, s, hq, hkv, d, dtype, sparsity, seed=0, rand=False, kv_group=False, device="cuda"):
+    """Sparse forward / backward kernels on a vertical-slash (or random, ``rand``) causal step;
+    ``kv_group``: one pattern per KV head (per-group indices, ``share_pattern: kv_group``)."""
+    full_heads = hq
+    if kv_group:
+        hq = hkv                         # build hkv index rows
     if rand:
         gen = torch.Generator().manual_seed(seed)
         idx = random_step_indices(1, hq, s // 64, s // 64, True, gen, above_diag=True)
@@ -154,10 +165,12 @@ def sparse_case(name, s, hq, hkv, d, dtype, sparsity, seed=0, rand=False, device
             t.to(device) for t in (idx.block_count, idx.block_index, idx.column_count, idx.column_index))
     else:
         idx, _ = vertical_slash_indices(s, hq, sparsity, seed=seed, device=device)
+    hq = full_heads
     q, k, v, dout = _inputs(1, s, hq, hkv, d, dtype, seed + 1, device)
     scale = d ** -0.5
     plan = plan_for(idx)
-    mask_fn = lambda r0, r1: dense_mask_rows(idx, r0, r1, s, device=device)  # noqa: E731
+    full = idx.per_query_head(hq)
+    mask_fn = lambda r0, r1: dense_mask_rows(full, r0, r1, s, device=device)  # noqa: E731
     fwd = lambda q, k, v: launch.sparse_forward(q, k, v, plan, scale, config=CFG)  # noqa: E731
     bwd = lambda do, q, k, v, lse, delta, det: launch.sparse_backward(  # noqa: E731
         do, q, k, v, lse, delta, plan, scale, det, config=CFG)

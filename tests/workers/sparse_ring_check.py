@@ -62,7 +62,8 @@ class Problem:
         # the pattern as a single process would estimate it from the fp32 inputs the ring sees
         self.pattern = estimate_vertical_slash(self.q.float(), self.k.float(), layout=Layout("striped", 1, 64),
                                                group=None, config=cfg, softmax_scale=self.scale)
-        mask = self.pattern.dense_mask()
+        mask = self.pattern.dense_mask()                # [b, hq or hkv (share_pattern kv_group), S, S]
+        mask = mask.repeat_interleave(hq // mask.shape[1], 1)
         causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
         self.density = (mask.sum() / (causal.sum() * batch * hq)).item()
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (self.q, self.k, self.v))

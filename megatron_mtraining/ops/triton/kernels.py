@@ -3,7 +3,10 @@
 Imported lazily by :mod:`.launch` (never at package import): ``triton.jit`` decides at decoration
 time whether a kernel runs compiled or in the CPU interpreter (``TRITON_INTERPRET=1``).
 
-Notation. One program owns a 64-row query tile (forward, dQ) or one 64-key group (dK/dV).
+Notation. One program owns a 64-row query tile (forward, dQ) or one 64-key group (dK/dV). With
+per-group indices (one index row per KV head, ``share_pattern="kv_group"``) a forward / dQ program
+can own the same 64 queries of ``HPP`` query heads of one group, packed head-major as ``HPP * 64``
+rows (``_tile_rows``), so each K/V tile it loads serves all of them.
 Scores are kept in base-2 units: ``qk2 = (q·k) * softmax_scale * log2(e)``, so the softmax is
 ``exp2(qk2 - m2)`` and the natural-log LSE is ``(m2 + log2(l)) * ln(2)``. Accumulation is fp32
 whatever the input dtype; matrix products take bf16/fp16 operands (fp32 inputs: ieee fp32).
@@ -55,6 +58,21 @@ def _online_step(qk, m_i, l_i, acc, v, MASKED: tl.constexpr, FP32: tl.constexpr)
 
 
 @triton.jit
+def _tile_rows(hp, qb, rep, hchunks, idx_rep, HPP: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows of the tile of head program ``hp`` (forward, dQ): ``HPP`` query heads of KV head ``g``
+    (heads ``h0 .. h0 + HPP - 1``, ``h0 = g * rep + c * HPP`` for head chunk ``c`` of ``hchunks``)
+    packed head-major as ``TILE_M = HPP * BLOCK_M`` rows (row ``i``: head ``h0 + i // BLOCK_M``, query
+    ``qb * BLOCK_M + i % BLOCK_M``). Returns ``(g, ih, hrow, hvalid, offs_m)``: the KV head, the index
+    row (``h0 // idx_rep``: the query head, or the group with per-group indices), each row's head,
+    whether it is a head of the group (the last chunk may be partial) and each row's query index."""
+    g = hp // hchunks
+    h0 = g * rep + (hp - g * hchunks) * HPP
+    rows = tl.arange(0, TILE_M)
+    hrow = h0 + rows // BLOCK_M
+    return g, h0 // idx_rep, hrow, hrow < g * rep + rep, qb * BLOCK_M + rows % BLOCK_M
+
+
+@triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, Out, Lse,
     BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos,
@@ -70,33 +88,37 @@ def _sparse_fwd_kernel(
     s_ccb, s_cch,
     s_csb, s_csh,
     s_cib, s_cih, s_ciq,
-    num_heads, num_q_blocks, rep,
+    num_hp, num_q_blocks, rep, hchunks, idx_rep,
     MASK_MODE: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bz = tl.program_id(1)
-    h = pid % num_heads
-    qb = num_q_blocks - 1 - pid // num_heads          # heaviest (latest) tiles first
-    g = h // rep
-    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    hp = pid % num_hp
+    qb = num_q_blocks - 1 - pid // num_hp             # heaviest (latest) tiles first
+    g, ih, hrow, hvalid, offs_m = _tile_rows(hp, qb, rep, hchunks, idx_rep, HPP, TILE_M, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
 
-    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+    q_ptrs = Q + bz * s_qb + hrow[:, None] * s_qh + offs_m[:, None] * s_qs + offs_d[None, :]
+    if HEAD_MASK:
+        q = tl.load(q_ptrs, mask=hvalid[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs)
     k_base = K + bz * s_kb + g * s_kh
     v_base = V + bz * s_vb + g * s_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.full([TILE_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
 
-    cnt = tl.load(BlockCount + bz * s_bcb + h * s_bch + qb)
+    cnt = tl.load(BlockCount + bz * s_bcb + ih * s_bch + qb)
     if MASK_MODE == 0:
         split = cnt
     else:
-        split = tl.load(BlockSplit + bz * s_bsb + h * s_bsh + qb)
-    idx_ptr = BlockIndex + bz * s_bib + h * s_bih + qb * s_biq
+        split = tl.load(BlockSplit + bz * s_bsb + ih * s_bsh + qb)
+    idx_ptr = BlockIndex + bz * s_bib + ih * s_bih + qb * s_biq
     if MASK_MODE >= 2:
         q_pos = tl.load(QPos + offs_m)
     if MASK_MODE == 3:
@@ -129,10 +151,10 @@ def _sparse_fwd_kernel(
         m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
 
     if HAS_COLS:
-        ccnt = tl.load(ColCount + bz * s_ccb + h * s_cch + qb)
-        cptr = ColIndex + bz * s_cib + h * s_cih + qb * s_ciq
+        ccnt = tl.load(ColCount + bz * s_ccb + ih * s_cch + qb)
+        cptr = ColIndex + bz * s_cib + ih * s_cih + qb * s_ciq
         if COL_SPLIT:   # whole chunks of columns visible to every row of the tile: no mask
-            nsafe = (tl.load(ColSplit + bz * s_csb + h * s_csh + qb) // BLOCK_C) * BLOCK_C
+            nsafe = (tl.load(ColSplit + bz * s_csb + ih * s_csh + qb) // BLOCK_C) * BLOCK_C
         else:
             nsafe = 0
         for j in range(0, nsafe, BLOCK_C):
@@ -158,8 +180,14 @@ def _sparse_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    tl.store(Out + bz * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_d[None, :], out.to(Out.dtype.element_ty))
-    tl.store(Lse + bz * s_lb + h * s_lh + offs_m, lse)
+    o_ptrs = Out + bz * s_ob + hrow[:, None] * s_oh + offs_m[:, None] * s_os + offs_d[None, :]
+    l_ptrs = Lse + bz * s_lb + hrow * s_lh + offs_m
+    if HEAD_MASK:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=hvalid[:, None])
+        tl.store(l_ptrs, lse, mask=hvalid)
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty))
+        tl.store(l_ptrs, lse)
 
 
 @triton.jit
@@ -171,6 +199,28 @@ def _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz, s_qb, s_qs, s_qh,
     lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    return q, do, lse2, delta
+
+
+@triton.jit
+def _load_query_rows(Q, DO, Lse, Delta, offs_m, offs_d, hrow, hvalid, bz, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh,
+                     s_lb, s_lh, HEAD_MASK: tl.constexpr):
+    """:func:`_load_query_tile` for a packed tile: row ``i`` of head ``hrow[i]``; rows with
+    ``hvalid`` false (``HEAD_MASK``) read zeros and an LSE of ``+inf`` (probability 0)."""
+    q_ptrs = Q + bz * s_qb + hrow[:, None] * s_qh + offs_m[:, None] * s_qs + offs_d[None, :]
+    do_ptrs = DO + bz * s_dob + hrow[:, None] * s_doh + offs_m[:, None] * s_dos + offs_d[None, :]
+    l_off = bz * s_lb + hrow * s_lh + offs_m
+    if HEAD_MASK:
+        q = tl.load(q_ptrs, mask=hvalid[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=hvalid[:, None], other=0.0)
+        lse = tl.load(Lse + l_off, mask=hvalid, other=float("-inf"))
+        delta = tl.load(Delta + l_off, mask=hvalid, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(Lse + l_off)
+        delta = tl.load(Delta + l_off)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     return q, do, lse2, delta
 
 
@@ -204,36 +254,36 @@ def _sparse_bwd_dq_kernel(
     s_ccb, s_cch,
     s_csb, s_csh,
     s_cib, s_cih, s_ciq,
-    num_heads, num_q_blocks, rep,
+    num_hp, num_q_blocks, rep, hchunks, idx_rep,
     MASK_MODE: tl.constexpr, DO_BLOCKS: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr,
     COL_ATOMIC: tl.constexpr,
     ACCUM_DQ: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr,
 ):
     """dQ of one query tile (row-parallel, no atomics on dQ). With COL_ATOMIC the vertical
     columns' dK/dV are also added here with fp32 atomics (fast, non-deterministic mode)."""
     pid = tl.program_id(0)
     bz = tl.program_id(1)
-    h = pid % num_heads
-    qb = num_q_blocks - 1 - pid // num_heads
-    g = h // rep
-    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    hp = pid % num_hp
+    qb = num_q_blocks - 1 - pid // num_hp
+    g, ih, hrow, hvalid, offs_m = _tile_rows(hp, qb, rep, hchunks, idx_rep, HPP, TILE_M, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
 
-    q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
-                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
+    q, do, lse2, delta = _load_query_rows(Q, DO, Lse, Delta, offs_m, offs_d, hrow, hvalid, bz,
+                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh, HEAD_MASK)
     k_base = K + bz * s_kb + g * s_kh
     v_base = V + bz * s_vb + g * s_vh
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
 
     if DO_BLOCKS:
-        cnt = tl.load(BlockCount + bz * s_bcb + h * s_bch + qb)
+        cnt = tl.load(BlockCount + bz * s_bcb + ih * s_bch + qb)
         if MASK_MODE == 0:
             split = cnt
         else:
-            split = tl.load(BlockSplit + bz * s_bsb + h * s_bsh + qb)
-        idx_ptr = BlockIndex + bz * s_bib + h * s_bih + qb * s_biq
+            split = tl.load(BlockSplit + bz * s_bsb + ih * s_bsh + qb)
+        idx_ptr = BlockIndex + bz * s_bib + ih * s_bih + qb * s_biq
         if MASK_MODE >= 2:
             q_pos = tl.load(QPos + offs_m)
         if MASK_MODE == 3:
@@ -262,11 +312,11 @@ def _sparse_bwd_dq_kernel(
                 dq += _dot(ds.to(k.dtype), k, FP32)
 
     if HAS_COLS:
-        ccnt = tl.load(ColCount + bz * s_ccb + h * s_cch + qb)
-        cptr = ColIndex + bz * s_cib + h * s_cih + qb * s_ciq
+        ccnt = tl.load(ColCount + bz * s_ccb + ih * s_cch + qb)
+        cptr = ColIndex + bz * s_cib + ih * s_cih + qb * s_ciq
         nsafe = 0
         if COL_SPLIT and not COL_ATOMIC:   # whole chunks visible to every row: no mask
-            nsafe = (tl.load(ColSplit + bz * s_csb + h * s_csh + qb) // BLOCK_C) * BLOCK_C
+            nsafe = (tl.load(ColSplit + bz * s_csb + ih * s_csh + qb) // BLOCK_C) * BLOCK_C
             for j in range(0, nsafe, BLOCK_C):
                 cols = tl.load(cptr + j + tl.arange(0, BLOCK_C))
                 k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
@@ -292,10 +342,15 @@ def _sparse_bwd_dq_kernel(
                 tl.atomic_add(DK + dst, dk_c, mask=cvalid[:, None], sem="relaxed")
 
     dq = dq * sm_scale
-    dq_ptrs = DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :]
-    if ACCUM_DQ:
-        dq += tl.load(dq_ptrs)
-    tl.store(dq_ptrs, dq)
+    dq_ptrs = DQ + bz * s_dqb + hrow[:, None] * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :]
+    if HEAD_MASK:
+        if ACCUM_DQ:
+            dq += tl.load(dq_ptrs, mask=hvalid[:, None], other=0.0)
+        tl.store(dq_ptrs, dq, mask=hvalid[:, None])
+    else:
+        if ACCUM_DQ:
+            dq += tl.load(dq_ptrs)
+        tl.store(dq_ptrs, dq)
 
 
 @triton.jit
@@ -418,13 +473,15 @@ def _sparse_bwd_col_kernel(
     s_ub, s_uh,
     s_ucb, s_uch,
     s_ofb, s_ofh,
-    num_heads, num_chunks, num_splits, rep,
+    num_heads, num_chunks, num_splits, rep, heads_per_row,
     CAUSAL: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Deterministic dK/dV of the vertical columns.
 
-    Program (chunk c of the union U of query head h's columns, query-tile split sp): gathers the
+    Program (chunk c of the union U of index row ih's columns, query-tile split sp; an index row is
+    a query head, or with per-group indices a GQA group whose ``heads_per_row`` query heads are
+    visited one after another, their dK/dV summed in registers): gathers the
     64 keys U[c*64:(c+1)*64] and visits the query tiles of split sp that list at least one of them
     (``ColEntries``), accumulating dK/dV in registers. Entries ``[start, mid)`` list all 64 columns
     (causal steps: all left of the tile's first row): no mask; entries ``[mid, end)`` are masked by ``ColBits`` (which
@@ -437,37 +494,39 @@ def _sparse_bwd_col_kernel(
     c = pid % num_chunks
     hs = pid // num_chunks
     sp = hs % num_splits
-    h = hs // num_splits
-    g = h // rep
-    ucount = tl.load(ColUCount + bz * s_ucb + h * s_uch)
+    ih = hs // num_splits                 # index row: a query head, or a GQA group (per-group indices)
+    g = (ih * heads_per_row) // rep
+    ucount = tl.load(ColUCount + bz * s_ucb + ih * s_uch)
     offs_u = c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, HEAD_DIM)
     uvalid = offs_u < ucount
-    cols = tl.load(ColU + bz * s_ub + h * s_uh + offs_u, mask=uvalid, other=0)
+    cols = tl.load(ColU + bz * s_ub + ih * s_uh + offs_u, mask=uvalid, other=0)
     k = tl.load(K + bz * s_kb + g * s_kh + cols[:, None] * s_ks + offs_d[None, :], mask=uvalid[:, None], other=0.0)
     v = tl.load(V + bz * s_vb + g * s_vh + cols[:, None] * s_vs + offs_d[None, :], mask=uvalid[:, None], other=0.0)
     dk = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
     lanes = tl.arange(0, BLOCK_C).to(tl.int64)
 
-    seg = bz * s_ofb + h * s_ofh + c * num_splits + sp
+    seg = bz * s_ofb + ih * s_ofh + c * num_splits + sp
     start = tl.load(ColOffsets + seg)
     mid = tl.load(ColMid + seg)
     end = tl.load(ColOffsets + seg + 1)
-    for e in range(start, mid):
-        qb = tl.load(ColEntries + e)
-        dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, None, scale_log2,
-                                s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
-                                False, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
-    for e in range(mid, end):
-        qb = tl.load(ColEntries + e)
-        bits = tl.load(ColBits + e)
-        member = ((bits >> lanes) & 1) != 0
-        dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, scale_log2,
-                                s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
-                                True, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
+    for r in range(0, heads_per_row):     # the query heads reading this index row (1 per head, rep per group)
+        h = ih * heads_per_row + r
+        for e in range(start, mid):
+            qb = tl.load(ColEntries + e)
+            dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, None, scale_log2,
+                                    s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                                    False, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
+        for e in range(mid, end):
+            qb = tl.load(ColEntries + e)
+            bits = tl.load(ColBits + e)
+            member = ((bits >> lanes) & 1) != 0
+            dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, scale_log2,
+                                    s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                                    True, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
 
-    dst = sp * s_pp + bz * s_pb + h * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
+    dst = sp * s_pp + bz * s_pb + ih * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
     tl.store(DKP + dst, dk * sm_scale)
     tl.store(DVP + dst, dv)
 
@@ -481,7 +540,8 @@ def _col_scatter_kernel(
     num_splits, rep,
     HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """dK/dV rows of the vertical columns of query head ``g * rep + r``: sums the per-split partials
+    """dK/dV rows of the vertical columns of index row ``g * rep + r`` (``rep``: index rows per KV
+    head; a query head, or the group itself with per-group indices): sums the per-split partials
     in ascending split order and adds them to the key rows (launched once per ``r``, so every key
     row receives at most one update per launch: deterministic, no atomics)."""
     c = tl.program_id(0)

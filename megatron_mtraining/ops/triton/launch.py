@@ -13,7 +13,10 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
   64-bit mask of the columns the tile lists.
 
 Index tensors may have size-1 batch / head dimensions (shared lists, e.g. dense ring steps);
-they are broadcast through zero strides, never copied.
+they are broadcast through zero strides, never copied. Their head dimension is ``hq`` (a pattern
+per query head), 1, or ``hkv`` (a pattern per GQA group): then query head ``h`` reads row
+``h // (hq / hkv)``, the forward (and optionally the dQ) kernel packs several of a group's heads
+into one tile (``KernelConfig.pack_gqa``, :func:`_heads`) and the column plan holds one union per group.
 """
 
 from __future__ import annotations
@@ -185,6 +188,57 @@ def document_plan(q_lo: torch.Tensor, q_hi: torch.Tensor, k_pos: torch.Tensor) -
                       _i32(bounds).contiguous(), _i32(k_pos).contiguous())
 
 
+# ----------------------------------------------------------------------------- head grouping
+def _grouped(index_heads: int, hq: int, hkv: int) -> bool:
+    """Whether index tensors with ``index_heads`` heads hold one row per GQA group (``hkv`` of them,
+    ``share_pattern="kv_group"``) rather than one per query head (``hq``) or one shared row (1)."""
+    return index_heads == hkv and index_heads not in (1, hq)
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """How the forward / dQ programs map to query heads (see ``kernels._tile_rows``)."""
+    index_heads: int    # rows of the index tensors the kernels read (after broadcasting): hq, or hkv if grouped
+    idx_rep: int        # query heads per index row (1, or hq / hkv if grouped)
+    hpp: int            # query heads packed into one program's tile (1 without packing)
+    hchunks: int        # programs per (KV head, query tile)
+    num_hp: int         # head programs per query tile: hkv * hchunks
+
+
+def _heads(plan: SparsePlan, hq: int, hkv: int, cfg: "KernelConfig", max_rows: Optional[int] = None) -> _Heads:
+    """Head mapping of ``plan`` for ``hq`` query / ``hkv`` KV heads. Per-group indices with
+    ``cfg.pack_gqa`` (64-row tiles only) pack ``hpp`` heads of a group into one tile of ``hpp * 64``
+    rows, so each K/V tile a program loads serves ``hpp`` query heads: ``hpp`` is the largest power
+    of two that divides the group size ``hq / hkv`` and fits ``max_rows / 64`` (default
+    ``cfg.pack_gqa_rows``, the forward's limit; the dQ kernel passes ``cfg.pack_gqa_dq_rows``); with
+    ``cfg.pack_gqa_partial`` the next power of two >= the group size, capped the same way (the last
+    tile of a group then masks its missing heads). Below ``cfg.pack_gqa_min_heads`` heads no tile is
+    packed (one program per query head, reading the group's index row).
+
+    Raises:
+        ValueError: index tensors whose head count is not 1, ``hq`` or ``hkv``.
+    """
+    ih = plan.block_index.shape[1]
+    if plan.column_index is not None and plan.column_index.shape[1] != ih and plan.column_index.shape[1] != 1:
+        raise ValueError(f"block and column indices disagree on their heads: {ih} vs {plan.column_index.shape[1]}")
+    rep = hq // hkv
+    if ih not in (1, hq, hkv):
+        raise ValueError(f"index tensors with {ih} heads serve neither {hq} query heads nor {hkv} KV heads")
+    if not _grouped(ih, hq, hkv):
+        return _Heads(hq, 1, 1, rep, hq)
+    hpp = 1
+    if cfg.pack_gqa and plan.row_block == BLOCK:
+        cap = max(1, (cfg.pack_gqa_rows if max_rows is None else max_rows) // BLOCK)
+        if cfg.pack_gqa_partial:
+            hpp = min(1 << (rep - 1).bit_length(), 1 << (cap.bit_length() - 1))
+        else:
+            hpp = min(rep & -rep, 1 << (cap.bit_length() - 1))       # largest power of two dividing rep
+        if hpp < cfg.pack_gqa_min_heads:
+            hpp = 1
+    hchunks = -(-rep // hpp)
+    return _Heads(hkv, rep, hpp, hchunks, hkv * hchunks)
+
+
 # ----------------------------------------------------------------------------- backward plans
 def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     """Inverted block index: CSR over (batch', kv head', key block) of entries ``r * nqb + qb``."""
@@ -205,6 +259,11 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
         r = torch.arange(rep, device=dev).repeat_interleave(n)
         bb, qq, kb = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep)
         g = torch.zeros_like(bb)
+    elif _grouped(H_, hq, hkv):     # one index row per GQA group: one entry per head of the group
+        G_ = hkv
+        n = bb.numel()
+        r = torch.arange(rep, device=dev).repeat_interleave(n)
+        bb, qq, kb, g = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep), hh.repeat(rep)
     else:
         G_ = hkv
         g, r = hh // rep, hh % rep
@@ -427,6 +486,13 @@ class KernelConfig:
     col_atomic_fast: bool = False  # fast mode: columns' dK/dV by atomics in the dQ kernel (slower on
                                    # the H200 at 128K/512K: contention on the shared column rows)
     column_split: bool = True      # run whole column chunks that every row sees without a mask
+    pack_gqa: bool = True          # per-group indices (share_pattern kv_group): pack the query heads of a
+                                   # group into one forward / dQ tile (each K/V tile loaded once for them)
+    pack_gqa_rows: int = 256       # largest packed forward tile (rows = heads per program * 64)
+    pack_gqa_dq_rows: int = 64     # the same for the dQ kernel (64: no packing)
+    pack_gqa_min_heads: int = 4    # pack only tiles of at least this many heads (H200, 128K, 95 %: 4 heads
+                                   # of 16/2 at d 128 forward -14 %; 2 heads +10 %; dQ packing no gain)
+    pack_gqa_partial: bool = False  # allow a partial last tile (masked heads; 9/3 at d 64: +55 % forward)
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -454,8 +520,10 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         raise ValueError("tensors of 2**31 or more elements are not supported (int32 offsets)")
     out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    tensors, istr, col_split = _idx_args(plan, b, hq, nqb, cfg.column_split)
-    grid = (nqb * hq, b)
+    hd = _heads(plan, hq, hkv, cfg)
+    tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqb, cfg.column_split)
+    grid = (nqb * hd.num_hp, b)
+    tile = hd.hpp * bm
     _record(stats, "_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
         q, k, v, out, lse, *tensors,
         softmax_scale * K.LOG2E,
@@ -465,11 +533,12 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         *istr,
-        hq, nqb, hq // hkv,
+        hd.num_hp, nqb, hq // hkv, hd.hchunks, hd.idx_rep,
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
         HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-        num_warps=cfg.fwd_warps if bm == BLOCK else cfg.fwd128_warps,
-        num_stages=cfg.fwd_stages if bm == BLOCK else cfg.fwd128_stages,
+        HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0,
+        num_warps=cfg.fwd_warps if tile == BLOCK else cfg.fwd128_warps,
+        num_stages=cfg.fwd_stages if tile == BLOCK else cfg.fwd128_stages,
     ))
     return out, lse
 
@@ -539,17 +608,20 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     bm = plan.row_block
     nqt = sq // bm
     col_atomic = plan.columns_by_atomics(deterministic, cfg)
-    tensors, istr, col_split = _idx_args(plan, b, hq, nqt, cfg.column_split and not col_atomic)
+    hd = _heads(plan, hq, hkv, cfg, cfg.pack_gqa_dq_rows)
+    tile = hd.hpp * bm
+    tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
-        _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hq, b)](
+        _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hd.num_hp, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
-            hq, nqt, rep,
+            hd.num_hp, nqt, rep, hd.hchunks, hd.idx_rep,
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-            num_warps=cfg.dq_warps if bm == BLOCK else cfg.dq128_warps,
-            num_stages=cfg.dq_stages if bm == BLOCK else cfg.dq128_stages,
+            HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0,
+            num_warps=cfg.dq_warps if tile == BLOCK else cfg.dq128_warps,
+            num_stages=cfg.dq_stages if tile == BLOCK else cfg.dq128_stages,
         ))
 
     # 3) deterministic columns: per-head partials, fixed-order reduction
@@ -557,11 +629,13 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         if plan.mask_mode >= 2:
             raise ValueError("vertical columns are not supported with position masks")
         col_u, ucount, offsets_c, mid_c, ent_qb, ent_bits, upad, nchunks, nsplit, B_, H_ = _col_plan(plan, sk, b, hq)
-        col_u_e = col_u.expand(b, hq, upad)
-        ucount_e = ucount.expand(b, hq)
-        dkp = torch.empty((nsplit, b, hq, upad, d), dtype=torch.float32, device=dev)
+        nih = hkv if _grouped(H_, hq, hkv) else hq       # index rows: per group, or per query head
+        per_row = hq // nih                               # query heads reading one index row
+        col_u_e = col_u.expand(b, nih, upad)
+        ucount_e = ucount.expand(b, nih)
+        dkp = torch.empty((nsplit, b, nih, upad, d), dtype=torch.float32, device=dev)
         dvp = torch.empty_like(dkp)
-        _record(stats, "_sparse_bwd_col_kernel", K._sparse_bwd_col_kernel[(nchunks * nsplit * hq, b)](
+        _record(stats, "_sparse_bwd_col_kernel", K._sparse_bwd_col_kernel[(nchunks * nsplit * nih, b)](
             q, k, v, dout, lse, delta, dkp, dvp, col_u_e, ucount_e, offsets_c, mid_c, ent_qb, ent_bits,
             scale_log2, softmax_scale,
             q.stride(0), q.stride(1), q.stride(2),
@@ -572,18 +646,19 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
             col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0), ucount_e.stride(1),
             (H_ * nchunks * nsplit) if B_ > 1 else 0, (nchunks * nsplit) if H_ > 1 else 0,
-            hq, nchunks, nsplit, rep,
+            nih, nchunks, nsplit, rep, per_row,
             CAUSAL=plan.mask_mode == 1, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_C=BLOCK_C,
             num_warps=cfg.col_warps, num_stages=cfg.col_stages,
         ))
-        for r in range(rep):   # heads of a group one after another: each key row updated once per launch
+        rows_per_kv = nih // hkv
+        for r in range(rows_per_kv):   # index rows of a KV head one after another: each key row updated once per launch
             K._col_scatter_kernel[(nchunks, hkv, b)](
                 dk, dv, dkp, dvp, col_u_e, ucount_e, r,
                 dk.stride(0), dk.stride(1), dk.stride(2),
                 dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
                 col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0), ucount_e.stride(1),
-                nsplit, rep,
+                nsplit, rows_per_kv,
                 HEAD_DIM=d, BLOCK_C=BLOCK_C, num_warps=4, num_stages=1,
             )
     return dq, dk, dv
