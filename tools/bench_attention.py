@@ -62,6 +62,7 @@ from megatron_mtraining.bench import environment, measure, write_json
 from megatron_mtraining.ops.triton import launch
 from megatron_mtraining.ops.triton.launch import KernelConfig
 from megatron_mtraining.patterns.synthetic import vertical_slash_indices
+from megatron_mtraining.patterns.indices import packed_index_lists
 
 
 # ----------------------------------------------------------------------------- timing
@@ -130,8 +131,7 @@ def flex_block_mask(pats, s, hq, block, device):
     partial = active & ~full
 
     def to_kv(m):
-        cnt = m.sum(-1).to(torch.int32)
-        idx = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        cnt, idx = packed_index_lists(m, width=m.shape[-1], fill=0)
         return cnt[None], idx[None]
 
     kv_num, kv_idx = to_kv(partial)
@@ -234,10 +234,8 @@ def round_to_blocks(idx):
     cb = torch.where(okc, idx.column_index.long() // 128, torch.full_like(idx.column_index.long(), m))
     tile.scatter_(-1, cb, True)
     tile = tile[..., :m] & torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-    cnt = tile.sum(-1, dtype=torch.int32)
-    order = torch.sort((~tile).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    width = max(1, int(cnt.max()))
-    return StepIndices(cnt, order[..., :width].contiguous(), torch.zeros_like(cnt),
+    cnt, order = packed_index_lists(tile, fill=-1)
+    return StepIndices(cnt, order.contiguous(), torch.zeros_like(cnt),
                        torch.full((b, h, m, 1), -1, dtype=torch.int32, device=dev), True, 128)
 
 

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from ..patterns.indices import packed_index_lists
 from .merge import merge_attention
 from .sparse_reference import SparseStepKernel
 
@@ -146,15 +147,7 @@ def classify_tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True
 
 def _packed_lists(mask: torch.Tensor):
     """Row-wise ascending column indices of ``mask`` (``[R, C]`` bool), packed left, int32."""
-    cnt = mask.sum(dim=1).to(torch.int32)
-    width = max(1, int(cnt.max()) if cnt.numel() else 1)
-    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    # visible columns first (ascending), then the rest: a stable sort on "not visible"
-    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
-    idx = torch.gather(cols, 1, order)[:, :width].to(torch.int32)
-    idx = torch.where(torch.arange(width, device=mask.device)[None, :] < cnt[:, None], idx,
-                      torch.zeros_like(idx))
-    return cnt, idx
+    return packed_index_lists(mask, fill=0)
 
 
 def block_sparsity_from_tiles(full: torch.Tensor) -> BlockSparsity:
@@ -232,11 +225,8 @@ def sparsity_from_indices(idx) -> BlockSparsity:
     col = torch.where(valid, idx.block_index.long().clamp(0, n - 1), torch.full_like(idx.block_index, n).long())
     tile.scatter_(-1, col, True)
     tt = tile[..., :n].transpose(-1, -2)                                          # [b, h, N, M]
-    bwd_cnt = tt.sum(-1, dtype=torch.int32)
-    width = m if b * h * m * n <= _FULL_WIDTH_LIMIT else max(1, int(bwd_cnt.max()))
-    order = torch.sort((~tt).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    bwd_idx = torch.where(torch.arange(width, device=dev) < bwd_cnt[..., None], order,
-                          torch.zeros_like(order)).to(torch.int32).contiguous()
+    bwd_cnt, bwd_idx = packed_index_lists(tt, width=m if b * h * m * n <= _FULL_WIDTH_LIMIT else None, fill=0)
+    bwd_idx = bwd_idx.contiguous()
     return BlockSparsity(cnt.contiguous(), fwd_idx, bwd_cnt.contiguous(), bwd_idx, cnt == 0, -1)
 
 
@@ -603,11 +593,8 @@ def _self_check_cached(device_index: int, dtype: torch.dtype, head_dim: int, hq:
         # under FA4's causal mask, as the vertical-slash ring runs it
         listed = torch.ones(hq, 2, 2, dtype=torch.bool, device=dev).tril()
         listed[0::2, 1, 0] = False
-        cnt = listed.sum(-1, dtype=torch.int32)[None].expand(2, hq, 2)
-        idx = torch.sort((~listed).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)[None].expand(2, hq, 2, 2)
-        tt = listed.transpose(-1, -2)
-        bcnt = tt.sum(-1, dtype=torch.int32)[None].expand(2, hq, 2)
-        bidx = torch.sort((~tt).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)[None].expand(2, hq, 2, 2)
+        cnt, idx = (t[None].expand(2, *t.shape) for t in packed_index_lists(listed, width=2, fill=0))
+        bcnt, bidx = (t[None].expand(2, *t.shape) for t in packed_index_lists(listed.transpose(-1, -2), width=2, fill=0))
         sp = BlockSparsity(cnt.contiguous(), idx.contiguous(), bcnt.contiguous(), bidx.contiguous(), cnt == 0, -1)
         qr = qf.clone().requires_grad_()
         kr, vr = kk.clone().requires_grad_(), vv.clone().requires_grad_()

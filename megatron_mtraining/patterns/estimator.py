@@ -101,6 +101,7 @@ import torch.distributed as dist
 
 from ..distributed import comm_context, group_rank, group_size
 from ..layout import Layout
+from .indices import packed_index_lists
 from ..common import (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, TRITON_DTYPES, default_softmax_scale,
                       record_function, triton_runs_on)
 
@@ -253,11 +254,7 @@ class VerticalSlashPattern:
         hit = torch.zeros(*self.slash.shape[:2], nb + 1, dtype=torch.bool, device=self.slash.device)
         for part in (d // f, (d + f - 1) // f):
             hit.scatter_(-1, torch.where(ok, part.clamp(max=nb - 1), torch.full_like(part, nb)), True)
-        hit = hit[..., :nb]
-        cnt = hit.sum(-1)
-        width = max(1, int(cnt.max()) if cnt.numel() else 1)
-        order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-        slash = torch.where(torch.arange(width, device=hit.device) < cnt[..., None], order, torch.full_like(order, -1))
+        cnt, slash = packed_index_lists(hit[..., :nb], fill=-1, dtype=torch.int64)
         return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count)
 
     def to(self, device) -> "VerticalSlashPattern":

@@ -47,9 +47,35 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BLOCK_SIZE", "KnownMax", "StepIndices"]
+__all__ = ["BLOCK_SIZE", "KnownMax", "StepIndices", "packed_index_lists"]
 
 BLOCK_SIZE = 64
+
+
+def packed_index_lists(mask: torch.Tensor, width: Optional[int] = None, fill: int = -1,
+                       dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise lists of the ``True`` positions of a boolean map, ascending and packed left.
+
+    Args:
+        mask: ``[..., C]`` bool (e.g. a tile map: query block x key block).
+        width: the lists' width; ``None``: ``max(1, count.max())`` (one host read), else a bound
+            known on the host (no device read; lists longer than ``width`` are cut).
+        fill: the value written at positions ``>= count``.
+        dtype: dtype of both outputs.
+
+    Returns:
+        ``(count, index)``: ``count [...]`` = ``mask.sum(-1)``, ``index [..., width]`` the positions
+        (``0 <= index < C``) at ``< count``, ``fill`` beyond.
+    """
+    count = mask.sum(-1, dtype=dtype)
+    if width is None:
+        width = max(1, int(count.max()) if count.numel() else 1)
+    # set positions first (ascending), then the rest: a stable sort on "not set"
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width].to(dtype)
+    if order.shape[-1] < width:
+        order = torch.nn.functional.pad(order, (0, width - order.shape[-1]), value=fill)
+    keep = torch.arange(width, device=mask.device) < count[..., None]
+    return count, torch.where(keep, order, torch.full_like(order, fill))
 
 
 class KnownMax:

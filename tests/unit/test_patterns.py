@@ -402,3 +402,27 @@ def test_sparse_step_kernel_skips_empty_steps():
     assert calls == []
     out, lse = kern.forward(q, k, v, owner=0)
     assert calls == ["fwd"] and torch.isfinite(lse).all()
+
+
+def test_packed_index_lists_match_nonzero_per_row():
+    """The one bool-map -> sorted index lists helper (tile maps of coarsen, FA4 block lists, benches)."""
+    from megatron_mtraining.patterns.indices import packed_index_lists
+
+    g = torch.Generator().manual_seed(0)
+    m = torch.rand(2, 3, 11, generator=g) > 0.6
+    m[0, 0] = False                                     # an empty row
+    m[1, 2] = True                                      # a full row
+    cnt, idx = packed_index_lists(m)
+    assert cnt.dtype == idx.dtype == torch.int32 and idx.shape[-1] == int(m.sum(-1).max())
+    for a in range(2):
+        for b in range(3):
+            want = torch.nonzero(m[a, b]).flatten().tolist()
+            assert int(cnt[a, b]) == len(want)
+            assert idx[a, b, :len(want)].tolist() == want
+            assert (idx[a, b, len(want):] == -1).all()
+    # a host-known width (longer than any row: padded with fill; shorter: lists cut)
+    c2, i2 = packed_index_lists(m, width=13, fill=0, dtype=torch.int64)
+    assert i2.dtype == torch.int64 and i2.shape[-1] == 13 and (i2[1, 2, :11] == torch.arange(11)).all()
+    assert (i2[..., 11:] == 0).all() and torch.equal(c2, cnt.long())
+    _, i3 = packed_index_lists(m, width=1)
+    assert torch.equal(i3[..., 0], torch.where(cnt > 0, idx[..., 0], torch.full_like(cnt, -1)))
