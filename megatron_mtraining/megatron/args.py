@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages: megatron-core's 1F1B schedule over the micro-batches of each "
-                        "global batch; --num-layers is split evenly (must be divisible); no --save/--load")
+                        "global batch; --num-layers is split evenly (must be divisible); checkpoints need "
+                        "--ckpt-format torch_dist")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism: the layer norms, dropout and residuals of each rank's "
                         "CP chunk are split along the sequence over the TP group (needs "
@@ -295,10 +296,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if pp > 1:
         if args.num_layers % pp != 0:
             raise E(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
-        for flag, on in (("--save", args.save), ("--load", args.load)):
-            if on:
-                raise E(f"{flag} with --pipeline-model-parallel-size {pp}: the example trainer does not "
-                        "checkpoint pipeline-parallel runs")
+        if (args.save or args.load) and args.ckpt_format != "torch_dist":
+            raise E(f"{'--save' if args.save else '--load'} with --pipeline-model-parallel-size {pp} needs "
+                    f"--ckpt-format torch_dist (got {args.ckpt_format}: its per-rank files do not name the "
+                    "pipeline stage)")
     if ws % (tp * cp * pp) != 0:
         raise E(f"world size {ws} is not divisible by --tensor-model-parallel-size ({tp}) x "
                 f"--context-parallel-size ({cp})" + (f" x --pipeline-model-parallel-size ({pp})" if pp > 1 else ""))

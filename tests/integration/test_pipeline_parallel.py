@@ -113,10 +113,10 @@ def test_pp2_cp2_matches_one_rank(tiny, tmp_path, case):
      "world size 6 is not divisible by --tensor-model-parallel-size (1) x --context-parallel-size (2) x "
      "--pipeline-model-parallel-size (2)"),
     ({"--pipeline-model-parallel-size": 0}, 1, "--pipeline-model-parallel-size must be >= 1, got 0"),
-    ({"--pipeline-model-parallel-size": 2, "--save": "/tmp/ckpt"}, 2,
-     "--save with --pipeline-model-parallel-size 2: the example trainer does not checkpoint"),
-    ({"--pipeline-model-parallel-size": 2, "--load": "/tmp/ckpt"}, 2,
-     "--load with --pipeline-model-parallel-size 2: the example trainer does not checkpoint"),
+    ({"--pipeline-model-parallel-size": 2, "--save": "/tmp/ckpt", "--ckpt-format": "torch"}, 2,
+     "--save with --pipeline-model-parallel-size 2 needs --ckpt-format torch_dist"),
+    ({"--pipeline-model-parallel-size": 2, "--load": "/tmp/ckpt", "--ckpt-format": "torch"}, 2,
+     "--load with --pipeline-model-parallel-size 2 needs --ckpt-format torch_dist"),
 ])
 def test_validation_names_the_rule(tiny, over, world, needle):
     from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
@@ -161,3 +161,30 @@ def test_nan_gradient_on_the_last_stage_is_named_on_every_rank(tiny, tmp_path):
     msg = ("pretrain_gpt.py: error: iteration 1: non-finite (NaN/Inf) gradient in parameter "
            "'decoder.layers.2.mlp.linear_fc2.weight' (pipeline stage 1) (the first in model order)")
     assert (r.stdout + r.stderr).count(msg) == 2, r.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pp2_cp2_checkpoint_resumes_at_pp2_and_reshards_to_one_rank(tiny, tmp_path):
+    """PP=2 x CP=2 saves after iterations 1 and 2 (``torch_dist``); with iteration 2's checkpoint
+    removed, resuming from iteration 1 at PP=2 x CP=2 and at PP=1 x CP=1 (megatron-core's
+    dist_checkpointing reshards the stages by global layer number) gives iteration 2 of the
+    uninterrupted run: loss and grad norm at 1e-5 relative."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    save = {"--save": ckpt, "--save-interval": 1}
+    full = _run(tiny, tmp_path, "full", 4, **{**save, "--pipeline-model-parallel-size": 2, "--context-parallel-size": 2})
+    assert [m["iteration"] for m in full["metrics"]] == [1, 2]
+    shutil.rmtree(ckpt / "iter_0000002")                   # the tracker's checkpoint is gone: resume from 1
+    for name, nproc, over in (("pp2", 4, {"--pipeline-model-parallel-size": 2, "--context-parallel-size": 2}),
+                              ("pp1", 1, {})):
+        res = _run(tiny, tmp_path, f"resumed_{name}", nproc, **{"--load": ckpt, **over})
+        assert "loaded checkpoint" in res["stdout"] and "iteration 1)" in res["stdout"], res["stdout"][-2000:]
+        (got,) = res["metrics"]
+        want = full["metrics"][1]
+        assert got["iteration"] == 2 and got["tokens"] == want["tokens"]
+        assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=RTOL), (name, got, want)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), (name, got, want)
+    # negative control: iteration 2 differs from iteration 1 (the resumed runs did not restart)
+    assert abs(full["metrics"][1]["lm_loss"] - full["metrics"][0]["lm_loss"]) > 1e-3
