@@ -125,7 +125,6 @@ class NanGuard:
 
         from megatron.core import parallel_state as ps
 
-        n = len(self._params)
         flags = []
         for _, p in self._params:
             t = p.detach() if values else self._grad(p)
