@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="accepted for compatibility: only 1 (the example trainer has no pipeline schedule)")
+                   help="pipeline stages: megatron-core's 1F1B schedule over the micro-batches of each "
+                        "global batch; --num-layers is split evenly (must be divisible); checkpoints need "
+                        "--ckpt-format torch_dist")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism: the layer norms, dropout and residuals of each rank's "
                         "CP chunk are split along the sequence over the TP group (needs "
@@ -288,13 +290,20 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                       ("--distributed-timeout-minutes", args.distributed_timeout_minutes)):
         if val is None or val < 1:
             raise E(f"{flag} must be >= 1, got {val}")
-    if args.pipeline_model_parallel_size != 1:
-        raise E(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the example trainer has no "
-                "pipeline schedule (pipeline parallelism is not supported; use 1)")
-    if ws % (tp * cp) != 0:
+    pp = args.pipeline_model_parallel_size
+    if pp < 1:
+        raise E(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    if pp > 1:
+        if args.num_layers % pp != 0:
+            raise E(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+        if (args.save or args.load) and args.ckpt_format != "torch_dist":
+            raise E(f"{'--save' if args.save else '--load'} with --pipeline-model-parallel-size {pp} needs "
+                    f"--ckpt-format torch_dist (got {args.ckpt_format}: its per-rank files do not name the "
+                    "pipeline stage)")
+    if ws % (tp * cp * pp) != 0:
         raise E(f"world size {ws} is not divisible by --tensor-model-parallel-size ({tp}) x "
-                f"--context-parallel-size ({cp})")
-    dp = ws // (tp * cp)
+                f"--context-parallel-size ({cp})" + (f" x --pipeline-model-parallel-size ({pp})" if pp > 1 else ""))
+    dp = ws // (tp * cp * pp)
     args.data_parallel_size = dp
 
     # --- model shape
@@ -368,7 +377,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         args.global_batch_size = args.micro_batch_size * dp
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
         raise E(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
-                f"({args.micro_batch_size}) x data-parallel size ({dp} = world {ws} / (TP {tp} x CP {cp}))")
+                f"({args.micro_batch_size}) x data-parallel size ({dp} = world {ws} / (TP {tp} x CP {cp}" + (f" x PP {pp}" if pp > 1 else "") + "))")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters

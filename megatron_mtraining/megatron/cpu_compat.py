@@ -24,7 +24,8 @@ The patches (see :data:`_PATCHES`): ``RotaryEmbedding.get_emb``, ``GlobalMemoryB
 ``_ParamAndGradBuffer.__init__``, the optimizers' ``__init__`` (FP32 / mixed precision / float16,
 ``ChainedOptimizer.get_loss_scale``), the grad scalers' ``__init__``, ``get_grad_norm_fp32`` /
 ``clip_grad_by_total_norm_fp32`` / ``count_zeros_fp32``, ``dist_checkpointing.save`` / ``load``,
-the tensor-parallel / sequence-parallel communication buffers, ``DistributedOptimizer.__init__``
+the tensor-parallel / sequence-parallel communication buffers, the pipeline send/receive buffers
+and schedule, the tied-embedding set-up across pipeline stages, ``DistributedOptimizer.__init__``
 and the RNG-state save/restore of activation recomputation.
 :func:`patch_missing_psutil` is separate (not CUDA-related).
 
@@ -222,6 +223,29 @@ def _patch_tensor_parallel_comms() -> None:
         setattr(fn, name, staticmethod(_on_cpu(getattr(fn, name))))
 
 
+def _patch_pipeline_p2p() -> None:
+    """Pipeline parallelism: ``P2PCommunicator._communicate`` / ``_communicate_shapes`` allocate the
+    receive buffers with ``device=torch.cuda.current_device()`` and call ``torch.cuda.synchronize()``
+    after the batched send/receive; ``forward_backward_pipelining_without_interleaving`` (the 1F1B
+    schedule, which ``get_forward_backward_func`` looks up by name) counts tokens in a
+    ``device="cuda"`` scalar."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in ("_communicate", "_communicate_shapes"):
+        _wrap_attr(p2p.P2PCommunicator, name)
+    _wrap_attr(schedules, "forward_backward_pipelining_without_interleaving")
+
+
+def _patch_tied_embeddings() -> None:
+    """Tied embeddings with pipeline parallelism: ``LanguageModule.setup_embeddings_and_output_layer``
+    moves the last stage's copy of the word embedding to CUDA (``weight.data.cuda()``) before
+    all-reducing it from the first stage."""
+    from megatron.core.models.common.language_module import language_module as lm
+
+    _wrap_attr(lm.LanguageModule, "setup_embeddings_and_output_layer")
+
+
 def _patch_distributed_optimizer() -> None:
     """``DistributedOptimizer.__init__`` accepts model parameters only if ``param.type()`` is a
     ``'torch.cuda.*Tensor'`` and builds its shard views there; ``_copy_model_params_to_main_params``
@@ -261,6 +285,8 @@ _PATCHES: tuple[Callable[[], None], ...] = (
     _patch_clip_grads,
     _patch_dist_checkpointing,
     _patch_tensor_parallel_comms,
+    _patch_pipeline_p2p,
+    _patch_tied_embeddings,
     _patch_distributed_optimizer,
     _patch_checkpoint_rng_states,
 )

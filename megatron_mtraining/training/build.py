@@ -47,6 +47,7 @@ def transformer_config(args):
         add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
         sequence_parallel=getattr(args, "sequence_parallel", False),
         context_parallel_size=args.context_parallel_size, cp_comm_type="p2p",
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
@@ -95,7 +96,9 @@ def _mtraining_layer_spec(args, plan):
 
 
 def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=None):
-    """GPTModel for ``args`` (Float16Module-wrapped with --bf16/--fp16).
+    """GPTModel for ``args`` (Float16Module-wrapped with --bf16/--fp16); with
+    ``--pipeline-model-parallel-size`` > 1 this rank's stage (its share of the layers, the embedding
+    on the first stage, the output layer and loss on the last).
 
     Args:
         args: validated arguments (:func:`megatron_mtraining.megatron.args.parse_args`).
@@ -126,9 +129,12 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core import parallel_state as ps
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()   # True, True without PP
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        max_sequence_length=args.max_position_embeddings, pre_process=first, post_process=last,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
@@ -137,7 +143,7 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
         from megatron_mtraining.megatron.rope import install_layout_rope
 
         install_layout_rope(model, plan)
-    chunk = lm_loss_chunk_tokens(args, vocab_size)
+    chunk = lm_loss_chunk_tokens(args, vocab_size) if last else 0
     if chunk:
         from megatron_mtraining.megatron.lm_loss import install_chunked_lm_loss
 

@@ -4,8 +4,9 @@
   non-finite training loss, or a non-finite gradient after the DP x CP reduction, stops the run
   *before* the optimizer step with the iteration and the first offending parameter (model order).
   The loss is already identical on every rank (all-reduced); the gradient verdict is one
-  all-reduce (MIN of the first bad parameter index) over the world, so every rank raises the same
-  error and none waits in a collective.
+  all-reduce (MIN of the first bad ``(pipeline stage, parameter index)``) over the world, so every
+  rank raises the same error and none waits in a collective. Parameters are named by global layer
+  number (``decoder.layers.<L>``, as in the one-stage model) and the stage that holds them.
 * :class:`ThroughputGuard`: a model TFLOP/s per GPU above the GPU's dense peak
   (:data:`PEAK_TFLOPS`) means the counted FLOPs were not computed, typically attention that ran
   without context parallelism. Skipped on CPU and on GPUs not in the table.
@@ -70,6 +71,28 @@ def _clean(name: str) -> str:
     return name
 
 
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_param_names(model) -> list:
+    """``[(name, param)]`` of ``model`` (wrappers stripped) in model order, a transformer layer's
+    parameters named by its *global* layer number: with pipeline parallelism megatron-core numbers
+    a stage's layers from 0 in ``named_parameters`` while each ``TransformerLayer.layer_number``
+    (1-based) counts from the first stage."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    layers = getattr(getattr(inner, "decoder", None), "layers", None)
+    out = []
+    for n, p in model.named_parameters():
+        n = _clean(n)
+        m = _LAYER.match(n)
+        if m and layers is not None and hasattr(layers[int(m.group(1))], "layer_number"):
+            n = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{n[m.end():]}"
+        out.append((n, p))
+    return out
+
+
 class NanGuard:
     """``--check-for-nan-in-loss-and-grad``: stop on a non-finite loss or gradient.
 
@@ -86,20 +109,22 @@ class NanGuard:
         self.enabled = bool(getattr(args, "check_for_nan_in_loss_and_grad", True))
         self.check_grads = self.enabled and not (args.fp16 and args.loss_scale is None)
         self.model, self.device = model, device
-        self._params = [(_clean(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [(n, p) for n, p in global_param_names(model) if p.requires_grad]
 
     def _grad(self, p):
         g = getattr(p, "main_grad", None)
         return g if g is not None else p.grad
 
     def _first_bad(self, values: bool) -> Optional[str]:
-        """Name of the first parameter (model order, agreed by every rank) whose gradient
+        """Quoted name of the first parameter (model order, agreed by every rank; with pipeline
+        parallelism the stage follows the name) whose gradient
         (``values=False``) or value (``values=True``) has a NaN/Inf; ``None`` when all are finite.
         Collective: every rank must call it."""
         import torch
         import torch.distributed as dist
 
-        n = len(self._params)
+        from megatron.core import parallel_state as ps
+
         flags = []
         for _, p in self._params:
             t = p.detach() if values else self._grad(p)
@@ -107,11 +132,24 @@ class NanGuard:
                          else torch.isfinite(t).all().logical_not().to(self.device))
         bad = torch.stack(flags) if flags else torch.zeros(0, dtype=torch.bool, device=self.device)
         idx = torch.nonzero(bad).flatten()
-        first = torch.tensor([idx[0].item() if idx.numel() else n], dtype=torch.int64, device=self.device)
+        # pipeline stages hold different parameters: order them by (stage, index), not by index alone
+        stage = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+        none = torch.iinfo(torch.int64).max
+        key = (stage << 32) + idx[0].item() if idx.numel() else none
+        first = torch.tensor([key], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         k = int(first.item())
-        return self._params[k][0] if k < n else None
+        if k == none:
+            return None
+        stages = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        mine = (self._params[k & 0xFFFFFFFF][0] if stage == k >> 32 else None)
+        if stages > 1:          # only the stage that holds it knows its name (rare path: one more collective)
+            names: list = [None] * dist.get_world_size()
+            dist.all_gather_object(names, mine)
+            mine = next(x for x in names if x is not None)
+            return f"{mine!r} (pipeline stage {k >> 32})"
+        return repr(mine)
 
     def after_backward(self, iteration: int, loss_sum, n_tokens) -> None:
         """Check the iteration's global loss (identical on every rank); on a non-finite loss name
@@ -123,9 +161,9 @@ class NanGuard:
             return
         grad = self._first_bad(values=False)
         value = self._first_bad(values=True)
-        where = (f"; first parameter with a non-finite gradient: {grad!r}" if grad else
+        where = (f"; first parameter with a non-finite gradient: {grad}" if grad else
                  "; every gradient is finite")
-        where += f"; first parameter with a non-finite value: {value!r}" if value else ""
+        where += f"; first parameter with a non-finite value: {value}" if value else ""
         raise SystemExit(f"pretrain_gpt.py: error: iteration {iteration}: the training loss is {loss}{where}. "
                          "The step was not applied; resume from the last checkpoint with a lower --lr or "
                          "other data (--no-check-for-nan-in-loss-and-grad turns this check off)")
@@ -138,7 +176,7 @@ class NanGuard:
         name = self._first_bad(values=False)
         if name is not None:
             raise SystemExit(f"pretrain_gpt.py: error: iteration {iteration}: non-finite (NaN/Inf) gradient in "
-                             f"parameter {name!r} (the first in model order); the loss was finite. The step was "
+                             f"parameter {name} (the first in model order); the loss was finite. The step was "
                              "not applied; resume from the last checkpoint with a lower --lr or --clip-grad "
                              "(--no-check-for-nan-in-loss-and-grad turns this check off)")
 

@@ -68,7 +68,7 @@ def train(args, hooks: Optional[TrainHooks] = None, t_start: Optional[float] = N
     """Run the training described by validated ``args`` (:func:`~megatron_mtraining.megatron.args.parse_args`).
 
     Flow: ``torch.distributed`` (gloo on CPU, nccl on GPU; torchrun env) ->
-    ``parallel_state.initialize_model_parallel(tp, context_parallel_size=cp)`` (every group with the
+    ``parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)`` (every group with the
     ``--distributed-timeout-minutes`` timeout) -> tokenizer ->
     GPTDataset -> GPTModel with the MTraining spec (``--cp-attention mtraining``: RoPE and the batch
     split on the CP layout's positions) or the Transformer Engine spec (``te``) -> megatron-core DDP +
@@ -110,6 +110,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
 
     patches = apply_cpu_patches()  # [] on CUDA
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size,
                                  hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
                                  distributed_timeout_minutes=args.distributed_timeout_minutes)
@@ -130,8 +131,10 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     gbs = args.global_batch_size
     start_iter = load_checkpoint(args, model, optimizer, scheduler, vocab) if args.load else 0
 
+    pp = args.pipeline_model_parallel_size
     log0(f" > world {args.world_size} = TP {args.tensor_model_parallel_size} x CP {args.context_parallel_size}"
-         f" x DP {dp} | device {device.type} ({args.distributed_backend or dist.get_backend()})"
+         f" x DP {dp}{f' x PP {pp}' if pp > 1 else ''} | device {device.type}"
+         f" ({args.distributed_backend or dist.get_backend()})"
          f" | cp-attention {args.cp_attention} (layout {args.cp_layout}"
          f"{', granularity ' + str(args.cp_granularity) if args.cp_layout == 'striped' else ''}"
          + (f", implementation {args.mtraining.implementation}, pattern {args.mtraining.pattern}"
@@ -139,7 +142,8 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
             + (f", {args.mtraining.layer_policy_text()}" if args.mtraining.has_layer_policy else "")
             + (f", hierarchical {args.hierarchical_context_parallel_sizes}"
                if args.hierarchical_context_parallel_sizes else "") if args.mtraining else "") + ")")
-    log0(f" > model: {n_params / 1e6:.2f}M parameters (vocab {tokenizer.vocab_size} padded to {vocab}), "
+    log0(f" > model: {n_params / 1e6:.2f}M parameters{' on the first pipeline stage' if pp > 1 else ''} "
+         f"(vocab {tokenizer.vocab_size} padded to {vocab}), "
          f"dtype {config.params_dtype}, micro-batches per iteration {args.num_microbatches}, "
          f"train samples {len(train_ds)}, valid samples {len(valid_ds) if valid_ds is not None else 0}")
     if patches:

@@ -196,7 +196,6 @@ def test_recompute_cp2_matches_no_recompute(tiny, tmp_path, reference, cp2_refer
 @pytest.mark.parametrize("over,world,needle", [
     ({"--sequence-parallel": None}, 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     ({"--use-distributed-optimizer": None, "--save": "/tmp/ckpt"}, 2, "--save with --use-distributed-optimizer"),
-    ({"--pipeline-model-parallel-size": 2}, 2, "--pipeline-model-parallel-size 2: the example trainer has no"),
     ({"--tensor-model-parallel-size": 2, "--ffn-hidden-size": 99}, 2,
      "--ffn-hidden-size (99) must be divisible by --tensor-model-parallel-size (2)"),
     ({"--tensor-model-parallel-size": 2, "--sequence-parallel": None, "--context-parallel-size": 2,

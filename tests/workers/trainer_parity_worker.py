@@ -12,9 +12,15 @@ parameter is copied). Loss and grad norm come from the trainer's own ``--metrics
 The file holds ``{"tp_rank", "tp_size", "cp_rank", "dp_rank", "pp_rank", "grads": [{name: tensor}],
 "params": {name: tensor}, "params_start": {name: tensor}, "meta": {name: (tensor_model_parallel, partition_dim, partition_stride)},
 "attention_calls": int}`` (``MTrainingAttention.forward`` calls of this rank, recomputations included); names are the
-GPTModel's parameter names (the DDP / Float16Module wrappers stripped). With
+GPTModel's parameter names (the DDP / Float16Module wrappers stripped), a transformer layer's by its
+global layer number (``decoder.layers.<L>`` on every pipeline stage, as in the one-stage model). With
 ``--use-distributed-optimizer`` ``main_grad`` holds the reduced gradient only in this rank's shard
 of the buffer, so parity tests compare the parameters after the steps instead.
+
+With ``MTRAINING_PARITY_INIT=REF.rank0.pt`` (a one-rank, TP=1 run's file) the model's initial
+weights are set from that run's ``params_start`` by global name right after the trainer builds the
+model (before the DDP wrapper and the optimizer copy them), so a pipeline-parallel run starts from
+the one-stage run's weights although each stage initialises its own layers.
 """
 
 from __future__ import annotations
@@ -25,16 +31,15 @@ import warnings
 warnings.filterwarnings("ignore")
 
 
-def _unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 def main() -> int:
+    import os
+
     import torch
     import megatron.core.distributed as mcd
     from megatron.core import parallel_state as ps
+
+    from megatron_mtraining.training import loop
+    from megatron_mtraining.training.faults import global_param_names
 
     out, argv = sys.argv[1], sys.argv[2:]
     rec: dict = {"grads": [], "params": {}, "meta": {}}
@@ -46,10 +51,10 @@ def main() -> int:
         models[:] = list(model)
         if "params_start" not in rec:                    # before the first optimizer step
             rec["params_start"] = {n: p.detach().float().clone() for c in model
-                                   for n, p in _unwrap(c).named_parameters()}
+                                   for n, p in global_param_names(c)}
         grads = {}
         for chunk in model:
-            for name, p in _unwrap(chunk).named_parameters():
+            for name, p in global_param_names(chunk):
                 grads[name] = p.main_grad.detach().float().clone()
                 rec["meta"][name] = (bool(getattr(p, "tensor_model_parallel", False)),
                                      int(getattr(p, "partition_dim", -1)), int(getattr(p, "partition_stride", 1)))
@@ -58,7 +63,7 @@ def main() -> int:
 
     def destroy(*a, **k):
         for chunk in models:
-            for name, p in _unwrap(chunk).named_parameters():
+            for name, p in global_param_names(chunk):
                 rec["params"][name] = p.detach().float().clone()
         rec.update(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
                    cp_rank=ps.get_context_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
@@ -77,11 +82,25 @@ def main() -> int:
         return attn_forward(self, *a, **k)
 
     MTrainingAttention.forward = counted_forward
+    init = os.environ.get("MTRAINING_PARITY_INIT")
+    if init:
+        start = torch.load(init)["params_start"]
+        build = loop.build_model
+
+        def build_from_reference(*a, **k):
+            model = build(*a, **k)
+            with torch.no_grad():
+                for name, p in global_param_names(model):
+                    if name == "output_layer.weight" and name not in start:     # tied: the last stage's copy
+                        name = "embedding.word_embeddings.weight"
+                    assert start[name].shape == p.shape, (name, start[name].shape, p.shape)
+                    p.copy_(start[name])
+            return model
+
+        loop.build_model = build_from_reference
     mcd.finalize_model_grads = finalize
     ps.destroy_model_parallel = destroy
-    from megatron_mtraining.training import run
-
-    run(argv)
+    loop.run(argv)
     return 0
 
 
