@@ -176,7 +176,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         return [StepIndices(block_count=b_cnt, block_index=b_idx[..., :max(1, mb)].contiguous(), column_count=c_cnt,
                             column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
-                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths))]
+                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
+                                                                 union=mc if static_widths else None))]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
@@ -240,7 +241,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         steps.append(StepIndices(
             block_count=b_cnt, block_index=kb, column_count=c_cnt,
             column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
-            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths)))
+            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
+                                                                 union=mc if static_widths else None)))
     return steps
 
 
@@ -278,7 +280,7 @@ def without_columns(idx: StepIndices) -> StepIndices:
     b, hq, nqb = idx.column_count.shape
     k = idx.known_max
     cc = torch.zeros_like(idx.column_count)
-    known = (KnownMax.of(idx.block_count, cc, k.block, 0, k.exact)
+    known = (KnownMax.of(idx.block_count, cc, k.block, 0, k.exact, 0 if k.union is not None else None)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
@@ -324,7 +326,7 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     cc = idx.column_count.repeat_interleave(f, dim=2)
     ci = idx.column_index.repeat_interleave(f, dim=2)
     k = idx.known_max
-    known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact)
+    known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact, k.union)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(bc.contiguous(), bi.contiguous(), cc.contiguous(), ci.contiguous(), idx.causal, block_size,
                        known_max=known)
