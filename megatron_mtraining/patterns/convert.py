@@ -346,23 +346,40 @@ def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int
     return torch.cat(glob, -1), torch.cat(valid, -1)
 
 
-def column_phase_indices(steps: List[StepIndices], layout: Layout, seq_len: int, union: torch.Tensor) -> StepIndices:
+def column_phase_indices(steps: List[StepIndices], layout: Layout, seq_len: int, union: torch.Tensor,
+                         static: bool = False) -> StepIndices:
     """One :class:`StepIndices` holding every column of this rank's per-owner ``steps`` (the
     out-of-ring column phase, MTraining §3.3 balancing): no blocks; per query block, exactly the
     columns the converter put into its ring steps, as indices into ``union`` (ascending global
-    positions, a superset of those columns), ascending, ``-1`` padded; ``causal=False``."""
+    positions, a superset of those columns; may be padded with larger values), ascending, ``-1``
+    padded; ``causal=False``.
+
+    ``static``: the width is the host bound ``sum of the steps' widths`` (no device read) and
+    ``known_max`` holds the bounds (``exact=False``; ``union``: the sum of the steps' union bounds
+    when they all have one, else ``union.numel()``); otherwise the largest count."""
     glob, valid = step_column_positions(steps, layout, seq_len)
     dev = glob.device
     pos = torch.searchsorted(union, glob)
     big = torch.iinfo(torch.int64).max
     packed = torch.sort(torch.where(valid, pos, torch.full_like(pos, big)), dim=-1).values
-    count = valid.sum(-1)
-    packed = packed[..., :max(1, int(count.max()) if count.numel() else 1)]
+    count = valid.sum(-1).to(torch.int32)
+    if static:
+        width = max(1, packed.shape[-1])
+    else:
+        width = max(1, int(count.max()) if count.numel() else 1)
+    packed = packed[..., :width]
     packed = torch.where(packed == big, torch.full_like(packed, -1), packed).to(torch.int32)
     b, hq, nqb = count.shape
-    return StepIndices(torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev),
-                       torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
-                       count.to(torch.int32), packed, causal=False, block_size=steps[0].block_size)
+    bc = torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev)
+    known = None
+    if static:
+        unions = [st.known_max.union if st.known_max is not None and st.known_max.valid_for(
+            st.block_count, st.column_count) else None for st in steps]
+        bound = sum(unions) if None not in unions else union.numel()
+        known = KnownMax.of(bc, count, 0, packed.shape[-1], exact=False,
+                            union=min(bound, union.numel()))
+    return StepIndices(bc, torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
+                       count, packed, causal=False, block_size=steps[0].block_size, known_max=known)
 
 
 def step_key_mask(idx: StepIndices, s_local: int, counts: bool = False) -> torch.Tensor:

@@ -96,7 +96,9 @@ def test_static_plans_without_host_reads(b, s, hq, hkv, heads, causal, determini
     assert idx.num_heads == heads and bool((idx.column_count > 0).any())
     with HostReadTrap():
         plan = _plans(idx, q, k, True, deterministic)
-    assert plan.static and plan._kv and (bool(plan._col) == (deterministic or not launch.DEFAULT_CONFIG.col_atomic_fast))
+    assert plan.static and plan._kv
+    assert bool(plan._col) == (deterministic or not launch.DEFAULT_CONFIG.col_atomic_fast)
+    assert not plan_for(idx).static           # the default on the CPU (and for indices without bounds)
     data = _plans(idx, q, k, False, deterministic)
     # the inverted block index: the same offsets, the same entries (the static list is padded)
     (off_s, ent_s, *shape_s), = plan._kv.values()
@@ -137,6 +139,7 @@ def test_static_column_union_uses_the_converter_bound():
         prebuild_backward_plans(plan, q.shape, k.shape, True)
     (col,) = plan._col.values()
     assert plan.column_union_max == 40 and col[0].shape[-1] == 64      # one 64-column chunk, not 512 / 64
+    assert not plan_for(st).static                                      # the default on the CPU
     assert int(col[1].max()) <= 40
 
 
@@ -156,3 +159,112 @@ def test_data_dependent_plans_trip_the_trap():
     with pytest.raises(HostRead):
         with HostReadTrap():
             prebuild_backward_plans(plan, qkv[0].shape, qkv[1].shape, True)
+
+
+def _trapped(fn):
+    def run(*args, **kwargs):
+        with HostReadTrap():
+            return fn(*args, **kwargs)
+    return run
+
+
+def _ring(q, k, v, dout, columns, share, static, monkeypatch):
+    """The sparse ring (cp=1) on the Triton step kernel; with ``static`` the estimator and the
+    conversion use static widths and every plan the kernel builds (forward, backward, the column
+    phase's set-up) runs under the trap. Returns (out, dq, dk, dv), the pattern and the kernel."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    import megatron_mtraining.ring.sparse as sparse_mod
+
+    s, d = q.shape[1], q.shape[-1]
+    base = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=d, seq_len_local=s, sparse=True)
+    kernels = []
+
+    def factory(steps, scale):
+        kern = base.sparse_step(steps, scale)
+        kern.static_plans = static
+        kernels.append(kern)
+        return kern
+
+    with monkeypatch.context() as mp:
+        if static:
+            for name in ("estimate_vertical_slash", "convert_pattern"):
+                fn = getattr(sparse_mod, name)
+                mp.setattr(sparse_mod, name, lambda *a, _fn=fn, **kw: _fn(*a, static_widths=True, **kw))
+            mp.setattr(triton_ops, "plan_for", _trapped(triton_ops.plan_for))
+            mp.setattr(triton_ops, "prebuild_backward_plans", _trapped(triton_ops.prebuild_backward_plans))
+            mp.setattr(launch, "_kv_csr", _trapped(launch._kv_csr))
+            mp.setattr(launch, "_col_plan", _trapped(launch._col_plan))
+            mp.setattr(launch.SparsePlan, "column_split", _trapped(launch.SparsePlan.column_split))
+
+            class TrappedColumnPhase(sparse_mod.ColumnPhase):
+                def __init__(self, *args, **kwargs):
+                    with HostReadTrap():
+                        super().__init__(*args, static=True, **kwargs)
+            mp.setattr(sparse_mod, "ColumnPhase", TrappedColumnPhase)
+        qa, ka, va = (t.float().requires_grad_(True) for t in (q, k, v))
+        out, pat = sparse_mod.sparse_ring_attention(
+            qa, ka, va, layout=Layout("striped", 1, 64), group=None,
+            config=VerticalSlashConfig(recall=0.9, local_blocks=1, share_pattern=share), softmax_scale=d ** -0.5,
+            return_pattern=True, backend=dataclasses.replace(base, sparse_step=factory), columns=columns)
+        out.backward(dout.float())
+    return (out.detach(), qa.grad, ka.grad, va.grad), pat, kernels[0]
+
+
+@pytest.mark.parametrize("columns,share", [("in_ring", "head"), ("out_of_ring", "kv_group"),
+                                           ("in_ring", "kv_group"), ("out_of_ring", "head")])
+def test_sparse_ring_with_static_plans_without_host_reads(columns, share, monkeypatch):
+    """The sparse ring with static widths and static plans (the CUDA path) builds every index plan
+    under the trap; out, dQ, dK, dV equal those of the data-dependent path (the CPU default) and
+    the fp64 attention masked with the estimated pattern."""
+    from tests.workers.vs_data import make_qkv, naive_masked_attention
+
+    s, hq, hkv, d = 256, 4, 2, 16
+    q, k, v = make_qkv(1, s, hq, hkv, d, seed=11)
+    dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    got, pat, kern = _ring(q, k, v, dout, columns, share, True, monkeypatch)
+    base, pat_d, kern_d = _ring(q, k, v, dout, columns, share, False, monkeypatch)
+    plans = [p for _, p in kern._plans.values()]
+    assert plans and all(p.static for p in plans) and not any(p.static for _, p in kern_d._plans.values())
+    assert all(p._kv for p in plans)                        # the backward plans were built (under the trap)
+    assert (kern.column_phase is not None) == (columns == "out_of_ring")
+    if columns == "out_of_ring":
+        assert kern.column_phase.static and not kern_d.column_phase.static
+        assert kern.column_phase.n >= kern_d.column_phase.n
+    else:
+        assert any(p.has_columns for p in plans)
+    assert pat.same_selection(pat_d)
+    mask = pat.dense_mask()
+    assert bool(pat.vertical_mask().any())
+    if mask.shape[1] != hq:
+        mask = mask.repeat_interleave(hq // mask.shape[1], dim=1)
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = naive_masked_attention(qr, kr, vr, mask, d ** -0.5)
+    ref.backward(dout)
+    for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, (ref, qr.grad, kr.grad, vr.grad)):
+        assert rel_err(g, b) <= SAME, (name, rel_err(g, b))
+        assert rel_err(g, r) <= TOL, (name, rel_err(g, r))
+
+
+def test_data_dependent_column_phase_trips_the_trap():
+    """Negative control: the column phase's data-dependent set-up (``unique``, ``nonzero``, checks)
+    reads the device; the static one does not."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+    from megatron_mtraining.ring.sparse import ColumnPhase
+    from tests.workers.vs_data import make_qkv
+
+    q, k, _ = make_qkv(1, 256, 2, 1, 16, seed=2)
+    layout = Layout("striped", 1, 64)
+    pat = estimate_vertical_slash(q, k, layout=layout, config=VerticalSlashConfig(recall=0.9, local_blocks=1),
+                                  impl="torch", static_widths=True)
+    steps = convert_pattern(pat, layout, 0, impl="torch", static_widths=True)
+    args = (steps, pat, layout, 0, None, None, None, 0.25)
+    with pytest.raises(HostRead):
+        with HostReadTrap():
+            ColumnPhase(*args, static=False)
+    with HostReadTrap():
+        phase = ColumnPhase(*args, static=True)
+    assert not phase.empty and phase.indices.known_max is not None

@@ -8,8 +8,10 @@ On the CPU these ops are cheap, so the test traps them instead: :class:`HostRead
 vertical-slash estimator and the index conversion with static widths (the CUDA default) run under
 it, and their result is checked against the same calls with data-dependent widths: the same
 selected lines, the same token-level masks of every ring step. Negative control: the
-data-dependent widths trip the trap. On a GPU (marker ``gpu``) the whole sparse ring forward and
-backward runs under ``torch.cuda.set_sync_debug_mode("error")``.
+data-dependent widths trip the trap. The Triton step kernel's plans are trapped the same way in
+tests/kernels/test_triton_host_syncs.py. On a GPU (marker ``gpu``) the estimator, the conversion,
+the Triton step kernel's forward and backward and the column phase's set-up run under
+``torch.cuda.set_sync_debug_mode("error")``.
 """
 from __future__ import annotations
 
@@ -109,12 +111,15 @@ def test_conversion_at_cp_without_host_reads(kind, cp):
 @pytest.mark.gpu
 def test_estimator_conversion_and_step_kernel_have_no_sync_on_cuda():
     """CUDA (Triton scores and conversion, bf16): after a warm-up call (kernel compilation), the
-    estimator, the conversion and the step kernel's set-up run without a host synchronisation
-    (``torch.cuda.set_sync_debug_mode("error")``). The Triton kernels' backward index plans still
-    synchronise (built on a side stream during the forward kernel; docs/design.md)."""
+    estimator, the conversion, the step kernel's forward (with its backward plans built on the side
+    stream), its backward and the out-of-ring column phase's set-up run without a host
+    synchronisation (``torch.cuda.set_sync_debug_mode("error")``)."""
     from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ops.triton import attention_delta
+    from megatron_mtraining.ring.sparse import ColumnPhase
 
-    q, k, _ = (t.to("cuda", torch.bfloat16) for t in make_qkv(1, 4096, 8, 2, 64, seed=0))
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in make_qkv(1, 4096, 8, 2, 64, seed=0))
+    dout = torch.randn_like(q)
     layout = Layout("striped", 1, 64)
     backend = select_backend("triton", device=q.device, dtype=q.dtype, head_dim=64, seq_len_local=4096,
                              cp_size=1, sparse=True)
@@ -122,14 +127,21 @@ def test_estimator_conversion_and_step_kernel_have_no_sync_on_cuda():
     def run():
         pat = estimate_vertical_slash(q, k, layout=layout, config=CFG, impl=backend.estimator_impl)
         steps = convert_pattern(pat, layout, 0, impl=backend.convert_impl)
-        return backend.sparse_step(steps, 0.125), pat
+        phase = ColumnPhase(steps, pat, layout, 0, None, None, None, 0.125)
+        kernel = backend.sparse_step(steps, 0.125)
+        out, lse = kernel.forward(q, k, v, 0)
+        grads = kernel.backward(dout, q, k, v, lse, attention_delta(dout, out), 0)
+        return kernel, pat, phase, grads
 
-    _, ref = run()
+    _, ref, _, ref_grads = run()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kernel, pat = run()
+        kernel, pat, phase, grads = run()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    assert pat.same_selection(ref) and kernel.empty == [False]
+    assert pat.same_selection(ref) and kernel.empty == [False] and phase.static
+    assert all(p.static for _, p in kernel._plans.values())
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)          # deterministic backward: bitwise repeatable

@@ -66,15 +66,21 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
     are split first.
 
     ``static``: build the backward plans (inverted block index, column plan) at sizes known on the
-    host, with no device read (``None``, the default: on CUDA). The column union's buffer is then
-    sized by ``indices.known_max.union`` when valid (static conversions set it), else by
-    ``min(sk, nqb * max_nc)``. The gradients equal those of the data-dependent plans (the same
-    entries in the same order; a wider column union only changes the split of the column partials)."""
+    host, with no device read. ``None`` (the default): on CUDA for indices that carry host bounds
+    (a valid ``known_max`` with a ``union`` bound: the steps of a static conversion, their column
+    phase), data-dependent otherwise. The column union's buffer is sized by ``known_max.union``
+    when valid, else by ``min(sk, nqb * max_nc)`` (up to the dense key count: costly for long
+    sequences). The gradients equal those of the data-dependent plans (the same entries in the same
+    order; a wider column union only changes the split of the column partials)."""
     indices = _tiles(indices)
-    static = indices.block_index.is_cuda if static is None else bool(static)
     k = indices.known_max
-    union = (k.union if static and k is not None and k.valid_for(indices.block_count, indices.column_count)
-             else None)
+    if k is not None and not k.valid_for(indices.block_count, indices.column_count):
+        k = None
+    union = k.union if k is not None else None
+    if static is None:
+        static = indices.block_index.is_cuda and union is not None
+    static = bool(static)
+    union = union if static else None
     return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
                              bool(indices.causal), static=static, column_union_max=union)
 
@@ -235,7 +241,7 @@ class TritonSparseStepKernel(SparseStepKernel):
         config: launch parameters (default :class:`KernelConfig`).
         stats: a dict receiving the registers / spills of each launched kernel, or ``None``.
         static_plans: backward plans at host-known sizes, without device reads (:func:`plan_for`;
-            ``None``, the default: on CUDA).
+            ``None``, the default: on CUDA for indices with host bounds).
 
     Inputs must be bf16/fp16/fp32 on a device where Triton runs, with ``d`` in 16/32/64/128/256 and
     lengths that are multiples of 64 (:func:`~megatron_mtraining.ops.backends.select_backend` checks

@@ -458,10 +458,12 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
 
     The plans (the inverted block index in CSR form, and for the deterministic mode the column
-    union and its per-tile bit masks) take about 75 small torch ops and 3-5 host syncs
-    (``nonzero``, ``bincount``, the column-union width). Built inside the backward they stall the
-    GPU on the host; built here, right after the forward kernel is launched, their host work and
-    syncs overlap that kernel. On CUDA they run on a high-priority side stream that first waits for
+    union and its per-tile bit masks) take about 75 small torch ops. With ``plan.static`` (the
+    CUDA default, :func:`~megatron_mtraining.ops.triton.plan_for`) their sizes are host bounds and
+    they read nothing back from the device; otherwise they read 2 (block index: ``nonzero``,
+    ``bincount``) plus 5 (column plan: the union width, ``nonzero``, boolean indexing, two
+    ``bincount``) values back. Built here, right after the forward kernel is launched, their host
+    work overlaps that kernel. On CUDA they run on a high-priority side stream that first waits for
     ``after`` (a ``torch.cuda.Event`` recorded on the current stream once the index tensors were
     written and before the forward kernel was launched; ``None``: wait for all work queued so far),
     and :func:`sparse_backward` makes its stream wait for them. Elsewhere (the Triton CPU
