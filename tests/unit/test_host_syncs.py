@@ -145,3 +145,51 @@ def test_estimator_conversion_and_step_kernel_have_no_sync_on_cuda():
     assert all(p.static for _, p in kernel._plans.values())
     for a, b in zip(grads, ref_grads):
         assert torch.equal(a, b)          # deterministic backward: bitwise repeatable
+
+
+@pytest.mark.parametrize("kind,cp", [("striped", 1), ("striped", 2), ("zigzag", 2), ("striped", 4)])
+def test_column_phase_static_setup_without_host_reads(kind, cp):
+    """The out-of-ring column phase with static sizes (the CUDA default) sets up under the trap on
+    every rank; its padded union starts with the data-dependent one (the rest: the sentinel
+    ``seq_len``), its column step lists the same columns, its gather of this rank's rows and its
+    final add into dK/dV give the same values. Negative control: the data-dependent set-up trips
+    the trap."""
+    from megatron_mtraining.ring.sparse import ColumnPhase
+
+    S, hkv, d = 1024, 2, 16
+    q, k, v = _inputs(S, hkv=hkv, seed=cp + 7)
+    pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, 64), config=CFG, impl="torch",
+                                  static_widths=True)
+    layout = Layout(kind, cp, 64)
+    gen = torch.Generator().manual_seed(cp)
+    for rank in range(cp):
+        steps = convert_pattern(pat, layout, rank, impl="torch", static_widths=True)
+        args = (steps, pat, layout, rank, None, None, None, 0.25)
+        with HostReadTrap():
+            st = ColumnPhase(*args, static=True)
+        with pytest.raises(HostRead):
+            with HostReadTrap():
+                ColumnPhase(*args, static=False)
+        dd = ColumnPhase(*args, static=False)
+        u = dd.union.numel()
+        assert st.n >= dd.n and torch.equal(st.union[:u], dd.union) and bool((st.union[u:] == S).all())
+        a, b = st.indices, dd.indices
+        assert torch.equal(a.column_count, b.column_count) and a.known_max is not None
+        w = b.column_index.shape[-1]
+        assert torch.equal(a.column_index[..., :w], b.column_index) and bool((a.column_index[..., w:] == -1).all())
+        s_loc = S // cp
+        k_loc = torch.randn(1, s_loc, hkv, d, generator=gen, dtype=torch.float64)
+        v_loc = torch.randn(1, s_loc, hkv, d, generator=gen, dtype=torch.float64)
+        st.begin_forward(k_loc, v_loc)
+        dd.begin_forward(k_loc, v_loc)
+        assert torch.equal(st._kv[:, :, :dd.n], dd._kv) and bool((st._kv[:, :, dd.n:] == 0).all())
+        grads = torch.randn(2, 1, st.n, hkv, d, generator=gen, dtype=torch.float64)
+        st._grads, dd._grads = grads, grads[:, :, :dd.n]
+        dk0, dv0 = (torch.randn(1, s_loc, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        with HostReadTrap():
+            dk_s, dv_s = dk0.clone(), dv0.clone()
+            st.finish_backward(dk_s, dv_s)
+        dk_d, dv_d = dk0.clone(), dv0.clone()
+        dd.finish_backward(dk_d, dv_d)
+        assert torch.equal(dk_s, dk_d) and torch.equal(dv_s, dv_d)
+        assert not torch.equal(dk_d, dk0) or dd.mine_slot.numel() == 0
