@@ -421,7 +421,7 @@ def _without_blocks(idx):
     b, hq, nqb = idx.block_count.shape
     bc = torch.zeros_like(idx.block_count)
     k = idx.known_max
-    known = (KnownMax.of(bc, idx.column_count, 0, k.column, k.exact)
+    known = (KnownMax.of(bc, idx.column_count, 0, k.column, k.exact, k.union)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(bc, torch.full((b, hq, nqb, 1), -1, dtype=idx.block_index.dtype, device=bc.device),
                        idx.column_count, idx.column_index, idx.causal, idx.block_size, known_max=known)

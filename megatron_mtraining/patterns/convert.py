@@ -176,7 +176,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         return [StepIndices(block_count=b_cnt, block_index=b_idx[..., :max(1, mb)].contiguous(), column_count=c_cnt,
                             column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
-                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths))]
+                            known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
+                                                                 union=mc if static_widths else None))]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
@@ -240,7 +241,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         steps.append(StepIndices(
             block_count=b_cnt, block_index=kb, column_count=c_cnt,
             column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
-            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths)))
+            causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
+                                                                 union=mc if static_widths else None)))
     return steps
 
 
@@ -278,7 +280,7 @@ def without_columns(idx: StepIndices) -> StepIndices:
     b, hq, nqb = idx.column_count.shape
     k = idx.known_max
     cc = torch.zeros_like(idx.column_count)
-    known = (KnownMax.of(idx.block_count, cc, k.block, 0, k.exact)
+    known = (KnownMax.of(idx.block_count, cc, k.block, 0, k.exact, 0 if k.union is not None else None)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
@@ -324,7 +326,7 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     cc = idx.column_count.repeat_interleave(f, dim=2)
     ci = idx.column_index.repeat_interleave(f, dim=2)
     k = idx.known_max
-    known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact)
+    known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact, k.union)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(bc.contiguous(), bi.contiguous(), cc.contiguous(), ci.contiguous(), idx.causal, block_size,
                        known_max=known)
@@ -344,23 +346,40 @@ def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int
     return torch.cat(glob, -1), torch.cat(valid, -1)
 
 
-def column_phase_indices(steps: List[StepIndices], layout: Layout, seq_len: int, union: torch.Tensor) -> StepIndices:
+def column_phase_indices(steps: List[StepIndices], layout: Layout, seq_len: int, union: torch.Tensor,
+                         static: bool = False) -> StepIndices:
     """One :class:`StepIndices` holding every column of this rank's per-owner ``steps`` (the
     out-of-ring column phase, MTraining §3.3 balancing): no blocks; per query block, exactly the
     columns the converter put into its ring steps, as indices into ``union`` (ascending global
-    positions, a superset of those columns), ascending, ``-1`` padded; ``causal=False``."""
+    positions, a superset of those columns; may be padded with larger values), ascending, ``-1``
+    padded; ``causal=False``.
+
+    ``static``: the width is the host bound ``sum of the steps' widths`` (no device read) and
+    ``known_max`` holds the bounds (``exact=False``; ``union``: the sum of the steps' union bounds
+    when they all have one, else ``union.numel()``); otherwise the largest count."""
     glob, valid = step_column_positions(steps, layout, seq_len)
     dev = glob.device
     pos = torch.searchsorted(union, glob)
     big = torch.iinfo(torch.int64).max
     packed = torch.sort(torch.where(valid, pos, torch.full_like(pos, big)), dim=-1).values
-    count = valid.sum(-1)
-    packed = packed[..., :max(1, int(count.max()) if count.numel() else 1)]
+    count = valid.sum(-1).to(torch.int32)
+    if static:
+        width = max(1, packed.shape[-1])
+    else:
+        width = max(1, int(count.max()) if count.numel() else 1)
+    packed = packed[..., :width]
     packed = torch.where(packed == big, torch.full_like(packed, -1), packed).to(torch.int32)
     b, hq, nqb = count.shape
-    return StepIndices(torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev),
-                       torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
-                       count.to(torch.int32), packed, causal=False, block_size=steps[0].block_size)
+    bc = torch.zeros((b, hq, nqb), dtype=torch.int32, device=dev)
+    known = None
+    if static:
+        unions = [st.known_max.union if st.known_max is not None and st.known_max.valid_for(
+            st.block_count, st.column_count) else None for st in steps]
+        bound = sum(unions) if None not in unions else union.numel()
+        known = KnownMax.of(bc, count, 0, packed.shape[-1], exact=False,
+                            union=min(bound, union.numel()))
+    return StepIndices(bc, torch.full((b, hq, nqb, 1), -1, dtype=torch.int32, device=dev),
+                       count, packed, causal=False, block_size=steps[0].block_size, known_max=known)
 
 
 def step_key_mask(idx: StepIndices, s_local: int, counts: bool = False) -> torch.Tensor:

@@ -84,23 +84,29 @@ class KnownMax:
     are the very tensors they were read from, unmodified (identity and version counter).
 
     ``exact=False``: ``block`` and ``column`` are upper bounds known on the host (the static index
-    widths of a conversion that reads nothing back from the device), not the maxima."""
+    widths of a conversion that reads nothing back from the device), not the maxima.
 
-    __slots__ = ("block", "column", "exact", "_refs", "_versions")
+    ``union`` (optional): a host upper bound of the number of distinct key columns that the query
+    tiles of one index row list together (the converter's static column width bounds it: every
+    column of a row is one of the row's vertical lines held by the owner). The Triton backward's
+    column plan sizes its union buffer with it; ``None``: not known."""
+
+    __slots__ = ("block", "column", "exact", "union", "_refs", "_versions")
 
     def __init__(self, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int,
-                 exact: bool = True):
+                 exact: bool = True, union: Optional[int] = None):
         self.block, self.column, self.exact = int(block), int(column), bool(exact)
+        self.union = None if union is None else int(union)
         self._refs = (weakref.ref(block_count), weakref.ref(column_count))
         self._versions = (block_count._version, column_count._version)
 
     @classmethod
     def of(cls, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int,
-           exact: bool = True):
+           exact: bool = True, union: Optional[int] = None):
         """A record, or ``None`` for inference tensors (they keep no version counter)."""
         if block_count.is_inference() or column_count.is_inference():
             return None
-        return cls(block_count, column_count, block, column, exact)
+        return cls(block_count, column_count, block, column, exact, union)
 
     def valid_for(self, block_count: torch.Tensor, column_count: torch.Tensor) -> bool:
         return (self._refs[0]() is block_count and self._refs[1]() is column_count
@@ -147,7 +153,7 @@ class StepIndices:
         out = StepIndices(rep(self.block_count), rep(self.block_index), rep(self.column_count),
                           rep(self.column_index), self.causal, self.block_size)
         if k is not None and k.valid_for(self.block_count, self.column_count):
-            out.known_max = KnownMax.of(out.block_count, out.column_count, k.block, k.column)
+            out.known_max = KnownMax.of(out.block_count, out.column_count, k.block, k.column, k.exact, k.union)
         return out
 
     def is_empty(self) -> bool:

@@ -78,14 +78,25 @@ class ColumnPhase:
             :func:`~megatron_mtraining.ops.sparse_reference.sparse_attention_forward` / ``_backward``).
         softmax_scale: attention scale.
 
+    * Static sizes (``static``; default: on CUDA): the set-up reads nothing back from the device.
+      ``U`` is then padded to a host bound (``min(seq_len, #vertical slots)``, rounded up to the
+      block size) with the sentinel ``seq_len``; the gather and the final add go through index maps
+      of that fixed size (rows of other owners and padding add zeros), and the two checks below,
+      which need a device read, are skipped: they hold by construction for the estimator's patterns
+      (``VerticalSlashConfig`` requires ``local_blocks >= 1``, so block diagonal 0 is always
+      selected, and the converter never lists a column inside a selected block). The results are
+      those of the data-dependent sizes.
+
     Raises:
         ValueError: a head whose block diagonal 0 is not selected (``local_blocks=0``), or a column
-            the converter placed inside a query's own block.
+            the converter placed inside a query's own block (checked when not ``static``).
     """
 
     def __init__(self, steps: Sequence[StepIndices], pattern: VerticalSlashPattern, layout: Layout, rank: int,
-                 group, forward_fn: Callable, backward_fn: Callable, softmax_scale: float):
-        if not bool(pattern.slash_mask()[..., 0].all()):
+                 group, forward_fn: Callable, backward_fn: Callable, softmax_scale: float,
+                 static: Optional[bool] = None):
+        self.static = pattern.vertical.is_cuda if static is None else bool(static)
+        if not self.static and not bool(pattern.slash_mask()[..., 0].all()):
             raise ValueError("columns='out_of_ring' needs block diagonal 0 selected for every head "
                              "(VerticalSlashConfig.local_blocks >= 1): out-of-ring columns are computed unmasked")
         self.layout, self.rank, self.group = layout, rank, group
@@ -93,22 +104,50 @@ class ColumnPhase:
         S, bs = pattern.seq_len, pattern.block_size
         dev = pattern.vertical.device
         vert = pattern.vertical
-        self.union = torch.unique(vert[vert >= 0])                                   # ascending, int64
-        self.n = max(bs, bs * -(-self.union.numel() // bs))
-        o_rank, o_loc = layout.global_to_local(self.union, S)
-        mine = o_rank == rank
-        self.mine_slot = torch.nonzero(mine).flatten()                               # rows of U owned here
-        self.mine_local = o_loc[mine]                                                # their local indices
-        own = steps[rank]                      # the only causal step: its columns must lie in past blocks
-        slot = torch.arange(own.column_index.shape[-1], device=dev)
-        ok = slot < own.column_count[..., None].long()
-        t = layout.local_to_global(rank, own.column_index.long().clamp(min=0), S)
-        if bool((ok & ((t // bs) >= local_block_ids(layout, rank, S, bs, dev)[:, None])).any()):
-            raise ValueError("a vertical column inside its query's own block cannot run out of the ring")
-        self.indices = column_phase_indices(list(steps), layout, S, self.union)
+        if self.static:
+            self._static_union(vert, layout, rank, S, bs)
+        else:
+            self.union = torch.unique(vert[vert >= 0])                               # ascending, int64
+            self.n = max(bs, bs * -(-self.union.numel() // bs))
+            o_rank, o_loc = layout.global_to_local(self.union, S)
+            mine = o_rank == rank
+            self.mine_slot = torch.nonzero(mine).flatten()                           # rows of U owned here
+            self.mine_local = o_loc[mine]                                            # their local indices
+            own = steps[rank]                  # the only causal step: its columns must lie in past blocks
+            slot = torch.arange(own.column_index.shape[-1], device=dev)
+            ok = slot < own.column_count[..., None].long()
+            t = layout.local_to_global(rank, own.column_index.long().clamp(min=0), S)
+            if bool((ok & ((t // bs) >= local_block_ids(layout, rank, S, bs, dev)[:, None])).any()):
+                raise ValueError("a vertical column inside its query's own block cannot run out of the ring")
+        self.indices = column_phase_indices(list(steps), layout, S, self.union, static=self.static)
         self.empty = self.indices.is_empty()
         self._kv = None
         self._pending = None
+
+    def _static_union(self, vert: torch.Tensor, layout: Layout, rank: int, S: int, bs: int) -> None:
+        """``U`` and the index maps at host-known sizes (no device read): ``union [n]`` ascending,
+        padded with ``S``; ``_gather_loc [n]`` (local row of U's entry on this rank, any valid row
+        elsewhere) with ``_gather_mine [n]`` (owned here); ``_inverse [s_local]``: the slot in U of
+        each local row, ``n`` (a zero row) for rows not in U."""
+        dev = vert.device
+        flat = torch.sort(torch.where(vert >= 0, vert, S).reshape(-1).long()).values
+        first = torch.ones_like(flat, dtype=torch.bool)
+        first[1:] = flat[1:] != flat[:-1]
+        packed = torch.sort(torch.where(first & (flat < S), flat, S)).values       # distinct, then S
+        self.n = max(bs, bs * -(-min(S, flat.numel()) // bs))
+        union = torch.full((self.n,), S, dtype=torch.long, device=dev)
+        m = min(self.n, packed.numel())
+        union[:m] = packed[:m]
+        self.union = union
+        real = union < S
+        o_rank, o_loc = layout.global_to_local(union.clamp(max=S - 1), S)
+        self._gather_mine = real & (o_rank == rank)
+        self._gather_loc = o_loc
+        s_loc = S // layout.cp_size
+        pos = layout.local_to_global(rank, torch.arange(s_loc, device=dev), S)
+        slot = torch.searchsorted(union, pos)
+        hit = union.gather(0, slot.clamp(max=self.n - 1)) == pos
+        self._inverse = torch.where(hit, slot, self.n)
 
     def _all_reduce(self, t: torch.Tensor, where: str):
         if self.group is None or torch.distributed.get_world_size(self.group) == 1:
@@ -118,9 +157,13 @@ class ColumnPhase:
 
     def begin_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Post the gather of the column K/V rows (async; overlaps the ring)."""
-        buf = torch.zeros((2, k.shape[0], self.n, *k.shape[2:]), dtype=k.dtype, device=k.device)
-        buf[0, :, self.mine_slot] = k[:, self.mine_local]
-        buf[1, :, self.mine_slot] = v[:, self.mine_local]
+        if self.static:
+            keep = self._gather_mine[None, :, None, None]
+            buf = torch.stack([torch.where(keep, t[:, self._gather_loc], 0) for t in (k, v)])
+        else:
+            buf = torch.zeros((2, k.shape[0], self.n, *k.shape[2:]), dtype=k.dtype, device=k.device)
+            buf[0, :, self.mine_slot] = k[:, self.mine_local]
+            buf[1, :, self.mine_slot] = v[:, self.mine_local]
         self._kv, self._pending = buf, self._all_reduce(buf, _COLUMNS_FORWARD)
 
     def forward(self, q: torch.Tensor):
@@ -149,8 +192,13 @@ class ColumnPhase:
         if self._pending is not None:
             wait_all([self._pending], _COLUMNS_BACKWARD, self.group)
             self._pending = None
-        dk[:, self.mine_local] += self._grads[0][:, self.mine_slot].to(dk.dtype)
-        dv[:, self.mine_local] += self._grads[1][:, self.mine_slot].to(dv.dtype)
+        if self.static:       # every local row: its row of U, or the zero row n
+            g = torch.cat([self._grads, self._grads.new_zeros((2, self._grads.shape[1], 1, *self._grads.shape[3:]))], 2)
+            dk += g[0][:, self._inverse].to(dk.dtype)
+            dv += g[1][:, self._inverse].to(dv.dtype)
+        else:
+            dk[:, self.mine_local] += self._grads[0][:, self.mine_slot].to(dk.dtype)
+            dv[:, self.mine_local] += self._grads[1][:, self.mine_slot].to(dv.dtype)
         self._grads = None
 
 

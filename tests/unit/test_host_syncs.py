@@ -8,66 +8,22 @@ On the CPU these ops are cheap, so the test traps them instead: :class:`HostRead
 vertical-slash estimator and the index conversion with static widths (the CUDA default) run under
 it, and their result is checked against the same calls with data-dependent widths: the same
 selected lines, the same token-level masks of every ring step. Negative control: the
-data-dependent widths trip the trap. On a GPU (marker ``gpu``) the whole sparse ring forward and
-backward runs under ``torch.cuda.set_sync_debug_mode("error")``.
+data-dependent widths trip the trap. The Triton step kernel's plans are trapped the same way in
+tests/kernels/test_triton_host_syncs.py. On a GPU (marker ``gpu``) the estimator, the conversion,
+the Triton step kernel's forward and backward and the column phase's set-up run under
+``torch.cuda.set_sync_debug_mode("error")``.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.ops.sparse_reference import SparseStepKernel
 from megatron_mtraining.patterns.convert import convert_pattern, step_key_mask, without_columns
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+from tests.helpers.host_reads import HostRead, HostReadTrap
 from tests.workers.vs_data import make_qkv
-
-aten = torch.ops.aten
-_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
-          aten.bincount.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-          aten._unique.default}
-
-
-class HostRead(AssertionError):
-    pass
-
-
-class HostReadTrap(TorchDispatchMode):
-    """Raise :class:`HostRead` on every op that, on CUDA, makes the host wait for the device."""
-
-    def __init__(self):
-        super().__init__()
-        self._saved = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _READS:
-            raise HostRead(f"host read: {func}")
-        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
-            idx = args[1]
-            if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx):
-                raise HostRead(f"host read: boolean-mask indexing ({func})")
-        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            raise HostRead("host read: repeat_interleave without output_size")
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        def trap(name):
-            def raiser(self, *a, **k):
-                raise HostRead(f"host read: Tensor.{name}")
-            return raiser
-        for name in ("tolist", "numpy"):
-            self._saved.append((name, getattr(torch.Tensor, name)))
-            setattr(torch.Tensor, name, trap(name))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved:
-            setattr(torch.Tensor, name, fn)
-        self._saved.clear()
-        return super().__exit__(*exc)
-
 
 CFG = VerticalSlashConfig(recall=0.9, last_q=64, block_size=64, sink_tokens=16, local_blocks=1,
                           max_vertical=96, max_slash=6)
@@ -155,12 +111,15 @@ def test_conversion_at_cp_without_host_reads(kind, cp):
 @pytest.mark.gpu
 def test_estimator_conversion_and_step_kernel_have_no_sync_on_cuda():
     """CUDA (Triton scores and conversion, bf16): after a warm-up call (kernel compilation), the
-    estimator, the conversion and the step kernel's set-up run without a host synchronisation
-    (``torch.cuda.set_sync_debug_mode("error")``). The Triton kernels' backward index plans still
-    synchronise (built on a side stream during the forward kernel; docs/design.md)."""
+    estimator, the conversion, the step kernel's forward (with its backward plans built on the side
+    stream), its backward and the out-of-ring column phase's set-up run without a host
+    synchronisation (``torch.cuda.set_sync_debug_mode("error")``)."""
     from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ops.triton import attention_delta
+    from megatron_mtraining.ring.sparse import ColumnPhase
 
-    q, k, _ = (t.to("cuda", torch.bfloat16) for t in make_qkv(1, 4096, 8, 2, 64, seed=0))
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in make_qkv(1, 4096, 8, 2, 64, seed=0))
+    dout = torch.randn_like(q)
     layout = Layout("striped", 1, 64)
     backend = select_backend("triton", device=q.device, dtype=q.dtype, head_dim=64, seq_len_local=4096,
                              cp_size=1, sparse=True)
@@ -168,14 +127,69 @@ def test_estimator_conversion_and_step_kernel_have_no_sync_on_cuda():
     def run():
         pat = estimate_vertical_slash(q, k, layout=layout, config=CFG, impl=backend.estimator_impl)
         steps = convert_pattern(pat, layout, 0, impl=backend.convert_impl)
-        return backend.sparse_step(steps, 0.125), pat
+        phase = ColumnPhase(steps, pat, layout, 0, None, None, None, 0.125)
+        kernel = backend.sparse_step(steps, 0.125)
+        out, lse = kernel.forward(q, k, v, 0)
+        grads = kernel.backward(dout, q, k, v, lse, attention_delta(dout, out), 0)
+        return kernel, pat, phase, grads
 
-    _, ref = run()
+    _, ref, _, ref_grads = run()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kernel, pat = run()
+        kernel, pat, phase, grads = run()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    assert pat.same_selection(ref) and kernel.empty == [False]
+    assert pat.same_selection(ref) and kernel.empty == [False] and phase.static
+    assert all(p.static for _, p in kernel._plans.values())
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)          # deterministic backward: bitwise repeatable
+
+
+@pytest.mark.parametrize("kind,cp", [("striped", 1), ("striped", 2), ("zigzag", 2), ("striped", 4)])
+def test_column_phase_static_setup_without_host_reads(kind, cp):
+    """The out-of-ring column phase with static sizes (the CUDA default) sets up under the trap on
+    every rank; its padded union starts with the data-dependent one (the rest: the sentinel
+    ``seq_len``), its column step lists the same columns, its gather of this rank's rows and its
+    final add into dK/dV give the same values. Negative control: the data-dependent set-up trips
+    the trap."""
+    from megatron_mtraining.ring.sparse import ColumnPhase
+
+    S, hkv, d = 1024, 2, 16
+    q, k, v = _inputs(S, hkv=hkv, seed=cp + 7)
+    pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, 64), config=CFG, impl="torch",
+                                  static_widths=True)
+    layout = Layout(kind, cp, 64)
+    gen = torch.Generator().manual_seed(cp)
+    for rank in range(cp):
+        steps = convert_pattern(pat, layout, rank, impl="torch", static_widths=True)
+        args = (steps, pat, layout, rank, None, None, None, 0.25)
+        with HostReadTrap():
+            st = ColumnPhase(*args, static=True)
+        with pytest.raises(HostRead):
+            with HostReadTrap():
+                ColumnPhase(*args, static=False)
+        dd = ColumnPhase(*args, static=False)
+        u = dd.union.numel()
+        assert st.n >= dd.n and torch.equal(st.union[:u], dd.union) and bool((st.union[u:] == S).all())
+        a, b = st.indices, dd.indices
+        assert torch.equal(a.column_count, b.column_count) and a.known_max is not None
+        w = b.column_index.shape[-1]
+        assert torch.equal(a.column_index[..., :w], b.column_index) and bool((a.column_index[..., w:] == -1).all())
+        s_loc = S // cp
+        k_loc = torch.randn(1, s_loc, hkv, d, generator=gen, dtype=torch.float64)
+        v_loc = torch.randn(1, s_loc, hkv, d, generator=gen, dtype=torch.float64)
+        st.begin_forward(k_loc, v_loc)
+        dd.begin_forward(k_loc, v_loc)
+        assert torch.equal(st._kv[:, :, :dd.n], dd._kv) and bool((st._kv[:, :, dd.n:] == 0).all())
+        grads = torch.randn(2, 1, st.n, hkv, d, generator=gen, dtype=torch.float64)
+        st._grads, dd._grads = grads, grads[:, :, :dd.n]
+        dk0, dv0 = (torch.randn(1, s_loc, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        with HostReadTrap():
+            dk_s, dv_s = dk0.clone(), dv0.clone()
+            st.finish_backward(dk_s, dv_s)
+        dk_d, dv_d = dk0.clone(), dv0.clone()
+        dd.finish_backward(dk_d, dv_d)
+        assert torch.equal(dk_s, dk_d) and torch.equal(dv_s, dv_d)
+        assert not torch.equal(dk_d, dk0) or dd.mine_slot.numel() == 0

@@ -60,13 +60,29 @@ def _tiles(indices: StepIndices) -> StepIndices:
     return indices if indices.block_size == BLOCK else refine_indices(indices, BLOCK)
 
 
-def plan_for(indices: StepIndices) -> SparsePlan:
+def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
     """The kernel plan of ``indices`` (built anew; :class:`TritonSparseStepKernel` keeps its steps' plans
     from the forward to the backward). Blocks coarser than the kernels' 64 tokens (a multiple of 64)
-    are split first."""
+    are split first.
+
+    ``static``: build the backward plans (inverted block index, column plan) at sizes known on the
+    host, with no device read. ``None`` (the default): on CUDA for indices that carry host bounds
+    (a valid ``known_max`` with a ``union`` bound: the steps of a static conversion, their column
+    phase), data-dependent otherwise. The column union's buffer is sized by ``known_max.union``
+    when valid, else by ``min(sk, nqb * max_nc)`` (up to the dense key count: costly for long
+    sequences). The gradients equal those of the data-dependent plans (the same entries in the same
+    order; a wider column union only changes the split of the column partials)."""
     indices = _tiles(indices)
+    k = indices.known_max
+    if k is not None and not k.valid_for(indices.block_count, indices.column_count):
+        k = None
+    union = k.union if k is not None else None
+    if static is None:
+        static = indices.block_index.is_cuda and union is not None
+    static = bool(static)
+    union = union if static else None
     return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
-                             bool(indices.causal))
+                             bool(indices.causal), static=static, column_union_max=union)
 
 
 def _scale(q, softmax_scale):
@@ -224,6 +240,8 @@ class TritonSparseStepKernel(SparseStepKernel):
             when ``expect_backward`` is true. The results are bitwise the same either way.
         config: launch parameters (default :class:`KernelConfig`).
         stats: a dict receiving the registers / spills of each launched kernel, or ``None``.
+        static_plans: backward plans at host-known sizes, without device reads (:func:`plan_for`;
+            ``None``, the default: on CUDA for indices with host bounds).
 
     Inputs must be bf16/fp16/fp32 on a device where Triton runs, with ``d`` in 16/32/64/128/256 and
     lengths that are multiples of 64 (:func:`~megatron_mtraining.ops.backends.select_backend` checks
@@ -231,8 +249,10 @@ class TritonSparseStepKernel(SparseStepKernel):
     """
 
     def __init__(self, steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
-                 prebuild: bool = True, config: Optional[KernelConfig] = None, stats: Optional[dict] = None):
+                 prebuild: bool = True, config: Optional[KernelConfig] = None, stats: Optional[dict] = None,
+                 static_plans: Optional[bool] = None):
         super().__init__(steps, softmax_scale, forward_fn=self._forward_step, backward_fn=self._backward_step)
+        self.static_plans = static_plans
         self.deterministic, self.prebuild = bool(deterministic), bool(prebuild)
         self.config = config or DEFAULT_CONFIG
         self.stats = stats
@@ -242,7 +262,7 @@ class TritonSparseStepKernel(SparseStepKernel):
         """The plan of ``indices`` (built on first use, then reused)."""
         hit = self._plans.get(id(indices))
         if hit is None or hit[0] is not indices:
-            hit = self._plans[id(indices)] = (indices, plan_for(indices))
+            hit = self._plans[id(indices)] = (indices, plan_for(indices, self.static_plans))
         return hit[1]
 
     def _forward_step(self, q, k, v, idx: StepIndices, scale: float):
@@ -266,6 +286,7 @@ class TritonSparseStepKernel(SparseStepKernel):
 
 def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
                             prebuild: bool = True, config: Optional[KernelConfig] = None,
-                            stats: Optional[dict] = None) -> TritonSparseStepKernel:
+                            stats: Optional[dict] = None, static_plans: Optional[bool] = None
+                            ) -> TritonSparseStepKernel:
     """A :class:`TritonSparseStepKernel` (arguments as there)."""
-    return TritonSparseStepKernel(steps, softmax_scale, deterministic, prebuild, config, stats)
+    return TritonSparseStepKernel(steps, softmax_scale, deterministic, prebuild, config, stats, static_plans)

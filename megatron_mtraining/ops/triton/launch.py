@@ -56,6 +56,8 @@ class SparsePlan:
     _col: dict = field(default_factory=dict, repr=False)
     _pending: Optional[object] = field(default=None, repr=False)  # CUDA event: backward plans built on a side stream
     _column_split: Optional[torch.Tensor] = field(default=None, repr=False)
+    static: bool = False                  # backward plans at host-known sizes (no device read; see _kv_csr)
+    column_union_max: Optional[int] = None  # host bound of the distinct columns of one index row (static plans)
 
     @property
     def has_columns(self) -> bool:
@@ -97,8 +99,14 @@ def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmaske
     return torch.cumprod(ok.to(torch.int32), dim=-1).sum(-1).to(torch.int32)
 
 
-def plan_from_indices(block_count, block_index, column_count, column_index, causal: bool) -> SparsePlan:
-    """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask)."""
+def plan_from_indices(block_count, block_index, column_count, column_index, causal: bool,
+                      static: bool = False, column_union_max: Optional[int] = None) -> SparsePlan:
+    """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask).
+
+    ``static``: the backward plans get sizes known on the host (no device read, the CUDA default of
+    :func:`~megatron_mtraining.ops.triton.plan_for`); ``column_union_max``: a host upper bound of the
+    distinct columns that one index row's query tiles list together (default: ``min(sk, nqb *
+    max_nc)``, always valid; a smaller bound that is wrong would drop columns)."""
     block_count, block_index = _i32(block_count), _i32(block_index)
     if causal:
         nqb = block_count.shape[-1]
@@ -109,7 +117,7 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     has_cols = column_index is not None and column_index.shape[-1] > 0
     return SparsePlan(block_count, split, block_index,
                       _i32(column_count) if has_cols else None, _i32(column_index) if has_cols else None,
-                      1 if causal else 0)
+                      1 if causal else 0, static=bool(static), column_union_max=column_union_max)
 
 
 def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
@@ -251,6 +259,9 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     dev = bi.device
     slot = torch.arange(max_nb, device=dev)
     valid = slot < bc[..., None]
+    if plan.static:
+        res = plan._kv[key] = _kv_csr_static(bi, valid, nkb, hq, hkv)
+        return res
     bb, hh, qq, ss = valid.nonzero(as_tuple=True)
     kb = bi[bb, hh, qq, ss].long()
     if H_ == 1:     # every head lists the same blocks: one entry per head of the group
@@ -281,6 +292,41 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     return res
 
 
+def _kv_csr_static(bi: torch.Tensor, valid: torch.Tensor, nkb: int, hq: int, hkv: int):
+    """:func:`_kv_csr` at sizes known on the host: every slot of the block index (padding included)
+    gets an entry; padding slots take a sentinel segment past the last one, so the stable sort puts
+    them after every real entry and the offsets (a scatter-add of ones, then a cumsum) never reach
+    them. The real entries and the offsets are those of the data-dependent plan; ``entries`` is
+    longer (the kernel reads only ``[offsets[s], offsets[s + 1])``)."""
+    B_, H_, nqb, max_nb = bi.shape
+    rep = hq // hkv
+    dev = bi.device
+    ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
+    bb, hh, qq = ar(B_)[:, None, None, None], ar(H_)[None, :, None, None], ar(nqb)[None, None, :, None]
+    kb = bi.long()
+    if H_ == 1 or _grouped(H_, hq, hkv):    # one entry per head of the group: a leading dim r
+        G_ = 1 if H_ == 1 else hkv
+        r = ar(rep)[:, None, None, None, None]
+        g = torch.zeros_like(hh) if H_ == 1 else hh
+        valid = valid[None]
+    else:
+        G_ = hkv
+        g, r = hh // rep, hh % rep
+    nseg = B_ * G_ * nkb
+    seg = torch.where(valid, (bb * G_ + g) * nkb + kb, nseg)          # padding: sentinel segment nseg
+    val = r * nqb + qq
+    shape = torch.broadcast_shapes(seg.shape, val.shape)
+    seg, val = seg.expand(shape).reshape(-1), val.expand(shape).reshape(-1)
+    order = torch.sort(seg * (rep * nqb) + val, stable=True).indices
+    entries = val[order].to(torch.int32).contiguous()
+    counts = torch.zeros(nseg + 1, dtype=torch.int64, device=dev).scatter_add_(0, seg, torch.ones_like(seg))
+    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts[:nseg], 0).to(torch.int32)
+    if entries.numel() == 0:
+        entries = torch.zeros(1, dtype=torch.int32, device=dev)
+    return offsets, entries, B_, G_
+
+
 def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     """Per-head column union ``U`` and the inverted column index of the deterministic kernel.
 
@@ -304,7 +350,10 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     present[..., sk] = 0
     rank = torch.cumsum(present, -1, dtype=torch.int32) - 1                    # slot of column p in U
     ucount = present.sum(-1, dtype=torch.int32)                               # [B', H']
-    umax = max(int(ucount.max()), 1)
+    if plan.static:     # a host bound of the union width (chunks past a row's union have no entries)
+        umax = max(min(sk, nqb * max_nc, sk if plan.column_union_max is None else plan.column_union_max), 1)
+    else:
+        umax = max(int(ucount.max()), 1)
     upad = BLOCK_C * math.ceil(umax / BLOCK_C)
     nchunks = upad // BLOCK_C
     col_u = torch.zeros(B_, H_, upad + 1, dtype=torch.int32, device=dev)
@@ -324,12 +373,17 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     while qbps > 16 and b * hq * nchunks * math.ceil(nqb / qbps) < 4 * 132:
         qbps //= 2
     nsplit = math.ceil(nqb / qbps)
+    nseg = B_ * H_ * nchunks * nsplit
+    if plan.static:
+        res = plan._col[key] = (col_u, ucount.contiguous(),
+                                *_col_entries_static(plan, bits, col_u, nchunks, nsplit, qbps),
+                                upad, nchunks, nsplit, B_, H_)
+        return res
     bb, hh, qq, c = (bits != 0).nonzero(as_tuple=True)
     ebits = bits[bb, hh, qq, c]
     full = ebits == -1                                # all 64 columns of the chunk listed
     if plan.mask_mode == 1:                           # ... and left of the tile's first row
         full &= col_u[bb, hh, c * BLOCK_C + BLOCK_C - 1] < qq * BLOCK
-    nseg = B_ * H_ * nchunks * nsplit
     seg = ((bb * H_ + hh) * nchunks + c) * nsplit + qq // qbps
     order = torch.sort((seg * 2 + (~full).long()) * nqb + qq, stable=True).indices
     entries_qb = qq[order].to(torch.int32).contiguous()
@@ -344,6 +398,42 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     res = (col_u, ucount.contiguous(), offsets, mid, entries_qb, entries_bits, upad, nchunks, nsplit, B_, H_)
     plan._col[key] = res
     return res
+
+
+def _col_entries_static(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchunks: int, nsplit: int,
+                        qbps: int):
+    """The entries of :func:`_col_plan` at sizes known on the host: one per (row, query tile, chunk),
+    those without a listed column (``bits == 0``) in a sentinel segment after every real one (never
+    inside an ``[offsets[s], offsets[s + 1])`` range); offsets and mid by scatter-adds and a cumsum.
+    The real entries, the offsets and mid are those of the data-dependent plan at the same ``upad``."""
+    B_, H_, nqb, _ = bits.shape
+    dev = bits.device
+    ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
+    bb, hh = ar(B_)[:, None, None, None], ar(H_)[None, :, None, None]
+    qq, c = ar(nqb)[None, None, :, None], ar(nchunks)[None, None, None, :]
+    listed = bits != 0
+    full = bits == -1                                 # all 64 columns of the chunk listed
+    if plan.mask_mode == 1:                           # ... and left of the tile's first row
+        last = col_u.view(B_, H_, nchunks, BLOCK_C)[..., BLOCK_C - 1]            # [B', H', nchunks]
+        full &= last[:, :, None, :] < qq * BLOCK
+    nseg = B_ * H_ * nchunks * nsplit
+    seg = torch.where(listed, ((bb * H_ + hh) * nchunks + c) * nsplit + qq // qbps, nseg).reshape(-1)
+    qqf = qq.expand(bits.shape).reshape(-1)
+    fullf = full.reshape(-1)
+    order = torch.sort((seg * 2 + (~fullf).long()) * nqb + qqf, stable=True).indices
+    entries_qb = qqf[order].to(torch.int32).contiguous()
+    entries_bits = bits.reshape(-1)[order].contiguous()
+    ones = torch.ones_like(seg)
+    counts = torch.zeros(nseg + 1, dtype=torch.int64, device=dev).scatter_add_(0, seg, ones)
+    nfull = torch.zeros(nseg + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, torch.where(fullf & listed.reshape(-1), seg, nseg), ones)
+    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts[:nseg], 0).to(torch.int32)
+    mid = (offsets[:-1] + nfull[:nseg]).to(torch.int32)
+    if entries_qb.numel() == 0:
+        entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
+        entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)
+    return offsets, mid, entries_qb, entries_bits
 
 
 # ----------------------------------------------------------------------------- backward plans, ahead of time
@@ -368,10 +458,12 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
 
     The plans (the inverted block index in CSR form, and for the deterministic mode the column
-    union and its per-tile bit masks) take about 75 small torch ops and 3-5 host syncs
-    (``nonzero``, ``bincount``, the column-union width). Built inside the backward they stall the
-    GPU on the host; built here, right after the forward kernel is launched, their host work and
-    syncs overlap that kernel. On CUDA they run on a high-priority side stream that first waits for
+    union and its per-tile bit masks) take about 75 small torch ops. With ``plan.static`` (the
+    CUDA default, :func:`~megatron_mtraining.ops.triton.plan_for`) their sizes are host bounds and
+    they read nothing back from the device; otherwise they read 2 (block index: ``nonzero``,
+    ``bincount``) plus 5 (column plan: the union width, ``nonzero``, boolean indexing, two
+    ``bincount``) values back. Built here, right after the forward kernel is launched, their host
+    work overlaps that kernel. On CUDA they run on a high-priority side stream that first waits for
     ``after`` (a ``torch.cuda.Event`` recorded on the current stream once the index tensors were
     written and before the forward kernel was launched; ``None``: wait for all work queued so far),
     and :func:`sparse_backward` makes its stream wait for them. Elsewhere (the Triton CPU

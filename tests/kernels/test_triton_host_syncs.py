@@ -1,0 +1,270 @@
+"""The Triton step kernel's index plans with static sizes read nothing back from the device.
+
+The forward plan and the backward plans (the inverted block index of the dK/dV kernel, the column
+union and its per-tile masks of the deterministic column kernel) are built with ``static=True``
+(the CUDA default) under :class:`~tests.helpers.host_reads.HostReadTrap`, which raises on every op
+that makes the host wait on CUDA; the kernels themselves then run in the Triton CPU interpreter
+outside the trap (the interpreter copies tensors to NumPy). Checked: the static plans' entries and
+offsets are those of the data-dependent plans; out, LSE, dQ, dK, dV equal those of the
+data-dependent plans (fp32, 1e-6 relative) and the fp64 masked reference (1e-5 relative), for GQA
+indices per query head, per group (``share_pattern: kv_group``) and shared by every head, causal
+and non-causal steps, and for the sparse ring with columns in the ring and out of it. Negative
+control: the data-dependent plans trip the trap. See tests/kernels/test_triton_kernels.py for why
+the interpreter is set here and how a pre-imported triton is handled.
+"""
+
+import dataclasses
+import os
+import sys
+
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not _TRITON_PREIMPORTED:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from tests.helpers.host_reads import HostRead, HostReadTrap
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter, use_interpreted_kernels
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+import megatron_mtraining.ops.triton as triton_ops  # noqa: E402
+from megatron_mtraining.ops.triton import launch, plan_for, prebuild_backward_plans  # noqa: E402
+from tests.workers.gpu_common import dense_mask_rows, oracle, random_step_indices, rel_err  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_kernels(request):
+    use_interpreted_kernels(request, _TRITON_PREIMPORTED, "megatron_mtraining.ops.triton.kernels", "_sparse_fwd_kernel")
+    yield
+
+
+TOL = 1e-5          # fp32 inputs against fp64
+SAME = 1e-6         # static against data-dependent plans (fp32; only the column partials' split may differ)
+
+
+@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="the tests below run in this process")
+def test_all_in_fresh_interpreter():
+    rerun_in_fresh_interpreter(__file__)
+
+
+def _case(b, s, hq, hkv, heads, causal, seed, d=16):
+    gen = torch.Generator().manual_seed(seed)
+    idx = random_step_indices(b, heads, s // 64, s // 64, causal, gen, p_col=0.06, above_diag=causal)
+    mk = lambda h: torch.randn(b, s, h, d, generator=gen) * 1.5  # noqa: E731
+    q, k, v, dout = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    full = idx.per_query_head(hq)
+    scale = d ** -0.5
+    mask = lambda r0, r1: dense_mask_rows(full, r0, r1, s)  # noqa: E731
+    o_ref, l_ref = oracle(q, k, v, mask, scale)
+    lse_g = torch.where(torch.isinf(l_ref), l_ref, l_ref + 0.25 * torch.rand(l_ref.shape, generator=gen,
+                                                                              dtype=torch.float64))
+    delta_g = torch.randn(l_ref.shape, generator=gen, dtype=torch.float64)
+    *_, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask, scale, dout, lse_g, delta_g)
+    return idx, (q, k, v, dout), scale, (o_ref, l_ref, dq_r, dk_r, dv_r), (lse_g.float(), delta_g.float())
+
+
+def _plans(idx, q, k, static, deterministic):
+    plan = plan_for(idx, static=static)
+    plan.column_split()
+    prebuild_backward_plans(plan, q.shape, k.shape, deterministic)    # CPU: built in place
+    return plan
+
+
+def _run(plan, qkv, scale, lse_delta, deterministic):
+    q, k, v, dout = qkv
+    kv, col = dict(plan._kv), dict(plan._col)
+    out, lse = launch.sparse_forward(q, k, v, plan, scale)
+    dq, dk, dv = launch.sparse_backward(dout, q, k, v, *lse_delta, plan, scale, deterministic)
+    # the backward used the plans built before (no rebuild outside the trap)
+    assert plan._kv.keys() == kv.keys() and all(plan._kv[x] is kv[x] for x in kv)
+    assert plan._col.keys() == col.keys() and all(plan._col[x] is col[x] for x in col)
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("b,s,hq,hkv,heads,causal", [
+    (1, 256, 4, 2, 4, True),        # GQA, indices per query head
+    (2, 192, 4, 2, 2, True),        # share_pattern kv_group: one index row per group, batch 2
+    (1, 256, 6, 2, 2, False),       # kv_group, group size 3, non-causal step (another owner)
+    (1, 192, 2, 1, 1, True),        # one index row shared by every head
+])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_static_plans_without_host_reads(b, s, hq, hkv, heads, causal, deterministic):
+    idx, qkv, scale, ref, lse_delta = _case(b, s, hq, hkv, heads, causal, seed=s + hq * 7 + heads)
+    q, k = qkv[0], qkv[1]
+    assert idx.num_heads == heads and bool((idx.column_count > 0).any())
+    with HostReadTrap():
+        plan = _plans(idx, q, k, True, deterministic)
+    assert plan.static and plan._kv
+    assert bool(plan._col) == (deterministic or not launch.DEFAULT_CONFIG.col_atomic_fast)
+    assert not plan_for(idx).static           # the default on the CPU (and for indices without bounds)
+    data = _plans(idx, q, k, False, deterministic)
+    # the inverted block index: the same offsets, the same entries (the static list is padded)
+    (off_s, ent_s, *shape_s), = plan._kv.values()
+    (off_d, ent_d, *shape_d), = data._kv.values()
+    n = int(off_d[-1])
+    assert shape_s == shape_d and torch.equal(off_s, off_d) and ent_s.numel() >= n
+    assert torch.equal(ent_s[:n], ent_d[:n])
+    if plan._col:
+        (cs,) = plan._col.values()
+        (cd,) = data._col.values()
+        assert torch.equal(cs[1], cd[1])                               # the union sizes
+        u = cd[0].shape[-1]
+        assert cs[0].shape[-1] >= u and torch.equal(cs[0][..., :u], cd[0])   # the union, padded wider
+    got = _run(plan, qkv, scale, lse_delta, deterministic)
+    base = _run(data, qkv, scale, lse_delta, deterministic)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, g, r, x in zip(names, got, base, ref):
+        assert not torch.isnan(g).any(), name
+        assert rel_err(g, r) <= SAME, (name, rel_err(g, r))
+        assert rel_err(g, x) <= TOL, (name, rel_err(g, x))
+
+
+def test_static_column_union_uses_the_converter_bound():
+    """Static conversions record a bound of each row's column union (``KnownMax.union``); the plan
+    sizes its union buffer by it rather than by ``min(sk, nqb * max_nc)``."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+    from tests.workers.vs_data import make_qkv
+
+    q, k, _ = make_qkv(1, 512, 2, 1, 16, seed=3)
+    cfg = VerticalSlashConfig(recall=0.9, last_q=64, sink_tokens=16, local_blocks=1, max_vertical=40, max_slash=4)
+    pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, 64), config=cfg, impl="torch", static_widths=True)
+    (st,) = convert_pattern(pat, Layout("striped", 1, 64), 0, impl="torch", static_widths=True)
+    assert st.known_max.union == st.column_index.shape[-1] == 40
+    with HostReadTrap():
+        plan = plan_for(st, static=True)
+        prebuild_backward_plans(plan, q.shape, k.shape, True)
+    (col,) = plan._col.values()
+    assert plan.column_union_max == 40 and col[0].shape[-1] == 64      # one 64-column chunk, not 512 / 64
+    assert not plan_for(st).static                                      # the default on the CPU
+    assert int(col[1].max()) <= 40
+
+
+def test_data_dependent_plans_trip_the_trap():
+    """Negative control: the data-dependent backward plans read the device (``nonzero``, ``bincount``,
+    the union width)."""
+    idx, qkv, *_ = _case(1, 128, 2, 1, 2, True, seed=1)
+    for deterministic in (True, False):
+        plan = plan_for(idx, static=False)
+        with pytest.raises(HostRead):
+            with HostReadTrap():
+                prebuild_backward_plans(plan, qkv[0].shape, qkv[1].shape, deterministic)
+    plan = plan_for(idx, static=True)
+    plan._kv[("kv", 2, 2, 1)] = launch._kv_csr_static(plan.block_index, torch.arange(plan.block_index.shape[-1])
+                                                      < plan.block_count[..., None], 2, 2, 1)
+    plan.static = False             # the column plan alone, data-dependent
+    with pytest.raises(HostRead):
+        with HostReadTrap():
+            prebuild_backward_plans(plan, qkv[0].shape, qkv[1].shape, True)
+
+
+def _trapped(fn):
+    def run(*args, **kwargs):
+        with HostReadTrap():
+            return fn(*args, **kwargs)
+    return run
+
+
+def _ring(q, k, v, dout, columns, share, static, monkeypatch):
+    """The sparse ring (cp=1) on the Triton step kernel; with ``static`` the estimator and the
+    conversion use static widths and every plan the kernel builds (forward, backward, the column
+    phase's set-up) runs under the trap. Returns (out, dq, dk, dv), the pattern and the kernel."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    import megatron_mtraining.ring.sparse as sparse_mod
+
+    s, d = q.shape[1], q.shape[-1]
+    base = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=d, seq_len_local=s, sparse=True)
+    kernels = []
+
+    def factory(steps, scale):
+        kern = base.sparse_step(steps, scale)
+        kern.static_plans = static
+        kernels.append(kern)
+        return kern
+
+    with monkeypatch.context() as mp:
+        if static:
+            for name in ("estimate_vertical_slash", "convert_pattern"):
+                fn = getattr(sparse_mod, name)
+                mp.setattr(sparse_mod, name, lambda *a, _fn=fn, **kw: _fn(*a, static_widths=True, **kw))
+            mp.setattr(triton_ops, "plan_for", _trapped(triton_ops.plan_for))
+            mp.setattr(triton_ops, "prebuild_backward_plans", _trapped(triton_ops.prebuild_backward_plans))
+            mp.setattr(launch, "_kv_csr", _trapped(launch._kv_csr))
+            mp.setattr(launch, "_col_plan", _trapped(launch._col_plan))
+            mp.setattr(launch.SparsePlan, "column_split", _trapped(launch.SparsePlan.column_split))
+
+            class TrappedColumnPhase(sparse_mod.ColumnPhase):
+                def __init__(self, *args, **kwargs):
+                    with HostReadTrap():
+                        super().__init__(*args, static=True, **kwargs)
+            mp.setattr(sparse_mod, "ColumnPhase", TrappedColumnPhase)
+        qa, ka, va = (t.float().requires_grad_(True) for t in (q, k, v))
+        out, pat = sparse_mod.sparse_ring_attention(
+            qa, ka, va, layout=Layout("striped", 1, 64), group=None,
+            config=VerticalSlashConfig(recall=0.9, local_blocks=1, share_pattern=share), softmax_scale=d ** -0.5,
+            return_pattern=True, backend=dataclasses.replace(base, sparse_step=factory), columns=columns)
+        out.backward(dout.float())
+    return (out.detach(), qa.grad, ka.grad, va.grad), pat, kernels[0]
+
+
+@pytest.mark.parametrize("columns,share", [("in_ring", "head"), ("out_of_ring", "kv_group"),
+                                           ("in_ring", "kv_group"), ("out_of_ring", "head")])
+def test_sparse_ring_with_static_plans_without_host_reads(columns, share, monkeypatch):
+    """The sparse ring with static widths and static plans (the CUDA path) builds every index plan
+    under the trap; out, dQ, dK, dV equal those of the data-dependent path (the CPU default) and
+    the fp64 attention masked with the estimated pattern."""
+    from tests.workers.vs_data import make_qkv, naive_masked_attention
+
+    s, hq, hkv, d = 256, 4, 2, 16
+    q, k, v = make_qkv(1, s, hq, hkv, d, seed=11)
+    dout = torch.randn(1, s, hq, d, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    got, pat, kern = _ring(q, k, v, dout, columns, share, True, monkeypatch)
+    base, pat_d, kern_d = _ring(q, k, v, dout, columns, share, False, monkeypatch)
+    plans = [p for _, p in kern._plans.values()]
+    assert plans and all(p.static for p in plans) and not any(p.static for _, p in kern_d._plans.values())
+    assert all(p._kv for p in plans)                        # the backward plans were built (under the trap)
+    assert (kern.column_phase is not None) == (columns == "out_of_ring")
+    if columns == "out_of_ring":
+        assert kern.column_phase.static and not kern_d.column_phase.static
+        assert kern.column_phase.n >= kern_d.column_phase.n
+    else:
+        assert any(p.has_columns for p in plans)
+    assert pat.same_selection(pat_d)
+    mask = pat.dense_mask()
+    assert bool(pat.vertical_mask().any())
+    if mask.shape[1] != hq:
+        mask = mask.repeat_interleave(hq // mask.shape[1], dim=1)
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = naive_masked_attention(qr, kr, vr, mask, d ** -0.5)
+    ref.backward(dout)
+    for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, (ref, qr.grad, kr.grad, vr.grad)):
+        assert rel_err(g, b) <= SAME, (name, rel_err(g, b))
+        assert rel_err(g, r) <= TOL, (name, rel_err(g, r))
+
+
+def test_data_dependent_column_phase_trips_the_trap():
+    """Negative control: the column phase's data-dependent set-up (``unique``, ``nonzero``, checks)
+    reads the device; the static one does not."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+    from megatron_mtraining.ring.sparse import ColumnPhase
+    from tests.workers.vs_data import make_qkv
+
+    q, k, _ = make_qkv(1, 256, 2, 1, 16, seed=2)
+    layout = Layout("striped", 1, 64)
+    pat = estimate_vertical_slash(q, k, layout=layout, config=VerticalSlashConfig(recall=0.9, local_blocks=1),
+                                  impl="torch", static_widths=True)
+    steps = convert_pattern(pat, layout, 0, impl="torch", static_widths=True)
+    args = (steps, pat, layout, 0, None, None, None, 0.25)
+    with pytest.raises(HostRead):
+        with HostReadTrap():
+            ColumnPhase(*args, static=False)
+    with HostReadTrap():
+        phase = ColumnPhase(*args, static=True)
+    assert not phase.empty and phase.indices.known_max is not None
