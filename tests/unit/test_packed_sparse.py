@@ -17,7 +17,7 @@ from megatron_mtraining.ops.sparse_reference import SparseStepKernel
 from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
 from megatron_mtraining.ring.sparse import sparse_ring_attention
-from tests.helpers.packed_ref import rel_err
+from tests.helpers.packed_ref import pattern_document_attention, rel_err
 from tests.helpers.ring_sim import simulate_dense_ring
 
 BS = 16
@@ -37,26 +37,8 @@ def _inputs(S, hq, hkv, dtype, seed=0, b=1):
 
 
 def _reference(q, k, v, dout, pattern, docs, scale):
-    """fp64 masked softmax attention of the selected pattern ∧ causal ∧ same document, with grads."""
-    qd, kd, vd = (t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v))
-    b, S, hq, d = q.shape
-    rep = hq // k.shape[2]
-    m = pattern.dense_mask(S)                                            # [b, h_pattern, S, S]
-    m = m.repeat_interleave(hq // m.shape[1], dim=1)
-    t = torch.arange(S)
-    same = (docs.lo[:, :, None] <= t) & (t <= docs.hi[:, :, None])       # [b, S, S]
-    m = m & same[:, None]
-    kk, vv = kd.repeat_interleave(rep, 2), vd.repeat_interleave(rep, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", qd, kk) * scale
-    s = s.masked_fill(~m, float("-inf"))
-    mx = s.amax(-1, keepdim=True)
-    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
-    p = torch.exp(s - mx)
-    z = p.sum(-1, keepdim=True)
-    p = p / torch.where(z == 0, torch.ones_like(z), z)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-    out.backward(dout.to(torch.float64))
-    return out.detach(), qd.grad, kd.grad, vd.grad, m
+    out, dq, dk, dv, m = pattern_document_attention(q, k, v, dout, pattern, docs, scale)
+    return out, dq, dk, dv, m
 
 
 def _simulate(layout, q, k, v, dout, pattern, docs, scale, use_documents=True):
