@@ -195,3 +195,17 @@ def test_refusals_name_the_rule():
     cuda_auto = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, sparse=True, packed=True,
                                triton_available=True, fa4_available=False)
     assert cuda_auto.sparse_step is SparseStepKernel
+
+
+def test_triton_sparse_step_refuses_document_bounds():
+    pytest.importorskip("triton")
+    from megatron_mtraining.ops.triton import make_sparse_step_kernel
+
+    S = 128
+    q, k, _, _ = _inputs(S, 2, 2, torch.float64)
+    layout = Layout("striped", 1, BS)
+    docs = _documents(S, 1, "contiguous")
+    pat = estimate_vertical_slash(q, k, layout=layout, config=_cfg(), softmax_scale=0.25, documents=docs)
+    steps = restrict_to_documents(convert_pattern(pat, layout, 0, impl="torch"), docs, layout, 0)
+    with pytest.raises(NotImplementedError, match="no document mask"):
+        make_sparse_step_kernel(steps, 0.25)
