@@ -23,7 +23,7 @@ def test_packed_sparse_ring_matches_pattern_reference(cp):
     assert res.returncode == 0, res.tail()
     rows = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     cases = [r for r in rows if "ring" in r["case"]]
-    assert len(cases) == 16 + (4 if cp == 4 else 0), res.tail()
+    assert len(cases) == 24 + (6 if cp == 4 else 0), res.tail()
     for r in cases:
         assert r["finite"] and r["padding_zero"] and r["same_pattern"], r
         for key in ("out", "dq", "dk", "dv"):

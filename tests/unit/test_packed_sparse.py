@@ -60,7 +60,11 @@ def _documents(S, cp, kind):
         if cu[-1] < S:
             cu.append(S)
         return PackedDocuments.from_cu_seqlens(torch.tensor(cu), S)
-    # padded: slots of 24, 40, rest; real lengths 5, 33, 1 (the tail past the last slot is padding too)
+    if kind == "padded_real_tail":     # padded slots, the last document real up to the end (real probes)
+        return PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 38, 38 + S - 64]), S,
+                                               cu_seqlens_padded=torch.tensor([0, 24, 64, S]))
+    # padded: slots of 24, 40, rest; real lengths 5, 33, 1 (the tail past the last slot is padding too,
+    # so every probe is padding: the pattern is the floors)
     pad = [0, 24, 64, S - 8]
     cu = [0, 5, 38, 39]
     return PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, cu_seqlens_padded=torch.tensor(pad))
@@ -70,7 +74,7 @@ def _documents(S, cp, kind):
                                           (2, "zigzag", None), (4, "zigzag", None)])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("docs_kind", ["contiguous", "padded"])
+@pytest.mark.parametrize("docs_kind", ["contiguous", "padded", "padded_real_tail"])
 def test_simulated_sparse_ring_matches_pattern_reference(cp, kind, gran, heads, dtype, docs_kind):
     S = 2 * cp * BS * 2 if kind == "zigzag" else 128
     S = max(S, 128)

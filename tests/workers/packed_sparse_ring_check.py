@@ -27,7 +27,8 @@ CFG = VerticalSlashConfig(recall=0.6, last_q=16, block_size=BS, sink_tokens=2, l
                           max_slash=3)
 DOCS = {
     "mixed": ([0, 1, 8, 41, 43, 107, 128], None),          # lengths 1, 7, 33, 2, 64, 21: straddle stripes
-    "padded": ([0, 5, 30, 31], [0, 8, 40, 112]),           # padded slots and a padded tail
+    "padded": ([0, 5, 30, 31], [0, 8, 40, 112]),           # padded slots and a padded tail (probes: padding)
+    "padded_real_tail": ([0, 5, 30, 118], [0, 8, 40, 128]),  # padded slots, the last document real to the end
 }
 
 
