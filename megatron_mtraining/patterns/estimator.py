@@ -494,7 +494,8 @@ def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tenso
         else:
             last = torch.minimum(torch.maximum((cum < target).sum(-1), lo - 1), hi - 1)
         cnt = torch.where(hi > 0, last + 1, torch.zeros_like(last))
-        cov = torch.where(hi > 0, cum.gather(-1, last.clamp(min=0)[..., None]).squeeze(-1), torch.zeros_like(cum[..., 0]))
+        cov = torch.where(hi > 0, cum.gather(-1, last.clamp(min=0)[..., None]).squeeze(-1),
+                          torch.zeros_like(cum[..., 0]))
         return cnt, cov
 
     s_score, s_order = floor_first_sort(slash, config.local_blocks)

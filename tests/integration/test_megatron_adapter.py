@@ -389,8 +389,9 @@ def test_packed_sparse_matches_pattern_document_reference():
     out.backward(dout)
     bshd = lambda t: t.detach().transpose(0, 1).contiguous()  # noqa: E731
     docs = PackedDocuments.from_cu_seqlens(cu, 128, batch_size=2)
-    _, pat = sparse_ring_attention(bshd(q), bshd(k), bshd(v), layout=Layout("striped", 1, 64), config=cfg.vertical_slash,
-                                   softmax_scale=8 ** -0.5, documents=docs, return_pattern=True)
+    _, pat = sparse_ring_attention(bshd(q), bshd(k), bshd(v), layout=Layout("striped", 1, 64),
+                                   config=cfg.vertical_slash, softmax_scale=8 ** -0.5, documents=docs,
+                                   return_pattern=True)
     ref = pattern_document_attention(bshd(q), bshd(k), bshd(v), dout.view(128, 2, 4, 8).transpose(0, 1), pat, docs,
                                      8 ** -0.5)
     want = ref[0].transpose(0, 1).reshape(out.shape)

@@ -151,7 +151,8 @@ def test_front_doors_accept_packed_documents_with_the_dense_pattern(tmp_path, kw
     if kw.get("reset_attention_mask"):
         oor = tmp_path / "oor.yaml"
         oor.write_text((ROOT / "configs" / "demo_sparse.yaml").read_text() + "columns: out_of_ring\n")
-        needle = "--reset-attention-mask: packed documents (document masks) with pattern: vertical_slash need columns: in_ring"
+        needle = ("--reset-attention-mask: packed documents (document masks) with pattern: vertical_slash "
+                  "need columns: in_ring")
         with pytest.raises(ValueError, match=re.escape(needle)):
             config_from_args(_mlm(**dict(kw, mtraining_config=str(oor))))
         assert needle in _pretrain(tmp_path, **dict(kw, mtraining_config=str(oor)))
