@@ -46,7 +46,8 @@ from megatron_mtraining.distributed import group_rank, group_size
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 
-__all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "packing_from_args"]
+__all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "packing_from_args",
+           "sparse_packed_problem"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
 
@@ -254,7 +255,8 @@ class CPPlan:
         Raises:
             ValueError: documents that could not be built or do not describe ``q`` (length, batch) on
                 any rank, or ranks whose documents differ; NotImplementedError: a document mask with
-                the sparse pattern.
+                the sparse pattern and ``columns: out_of_ring`` or ``kernel_backend`` ``triton``/``fa4``
+                (:func:`sparse_packed_problem`).
         """
         if documents is None and error is None:
             return
@@ -271,9 +273,9 @@ class CPPlan:
             elif error is not None:
                 raise ValueError(f"{what}: {error}")
             documents._agreed.add(key)
-        if self.config.sparse and not documents.single_document:
-            raise NotImplementedError(f"{what}: packed sequences (document masks) are not supported with the "
-                                      "vertical-slash pattern; use pattern: dense for packed documents")
+        problem = sparse_packed_problem(self.config) if not documents.single_document else None
+        if problem is not None:
+            raise NotImplementedError(f"{what}: {problem}")
 
 
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,
@@ -311,8 +313,8 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
         cfg.check_layers(num_layers)
     if packing is not None and not packing.active:
         packing = None
-    if packing is not None and packing.reset_attention_mask and cfg.sparse:
-        raise ValueError(_SPARSE_PACKED)
+    if packing is not None and packing.reset_attention_mask and sparse_packed_problem(cfg):
+        raise ValueError("--reset-attention-mask: " + sparse_packed_problem(cfg))
     cp = group_size(cp_group)
     groups = None
     if cfg.implementation == "hierarchical":
@@ -337,9 +339,19 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
                   packing=packing, num_layers=num_layers)
 
 
-_SPARSE_PACKED = ("--reset-attention-mask: packed documents (document masks) are not supported with "
-                  "pattern: vertical_slash (the estimator and the sparse kernels have no document masks); "
-                  "use pattern: dense")
+def sparse_packed_problem(cfg) -> Optional[str]:
+    """Why the config cannot run the vertical-slash pattern over packed documents, or ``None``
+    (dense configs and sparse ones with ``columns: in_ring`` and ``kernel_backend`` ``auto``/``torch``:
+    the document mask lives in the torch sparse step kernels and the in-ring columns)."""
+    if not cfg.sparse:
+        return None
+    if cfg.columns != "in_ring":
+        return ("packed documents (document masks) with pattern: vertical_slash need columns: in_ring "
+                f"(got {cfg.columns}: the out-of-ring column phase has no document mask)")
+    if cfg.kernel_backend in ("triton", "fa4", "sdpa"):
+        return ("packed documents (document masks) with pattern: vertical_slash run on the torch sparse kernels: "
+                f"kernel_backend: {cfg.kernel_backend} has no sparse kernel with a document mask (use auto or torch)")
+    return None
 
 
 def packing_from_args(args: Any, eod_token: Optional[int] = None) -> Optional[DocumentPacking]:
@@ -416,6 +428,6 @@ def config_from_args(args: Any) -> MTrainingConfig:
                          seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
                          cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None),
                          num_layers=getattr(args, "num_layers", None))
-    if getattr(args, "reset_attention_mask", False) and cfg.sparse:
-        raise ValueError(_SPARSE_PACKED)
+    if getattr(args, "reset_attention_mask", False) and sparse_packed_problem(cfg):
+        raise ValueError("--reset-attention-mask: " + sparse_packed_problem(cfg))
     return cfg

@@ -204,14 +204,16 @@ class MTrainingAttention(MegatronModule):
                 or ``"thd"`` with ``query [t_local, np, hn]``, ``key, value [t_local, ng, hn]`` (one
                 stream). Attention is then causal *and* within a document; padding tokens (past
                 ``cu_seqlens``, or in a document's padded slot) give zeros. The whole stream is split by
-                the run's layout (every rank holds the same offsets). Dense pattern only.
+                the run's layout (every rank holds the same offsets). With the vertical-slash pattern the
+                mask is (pattern) ∧ causal ∧ same document (torch sparse kernels, ``columns: in_ring``).
 
         Returns:
             ``[s_local, b, np * hn]`` (``thd``: ``[t_local, np * hn]``), dtype of ``query``.
 
         Raises:
             NotImplementedError: ``attention_bias``, a non-causal mask type, a non-causal
-                ``attention_mask``, or packed documents with the vertical-slash pattern.
+                ``attention_mask``, or packed documents with the vertical-slash pattern and
+                ``columns: out_of_ring`` or ``kernel_backend`` ``triton``/``fa4``.
             ValueError: malformed shapes (head counts not GQA-compatible, q/k length mismatch, a
                 length the layout cannot split), non-float dtypes, or CP ranks that disagree
                 (shapes, dtypes, ``softmax_scale``...); checked on every rank once per shape

@@ -529,7 +529,8 @@ def make_fa4_sparse_step(steps, softmax_scale: float, *, fallback, deterministic
     """The sparse ring step kernel of the ``"fa4"`` backend (``sparse_step`` of
     :class:`~megatron_mtraining.ops.backends.KernelBackend`): :class:`FA4SparseStepKernel` for
     patterns at 128-token blocks, else ``fallback(steps, softmax_scale)`` alone (FA4's SM90 backward
-    has no narrower key blocks)."""
+    has no narrower key blocks). Indices with packed-document bounds are refused by the fallback
+    (the Triton sparse kernels raise ``NotImplementedError``)."""
     fb = fallback(steps, softmax_scale)
     if any(s.block_size != FA4_BLOCK for s in steps):
         return fb

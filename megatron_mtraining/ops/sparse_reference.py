@@ -16,6 +16,10 @@ Causality: when ``indices.causal`` (query and key shard are the same rank) a key
 its local index <= the query's local index — applied to block tiles *and* to columns. For other
 steps the index never lists a key outside the strict past of its query block.
 
+Packed documents (``indices.has_documents``): every gathered (query, key) pair is also masked by the
+query's document bounds, ``doc_lo[q] <= key_pos[t] <= doc_hi[q]`` in global positions (this mask
+contains causality), so a key block that mixes documents is exact; padding queries see nothing.
+
 Rows with no visible key get ``out = 0`` and ``lse = -inf``; their gradients are exactly 0 and no
 NaN is produced anywhere (padding slots contribute exact zeros).
 """
@@ -49,6 +53,11 @@ def _check(q, k, v, idx: StepIndices):
     if tuple(idx.block_count.shape) != (b, hq, sq // bs) or tuple(idx.column_count.shape) != (b, hq, sq // bs):
         raise ValueError(f"StepIndices counts {tuple(idx.block_count.shape)} / {tuple(idx.column_count.shape)} "
                          f"do not match [b, hq, sq/bs] = {(b, hq, sq // bs)}")
+    if idx.has_documents and (tuple(idx.doc_lo.shape) != (b, sq) or tuple(idx.doc_hi.shape) != (b, sq)
+                              or tuple(idx.key_pos.shape) != (k.shape[1],)):
+        raise ValueError(f"StepIndices document bounds {tuple(idx.doc_lo.shape)} / {tuple(idx.doc_hi.shape)} and "
+                         f"key positions {tuple(idx.key_pos.shape)} must be [b, sq] = {(b, sq)} and [sk] = "
+                         f"{(k.shape[1],)}")
 
 
 class _Plan:
@@ -108,6 +117,12 @@ class _Plan:
         if self.idx.causal:
             q_loc = torch.arange(i0 * self.bs, i1 * self.bs, device=kidx.device).view(i1 - i0, self.bs)
             mask = mask | (kidx[:, :, :, None, :] > q_loc[None, None, :, :, None])
+        if self.idx.has_documents:
+            b, n, bs = kidx.shape[0], i1 - i0, self.bs
+            t = self.idx.key_pos[kidx][:, :, :, None, :]                               # [b, hq, n, 1, W]
+            lo = self.idx.doc_lo[:, i0 * bs:i1 * bs].reshape(b, 1, n, bs, 1)
+            hi = self.idx.doc_hi[:, i0 * bs:i1 * bs].reshape(b, 1, n, bs, 1)
+            mask = mask | (t < lo) | (t > hi)
         return s.masked_fill(mask, float("-inf"))
 
 

@@ -25,6 +25,11 @@ block_size == 0``. Work is vectorized over (b, hq, blocks, columns); Python loop
 :func:`convert_pattern` copies nothing to the device and, with static widths (the default on CUDA:
 host upper bounds of the counts), reads nothing from it; with data-dependent widths it reads once
 (every output width of every owner; twice at cp > 1).
+
+Packed documents (:func:`restrict_to_documents`, after the conversion): a key block none of whose
+keys is visible to any query of the query block (wholly in other documents, or padding) is
+dropped, and so is a vertical column no query of the block may see; the kept entries carry the
+document bounds so that the kernels mask the mixed blocks exactly.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from .estimator import VerticalSlashPattern
 from .indices import KnownMax, StepIndices
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
-           "without_columns", "refine_indices", "step_column_positions", "column_phase_indices"]
+           "without_columns", "refine_indices", "step_column_positions", "column_phase_indices",
+           "restrict_to_documents"]
 
 
 def check_block_layout(layout: Layout, seq_len: int, block_size: int) -> None:
@@ -407,3 +413,63 @@ def step_key_mask(idx: StepIndices, s_local: int, counts: bool = False) -> torch
         r = torch.arange(nqb * bs, device=dev)
         m = m * (torch.arange(s_local, device=dev)[None, :] <= r[:, None])
     return m if counts else m > 0
+
+
+def _compact(index: torch.Tensor, keep: torch.Tensor):
+    """Kept entries of ``index [..., W]`` first (order preserved), ``-1`` after; ``(count int32, index)``
+    with the width cut to ``max(1, max count)`` (one host read)."""
+    cnt = keep.sum(-1)
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+    idx = index.gather(-1, order)
+    width = max(1, int(cnt.max())) if cnt.numel() else 1
+    idx = idx[..., :width]
+    idx = idx.masked_fill(torch.arange(width, device=idx.device) >= cnt[..., None], -1)
+    return cnt.to(torch.int32), idx.contiguous()
+
+
+def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, rank: int) -> List[StepIndices]:
+    """``rank``'s per-owner :class:`StepIndices` restricted to packed ``documents``.
+
+    For query block ``i`` (queries ``q`` with key bounds ``lo[q] <= t <= hi[q]``,
+    :meth:`~megatron_mtraining.layout.PackedDocuments.key_bounds`) a listed key block is kept iff
+    some query of ``i`` may see some key of it (a block is ``block_size`` consecutive global
+    positions: the interval test ``max(lo, t0) <= min(hi, t1)``), a vertical column ``t`` iff
+    ``lo[q] <= t <= hi[q]`` for some query of ``i``. Dropped entries cost nothing in the kernels;
+    the kept ones carry ``doc_lo``/``doc_hi``/``key_pos`` so the kernels mask every pair exactly.
+
+    Args:
+        steps: ``steps[o]`` against owner ``o`` (from :func:`convert_pattern`).
+        documents: :class:`~megatron_mtraining.layout.PackedDocuments` of the global sequence.
+        layout, rank: the CP layout and this rank.
+
+    Returns:
+        new per-owner :class:`StepIndices` (``known_max`` unset: emptiness is read from the counts).
+
+    Raises:
+        ValueError: documents of another batch size than the indices.
+    """
+    S = documents.seq_len
+    lo, hi = documents.key_bounds(layout, rank)                        # [b, sl] int64
+    out = []
+    for o, st in enumerate(steps):
+        b, h, nqb = st.block_count.shape
+        if lo.shape[0] != b:
+            raise ValueError(f"packed documents describe {lo.shape[0]} streams but the sparse indices have batch {b}")
+        bs = st.block_size
+        dev = st.block_count.device
+        lo_b = lo.view(b, 1, nqb, 1, bs)
+        hi_b = hi.view(b, 1, nqb, 1, bs)
+        kpos = layout.positions(o, S, device=dev)                        # ascending, blocks contiguous
+        bi = st.block_index.long()
+        b_ok = torch.arange(bi.shape[-1], device=dev) < st.block_count[..., None].long()
+        t0 = kpos[bi.clamp(min=0) * bs][..., None]
+        t1 = kpos[bi.clamp(min=0) * bs + bs - 1][..., None]
+        live = ((torch.maximum(lo_b, t0) <= torch.minimum(hi_b, t1)).any(-1)) & b_ok
+        bc, bidx = _compact(st.block_index, live)
+        ci = st.column_index.long()
+        c_ok = torch.arange(ci.shape[-1], device=dev) < st.column_count[..., None].long()
+        t = kpos[ci.clamp(min=0)][..., None]
+        c_live = ((lo_b <= t) & (t <= hi_b)).any(-1) & c_ok
+        cc, cidx = _compact(st.column_index, c_live)
+        out.append(StepIndices(bc, bidx, cc, cidx, st.causal, bs, doc_lo=lo, doc_hi=hi, key_pos=kpos))
+    return out

@@ -455,6 +455,68 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
                                 est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
 
 
+def _document_floors(documents, sink_tokens: int) -> tuple[torch.Tensor, list]:
+    """``(sink [b, S] bool, floors per stream)``: the first ``sink_tokens`` real tokens of every
+    document (host counts from the offsets, no device read)."""
+    S = documents.seq_len
+    pos = torch.arange(S, device=documents.lo.device)[None, :] - documents.doc_start
+    sink = (documents.hi >= 0) & (pos < sink_tokens)
+    per_row = [0] * documents.batch_size
+    cu, pad = documents.cu_seqlens, documents.cu_seqlens_padded
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        if n > 0:
+            per_row[pad[i] // S] += min(n, sink_tokens)
+    return sink, per_row
+
+
+def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, S: int, L: int,
+                      config: VerticalSlashConfig, gather, documents) -> VerticalSlashPattern:
+    """:func:`_select` for packed documents: per-document sink floors, the recall target of each
+    stream's real probes, the vertical cap raised to the floors where they exceed it (one host sync)."""
+    b, h, sl = col.shape
+    nb, dev = slash.shape[-1], col.device
+    sink, floors = _document_floors(documents, config.sink_tokens)
+    n_real = (documents.hi[:, S - L:] >= 0).sum(-1).to(torch.float64)               # [b]
+    target = (float(config.recall) * n_real)[:, None, None]
+    take_all = float(config.recall) >= 1.0
+
+    def budget(sorted_score, n_floor: list, cap: list):
+        n = sorted_score.shape[-1]
+        lo = torch.tensor([min(f, n) for f in n_floor], device=dev)[:, None]
+        hi = torch.tensor([min(c, n) for c in cap], device=dev)[:, None]
+        cum = torch.cumsum(sorted_score, dim=-1)
+        if take_all:
+            last = (hi - 1).expand(sorted_score.shape[:-1])
+        else:
+            last = torch.minimum(torch.maximum((cum < target).sum(-1), lo - 1), hi - 1)
+        cnt = torch.where(hi > 0, last + 1, torch.zeros_like(last))
+        cov = torch.where(hi > 0, cum.gather(-1, last.clamp(min=0)[..., None]).squeeze(-1),
+                          torch.zeros_like(cum[..., 0]))
+        return cnt, cov
+
+    s_score, s_order = floor_first_sort(slash, config.local_blocks)
+    s_cnt, s_cov = budget(s_score, [config.local_blocks] * b, [config.max_slash] * b)
+
+    caps = [max(config.max_vertical, f) for f in floors]
+    kc = min(max(caps), sl)
+    loc_floor = sink.index_select(1, k_pos)[:, None, :]                              # [b, 1, sl]
+    order = priority_order(col, loc_floor, k_pos)[..., :kc]
+    v_score, v_pos = col.gather(-1, order).to(torch.float64), k_pos[order]
+    if gather is not None:
+        c_score, c_pos = gather(v_score, v_pos)
+        g_floor = sink[:, None, :].expand(b, h, S).gather(-1, c_pos)
+        g_order = priority_order(c_score, g_floor, c_pos)
+        v_score, v_pos = c_score.gather(-1, g_order), c_pos.gather(-1, g_order)
+    v_cnt, v_cov = budget(v_score, floors, caps)
+
+    ws, wv = _widths((s_cnt, nb, config.max_slash), (v_cnt, v_pos.shape[-1], max(caps)))
+    s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
+    v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
+    return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
+                                est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
+
+
 def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
                           last_q: int) -> torch.Tensor:
     """``[b, last_q, hq, d]``: the queries at global positions ``S - last_q .. S - 1`` on every rank.
@@ -550,9 +612,10 @@ def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tenso
     return gsafe + torch.log(torch.where(gz > 0, gz, 1.0))
 
 
-def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int):
+def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int, bounds=None):
     """fp64 torch scores (oracle path, chunked over keys): ``col [b, hq, S_local]`` and this rank's
-    ``slash [b, hq, S/bs]`` (before its all_reduce)."""
+    ``slash [b, hq, S/bs]`` (before its all_reduce). ``bounds``: packed documents' key bounds
+    ``(lo, hi)`` ``[b, L]`` of the probes (key ``t`` visible iff ``lo <= t <= hi``), or ``None``."""
     b, L, hq, d = probe.shape
     sl, hkv = k.shape[1], k.shape[2]
     rep, nb, dev, f64 = hq // hkv, S // bs, probe.device, torch.float64
@@ -566,7 +629,11 @@ def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, grou
         if (j0, j1) in cache:
             return cache[(j0, j1)]
         s = torch.einsum("bqgrd,bkgd->bgrqk", pq, k[:, j0:j1].to(f64)).reshape(b, hq, L, j1 - j0) * scale
-        s.masked_fill_(k_pos[None, j0:j1] > p_pos[:, None], float("-inf"))
+        if bounds is None:
+            s.masked_fill_(k_pos[None, j0:j1] > p_pos[:, None], float("-inf"))
+        else:
+            t = k_pos[None, None, j0:j1]
+            s.masked_fill_(((t < bounds[0][..., None]) | (t > bounds[1][..., None]))[:, None], float("-inf"))
         if len(spans) == 1:
             cache[(j0, j1)] = s
         return s
@@ -611,7 +678,7 @@ def _group_mean(scores: torch.Tensor, hkv: int) -> torch.Tensor:
 def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout, group=None,
                             config: VerticalSlashConfig = VerticalSlashConfig(),
                             softmax_scale: Optional[float] = None, impl: str = "auto",
-                            static_widths: Optional[bool] = None) -> VerticalSlashPattern:
+                            static_widths: Optional[bool] = None, documents=None) -> VerticalSlashPattern:
     """Estimate the global vertical-slash pattern of this forward pass (identical on every rank).
 
     Args:
@@ -634,6 +701,13 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             sync). The selected lines are the same; only the amount of ``-1`` padding differs.
             ``None`` (default): static on CUDA (a host sync stalls the launch queue), the largest
             count elsewhere.
+        documents: packed documents (:class:`~megatron_mtraining.layout.PackedDocuments` of the
+            global sequence) or ``None``. With a document mask the probes (still the stream's last
+            ``last_q`` queries) score only keys of their own documents (padding probes score
+            nothing), the recall target is ``recall`` times the number of real probes of the
+            stream, the vertical floors are the first ``sink_tokens`` tokens of *every* document
+            (the cap ``max_vertical`` is raised to their number where they exceed it), and the
+            scores are the fp64 torch path (``impl`` ``"auto"`` or ``"torch"``).
 
     Returns:
         :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
@@ -648,7 +722,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         ValueError: shape mismatch, ``layout.cp_size`` not the group size, a sequence the layout
             cannot split, ``S % block_size != 0`` or ``S < last_q``; an unknown ``impl``, or
             ``impl="triton"`` where the kernels cannot run (Triton missing, fp64 or mixed dtypes,
-            CPU without ``TRITON_INTERPRET=1``).
+            CPU without ``TRITON_INTERPRET=1``), ``impl="triton"`` with packed documents (the fused
+            score kernels have no document mask).
     """
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q [b, s, hq, d] and k [b, s, hkv, d] expected, got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -666,6 +741,16 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         raise ValueError(f"sequence length {S} must be a multiple of VerticalSlashConfig.block_size={bs}")
     if L > S:
         raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
+    if documents is not None and documents.single_document:
+        documents = None                              # plain causal attention: the unpacked path, bitwise
+    if documents is not None:
+        if impl == "triton":
+            raise ValueError("estimate_vertical_slash: impl='triton' has no document mask (packed documents "
+                             "need impl='torch' or 'auto')")
+        if documents.seq_len != S or documents.batch_size != b:
+            raise ValueError(f"packed documents describe {documents.batch_size} streams of {documents.seq_len} "
+                             f"tokens but q has batch {b} and sequence length {S}")
+        impl = "torch"
     fused = resolve_impl(impl, q, k) == "triton"
     nb = S // bs
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
@@ -673,14 +758,16 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
     static = q.is_cuda if static_widths is None else bool(static_widths)
     with record_function(REGION_ESTIMATOR_SCORES):
         col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused,
-                                    share_kv_group=config.share_pattern == "kv_group")
+                                    share_kv_group=config.share_pattern == "kv_group", documents=documents)
     with record_function(REGION_ESTIMATOR_SELECTION):
         gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
+        if documents is not None:
+            return _select_documents(slash, col, k_pos, S, L, config, gather, documents)
         return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths=static)
 
 
 def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int, scale: float,
-            fused: bool, share_kv_group: bool = False):
+            fused: bool, share_kv_group: bool = False, documents=None):
     """Steps 1-3 of the module docstring: ``(col [b, hq, S_local], slash [b, hq, S/bs] all-reduced fp64,
     k_pos [S_local])``; with ``share_kv_group`` both averaged over each GQA group first (``[b, hkv, ...]``,
     :func:`_group_mean`)."""
@@ -711,7 +798,8 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
             # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
             slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
     else:
-        col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp)
+        bounds = None if documents is None else (documents.lo[:, S - L:], documents.hi[:, S - L:])
+        col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp, bounds=bounds)
     if share_kv_group:
         col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")

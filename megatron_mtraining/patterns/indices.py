@@ -35,6 +35,14 @@ per query head).
 Padding written by :mod:`megatron_mtraining.patterns.convert` is ``-1`` (kernels must not read
 entries at positions ``>= count``); widths are the max counts, at least 1.
 
+Packed documents (optional, set by
+:func:`~megatron_mtraining.patterns.convert.restrict_to_documents`): ``doc_lo, doc_hi`` ``[b, sq]``
+int64, the global key bounds of every local query (key ``t`` visible iff ``doc_lo <= t <= doc_hi``,
+:meth:`~megatron_mtraining.layout.PackedDocuments.key_bounds`; a padding query has ``doc_lo > doc_hi``),
+and ``key_pos`` ``[sk]`` int64, the global position of every local key of the owner. A kernel must
+then mask every (query, key) pair of a block tile or column by these bounds (which include
+causality); ``None`` (default): no documents.
+
 ``nqb = s_local // block_size``. The layouts must keep 64-token blocks whole: striped with
 ``granularity % block_size == 0`` or zigzag with ``(seq_len / (2*cp)) % block_size == 0``.
 """
@@ -127,6 +135,14 @@ class StepIndices:
     causal: bool
     block_size: int = BLOCK_SIZE
     known_max: Optional[KnownMax] = field(default=None, compare=False, repr=False)
+    doc_lo: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    doc_hi: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    key_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+
+    @property
+    def has_documents(self) -> bool:
+        """True when the pairs must be masked by packed-document bounds (``doc_lo``/``doc_hi``/``key_pos``)."""
+        return self.doc_lo is not None
 
     @property
     def num_heads(self) -> int:
@@ -151,7 +167,8 @@ class StepIndices:
         rep = lambda t: t.repeat_interleave(r, dim=1)  # noqa: E731
         k = self.known_max
         out = StepIndices(rep(self.block_count), rep(self.block_index), rep(self.column_count),
-                          rep(self.column_index), self.causal, self.block_size)
+                          rep(self.column_index), self.causal, self.block_size,
+                          doc_lo=self.doc_lo, doc_hi=self.doc_hi, key_pos=self.key_pos)
         if k is not None and k.valid_for(self.block_count, self.column_count):
             out.known_max = KnownMax.of(out.block_count, out.column_count, k.block, k.column, k.exact, k.union)
         return out

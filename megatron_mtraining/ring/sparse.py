@@ -37,10 +37,10 @@ from ..layout import Layout
 from ..ops.backends import KernelBackend
 from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
 from ..patterns.convert import (check_block_layout, column_phase_indices, convert_pattern, local_block_ids,
-                                without_columns)
+                                restrict_to_documents, without_columns)
 from ..patterns.estimator import SHARE_PATTERNS, VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
-from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous
+from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous, packed_documents
 
 __all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention",
            "sparse_agreement_fields"]
@@ -240,8 +240,16 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             step kernel, estimator and index-conversion implementations; ``None``:
             ``select_backend("auto")`` for these inputs (the Triton kernels on CUDA where they support
             the shape, else :class:`SparseStepKernel` with the torch reference).
-        documents: packed documents: only ``None`` or a single document per stream without padding
-            (the estimator and the sparse kernels have no document masks yet).
+        documents: packed documents (:class:`~megatron_mtraining.layout.PackedDocuments` of the
+            global sequence) or ``None``. The mask is then (pattern) ∧ causal ∧ same document:
+            the estimator scores only keys of the probes' own documents and keeps the first
+            ``sink_tokens`` of every document as vertical floors (docs/design.md, packed
+            sequences); :func:`~megatron_mtraining.patterns.convert.restrict_to_documents` drops the
+            key blocks and columns no query of a block may see and the torch sparse step kernel
+            masks mixed blocks by document bounds. Padding tokens get exact zeros (out, dQ, dK,
+            dV). A single document per stream without padding runs the unpacked path (bitwise).
+            Needs the torch sparse step kernels (``backend`` ``"auto"`` or ``"torch"``) and
+            ``columns="in_ring"``.
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
@@ -250,27 +258,37 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
             group size, a layout that splits sparse blocks, an unknown ``columns`` schedule, or a
             backend without sparse kernels (``"sdpa"``).
-        NotImplementedError: packed documents that need a document mask.
+        NotImplementedError: packed documents with ``columns="out_of_ring"`` or with sparse step
+            kernels that have no document mask (Triton, FA4).
     """
-    if documents is not None and not documents.single_document:
-        raise NotImplementedError("sparse_ring_attention: packed sequences (document masks) are not supported with "
-                                  "the vertical-slash pattern; use pattern: dense for packed documents")
+    documents = packed_documents(documents)
+    if documents is not None and columns == "out_of_ring":
+        raise NotImplementedError("sparse_ring_attention: packed documents need columns='in_ring' (the "
+                                  "out-of-ring column phase has no document mask)")
     if columns not in COLUMN_SCHEDULES:
         raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
-                           hierarchical_groups=hierarchical_groups, softmax_scale=scale,
+                           hierarchical_groups=hierarchical_groups, softmax_scale=scale, documents=documents,
                            **sparse_agreement_fields(config, columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
-    backend = backend_for(q, cp, backend, sparse=True)
+    backend = backend_for(q, cp, backend, sparse=True, packed=documents is not None)
+    if documents is not None and backend.sparse_step is not SparseStepKernel:
+        raise NotImplementedError(f"sparse_ring_attention: packed documents (document masks) with the vertical-slash "
+                                  f"pattern run on the torch sparse step kernels only; kernel_backend="
+                                  f"{backend.name!r} has none with a document mask (use 'auto' or 'torch')")
     if backend.sparse_step is None:
         raise ValueError(f"kernel_backend={backend.name!r} has no sparse kernels: sparse_ring_attention needs "
                          "'auto', 'fa4', 'triton' or 'torch'")
     q, k, v = last_dim_contiguous(q, k, v)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale,
-                                                            impl=backend.estimator_impl)
-    steps = convert_pattern(pattern, layout, group_rank(group), impl=backend.convert_impl)
+                                                            impl="torch" if documents is not None
+                                                            else backend.estimator_impl, documents=documents)
+    steps = convert_pattern(pattern, layout, group_rank(group),
+                            impl="torch" if documents is not None else backend.convert_impl)
+    if documents is not None:
+        steps = restrict_to_documents(steps, documents, layout, group_rank(group))
     if backend.name != "triton":      # only the Triton kernels read per-group indices (kv_group) directly
         steps = [st.per_query_head(q.shape[2]) for st in steps]
     rank = group_rank(group)

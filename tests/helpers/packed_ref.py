@@ -34,3 +34,28 @@ def per_document_attention(q, k, v, dout, cu_seqlens, scale, cu_seqlens_padded=N
 def rel_err(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def pattern_document_attention(q, k, v, dout, pattern, docs, scale):
+    """fp64 attention of bshd q/k/v under the token mask (``pattern.dense_mask``) ∧ causal ∧ same
+    document (``docs.lo <= t <= docs.hi``), a softmax per row (empty rows: zeros), grads by autograd.
+    Returns ``(out, dq, dk, dv, mask [b, hq, S, S])``."""
+    qd, kd, vd = (t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v))
+    b, S, hq, d = q.shape
+    rep = hq // k.shape[2]
+    m = pattern.dense_mask(S)                                            # [b, h_pattern, S, S]
+    m = m.repeat_interleave(hq // m.shape[1], dim=1)
+    t = torch.arange(S)
+    same = (docs.lo[:, :, None] <= t) & (t <= docs.hi[:, :, None])       # [b, S, S]
+    m = m & same[:, None]
+    kk, vv = kd.repeat_interleave(rep, 2), vd.repeat_interleave(rep, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kk) * scale
+    s = s.masked_fill(~m, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
+    p = torch.exp(s - mx)
+    z = p.sum(-1, keepdim=True)
+    p = p / torch.where(z == 0, torch.ones_like(z), z)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    out.backward(dout.to(torch.float64))
+    return out.detach(), qd.grad, kd.grad, vd.grad, m

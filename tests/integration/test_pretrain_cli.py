@@ -282,3 +282,20 @@ def test_packed_documents_cp2_and_hierarchical_cp4_match_cp1(tiny, tmp_path):
             assert got["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, got)
     plain, _ = _train(tiny, tmp_path, "unpacked_cp1", 1)
     assert abs(plain[0]["lm_loss"] - a[0]["lm_loss"]) > 1e-4 or abs(plain[0]["grad_norm"] - a[0]["grad_norm"]) > 1e-4
+
+
+@pytest.mark.slow
+def test_packed_documents_sparse_cp2_matches_cp1(tiny, tmp_path):
+    """``--reset-attention-mask`` with ``configs/demo_sparse.yaml``: vertical-slash attention over the
+    documents (pattern ∧ causal ∧ same document, torch sparse kernels) trains at CP=2 exactly like
+    CP=1, and differs from the unpacked sparse run."""
+    packed = {"--reset-position-ids": None, "--reset-attention-mask": None,
+              "--mtraining-config": "configs/demo_sparse.yaml"}
+    a, _ = _train(tiny, tmp_path, "packed_sparse_cp1", 1, **packed)
+    b, _ = _train(tiny, tmp_path, "packed_sparse_cp2", 2, **packed)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+    plain, _ = _train(tiny, tmp_path, "unpacked_sparse_cp1", 1, **{"--mtraining-config": "configs/demo_sparse.yaml"})
+    assert abs(plain[0]["lm_loss"] - a[0]["lm_loss"]) > 1e-4 or abs(plain[0]["grad_norm"] - a[0]["grad_norm"]) > 1e-4

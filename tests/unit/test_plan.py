@@ -146,19 +146,25 @@ def test_front_doors_accept_packed_documents_with_the_dense_pattern(tmp_path, kw
     with pytest.raises(ValueError, match="not supported through the Megatron-LM patch"):
         megatron_lm.mtraining_config_from_args(_mlm(**kw))
     sparse = dict(kw, mtraining_config=str(ROOT / "configs" / "demo_sparse.yaml"))
+    assert config_from_args(_mlm(**sparse)).sparse          # vertical-slash over documents: torch sparse kernels
+    assert not isinstance(_pretrain(tmp_path, **sparse), str)
     if kw.get("reset_attention_mask"):
-        needle = "--reset-attention-mask: packed documents (document masks) are not supported with pattern: vertical_slash"
+        oor = tmp_path / "oor.yaml"
+        oor.write_text((ROOT / "configs" / "demo_sparse.yaml").read_text() + "columns: out_of_ring\n")
+        needle = ("--reset-attention-mask: packed documents (document masks) with pattern: vertical_slash "
+                  "need columns: in_ring")
         with pytest.raises(ValueError, match=re.escape(needle)):
-            config_from_args(_mlm(**sparse))
-        assert needle in _pretrain(tmp_path, **sparse)
+            config_from_args(_mlm(**dict(kw, mtraining_config=str(oor))))
+        assert needle in _pretrain(tmp_path, **dict(kw, mtraining_config=str(oor)))
     packing = packing_from_args(_mlm(**kw), eod_token=2)
     assert packing == DocumentPacking(kw.get("reset_attention_mask", False), kw.get("reset_position_ids", False), 2)
     assert resolve(None, cp_group=None, packing=packing).document_mask == bool(kw.get("reset_attention_mask"))
     if kw.get("reset_attention_mask"):
         with pytest.raises(ValueError, match="needs the tokenizer's EOD token"):
             packing_from_args(_mlm(**kw))
-        with pytest.raises(ValueError, match="not supported with pattern: vertical_slash"):
-            resolve({"pattern": "vertical_slash"}, cp_group=None, packing=packing)
+        assert resolve({"pattern": "vertical_slash"}, cp_group=None, packing=packing).config.sparse
+        with pytest.raises(ValueError, match="kernel_backend: triton has no sparse kernel with a document mask"):
+            resolve({"pattern": "vertical_slash", "kernel_backend": "triton"}, cp_group=None, packing=packing)
     from megatron_mtraining.megatron.args import ArgumentValidationError, apply_mtraining_config
 
     te = SimpleNamespace(context_parallel_size=1, hierarchical_context_parallel_sizes=None, cp_attention="te",

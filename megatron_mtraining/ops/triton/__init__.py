@@ -288,5 +288,14 @@ def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, 
                             prebuild: bool = True, config: Optional[KernelConfig] = None,
                             stats: Optional[dict] = None, static_plans: Optional[bool] = None
                             ) -> TritonSparseStepKernel:
-    """A :class:`TritonSparseStepKernel` (arguments as there)."""
+    """A :class:`TritonSparseStepKernel` (arguments as there).
+
+    Raises:
+        NotImplementedError: indices with packed-document bounds (``StepIndices.has_documents``): the
+            Triton sparse kernels have no document mask (the torch sparse step kernel has one).
+    """
+    if any(st.has_documents for st in steps):
+        raise NotImplementedError("the Triton sparse step kernels have no document mask: packed documents with the "
+                                  "vertical-slash pattern run on the torch sparse step kernel (kernel_backend "
+                                  "'auto' or 'torch')")
     return TritonSparseStepKernel(steps, softmax_scale, deterministic, prebuild, config, stats, static_plans)

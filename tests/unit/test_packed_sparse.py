@@ -1,0 +1,215 @@
+"""Vertical-slash sparse attention over packed documents (THD), on the CPU in one process.
+
+The mask is (vertical-slash pattern) ∧ causal ∧ same document. Every test compares with an
+independent fp64 reference built from the SAME selected pattern: the dense token mask of the
+pattern (:meth:`VerticalSlashPattern.dense_mask`) ∧ ``lo[p] <= t <= hi[p]`` of the documents, a
+softmax per row and autograd for dQ, dK, dV (each checked separately). The ring at cp 2 and 4 is
+simulated rank by rank (tests/helpers/ring_sim.py) with the per-rank conversion, the document
+restriction and the torch sparse step kernel; the estimator itself runs over gloo in
+tests/distributed/test_packed_sparse_ring.py.
+"""
+import pytest
+import torch
+
+from megatron_mtraining.layout import Layout, PackedDocuments
+from megatron_mtraining.ops.backends import select_backend
+from megatron_mtraining.ops.sparse_reference import SparseStepKernel
+from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
+from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+from megatron_mtraining.ring.sparse import sparse_ring_attention
+from tests.helpers.packed_ref import pattern_document_attention, rel_err
+from tests.helpers.ring_sim import simulate_dense_ring
+
+BS = 16
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def _cfg(**kw):
+    base = dict(recall=0.6, last_q=16, block_size=BS, sink_tokens=2, local_blocks=1, max_vertical=6, max_slash=3)
+    base.update(kw)
+    return VerticalSlashConfig(**base)
+
+
+def _inputs(S, hq, hkv, dtype, seed=0, b=1):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: (torch.randn(b, S, h, 16, generator=g, dtype=torch.float64) * 1.5).to(dtype)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv), mk(hq)
+
+
+def _reference(q, k, v, dout, pattern, docs, scale):
+    out, dq, dk, dv, m = pattern_document_attention(q, k, v, dout, pattern, docs, scale)
+    return out, dq, dk, dv, m
+
+
+def _simulate(layout, q, k, v, dout, pattern, docs, scale, use_documents=True):
+    def make(rank):
+        steps = convert_pattern(pattern, layout, rank, impl="torch")
+        if use_documents:
+            steps = restrict_to_documents(steps, docs, layout, rank)
+        return SparseStepKernel(steps, scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return simulate_dense_ring(layout, q, k, v, dout, make, acc=acc)
+
+
+def _documents(S, cp, kind):
+    """Documents of lengths 1 ... 2*cp*BS, non-divisible, straddling stripes; with padding."""
+    if kind == "contiguous":
+        lens, cu = [1, 2 * cp * BS, 7, BS + 3], [0]
+        for n in lens:
+            cu.append(min(S, cu[-1] + n))
+        if cu[-1] < S:
+            cu.append(S)
+        return PackedDocuments.from_cu_seqlens(torch.tensor(cu), S)
+    if kind == "padded_real_tail":     # padded slots, the last document real up to the end (real probes)
+        return PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 38, 38 + S - 64]), S,
+                                               cu_seqlens_padded=torch.tensor([0, 24, 64, S]))
+    # padded: slots of 24, 40, rest; real lengths 5, 33, 1 (the tail past the last slot is padding too,
+    # so every probe is padding: the pattern is the floors)
+    pad = [0, 24, 64, S - 8]
+    cu = [0, 5, 38, 39]
+    return PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, cu_seqlens_padded=torch.tensor(pad))
+
+
+@pytest.mark.parametrize("cp,kind,gran", [(1, "striped", BS), (2, "striped", BS), (4, "striped", BS),
+                                          (2, "zigzag", None), (4, "zigzag", None)])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("docs_kind", ["contiguous", "padded", "padded_real_tail"])
+def test_simulated_sparse_ring_matches_pattern_reference(cp, kind, gran, heads, dtype, docs_kind):
+    S = 2 * cp * BS * 2 if kind == "zigzag" else 128
+    S = max(S, 128)
+    layout = Layout(kind, cp, gran) if gran else Layout(kind, cp)
+    hq, hkv = heads
+    q, k, v, dout = _inputs(S, hq, hkv, dtype, seed=cp + hq)
+    docs = _documents(S, cp, docs_kind)
+    scale = 0.25
+    pattern = estimate_vertical_slash(q.double(), k.double(), layout=Layout("striped", 1, BS), config=_cfg(),
+                                      softmax_scale=scale, documents=docs)
+    out, lse, dq, dk, dv = _simulate(layout, q, k, v, dout, pattern, docs, scale)
+    r_out, r_dq, r_dk, r_dv, m = _reference(q, k, v, dout, pattern, docs, scale)
+    real = docs.real()[0]
+    assert bool(m[:, :, real].any(-1).all()), "a real query without any selected key"
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    assert torch.isfinite(lse[:, :, real]).all()
+    for name, a, r in (("out", out, r_out), ("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+        assert rel_err(a, r) <= TOL[dtype], (name, rel_err(a, r))
+    for t in (out, dq, dk, dv):
+        assert bool((t[:, ~real] == 0).all()), "padding tokens must get exact zeros"
+
+
+def test_every_document_keeps_its_sinks_and_its_diagonal():
+    S = 128
+    q, k, _, _ = _inputs(S, 2, 2, torch.float64, seed=3)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 1, 20, 37, 90, 128]), S)
+    pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, BS), config=_cfg(max_vertical=2),
+                                  softmax_scale=0.25, documents=docs)
+    vm = pat.vertical_mask()                                             # [b, h, S]
+    for start, end in ((0, 1), (1, 20), (20, 37), (37, 90), (90, 128)):
+        for j in range(min(2, end - start)):
+            assert bool(vm[0, :, start + j].all()), (start, j)
+    assert bool(pat.slash_mask()[..., 0].all())
+
+
+def test_negative_control_ignoring_documents_fails():
+    S, cp = 128, 2
+    layout = Layout("striped", cp, BS)
+    q, k, v, dout = _inputs(S, 2, 2, torch.float64, seed=5)
+    docs = _documents(S, cp, "contiguous")
+    pattern = estimate_vertical_slash(q, k, layout=Layout("striped", 1, BS), config=_cfg(recall=0.9),
+                                      softmax_scale=0.25, documents=docs)
+    out = _simulate(layout, q, k, v, dout, pattern, docs, 0.25, use_documents=False)[0]
+    r_out = _reference(q, k, v, dout, pattern, docs, 0.25)[0]
+    assert rel_err(out, r_out) > 1e-3
+
+
+def test_blocks_and_columns_of_other_documents_are_dropped():
+    S, cp = 128, 2
+    layout = Layout("striped", cp, BS)
+    q, k, _, _ = _inputs(S, 2, 2, torch.float64, seed=7)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 64, 128]), S)   # block-aligned documents
+    pattern = estimate_vertical_slash(q, k, layout=Layout("striped", 1, BS), config=_cfg(recall=1.0, max_slash=8,
+                                      max_vertical=8), softmax_scale=0.25, documents=docs)
+    for rank in range(cp):
+        kpos_q = layout.positions(rank, S)
+        for o, st in enumerate(restrict_to_documents(convert_pattern(pattern, layout, rank, impl="torch"),
+                                                     docs, layout, rank)):
+            kpos = layout.positions(o, S)
+            for i in range(st.block_count.shape[-1]):
+                qdoc = int(kpos_q[i * BS]) // 64
+                n = st.block_count[..., i].max()
+                for j in st.block_index[..., i, :int(n)].flatten().tolist():
+                    if j >= 0:
+                        assert int(kpos[j * BS]) // 64 == qdoc
+                for c in st.column_index[..., i, :].flatten().tolist():
+                    if c >= 0:
+                        assert int(kpos[c]) // 64 == qdoc
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_single_document_equals_unpacked_sparse_path_bitwise(dtype):
+    S = 128
+    q, k, v, dout = _inputs(S, 4, 2, dtype, seed=11)
+    layout = Layout("striped", 1, BS)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, S]), S)
+    res = []
+    for d in (None, docs):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = sparse_ring_attention(qq, kk, vv, layout=layout, config=_cfg(), documents=d)
+        out.backward(dout)
+        res.append((out, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("share", ["head", "kv_group"])
+def test_front_door_cp1_matches_reference(heads, share):
+    S = 128
+    hq, hkv = heads
+    q, k, v, dout = _inputs(S, hq, hkv, torch.float64, seed=13)
+    docs = _documents(S, 1, "padded")
+    layout = Layout("striped", 1, BS)
+    cfg = _cfg(share_pattern=share)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, pat = sparse_ring_attention(qq, kk, vv, layout=layout, config=cfg, softmax_scale=0.25, documents=docs,
+                                     return_pattern=True)
+    out.backward(dout)
+    r_out, r_dq, r_dk, r_dv, _ = _reference(q, k, v, dout, pat, docs, 0.25)
+    for name, a, r in (("out", out, r_out), ("dq", qq.grad, r_dq), ("dk", kk.grad, r_dk), ("dv", vv.grad, r_dv)):
+        assert rel_err(a, r) <= 1e-10, name
+    real = docs.real()[0]
+    for t in (out, qq.grad, kk.grad, vv.grad):
+        assert bool((t[:, ~real] == 0).all())
+
+
+def test_refusals_name_the_rule():
+    S = 128
+    q, k, v, _ = _inputs(S, 2, 2, torch.float32)
+    docs = _documents(S, 1, "contiguous")
+    layout = Layout("striped", 1, BS)
+    with pytest.raises(NotImplementedError, match="columns='in_ring'"):
+        sparse_ring_attention(q, k, v, layout=layout, config=_cfg(), documents=docs, columns="out_of_ring")
+    with pytest.raises(ValueError, match="no document mask"):
+        select_backend("triton", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True,
+                       triton_available=True)
+    with pytest.raises(ValueError, match="impl='triton' has no document mask"):
+        estimate_vertical_slash(q, k, layout=layout, config=_cfg(), impl="triton", documents=docs)
+    auto = select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True)
+    assert auto.sparse_step is SparseStepKernel
+    cuda_auto = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, sparse=True, packed=True,
+                               triton_available=True, fa4_available=False)
+    assert cuda_auto.sparse_step is SparseStepKernel
+
+
+def test_triton_sparse_step_refuses_document_bounds():
+    pytest.importorskip("triton")
+    from megatron_mtraining.ops.triton import make_sparse_step_kernel
+
+    S = 128
+    q, k, _, _ = _inputs(S, 2, 2, torch.float64)
+    layout = Layout("striped", 1, BS)
+    docs = _documents(S, 1, "contiguous")
+    pat = estimate_vertical_slash(q, k, layout=layout, config=_cfg(), softmax_scale=0.25, documents=docs)
+    steps = restrict_to_documents(convert_pattern(pat, layout, 0, impl="torch"), docs, layout, 0)
+    with pytest.raises(NotImplementedError, match="no document mask"):
+        make_sparse_step_kernel(steps, 0.25)
