@@ -144,8 +144,8 @@ def test_static_column_union_uses_the_converter_bound():
 
 
 def test_data_dependent_plans_trip_the_trap():
-    """Negative control: the data-dependent backward plans read the device (``nonzero``, ``bincount``,
-    the union width)."""
+    """Negative control: the data-dependent backward plans read the device (``nonzero``, boolean
+    indexing, the union width)."""
     idx, qkv, *_ = _case(1, 128, 2, 1, 2, True, seed=1)
     for deterministic in (True, False):
         plan = plan_for(idx, static=False)

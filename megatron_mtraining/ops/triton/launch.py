@@ -248,6 +248,21 @@ def _heads(plan: SparsePlan, hq: int, hkv: int, cfg: "KernelConfig", max_rows: O
 
 
 # ----------------------------------------------------------------------------- backward plans
+def _segment_counts(seg: torch.Tensor, nseg: int) -> torch.Tensor:
+    """Entries per segment ``0 .. nseg - 1`` (int64 ``[nseg]``); ``seg == nseg`` (a sentinel for
+    padding entries) is counted apart and dropped. A scatter-add into a buffer of host-known size:
+    no device read (``torch.bincount`` reads the maximum back)."""
+    counts = torch.zeros(nseg + 1, dtype=torch.int64, device=seg.device)
+    return counts.scatter_add_(0, seg, torch.ones_like(seg))[:nseg]
+
+
+def _csr_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """CSR offsets (int32 ``[n + 1]``, starting at 0) of per-segment ``counts`` ``[n]``."""
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return offsets
+
+
 def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     """Inverted block index: CSR over (batch', kv head', key block) of entries ``r * nqb + qb``."""
     key = ("kv", nkb, hq, hkv)
@@ -264,17 +279,11 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
         return res
     bb, hh, qq, ss = valid.nonzero(as_tuple=True)
     kb = bi[bb, hh, qq, ss].long()
-    if H_ == 1:     # every head lists the same blocks: one entry per head of the group
-        G_ = 1
-        n = bb.numel()
-        r = torch.arange(rep, device=dev).repeat_interleave(n)
+    if H_ == 1 or _grouped(H_, hq, hkv):    # one row shared by all heads / by a group: one entry per head of it
+        G_ = 1 if H_ == 1 else hkv
+        r = torch.arange(rep, device=dev).repeat_interleave(bb.numel())
+        g = (torch.zeros_like(hh) if H_ == 1 else hh).repeat(rep)
         bb, qq, kb = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep)
-        g = torch.zeros_like(bb)
-    elif _grouped(H_, hq, hkv):     # one index row per GQA group: one entry per head of the group
-        G_ = hkv
-        n = bb.numel()
-        r = torch.arange(rep, device=dev).repeat_interleave(n)
-        bb, qq, kb, g = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep), hh.repeat(rep)
     else:
         G_ = hkv
         g, r = hh // rep, hh % rep
@@ -282,9 +291,7 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     val = r * nqb + qq
     order = torch.sort(seg * (rep * nqb) + val, stable=True).indices
     entries = val[order].to(torch.int32).contiguous()
-    counts = torch.bincount(seg, minlength=B_ * G_ * nkb)
-    offsets = torch.zeros(B_ * G_ * nkb + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = _csr_offsets(_segment_counts(seg, B_ * G_ * nkb))
     if entries.numel() == 0:
         entries = torch.zeros(1, dtype=torch.int32, device=dev)
     res = (offsets, entries, B_, G_)
@@ -319,9 +326,7 @@ def _kv_csr_static(bi: torch.Tensor, valid: torch.Tensor, nkb: int, hq: int, hkv
     seg, val = seg.expand(shape).reshape(-1), val.expand(shape).reshape(-1)
     order = torch.sort(seg * (rep * nqb) + val, stable=True).indices
     entries = val[order].to(torch.int32).contiguous()
-    counts = torch.zeros(nseg + 1, dtype=torch.int64, device=dev).scatter_add_(0, seg, torch.ones_like(seg))
-    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(counts[:nseg], 0).to(torch.int32)
+    offsets = _csr_offsets(_segment_counts(seg, nseg))
     if entries.numel() == 0:
         entries = torch.zeros(1, dtype=torch.int32, device=dev)
     return offsets, entries, B_, G_
@@ -388,10 +393,8 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     order = torch.sort((seg * 2 + (~full).long()) * nqb + qq, stable=True).indices
     entries_qb = qq[order].to(torch.int32).contiguous()
     entries_bits = ebits[order].contiguous()
-    counts = torch.bincount(seg, minlength=nseg)
-    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    mid = (offsets[:-1] + torch.bincount(seg[full], minlength=nseg)).to(torch.int32)
+    offsets = _csr_offsets(_segment_counts(seg, nseg))
+    mid = (offsets[:-1] + _segment_counts(seg[full], nseg)).to(torch.int32)
     if entries_qb.numel() == 0:
         entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
         entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -423,13 +426,8 @@ def _col_entries_static(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tenso
     order = torch.sort((seg * 2 + (~fullf).long()) * nqb + qqf, stable=True).indices
     entries_qb = qqf[order].to(torch.int32).contiguous()
     entries_bits = bits.reshape(-1)[order].contiguous()
-    ones = torch.ones_like(seg)
-    counts = torch.zeros(nseg + 1, dtype=torch.int64, device=dev).scatter_add_(0, seg, ones)
-    nfull = torch.zeros(nseg + 1, dtype=torch.int64, device=dev).scatter_add_(
-        0, torch.where(fullf & listed.reshape(-1), seg, nseg), ones)
-    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(counts[:nseg], 0).to(torch.int32)
-    mid = (offsets[:-1] + nfull[:nseg]).to(torch.int32)
+    offsets = _csr_offsets(_segment_counts(seg, nseg))
+    mid = (offsets[:-1] + _segment_counts(torch.where(fullf & listed.reshape(-1), seg, nseg), nseg)).to(torch.int32)
     if entries_qb.numel() == 0:
         entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
         entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -460,9 +458,8 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     The plans (the inverted block index in CSR form, and for the deterministic mode the column
     union and its per-tile bit masks) take about 75 small torch ops. With ``plan.static`` (the
     CUDA default, :func:`~megatron_mtraining.ops.triton.plan_for`) their sizes are host bounds and
-    they read nothing back from the device; otherwise they read 2 (block index: ``nonzero``,
-    ``bincount``) plus 5 (column plan: the union width, ``nonzero``, boolean indexing, two
-    ``bincount``) values back. Built here, right after the forward kernel is launched, their host
+    they read nothing back from the device; otherwise they read 1 (block index: ``nonzero``) plus
+    3 (column plan: the union width, ``nonzero``, boolean indexing) values back. Built here, right after the forward kernel is launched, their host
     work overlaps that kernel. On CUDA they run on a high-priority side stream that first waits for
     ``after`` (a ``torch.cuda.Event`` recorded on the current stream once the index tensors were
     written and before the forward kernel was launched; ``None``: wait for all work queued so far),
