@@ -41,7 +41,7 @@ import torch
 from ..common import REGION_CONVERT, record_function, triton_runs_on
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
-from .indices import KnownMax, StepIndices
+from .indices import KnownMax, StepIndices, packed_index_lists
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
            "without_columns", "refine_indices", "step_column_positions", "column_phase_indices",
@@ -418,13 +418,9 @@ def step_key_mask(idx: StepIndices, s_local: int, counts: bool = False) -> torch
 def _compact(index: torch.Tensor, keep: torch.Tensor):
     """Kept entries of ``index [..., W]`` first (order preserved), ``-1`` after; ``(count int32, index)``
     with the width cut to ``max(1, max count)`` (one host read)."""
-    cnt = keep.sum(-1)
-    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
-    idx = index.gather(-1, order)
-    width = max(1, int(cnt.max())) if cnt.numel() else 1
-    idx = idx[..., :width]
-    idx = idx.masked_fill(torch.arange(width, device=idx.device) >= cnt[..., None], -1)
-    return cnt.to(torch.int32), idx.contiguous()
+    cnt, pos = packed_index_lists(keep, fill=-1)                       # slots of the kept entries
+    idx = index.gather(-1, pos.long().clamp(min=0)).masked_fill(pos < 0, -1)
+    return cnt, idx.contiguous()
 
 
 def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, rank: int) -> List[StepIndices]:
