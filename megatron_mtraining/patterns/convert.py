@@ -300,7 +300,8 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     ``f`` query blocks ``i*f .. i*f+f-1``; each listed key block ``j`` becomes ``j*f .. j*f+f-1``
     (ascending, so lists stay sorted); the vertical columns of ``i`` are listed for each of its
     ``f`` sub-blocks. ``causal`` is kept: the local-index mask still removes the sub-tiles above the
-    diagonal. Pure and vectorized (no host sync); ``known_max`` carries over, scaled.
+    diagonal. Pure and vectorized (no host sync); ``known_max`` carries over, scaled; document bounds
+    (token-level) carry over unchanged.
 
     Lets kernels with a fixed tile (the Triton kernels' 64 rows) run patterns estimated at a coarser
     slash granularity (e.g. 128, the tile of FlashAttention-4's block-sparse backward).
@@ -335,7 +336,7 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact, k.union)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(bc.contiguous(), bi.contiguous(), cc.contiguous(), ci.contiguous(), idx.causal, block_size,
-                       known_max=known)
+                       known_max=known, doc_lo=idx.doc_lo, doc_hi=idx.doc_hi, key_pos=idx.key_pos)
 
 
 def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):

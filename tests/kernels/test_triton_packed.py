@@ -24,8 +24,11 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from megatron_mtraining.layout import Layout, PackedDocuments  # noqa: E402
 from megatron_mtraining.ops.dense_gpu import DenseGpuStepKernel  # noqa: E402
 from megatron_mtraining.ops.triton import document_plan  # noqa: E402
+from megatron_mtraining.patterns.convert import restrict_to_documents  # noqa: E402
+from megatron_mtraining.patterns.indices import StepIndices  # noqa: E402
 from tests.helpers.packed_ref import per_document_attention  # noqa: E402
 from tests.helpers.ring_sim import simulate_dense_ring  # noqa: E402
+from tests.workers.gpu_common import dense_mask_rows, oracle, random_step_indices, rel_err  # noqa: E402
 
 S, D = 256, 32
 
@@ -108,3 +111,128 @@ def test_document_plan_lists_only_blocks_of_the_tiles_documents():
     pad = PackedDocuments.from_cu_seqlens([0, 10], 256)      # tokens 10..255 padding
     lo, hi = pad.key_bounds(Layout("striped", 1, 64), 0)
     assert document_plan(lo[0], hi[0], pos).block_count[0, 0].tolist() == [1, 0, 0, 0]
+
+
+# ----------------------------------------------------------------------------- sparse steps with documents
+# Two streams: stream 0 has documents of 37 and 113 tokens (the second crosses the 64- and
+# 128-token block boundaries), one of 40 tokens in a 106-token slot and padding up to the end;
+# stream 1 has a 34-token document and a 222-token one, long enough for tiles that see whole key
+# blocks of it without a mask.
+SPARSE_CU = [0, 37, 150, 190, 224, 446]            # real lengths 37, 113, 40, 34, 222
+SPARSE_PAD = [0, 37, 150, 256, 290, 512]
+
+
+def _sparse_documents(seq):
+    if seq == 256:
+        return PackedDocuments.from_cu_seqlens(torch.tensor(SPARSE_CU), 256, batch_size=2,
+                                               cu_seqlens_padded=torch.tensor(SPARSE_PAD))
+    # one 512-token stream for the cp-2 steps: the same cuts, the padding inside the stream
+    return PackedDocuments.from_cu_seqlens(torch.tensor(SPARSE_CU), 512, cu_seqlens_padded=torch.tensor(SPARSE_PAD))
+
+
+def _sparse_steps(layout, rank, seq, b, heads, gen):
+    """Random vertical-slash indices of every owner of ``rank`` (the own step causal, the others not:
+    the document bounds contain causality), restricted to the documents."""
+    nqb = seq // layout.cp_size // 64
+    steps = [random_step_indices(b, heads, nqb, nqb, o == rank, gen, p_block=0.5, p_col=0.06, empty_frac=0.1,
+                                 above_diag=o == rank) for o in range(layout.cp_size)]
+    for st in steps:          # the converter's padding (-1) instead of the generator's garbage
+        for cnt, index in ((st.block_count, st.block_index), (st.column_count, st.column_index)):
+            index.masked_fill_(torch.arange(index.shape[-1]) >= cnt[..., None], -1)
+    return restrict_to_documents(steps, _sparse_documents(seq), layout, rank)
+
+
+def _doc_mask_fn(idx, sk):
+    lo, hi, kpos = idx.doc_lo, idx.doc_hi, idx.key_pos
+
+    def fn(r0, r1):
+        inside = (kpos[None, None, :] >= lo[:, r0:r1, None]) & (kpos[None, None, :] <= hi[:, r0:r1, None])
+        return dense_mask_rows(idx, r0, r1, sk) & inside[:, None]
+    return fn
+
+
+SPARSE_CASES = [   # (layout, rank, seq, b, hq, hkv, index heads)
+    pytest.param(Layout("striped", 1, 64), 0, 256, 2, 2, 1, 2, id="cp1-gqa2"),
+    pytest.param(Layout("striped", 2, 64), 1, 512, 1, 2, 2, 2, id="cp2-rank1"),
+    pytest.param(Layout("striped", 1, 64), 0, 256, 2, 8, 2, 2, id="cp1-kv-group-packed"),
+]
+
+
+@pytest.mark.parametrize("layout, rank, seq, b, hq, hkv, ih", SPARSE_CASES)
+def test_triton_sparse_steps_with_documents_match_fp64_oracle(layout, rank, seq, b, hq, hkv, ih):
+    from megatron_mtraining.ops.triton import sparse_attention_backward, sparse_attention_forward
+
+    gen = torch.Generator().manual_seed(seq + hq + rank)
+    s_local = seq // layout.cp_size
+    if seq == 512:
+        b = 1
+    q, k, v, dout = (torch.randn(b, s_local, h, D, generator=gen) * 1.5 for h in (hq, hkv, hkv, hq))
+    steps = _sparse_steps(layout, rank, seq, b, ih, gen)
+    scale = D ** -0.5
+    for o, idx in enumerate(steps):
+        assert idx.has_documents
+        rep_idx = idx.per_query_head(hq)
+        mask_fn = _doc_mask_fn(rep_idx, s_local)
+        o_ref, l_ref = oracle(q, k, v, mask_fn, scale)
+        # backward with a global normalisation other than the step's own (as in the ring)
+        lse_g = torch.where(torch.isinf(l_ref), l_ref, l_ref + 0.25 * torch.rand(l_ref.shape, generator=gen,
+                                                                                  dtype=torch.float64))
+        delta_g = torch.randn(l_ref.shape, generator=gen, dtype=torch.float64)
+        *_, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask_fn, scale, dout, lse_g, delta_g)
+        out, lse = sparse_attention_forward(q, k, v, idx, scale)
+        got = {"out": out, "lse": lse}
+        for det in (True, False):
+            dq, dk, dv = sparse_attention_backward(dout, q, k, v, lse_g.float(), delta_g.float(), idx, scale,
+                                                   deterministic=det)
+            got.update({f"dq{det}": dq, f"dk{det}": dk, f"dv{det}": dv})
+        ref = {"out": o_ref, "lse": l_ref}
+        for det in (True, False):
+            ref.update({f"dq{det}": dq_r, f"dk{det}": dk_r, f"dv{det}": dv_r})
+        for name in got:
+            assert not torch.isnan(got[name]).any(), (o, name)
+            err = rel_err(got[name], ref[name])
+            assert err <= 1e-5, (o, name, err)
+        # padding queries see nothing: out 0, lse -inf, dQ 0; padding keys get dK = dV = 0 (exact)
+        pad_q = idx.doc_lo > idx.doc_hi                                      # [b, s_local]
+        assert bool(torch.isneginf(lse.transpose(1, 2)[pad_q]).all())
+        for t in (out, got["dqTrue"]):
+            assert torch.equal(t[pad_q], torch.zeros_like(t[pad_q]))
+        pad_k = ~_sparse_documents(seq).real()[:, idx.key_pos]               # [b, s_local]
+        assert bool(pad_q.any()) and bool(pad_k.any())
+        for t in (got["dkTrue"], got["dvTrue"]):
+            assert torch.equal(t[pad_k], torch.zeros_like(t[pad_k]))
+
+
+def test_triton_sparse_documents_splits_and_negative_control():
+    """The plan runs whole-document blocks unmasked and mixed ones masked; without the document
+    bounds the same indices give other results (the bounds matter beyond the restriction)."""
+    from megatron_mtraining.ops.triton import plan_for, sparse_attention_forward
+
+    gen = torch.Generator().manual_seed(5)
+    layout, seq, b, h = Layout("striped", 1, 64), 256, 2, 2
+    (idx,) = _sparse_steps(layout, 0, seq, b, h, gen)
+    plan = plan_for(idx)
+    assert plan.has_documents
+    bc, split = plan.block_count.expand_as(plan.block_split), plan.block_split
+    assert bool((split > 0).any()) and bool((split < bc).any())
+    # brute force: a slot runs unmasked iff every row of the tile sees the whole key block
+    lo, hi = idx.doc_lo.view(b, 1, -1, 64, 1), idx.doc_hi.view(b, 1, -1, 64, 1)
+    for x in range(b):
+        for hh in range(h):
+            for i in range(seq // 64):
+                n = 0
+                for s in range(int(idx.block_count[x, hh, i])):
+                    kb = int(idx.block_index[x, hh, i, s])
+                    keys = torch.arange(kb * 64, kb * 64 + 64)
+                    whole = bool(((keys >= lo[x, 0, i]) & (keys <= hi[x, 0, i]) & (keys < i * 64)).all())
+                    if not whole:
+                        break
+                    n += 1
+                assert int(split[x, hh, i]) == n, (x, hh, i)
+    q, k, v, _ = (torch.randn(b, seq, h, D, generator=gen) * 1.5 for _ in range(4))
+    o_ref, _ = oracle(q, k, v, _doc_mask_fn(idx, seq), D ** -0.5)
+    out, _ = sparse_attention_forward(q, k, v, idx, D ** -0.5)
+    assert rel_err(out, o_ref) <= 1e-5
+    bare = StepIndices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, idx.causal)
+    out_bare, _ = sparse_attention_forward(q, k, v, bare, D ** -0.5)
+    assert rel_err(out_bare, o_ref) > 1e-2

@@ -10,7 +10,9 @@ Public API (ring step protocol: ``q [b,s,hq,d]``, ``k/v [b,s,hkv,d]``, fp32 ``ou
 
 The work is the one of :class:`~megatron_mtraining.patterns.indices.StepIndices`: per 64-row query
 tile its active 64-wide key blocks plus its gathered vertical key columns; with
-``step_indices.causal`` every tile (columns included) is masked by local index. Both functions go
+``step_indices.causal`` every tile (columns included) is masked by local index; with packed documents
+(``step_indices.has_documents``) every pair is also masked by the query's document key bounds
+(``doc_lo <= key_pos <= doc_hi``; padding queries see nothing). Both functions go
 through the ``torch.library`` custom ops ``torch.ops.mtraining.sparse_attn_fwd`` / ``sparse_attn_bwd``
 (fake implementations registered: ``torch.compile`` traces them without a graph break).
 
@@ -82,7 +84,8 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
     static = bool(static)
     union = union if static else None
     return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
-                             bool(indices.causal), static=static, column_union_max=union)
+                             bool(indices.causal), static=static, column_union_max=union,
+                             doc_lo=indices.doc_lo, doc_hi=indices.doc_hi, key_pos=indices.key_pos)
 
 
 def _scale(q, softmax_scale):
@@ -100,15 +103,17 @@ def _reference_backward(dout, q, k, v, lse, delta, indices, scale):
 
 
 # ----------------------------------------------------------------------------- custom ops
-def _indices(bc, bi, cc, ci, causal):
-    return StepIndices(bc, bi, cc, ci, bool(causal))
+def _indices(bc, bi, cc, ci, causal, doc_lo=None, doc_hi=None, key_pos=None):
+    return StepIndices(bc, bi, cc, ci, bool(causal), doc_lo=doc_lo, doc_hi=doc_hi, key_pos=key_pos)
 
 
 @torch.library.custom_op("mtraining::sparse_attn_fwd", mutates_args=())
 def _sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_count: torch.Tensor,
                      block_index: torch.Tensor, column_count: torch.Tensor, column_index: torch.Tensor,
-                     causal: bool, softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = _indices(block_count, block_index, column_count, column_index, causal)
+                     causal: bool, softmax_scale: float, deterministic: bool, doc_lo: Optional[torch.Tensor] = None,
+                     doc_hi: Optional[torch.Tensor] = None, key_pos: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = _indices(block_count, block_index, column_count, column_index, causal, doc_lo, doc_hi, key_pos)
     if triton_usable(q):
         return sparse_forward(q, k, v, plan_for(idx), softmax_scale)
     out, lse = _reference_forward(q, k, v, idx, softmax_scale)
@@ -116,7 +121,8 @@ def _sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_co
 
 
 @_sparse_attn_fwd.register_fake
-def _(q, k, v, block_count, block_index, column_count, column_index, causal, softmax_scale, deterministic):
+def _(q, k, v, block_count, block_index, column_count, column_index, causal, softmax_scale, deterministic,
+      doc_lo=None, doc_hi=None, key_pos=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, s, h, d = q.shape
     return q.new_empty((b, s, h, d), dtype=acc), q.new_empty((b, h, s), dtype=acc)
@@ -126,8 +132,9 @@ def _(q, k, v, block_count, block_index, column_count, column_index, causal, sof
 def _sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                      delta: torch.Tensor, block_count: torch.Tensor, block_index: torch.Tensor,
                      column_count: torch.Tensor, column_index: torch.Tensor, causal: bool, softmax_scale: float,
-                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    idx = _indices(block_count, block_index, column_count, column_index, causal)
+                     deterministic: bool, doc_lo: Optional[torch.Tensor] = None, doc_hi: Optional[torch.Tensor] = None,
+                     key_pos: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    idx = _indices(block_count, block_index, column_count, column_index, causal, doc_lo, doc_hi, key_pos)
     if triton_usable(q):
         return sparse_backward(dout, q, k, v, lse, delta, plan_for(idx), softmax_scale, deterministic)
     dq, dk, dv = _reference_backward(dout, q, k, v, lse, delta, idx, softmax_scale)
@@ -136,7 +143,7 @@ def _sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 @_sparse_attn_bwd.register_fake
 def _(dout, q, k, v, lse, delta, block_count, block_index, column_count, column_index, causal, softmax_scale,
-      deterministic):
+      deterministic, doc_lo=None, doc_hi=None, key_pos=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape, dtype=acc), k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
 
@@ -173,27 +180,35 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bc, bi, cc, ci, causal, scale, det = inputs
+    q, k, v, bc, bi, cc, ci, causal, scale, det = inputs[:10]
+    docs = tuple(inputs[10:13]) + (None,) * (13 - len(inputs))
     out, lse = output
-    ctx.save_for_backward(q, k, v, bc, bi, cc, ci, out, lse)
+    ctx.has_docs = docs[0] is not None
+    ctx.save_for_backward(q, k, v, bc, bi, cc, ci, out, lse, *(docs if ctx.has_docs else ()))
     ctx.causal, ctx.scale, ctx.det = causal, scale, det
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, bc, bi, cc, ci, out, lse = ctx.saved_tensors
+    q, k, v, bc, bi, cc, ci, out, lse = ctx.saved_tensors[:9]
+    docs = ctx.saved_tensors[9:12] if ctx.has_docs else (None, None, None)
     acc = out.dtype
     delta = attention_delta(dout, out)
     if dlse is not None:      # d lse / d s = p: folds into delta
         delta = delta - dlse.to(acc)
     dq, dk, dv = _sparse_attn_bwd(dout.to(q.dtype) if q.dtype != torch.float32 else dout, q, k, v, lse,
-                                  delta.contiguous(), bc, bi, cc, ci, ctx.causal, ctx.scale, ctx.det)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+                                  delta.contiguous(), bc, bi, cc, ci, ctx.causal, ctx.scale, ctx.det, *docs)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
 
 
 torch.library.register_autograd("mtraining::sparse_attn_fwd", _backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- public functions
+def _docs(indices: StepIndices) -> tuple:
+    """The document arguments of the custom ops (none without documents)."""
+    return (indices.doc_lo, indices.doc_hi, indices.key_pos) if indices.has_documents else ()
+
+
 def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: StepIndices,
                              softmax_scale: Optional[float] = None):
     """Partial attention of ``q`` over the keys listed by ``indices``: ``(out, lse)``, fp32
@@ -201,7 +216,7 @@ def sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     indices = _tiles(indices)
     return torch.ops.mtraining.sparse_attn_fwd(q, k, v, indices.block_count, indices.block_index,
                                                indices.column_count, indices.column_index, bool(indices.causal),
-                                               _scale(q, softmax_scale), True)
+                                               _scale(q, softmax_scale), True, *_docs(indices))
 
 
 def sparse_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -212,7 +227,7 @@ def sparse_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     indices = _tiles(indices)
     return torch.ops.mtraining.sparse_attn_bwd(dout, q, k, v, lse, delta, indices.block_count, indices.block_index,
                                                indices.column_count, indices.column_index, bool(indices.causal),
-                                               _scale(q, softmax_scale), bool(deterministic))
+                                               _scale(q, softmax_scale), bool(deterministic), *_docs(indices))
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: StepIndices,
@@ -221,7 +236,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     indices = _tiles(indices)
     out, _ = torch.ops.mtraining.sparse_attn_fwd(q, k, v, indices.block_count, indices.block_index,
                                                  indices.column_count, indices.column_index, bool(indices.causal),
-                                                 _scale(q, softmax_scale), bool(deterministic))
+                                                 _scale(q, softmax_scale), bool(deterministic), *_docs(indices))
     return out.to(q.dtype)
 
 
@@ -288,14 +303,6 @@ def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, 
                             prebuild: bool = True, config: Optional[KernelConfig] = None,
                             stats: Optional[dict] = None, static_plans: Optional[bool] = None
                             ) -> TritonSparseStepKernel:
-    """A :class:`TritonSparseStepKernel` (arguments as there).
-
-    Raises:
-        NotImplementedError: indices with packed-document bounds (``StepIndices.has_documents``): the
-            Triton sparse kernels have no document mask (the torch sparse step kernel has one).
-    """
-    if any(st.has_documents for st in steps):
-        raise NotImplementedError("the Triton sparse step kernels have no document mask: packed documents with the "
-                                  "vertical-slash pattern run on the torch sparse step kernel (kernel_backend "
-                                  "'auto' or 'torch')")
+    """A :class:`TritonSparseStepKernel` (arguments as there). Steps with packed-document bounds
+    (``StepIndices.has_documents``) are masked by them in every tile and column."""
     return TritonSparseStepKernel(steps, softmax_scale, deterministic, prebuild, config, stats, static_plans)

@@ -19,6 +19,11 @@ Masks (``MASK_MODE``):
     3  position bounds (packed documents): ``QPos[sq + row] <= key position <= QPos[row]``, i.e.
        ``QPos`` holds ``[hi; lo]`` of every query (``sq = num_q_blocks * BLOCK_M``); a padding query
        has ``lo > hi`` and sees nothing.
+Document mask (``DOC``, orthogonal to the mode; the sparse steps of packed documents,
+``StepIndices.has_documents``): every masked tile and column chunk is also masked by per-query key
+bounds, ``DocLo[b, row] <= KPos[key] <= DocHi[b, row]`` (int32, batch stride ``s_dlb``, 0 when the
+bounds are shared by the batch); a padding query has ``lo > hi`` and sees nothing. The caller's
+splits count only slots every row of the tile sees whole; the dK/dV kernels mask every entry.
 Blocks are visited in two loops: slots ``[0, split)`` need no mask (the caller guarantees it),
 slots ``[split, count)`` are masked. Vertical columns are visited the same way (``COL_SPLIT``): whole
 64-column chunks among the first ``column_split`` slots (columns every row of the tile sees) run
@@ -58,6 +63,17 @@ def _online_step(qk, m_i, l_i, acc, v, MASKED: tl.constexpr, FP32: tl.constexpr)
 
 
 @triton.jit
+def _doc_inside(KPos, cols, cvalid, d_lo, d_hi, COLS: tl.constexpr):
+    """``[M, N]`` bool: key ``cols[n]`` lies inside the document bounds ``[d_lo[m], d_hi[m]]`` of row
+    ``m`` (``COLS``: gathered columns, read where ``cvalid``)."""
+    if COLS:
+        k_pos = tl.load(KPos + cols, mask=cvalid, other=0)
+    else:
+        k_pos = tl.load(KPos + cols)
+    return (k_pos[None, :] >= d_lo[:, None]) & (k_pos[None, :] <= d_hi[:, None])
+
+
+@triton.jit
 def _tile_rows(hp, qb, rep, hchunks, idx_rep, HPP: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows of the tile of head program ``hp`` (forward, dQ): ``HPP`` query heads of KV head ``g``
     (heads ``h0 .. h0 + HPP - 1``, ``h0 = g * rep + c * HPP`` for head chunk ``c`` of ``hchunks``)
@@ -75,7 +91,7 @@ def _tile_rows(hp, qb, rep, hchunks, idx_rep, HPP: tl.constexpr, TILE_M: tl.cons
 @triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, Out, Lse,
-    BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos,
+    BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos, DocLo, DocHi,
     scale_log2,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -87,9 +103,10 @@ def _sparse_fwd_kernel(
     s_bib, s_bih, s_biq,
     s_ccb, s_cch,
     s_csb, s_csh,
-    s_cib, s_cih, s_ciq,
+    s_cib, s_cih, s_ciq, s_dlb,
     num_hp, num_q_blocks, rep, hchunks, idx_rep,
     MASK_MODE: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr, FP32: tl.constexpr,
+    DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr,
 ):
@@ -114,7 +131,7 @@ def _sparse_fwd_kernel(
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
 
     cnt = tl.load(BlockCount + bz * s_bcb + ih * s_bch + qb)
-    if MASK_MODE == 0:
+    if MASK_MODE == 0 and not DOC:
         split = cnt
     else:
         split = tl.load(BlockSplit + bz * s_bsb + ih * s_bsh + qb)
@@ -123,6 +140,9 @@ def _sparse_fwd_kernel(
         q_pos = tl.load(QPos + offs_m)
     if MASK_MODE == 3:
         q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
+    if DOC:
+        d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+        d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
 
     # blocks that need no mask
     for i in range(0, split):
@@ -133,7 +153,7 @@ def _sparse_fwd_kernel(
         qk = _dot(q, tl.trans(k), FP32) * scale_log2
         m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
     # blocks that straddle the causal boundary (or lie past it)
-    for i in range(split, cnt):  # empty when MASK_MODE == 0 (split == cnt)
+    for i in range(split, cnt):  # empty when MASK_MODE == 0 without DOC (split == cnt)
         kb = tl.load(idx_ptr + i)
         cols = kb * BLOCK_N + offs_n
         k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
@@ -148,6 +168,8 @@ def _sparse_fwd_kernel(
             k_pos = tl.load(KPos + cols)
             inside = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
             qk = tl.where(inside, qk, float("-inf"))
+        if DOC:
+            qk = tl.where(_doc_inside(KPos, cols, None, d_lo, d_hi, False), qk, float("-inf"))
         m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
 
     if HAS_COLS:
@@ -173,6 +195,8 @@ def _sparse_fwd_kernel(
             valid = cvalid[None, :]
             if MASK_MODE == 1:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
+            if DOC:
+                valid = valid & _doc_inside(KPos, cols, cvalid, d_lo, d_hi, True)
             qk = tl.where(valid, qk, float("-inf"))
             m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
 
@@ -239,7 +263,7 @@ def _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, MASKED: tl.constex
 @triton.jit
 def _sparse_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV,
-    BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos,
+    BlockCount, BlockSplit, BlockIndex, ColCount, ColSplit, ColIndex, QPos, KPos, DocLo, DocHi,
     scale_log2, sm_scale,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -253,13 +277,13 @@ def _sparse_bwd_dq_kernel(
     s_bib, s_bih, s_biq,
     s_ccb, s_cch,
     s_csb, s_csh,
-    s_cib, s_cih, s_ciq,
+    s_cib, s_cih, s_ciq, s_dlb,
     num_hp, num_q_blocks, rep, hchunks, idx_rep,
     MASK_MODE: tl.constexpr, DO_BLOCKS: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr,
     COL_ATOMIC: tl.constexpr,
     ACCUM_DQ: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr,
+    HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr, DOC: tl.constexpr,
 ):
     """dQ of one query tile (row-parallel, no atomics on dQ). With COL_ATOMIC the vertical
     columns' dK/dV are also added here with fp32 atomics (fast, non-deterministic mode)."""
@@ -276,10 +300,13 @@ def _sparse_bwd_dq_kernel(
     k_base = K + bz * s_kb + g * s_kh
     v_base = V + bz * s_vb + g * s_vh
     dq = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+    if DOC:
+        d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+        d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
 
     if DO_BLOCKS:
         cnt = tl.load(BlockCount + bz * s_bcb + ih * s_bch + qb)
-        if MASK_MODE == 0:
+        if MASK_MODE == 0 and not DOC:
             split = cnt
         else:
             split = tl.load(BlockSplit + bz * s_bsb + ih * s_bsh + qb)
@@ -295,19 +322,24 @@ def _sparse_bwd_dq_kernel(
             v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
             p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
             dq += _dot(ds.to(k.dtype), k, FP32)
-        if MASK_MODE != 0:
+        if MASK_MODE != 0 or DOC:
             for i in range(split, cnt):
                 kb = tl.load(idx_ptr + i)
                 cols = kb * BLOCK_N + offs_n
                 k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
                 v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
-                if MASK_MODE == 1:
-                    valid = cols[None, :] <= offs_m[:, None]
+                if MASK_MODE == 0:
+                    valid = _doc_inside(KPos, cols, None, d_lo, d_hi, False)
                 else:
-                    k_pos = tl.load(KPos + cols)
-                    valid = k_pos[None, :] <= q_pos[:, None]
-                    if MASK_MODE == 3:
-                        valid = valid & (k_pos[None, :] >= q_lo[:, None])
+                    if MASK_MODE == 1:
+                        valid = cols[None, :] <= offs_m[:, None]
+                    else:
+                        k_pos = tl.load(KPos + cols)
+                        valid = k_pos[None, :] <= q_pos[:, None]
+                        if MASK_MODE == 3:
+                            valid = valid & (k_pos[None, :] >= q_lo[:, None])
+                    if DOC:
+                        valid = valid & _doc_inside(KPos, cols, None, d_lo, d_hi, False)
                 p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
                 dq += _dot(ds.to(k.dtype), k, FP32)
 
@@ -332,6 +364,8 @@ def _sparse_bwd_dq_kernel(
             valid = cvalid[None, :]
             if MASK_MODE == 1:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
+            if DOC:
+                valid = valid & _doc_inside(KPos, cols, cvalid, d_lo, d_hi, True)
             p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
             dq += _dot(ds.to(k.dtype), k, FP32)
             if COL_ATOMIC:
@@ -368,7 +402,7 @@ def _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, MASKED: tl.const
 @triton.jit
 def _sparse_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV,
-    KvOffsets, KvEntries, QPos, KPos,
+    KvOffsets, KvEntries, QPos, KPos, DocLo, DocHi,
     scale_log2, sm_scale,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -377,9 +411,9 @@ def _sparse_bwd_dkdv_kernel(
     s_dqb, s_dqs, s_dqh,
     s_dkb, s_dks, s_dkh,
     s_lb, s_lh,
-    s_ofb, s_ofg,
+    s_ofb, s_ofg, s_dlb,
     num_kv_heads, num_q_blocks, rep,
-    MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
+    MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr, DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one 64-key block for one KV head (column-parallel, inverted block index).
@@ -398,7 +432,7 @@ def _sparse_bwd_dkdv_kernel(
 
     k = tl.load(K + bz * s_kb + g * s_kh + offs_n[:, None] * s_ks + offs_d[None, :])
     v = tl.load(V + bz * s_vb + g * s_vh + offs_n[:, None] * s_vs + offs_d[None, :])
-    if MASK_MODE >= 2:
+    if MASK_MODE >= 2 or DOC:
         k_pos = tl.load(KPos + offs_n)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -414,17 +448,26 @@ def _sparse_bwd_dkdv_kernel(
         offs_m = qb * BLOCK_M + offs_r
         q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
                                               s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
-        if MASK_MODE == 0:
+        if MASK_MODE == 0 and not DOC:
             pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
         else:
-            if MASK_MODE == 1:
-                valid = offs_n[:, None] <= offs_m[None, :]
+            if DOC:     # every entry: the inverted index does not know which tiles see the block whole
+                d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+                d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
+                inside = (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
+            if MASK_MODE == 0:
+                valid = inside
             else:
-                q_pos = tl.load(QPos + offs_m)
-                valid = k_pos[:, None] <= q_pos[None, :]
-                if MASK_MODE == 3:
-                    q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
-                    valid = valid & (k_pos[:, None] >= q_lo[None, :])
+                if MASK_MODE == 1:
+                    valid = offs_n[:, None] <= offs_m[None, :]
+                else:
+                    q_pos = tl.load(QPos + offs_m)
+                    valid = k_pos[:, None] <= q_pos[None, :]
+                    if MASK_MODE == 3:
+                        q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
+                        valid = valid & (k_pos[:, None] >= q_lo[None, :])
+                if DOC:
+                    valid = valid & inside
             pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
         dv += _dot(pT.to(do.dtype), do, FP32)
         dk += _dot(dsT.to(q.dtype), q, FP32)
@@ -440,17 +483,26 @@ def _sparse_bwd_dkdv_kernel(
 
 @triton.jit
 def _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, scale_log2,
-                   s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                   s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh, k_pos, DocLo, DocHi, s_dlb,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DOC: tl.constexpr):
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
                                           s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
-    if MASKED:
-        valid = member[:, None]
-        if CAUSAL:
-            valid = valid & (cols[:, None] <= offs_m[None, :])
+    if MASKED or DOC:
+        if DOC:      # the document bounds mask every entry, those listing all 64 columns too
+            d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+            d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
+            inside = (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
+        if MASKED:
+            valid = member[:, None]
+            if CAUSAL:
+                valid = valid & (cols[:, None] <= offs_m[None, :])
+            if DOC:
+                valid = valid & inside
+        else:
+            valid = inside
         pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
     else:
         pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
@@ -462,7 +514,7 @@ def _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, sca
 @triton.jit
 def _sparse_bwd_col_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
-    ColU, ColUCount, ColOffsets, ColMid, ColEntries, ColBits,
+    ColU, ColUCount, ColOffsets, ColMid, ColEntries, ColBits, KPos, DocLo, DocHi,
     scale_log2, sm_scale,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -472,9 +524,9 @@ def _sparse_bwd_col_kernel(
     s_pp, s_pb, s_ph, s_pu,
     s_ub, s_uh,
     s_ucb, s_uch,
-    s_ofb, s_ofh,
+    s_ofb, s_ofh, s_dlb,
     num_heads, num_chunks, num_splits, rep, heads_per_row,
-    CAUSAL: tl.constexpr, FP32: tl.constexpr,
+    CAUSAL: tl.constexpr, FP32: tl.constexpr, DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Deterministic dK/dV of the vertical columns.
@@ -506,6 +558,10 @@ def _sparse_bwd_col_kernel(
     dk = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_C, HEAD_DIM], tl.float32)
     lanes = tl.arange(0, BLOCK_C).to(tl.int64)
+    if DOC:
+        k_pos = tl.load(KPos + cols, mask=uvalid, other=0)
+    else:
+        k_pos = cols
 
     seg = bz * s_ofb + ih * s_ofh + c * num_splits + sp
     start = tl.load(ColOffsets + seg)
@@ -516,15 +572,15 @@ def _sparse_bwd_col_kernel(
         for e in range(start, mid):
             qb = tl.load(ColEntries + e)
             dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, None, scale_log2,
-                                    s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
-                                    False, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
+                                    s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh, k_pos, DocLo, DocHi,
+                                    s_dlb, False, CAUSAL, FP32, HEAD_DIM, BLOCK_M, DOC)
         for e in range(mid, end):
             qb = tl.load(ColEntries + e)
             bits = tl.load(ColBits + e)
             member = ((bits >> lanes) & 1) != 0
             dk, dv = _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, scale_log2,
-                                    s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
-                                    True, CAUSAL, FP32, HEAD_DIM, BLOCK_M)
+                                    s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh, k_pos, DocLo, DocHi,
+                                    s_dlb, True, CAUSAL, FP32, HEAD_DIM, BLOCK_M, DOC)
 
     dst = sp * s_pp + bz * s_pb + ih * s_ph + offs_u[:, None] * s_pu + offs_d[None, :]
     tl.store(DKP + dst, dk * sm_scale)

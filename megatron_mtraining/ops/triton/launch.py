@@ -4,6 +4,8 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
 
 * forward / dQ side (per 64-row query tile): ``block_count``, ``block_split`` (how many leading
   slots need no mask), ``block_index``, ``column_count``, ``column_index`` and the mask mode;
+* packed documents (optional, sparse steps): per-query key bounds ``doc_lo``/``doc_hi`` and the
+  keys' global positions ``k_pos``; every tile the splits leave masked is also masked by them;
 * dK/dV side (built on the first backward, or ahead of it by :func:`prebuild_backward_plans`):
   the *inverted* block index in CSR form
   (``kv_offsets``, ``kv_entries``: for each (batch, KV head, key block) the ascending list of
@@ -58,6 +60,13 @@ class SparsePlan:
     _column_split: Optional[torch.Tensor] = field(default=None, repr=False)
     static: bool = False                  # backward plans at host-known sizes (no device read; see _kv_csr)
     column_union_max: Optional[int] = None  # host bound of the distinct columns of one index row (static plans)
+    doc_lo: Optional[torch.Tensor] = None  # [B'', sq] int32 document key bounds (packed documents), with k_pos
+    doc_hi: Optional[torch.Tensor] = None  # [B'', sq] int32 (a padding query: lo > hi)
+
+    @property
+    def has_documents(self) -> bool:
+        """The kernels also mask by the per-query document bounds ``doc_lo <= k_pos <= doc_hi``."""
+        return self.doc_lo is not None
 
     @property
     def has_columns(self) -> bool:
@@ -72,18 +81,26 @@ class SparsePlan:
         """``[B', H', nqb]`` int32: number of leading column slots that every row of the tile sees
         (mode 0: all of them; mode 1: the leading columns left of the tile's first row, all of the
         columns before the tile when the lists are ascending, as StepIndices requires; any order
-        stays correct, it only leaves more chunks masked). The kernels run whole 64-column chunks of
+        stays correct, it only leaves more chunks masked; with documents a column must also lie inside
+        every row's document bounds). The kernels run whole 64-column chunks of
         them unmasked. ``None`` for position masks (mode 2) or 128-row tiles, where every column
         chunk is masked. Cached."""
         if not self.has_columns or self.mask_mode >= 2 or self.row_block != BLOCK:
             return None
         if self._column_split is None:
             ci, cc = self.column_index, self.column_count
-            if self.mask_mode == 0:
+            if self.mask_mode == 0 and not self.has_documents:
                 self._column_split = cc
             else:
-                first_row = torch.arange(ci.shape[-2], device=ci.device, dtype=torch.int32)[:, None] * BLOCK
-                self._column_split = _leading_split(ci, cc, ci < first_row)
+                ok = torch.ones_like(ci, dtype=torch.bool)
+                if self.mask_mode == 1:
+                    first_row = torch.arange(ci.shape[-2], device=ci.device, dtype=torch.int32)[:, None] * BLOCK
+                    ok = ci < first_row
+                if self.has_documents:
+                    lo_max, hi_min = _tile_bounds(self.doc_lo, self.doc_hi)
+                    t = self.k_pos.long()[ci.long().clamp(min=0)]
+                    ok = ok & (t >= lo_max[:, None, :, None]) & (t <= hi_min[:, None, :, None])
+                self._column_split = _leading_split(ci, cc, ok)
         return self._column_split
 
     def columns_by_atomics(self, deterministic: bool, config: "KernelConfig") -> bool:
@@ -99,25 +116,58 @@ def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmaske
     return torch.cumprod(ok.to(torch.int32), dim=-1).sum(-1).to(torch.int32)
 
 
+def _tile_bounds(doc_lo: torch.Tensor, doc_hi: torch.Tensor):
+    """``(lo_max, hi_min)`` ``[B'', nqb]`` int64 of 64-row query tiles: a key ``t`` with ``lo_max <= t
+    <= hi_min`` is visible to every row of the tile (an empty range when the tile has a padding row)."""
+    b, sq = doc_lo.shape
+    lo = doc_lo.long().view(b, sq // BLOCK, BLOCK)
+    hi = doc_hi.long().view(b, sq // BLOCK, BLOCK)
+    real = (lo <= hi).all(-1)
+    hi_min = hi.amin(-1)
+    return lo.amax(-1), torch.where(real, hi_min, torch.full_like(hi_min, -1))
+
+
 def plan_from_indices(block_count, block_index, column_count, column_index, causal: bool,
-                      static: bool = False, column_union_max: Optional[int] = None) -> SparsePlan:
+                      static: bool = False, column_union_max: Optional[int] = None,
+                      doc_lo: Optional[torch.Tensor] = None, doc_hi: Optional[torch.Tensor] = None,
+                      key_pos: Optional[torch.Tensor] = None) -> SparsePlan:
     """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask).
 
     ``static``: the backward plans get sizes known on the host (no device read, the CUDA default of
     :func:`~megatron_mtraining.ops.triton.plan_for`); ``column_union_max``: a host upper bound of the
     distinct columns that one index row's query tiles list together (default: ``min(sk, nqb *
-    max_nc)``, always valid; a smaller bound that is wrong would drop columns)."""
+    max_nc)``, always valid; a smaller bound that is wrong would drop columns).
+
+    ``doc_lo, doc_hi`` (``[b, sq]``) and ``key_pos`` (``[sk]``): packed documents
+    (``StepIndices.has_documents``; key ``t`` visible to query ``i`` iff ``doc_lo[i] <= key_pos[t] <=
+    doc_hi[i]``, global positions below 2**31). A block or column runs unmasked only if it lies
+    inside the bounds of every row of the tile (and, causally, left of the tile); all others are
+    masked by the bounds too."""
     block_count, block_index = _i32(block_count), _i32(block_index)
-    if causal:
+    docs = doc_lo is not None
+    if docs and (doc_hi is None or key_pos is None):
+        raise ValueError("packed documents need doc_lo, doc_hi and key_pos together")
+    if causal or docs:
         nqb = block_count.shape[-1]
-        qb = torch.arange(nqb, device=block_index.device, dtype=torch.int32)
-        split = _leading_split(block_index, block_count, block_index < qb[:, None])
+        ok = torch.ones_like(block_index, dtype=torch.bool)
+        if causal:
+            qb = torch.arange(nqb, device=block_index.device, dtype=torch.int32)
+            ok = block_index < qb[:, None]
+        if docs:
+            lo_max, hi_min = _tile_bounds(doc_lo, doc_hi)               # [B'', nqb]
+            kp = key_pos.long().view(-1, BLOCK)
+            kb = block_index.long().clamp(min=0)
+            kmin, kmax = kp.amin(1)[kb], kp.amax(1)[kb]
+            ok = ok & (kmin >= lo_max[:, None, :, None]) & (kmax <= hi_min[:, None, :, None])
+        split = _leading_split(block_index, block_count, ok)
     else:
         split = block_count
     has_cols = column_index is not None and column_index.shape[-1] > 0
+    bound = lambda t: _i32(t.clamp(-1, torch.iinfo(torch.int32).max)).contiguous() if docs else None  # noqa: E731
     return SparsePlan(block_count, split, block_index,
                       _i32(column_count) if has_cols else None, _i32(column_index) if has_cols else None,
-                      1 if causal else 0, static=bool(static), column_union_max=column_union_max)
+                      1 if causal else 0, k_pos=bound(key_pos), static=bool(static),
+                      column_union_max=column_union_max, doc_lo=bound(doc_lo), doc_hi=bound(doc_hi))
 
 
 def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
@@ -448,7 +498,7 @@ def _side_stream(device: torch.device):
 
 def _plan_tensors(plan: SparsePlan):
     return [t for t in (plan.block_count, plan.block_split, plan.block_index, plan.column_count,
-                        plan.column_index, plan.q_pos, plan.k_pos) if t is not None]
+                        plan.column_index, plan.q_pos, plan.k_pos, plan.doc_lo, plan.doc_hi) if t is not None]
 
 
 def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: bool = True,
@@ -552,10 +602,23 @@ def _idx_args(plan: SparsePlan, b: int, hq: int, nqb: int, col_split: bool = Tru
     cs = csp.expand(b, hq, nqb) if csp is not None else bc      # dummy when not passed
     qp = plan.q_pos if plan.q_pos is not None else bc
     kp = plan.k_pos if plan.k_pos is not None else bc
-    tensors = (bc, bs, bi, cc, cs, ci, qp, kp)
+    dlo, dhi, s_dlb = _doc_args(plan, b, nqb * plan.row_block, bc)
+    tensors = (bc, bs, bi, cc, cs, ci, qp, kp, dlo, dhi)
     strides = (bc.stride(0), bc.stride(1), bs.stride(0), bs.stride(1), bi.stride(0), bi.stride(1), bi.stride(2),
-               cc.stride(0), cc.stride(1), cs.stride(0), cs.stride(1), ci.stride(0), ci.stride(1), ci.stride(2))
+               cc.stride(0), cc.stride(1), cs.stride(0), cs.stride(1), ci.stride(0), ci.stride(1), ci.stride(2), s_dlb)
     return tensors, strides, csp is not None
+
+
+def _doc_args(plan: SparsePlan, b: int, sq: int, dummy: torch.Tensor):
+    """``(doc_lo, doc_hi, batch stride)`` for the kernels (``dummy`` tensors and 0 without documents)."""
+    if not plan.has_documents:
+        return dummy, dummy, 0
+    lo, hi = plan.doc_lo, plan.doc_hi
+    if lo.shape != hi.shape or lo.dim() != 2 or lo.shape[0] not in (1, b) or lo.shape[1] != sq or \
+            plan.k_pos is None:
+        raise ValueError(f"document bounds {tuple(lo.shape)} / {tuple(hi.shape)} must be [b, sq] = {(b, sq)} (or "
+                         f"[1, sq]) with the keys' positions")
+    return lo, hi, (lo.stride(0) if lo.shape[0] > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -624,7 +687,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         *istr,
         hd.num_hp, nqb, hq // hkv, hd.hchunks, hd.idx_rep,
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+        DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
         HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0,
         num_warps=cfg.fwd_warps if tile == BLOCK else cfg.fwd128_warps,
         num_stages=cfg.fwd_stages if tile == BLOCK else cfg.fwd128_stages,
@@ -683,12 +746,13 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     offsets, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
     qp = plan.q_pos if plan.q_pos is not None else offsets
     kp = plan.k_pos if plan.k_pos is not None else offsets
+    dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
     _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
-        q, k, v, dout, lse, delta, dq, dk, dv, offsets, entries, qp, kp,
+        q, k, v, dout, lse, delta, dq, dk, dv, offsets, entries, qp, kp, dlo, dhi,
         scale_log2, softmax_scale, *common,
-        (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0,
+        (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0, s_dlb,
         hkv, nqb, rep,
-        MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32,
+        MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32, DOC=kv_src.has_documents,
         HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     ))
@@ -708,7 +772,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-            HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0,
+            HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents,
             num_warps=cfg.dq_warps if tile == BLOCK else cfg.dq128_warps,
             num_stages=cfg.dq_stages if tile == BLOCK else cfg.dq128_stages,
         ))
@@ -724,8 +788,10 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         ucount_e = ucount.expand(b, nih)
         dkp = torch.empty((nsplit, b, nih, upad, d), dtype=torch.float32, device=dev)
         dvp = torch.empty_like(dkp)
+        dlo, dhi, s_dlb = _doc_args(plan, b, sq, ucount_e)
         _record(stats, "_sparse_bwd_col_kernel", K._sparse_bwd_col_kernel[(nchunks * nsplit * nih, b)](
             q, k, v, dout, lse, delta, dkp, dvp, col_u_e, ucount_e, offsets_c, mid_c, ent_qb, ent_bits,
+            plan.k_pos if plan.has_documents else ucount_e, dlo, dhi,
             scale_log2, softmax_scale,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -734,9 +800,9 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             lse.stride(0), lse.stride(1),
             dkp.stride(0), dkp.stride(1), dkp.stride(2), dkp.stride(3),
             col_u_e.stride(0), col_u_e.stride(1), ucount_e.stride(0), ucount_e.stride(1),
-            (H_ * nchunks * nsplit) if B_ > 1 else 0, (nchunks * nsplit) if H_ > 1 else 0,
+            (H_ * nchunks * nsplit) if B_ > 1 else 0, (nchunks * nsplit) if H_ > 1 else 0, s_dlb,
             nih, nchunks, nsplit, rep, per_row,
-            CAUSAL=plan.mask_mode == 1, FP32=fp32,
+            CAUSAL=plan.mask_mode == 1, FP32=fp32, DOC=plan.has_documents,
             HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_C=BLOCK_C,
             num_warps=cfg.col_warps, num_stages=cfg.col_stages,
         ))
