@@ -184,7 +184,8 @@ class CPPlan:
         ``deterministic``); the choice is cached per input signature, so a layer's forward pays for it
         once per run.
 
-        ``packed``: the inputs carry a document mask (only the torch reference step kernels have one).
+        ``packed``: the inputs carry a document mask (the torch and Triton step kernels have one; FA4 and
+        SDPA have none).
 
         Raises:
             ValueError: an explicit backend that cannot run these inputs (naming the rule).
@@ -255,7 +256,7 @@ class CPPlan:
         Raises:
             ValueError: documents that could not be built or do not describe ``q`` (length, batch) on
                 any rank, or ranks whose documents differ; NotImplementedError: a document mask with
-                the sparse pattern and ``columns: out_of_ring`` or ``kernel_backend`` ``triton``/``fa4``
+                the sparse pattern and ``columns: out_of_ring`` or ``kernel_backend`` ``fa4``/``sdpa``
                 (:func:`sparse_packed_problem`).
         """
         if documents is None and error is None:
@@ -341,16 +342,18 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
 
 def sparse_packed_problem(cfg) -> Optional[str]:
     """Why the config cannot run the vertical-slash pattern over packed documents, or ``None``
-    (dense configs and sparse ones with ``columns: in_ring`` and ``kernel_backend`` ``auto``/``torch``:
-    the document mask lives in the torch sparse step kernels and the in-ring columns)."""
+    (dense configs and sparse ones with ``columns: in_ring`` and ``kernel_backend``
+    ``auto``/``triton``/``torch``: the document mask lives in the torch and Triton sparse step kernels
+    and the in-ring columns)."""
     if not cfg.sparse:
         return None
     if cfg.columns != "in_ring":
         return ("packed documents (document masks) with pattern: vertical_slash need columns: in_ring "
                 f"(got {cfg.columns}: the out-of-ring column phase has no document mask)")
-    if cfg.kernel_backend in ("triton", "fa4", "sdpa"):
-        return ("packed documents (document masks) with pattern: vertical_slash run on the torch sparse kernels: "
-                f"kernel_backend: {cfg.kernel_backend} has no sparse kernel with a document mask (use auto or torch)")
+    if cfg.kernel_backend in ("fa4", "sdpa"):
+        return ("packed documents (document masks) with pattern: vertical_slash run on the torch or Triton sparse "
+                f"kernels: kernel_backend: {cfg.kernel_backend} has no sparse kernel with a document mask (use auto, "
+                "triton or torch)")
     return None
 
 

@@ -29,13 +29,13 @@ Backends (``kernel_backend`` in the configuration):
 
 Packed documents (``packed=True``: a document mask from
 :class:`~megatron_mtraining.layout.PackedDocuments`) run on the step kernels whose masks take
-per-query key bounds: the torch reference and the Triton dense steps (mode 3 of
-:mod:`~megatron_mtraining.ops.triton.kernels`). ``"auto"`` chooses as for unpacked inputs but never
-FA4 or SDPA; an explicit ``"sdpa"`` or ``"fa4"`` with ``packed=True`` raises ``ValueError``. The
-vertical-slash pattern over packed documents (``packed=True, sparse=True``) runs the torch sparse
-step kernel (and the fp64 torch estimator and index conversion) under ``"auto"`` and ``"torch"``;
-an explicit ``"triton"`` or ``"fa4"`` raises ``ValueError`` (their sparse kernels have no document
-mask).
+per-query key bounds: the torch reference, the Triton dense steps (mode 3 of
+:mod:`~megatron_mtraining.ops.triton.kernels`) and the Triton sparse steps (their document mask).
+``"auto"`` chooses as for unpacked inputs but never FA4 or SDPA; an explicit ``"sdpa"`` or ``"fa4"``
+with ``packed=True`` raises ``ValueError``. The vertical-slash pattern over packed documents
+(``packed=True, sparse=True``) runs the sparse step kernels of ``"triton"`` (``"auto"`` on CUDA where
+the Triton limits hold) or ``"torch"``; its estimator and index conversion run in torch (the Triton
+score kernels have no document mask).
 
 An explicit ``"triton"``, ``"sdpa"`` or ``"fa4"`` that cannot run the requested shape raises ``ValueError``
 naming the rule and the supported values; ``"auto"`` never raises for a supported float dtype.
@@ -174,8 +174,8 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
             checked, :func:`~megatron_mtraining.ops.fa4.fa4_unavailable_reason` and the cached
             :func:`~megatron_mtraining.ops.fa4.fa4_self_check`); lets a caller decide for a device it
             does not hold.
-        packed: the attention has a packed-document mask (the torch and Triton dense step kernels
-            implement it; FA4 and SDPA do not).
+        packed: the attention has a packed-document mask (the torch and Triton step kernels, dense
+            and sparse, implement it; FA4 and SDPA do not).
 
     Returns:
         a :class:`KernelBackend`.
@@ -184,7 +184,7 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         ValueError: an unknown ``name`` (naming :data:`KERNEL_BACKENDS`), a non-float ``dtype``, a
             ``head_dim`` or ``cp_size`` below 1, ``"triton"`` where a limit fails (each failing limit
             named with the supported values), ``"sdpa"`` with ``cp_size > 1`` or ``sparse``, or
-            ``"sdpa"`` or ``"fa4"`` with ``packed``, ``"triton"`` with ``packed`` and ``sparse``.
+            ``"sdpa"`` or ``"fa4"`` with ``packed``.
     """
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, got {name!r}")
@@ -197,10 +197,6 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
     if packed and name in ("sdpa", "fa4"):
         raise ValueError(f"kernel_backend={name!r} cannot run packed sequences (document masks): its kernels mask "
                          "by causal positions only; use kernel_backend='auto', 'triton' or 'torch'")
-    if packed and sparse and name in ("triton", "fa4"):
-        raise ValueError(f"kernel_backend={name!r} cannot run the vertical-slash pattern over packed sequences: its "
-                         "sparse step kernels have no document mask (packed documents with pattern: vertical_slash "
-                         "run on the torch sparse kernels); use kernel_backend='auto' or 'torch'")
     why = triton_unsupported(device=device, dtype=dtype, head_dim=head_dim, seq_len_local=seq_len_local,
                              triton_available=triton_available)
     if name == "triton" and why:
@@ -262,8 +258,6 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         steps = "fa4"
     if name == "sdpa":
         sparse_step = None
-    elif packed and sparse:            # only the torch sparse step kernel has a document mask
-        sparse_step = SparseStepKernel
     return KernelBackend(
         name=steps if name != "sdpa" else "sdpa", dense_step=dense_step, sparse_step=sparse_step, delta=delta,
         dense_cp1=dense_cp1, estimator_impl="triton" if pattern_kernels else "torch",

@@ -529,8 +529,17 @@ def make_fa4_sparse_step(steps, softmax_scale: float, *, fallback, deterministic
     """The sparse ring step kernel of the ``"fa4"`` backend (``sparse_step`` of
     :class:`~megatron_mtraining.ops.backends.KernelBackend`): :class:`FA4SparseStepKernel` for
     patterns at 128-token blocks, else ``fallback(steps, softmax_scale)`` alone (FA4's SM90 backward
-    has no narrower key blocks). Indices with packed-document bounds are refused by the fallback
-    (the Triton sparse kernels raise ``NotImplementedError``)."""
+    has no narrower key blocks).
+
+    Raises:
+        NotImplementedError: indices with packed-document bounds (``StepIndices.has_documents``):
+            FA4's block-sparse kernels have no document mask (the torch and Triton sparse step
+            kernels have one).
+    """
+    if any(s.has_documents for s in steps):
+        raise NotImplementedError("the FA4 sparse step kernels have no document mask: packed documents with the "
+                                  "vertical-slash pattern run on the Triton or torch sparse step kernels "
+                                  "(kernel_backend 'auto', 'triton' or 'torch')")
     fb = fallback(steps, softmax_scale)
     if any(s.block_size != FA4_BLOCK for s in steps):
         return fb

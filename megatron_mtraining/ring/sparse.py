@@ -245,11 +245,11 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             the estimator scores only keys of the probes' own documents and keeps the first
             ``sink_tokens`` of every document as vertical floors (docs/design.md, packed
             sequences); :func:`~megatron_mtraining.patterns.convert.restrict_to_documents` drops the
-            key blocks and columns no query of a block may see and the torch sparse step kernel
-            masks mixed blocks by document bounds. Padding tokens get exact zeros (out, dQ, dK,
-            dV). A single document per stream without padding runs the unpacked path (bitwise).
-            Needs the torch sparse step kernels (``backend`` ``"auto"`` or ``"torch"``) and
-            ``columns="in_ring"``.
+            key blocks and columns no query of a block may see and the sparse step kernel (torch
+            or Triton) masks mixed blocks by document bounds. Padding tokens get exact zeros (out,
+            dQ, dK, dV). A single document per stream without padding runs the unpacked path
+            (bitwise). The estimator and the index conversion run in torch; needs
+            ``columns="in_ring"`` and a backend other than FA4.
 
     Returns:
         ``out [b, s_local, hq, d]`` in ``q.dtype`` (and the pattern if ``return_pattern``).
@@ -258,8 +258,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
             group size, a layout that splits sparse blocks, an unknown ``columns`` schedule, or a
             backend without sparse kernels (``"sdpa"``).
-        NotImplementedError: packed documents with ``columns="out_of_ring"`` or with sparse step
-            kernels that have no document mask (Triton, FA4).
+        NotImplementedError: packed documents with ``columns="out_of_ring"`` or with the FA4 sparse
+            step kernels (no document mask).
     """
     documents = packed_documents(documents)
     if documents is not None and columns == "out_of_ring":
@@ -273,10 +273,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                            **sparse_agreement_fields(config, columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
     backend = backend_for(q, cp, backend, sparse=True, packed=documents is not None)
-    if documents is not None and backend.sparse_step is not SparseStepKernel:
-        raise NotImplementedError(f"sparse_ring_attention: packed documents (document masks) with the vertical-slash "
-                                  f"pattern run on the torch sparse step kernels only; kernel_backend="
-                                  f"{backend.name!r} has none with a document mask (use 'auto' or 'torch')")
+    if documents is not None and backend.name == "fa4":
+        raise NotImplementedError("sparse_ring_attention: packed documents (document masks) with the vertical-slash "
+                                  "pattern run on the torch or Triton sparse step kernels; the FA4 sparse kernels "
+                                  "have no document mask (use kernel_backend 'auto', 'triton' or 'torch')")
     if backend.sparse_step is None:
         raise ValueError(f"kernel_backend={backend.name!r} has no sparse kernels: sparse_ring_attention needs "
                          "'auto', 'fa4', 'triton' or 'torch'")

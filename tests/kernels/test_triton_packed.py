@@ -236,3 +236,44 @@ def test_triton_sparse_documents_splits_and_negative_control():
     bare = StepIndices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, idx.causal)
     out_bare, _ = sparse_attention_forward(q, k, v, bare, D ** -0.5)
     assert rel_err(out_bare, o_ref) > 1e-2
+
+
+@pytest.mark.parametrize("share", ["head", "kv_group"])
+def test_sparse_ring_with_documents_on_triton_matches_pattern_reference(share):
+    """``sparse_ring_attention`` at cp 1 with ``kernel_backend`` triton: the Triton sparse steps with
+    the document mask, against an fp64 reference built from the returned pattern."""
+    import dataclasses
+
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ops.triton import TritonSparseStepKernel
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+    from tests.helpers.packed_ref import pattern_document_attention
+    from tests.helpers.packed_ref import rel_err as max_rel_err
+
+    seq, hq, hkv = 256, 4, 2
+    gen = torch.Generator().manual_seed(17)
+    q, k, v, dout = (torch.randn(1, seq, h, D, generator=gen) * 1.5 for h in (hq, hkv, hkv, hq))
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 37, 150, 190]), seq,
+                                           cu_seqlens_padded=torch.tensor([0, 37, 150, 230]))   # tail: padding
+    cfg = VerticalSlashConfig(recall=0.6, last_q=64, block_size=64, sink_tokens=2, local_blocks=1, max_vertical=24,
+                              max_slash=3, share_pattern=share)
+    tri = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=D, sparse=True, packed=True)
+    kernels = []
+    backend = dataclasses.replace(tri, sparse_step=lambda steps, scale: kernels.append(tri.sparse_step(steps, scale))
+                                  or kernels[-1])
+    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, pat = sparse_ring_attention(*xs, layout=Layout("striped", 1, 64), config=cfg, softmax_scale=0.25,
+                                     documents=docs, return_pattern=True, backend=backend)
+    out.backward(dout)
+    (kernel,) = kernels
+    assert isinstance(kernel, TritonSparseStepKernel) and kernel.steps[0].has_documents
+    assert all(plan.has_documents for _, plan in kernel._plans.values())
+    r_out, r_dq, r_dk, r_dv, _ = pattern_document_attention(q, k, v, dout, pat, docs, 0.25)
+    for name, got, want in (("out", out, r_out), ("dq", xs[0].grad, r_dq), ("dk", xs[1].grad, r_dk),
+                            ("dv", xs[2].grad, r_dv)):
+        assert torch.isfinite(got).all(), name
+        assert max_rel_err(got, want) <= 1e-5, (name, max_rel_err(got, want))
+    real = docs.real()[0]
+    for t in (out, *(x.grad for x in xs)):
+        assert bool((t[:, ~real] == 0).all())

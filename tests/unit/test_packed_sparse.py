@@ -8,6 +8,8 @@ simulated rank by rank (tests/helpers/ring_sim.py) with the per-rank conversion,
 restriction and the torch sparse step kernel; the estimator itself runs over gloo in
 tests/distributed/test_packed_sparse_ring.py.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -189,27 +191,48 @@ def test_refusals_name_the_rule():
     layout = Layout("striped", 1, BS)
     with pytest.raises(NotImplementedError, match="columns='in_ring'"):
         sparse_ring_attention(q, k, v, layout=layout, config=_cfg(), documents=docs, columns="out_of_ring")
-    with pytest.raises(ValueError, match="no document mask"):
-        select_backend("triton", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True,
-                       triton_available=True)
+    with pytest.raises(ValueError, match="kernel_backend='fa4' cannot run packed sequences"):
+        select_backend("fa4", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True,
+                       triton_available=True, fa4_available=True)
     with pytest.raises(ValueError, match="impl='triton' has no document mask"):
         estimate_vertical_slash(q, k, layout=layout, config=_cfg(), impl="triton", documents=docs)
+    fa4_named = dataclasses.replace(select_backend("torch", device="cpu", dtype=torch.float32, head_dim=16,
+                                                   sparse=True, packed=True), name="fa4")
+    with pytest.raises(NotImplementedError, match="FA4 sparse kernels have no document mask"):
+        sparse_ring_attention(q, k, v, layout=layout, config=_cfg(), documents=docs, backend=fa4_named)
     auto = select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True)
     assert auto.sparse_step is SparseStepKernel
-    cuda_auto = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, sparse=True, packed=True,
-                               triton_available=True, fa4_available=False)
-    assert cuda_auto.sparse_step is SparseStepKernel
 
 
-def test_triton_sparse_step_refuses_document_bounds():
+def test_triton_backends_keep_the_triton_sparse_steps_for_documents():
     pytest.importorskip("triton")
     from megatron_mtraining.ops.triton import make_sparse_step_kernel
 
+    tri = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True,
+                         triton_available=True)
+    assert tri.name == "triton" and tri.sparse_step.func is make_sparse_step_kernel
+    assert tri.estimator_impl == "triton"      # sparse_ring_attention runs the torch estimator with documents
+    cuda_auto = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, sparse=True, packed=True,
+                               triton_available=True, fa4_available=True)
+    assert cuda_auto.name == "triton" and cuda_auto.sparse_step.func is make_sparse_step_kernel
+
+
+def test_step_kernels_take_document_bounds():
+    """The Triton sparse step kernel keeps the bounds; FA4's refuses them, naming the rule."""
+    pytest.importorskip("triton")
+    from megatron_mtraining.ops.fa4 import make_fa4_sparse_step
+    from megatron_mtraining.ops.triton import make_sparse_step_kernel, plan_for
+
     S = 128
     q, k, _, _ = _inputs(S, 2, 2, torch.float64)
-    layout = Layout("striped", 1, BS)
+    layout = Layout("striped", 1, 64)
     docs = _documents(S, 1, "contiguous")
-    pat = estimate_vertical_slash(q, k, layout=layout, config=_cfg(), softmax_scale=0.25, documents=docs)
+    pat = estimate_vertical_slash(q, k, layout=layout, config=_cfg(block_size=64), softmax_scale=0.25,
+                                  documents=docs)
     steps = restrict_to_documents(convert_pattern(pat, layout, 0, impl="torch"), docs, layout, 0)
-    with pytest.raises(NotImplementedError, match="no document mask"):
-        make_sparse_step_kernel(steps, 0.25)
+    kernel = make_sparse_step_kernel(steps, 0.25)
+    plan = kernel.plan(steps[0])
+    assert plan.has_documents and plan_for(steps[0]).has_documents
+    assert torch.equal(plan.doc_lo.long(), steps[0].doc_lo) and torch.equal(plan.k_pos.long(), steps[0].key_pos)
+    with pytest.raises(NotImplementedError, match="FA4 sparse step kernels have no document mask"):
+        make_fa4_sparse_step(steps, 0.25, fallback=make_sparse_step_kernel)

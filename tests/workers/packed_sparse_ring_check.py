@@ -8,10 +8,16 @@ row). The pattern must equal the one estimated at cp 1 on the whole sequence, pa
 exact zeros and a single document must equal the unpacked sparse ring bitwise. Rank 0 prints one
 ``RESULT {json}`` line per case with the worst relative error over all ranks.
 
-    torchrun --nproc-per-node 2 tests/workers/packed_sparse_ring_check.py
+With ``--backend triton`` (set ``TRITON_INTERPRET=1`` on the CPU) the ring steps run the Triton
+sparse kernels with their document mask instead: 64-token blocks on 512-token streams, fp32, the
+flat ring, striped and zigzag; every step kernel must be the Triton one.
+
+    torchrun --nproc-per-node 2 tests/workers/packed_sparse_ring_check.py [--backend triton]
 """
+import dataclasses
 import itertools
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,14 @@ DOCS = {
     "padded": ([0, 5, 30, 31], [0, 8, 40, 112]),           # padded slots and a padded tail (probes: padding)
     "padded_real_tail": ([0, 5, 30, 118], [0, 8, 40, 128]),  # padded slots, the last document real to the end
 }
+TRITON = "--backend" in sys.argv and sys.argv[sys.argv.index("--backend") + 1] == "triton"
+if TRITON:      # the Triton kernels' 64-token blocks
+    S, BS = 512, 64
+    CFG = dataclasses.replace(CFG, last_q=64, block_size=BS, max_vertical=24)
+    DOCS = {
+        "mixed": ([0, 1, 40, 170, 180, 400, 512], None),   # lengths 1, 39, 130, 10, 220, 112: straddle blocks
+        "padded": ([0, 5, 130, 300], [0, 64, 200, 448]),   # padded slots and a padded tail
+    }
 
 
 def _data(hq, hkv, seed=0):
@@ -51,8 +65,16 @@ def run_case(group, hier, layout, name, hq, hkv, dtype):
     docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, cu_seqlens_padded=padded)
     sh = lambda t: layout.shard(t, rank, 1)  # noqa: E731
     ql, kl, vl = (sh(t).contiguous().requires_grad_(True) for t in (q, k, v))
+    backend, kernels = None, []
+    if TRITON:
+        from megatron_mtraining.ops.backends import select_backend
+
+        tri = select_backend("triton", device="cpu", dtype=dtype, head_dim=D, seq_len_local=ql.shape[1],
+                             cp_size=layout.cp_size, sparse=True, packed=True)
+        backend = dataclasses.replace(tri, sparse_step=lambda st, sc: kernels.append(tri.sparse_step(st, sc))
+                                      or kernels[-1])
     out, pat = sparse_ring_attention(ql, kl, vl, layout=layout, group=group, config=CFG, softmax_scale=SCALE,
-                                     documents=docs, return_pattern=True, hierarchical_groups=hier)
+                                     documents=docs, return_pattern=True, hierarchical_groups=hier, backend=backend)
     out.backward(sh(do))
     whole = estimate_vertical_slash(q.double(), k.double(), layout=Layout("striped", 1, BS), config=CFG,
                                     softmax_scale=SCALE, documents=docs)
@@ -64,6 +86,11 @@ def run_case(group, hier, layout, name, hq, hkv, dtype):
     res["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
     res["padding_zero"] = all(bool((g[0, ~real] == 0).all()) for g in got)
     res["same_pattern"] = pat.same_selection(whole)
+    if TRITON:
+        from megatron_mtraining.ops.triton import TritonSparseStepKernel
+
+        res["triton_steps"] = len(kernels) == 1 and isinstance(kernels[0], TritonSparseStepKernel) and all(
+            st.has_documents for st in kernels[0].steps)
     return res
 
 
@@ -89,10 +116,13 @@ def main():
     emit = lambda case, res: dist.get_rank() == 0 and print("RESULT " + json.dumps({"case": case, **res}),  # noqa: E731
                                                            flush=True)
     layouts = [Layout("striped", world, BS), Layout("zigzag", world)]
-    for layout, name, (hq, hkv), dtype in itertools.product(layouts, DOCS, [(2, 2), (4, 1)],
-                                                            [torch.float64, torch.float32]):
+    dtypes = [torch.float32] if TRITON else [torch.float64, torch.float32]
+    for layout, name, (hq, hkv), dtype in itertools.product(layouts, DOCS, [(2, 2), (4, 1)], dtypes):
         res = _gather_worst(run_case(group, None, layout, name, hq, hkv, dtype))
         emit(dict(ring="flat", layout=layout.kind, docs=name, hq=hq, hkv=hkv, dtype=str(dtype).split(".")[1]), res)
+    if TRITON:
+        finish_process_group()
+        return
     if world == 4:
         from megatron.core import parallel_state as ps
 
