@@ -9,6 +9,11 @@ in out, dQ, dK, dV; no NaN).
 The one-rank cases also run through ``ring_attention`` itself (autograd and delta kernel, the
 backend ``auto`` picks with documents: Triton). On the CPU the same code path runs on tiny fp16 cases in the Triton interpreter (``SMOKE_CASES``),
 and ring steps without the documents must fail the criterion (negative control).
+
+The vertical-slash sparse ring over documents (``gp.SPARSE_CASES``): the Triton sparse step kernels
+with their document mask, bf16 (and one fp16 case), against fp64 attention under (pattern) ∧ causal
+∧ same document, the same 2x-of-bf16 criterion; tiny fp16 cases and a negative control (the steps
+without their document bounds) in the interpreter.
 """
 import pytest
 import torch
@@ -91,4 +96,34 @@ def test_steps_without_documents_fail_the_criterion(monkeypatch):
 
     monkeypatch.setattr(gp, "DenseGpuStepKernel", unmasked)
     row = gp.run_case(gp.SMOKE_CASES[0], "cpu")
+    assert not row["ok"] and row["ratio"]["out"] > 2.0, row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", gp.SPARSE_CASES, ids=lambda c: c.id)
+def test_packed_sparse_case_on_gpu(case):
+    """The Triton sparse steps with the document mask, bf16/fp16, within 2x the error of bf16 torch."""
+    try:
+        row = gp.run_sparse_case(case, "cuda")
+    finally:
+        torch.cuda.empty_cache()
+    print(gp.describe(row))
+    assert row["padding_tokens"] == 0 or row["padding_lse_neginf"], row
+    assert_case_passes(row)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("case", gp.SPARSE_SMOKE_CASES, ids=lambda c: c.id)
+def test_sparse_smoke_case_on_cpu_interpreter(case):
+    """The sparse GPU check's code path on the CPU, tiny fp16."""
+    row = gp.run_sparse_case(case, "cpu")
+    assert row["padding_tokens"] > 0 or case.slots is None, row
+    assert row["padding_tokens"] == 0 or row["padding_lse_neginf"], row
+    assert_case_passes(row)
+
+
+@requires_interpreter
+def test_sparse_steps_without_document_bounds_fail_the_criterion():
+    """Negative control: the same restricted indices without the document bounds must fail."""
+    row = gp.run_sparse_case(gp.SPARSE_SMOKE_CASES[0], "cpu", use_documents=False)
     assert not row["ok"] and row["ratio"]["out"] > 2.0, row

@@ -18,6 +18,14 @@ with documents chooses). Cases (:data:`CASES`): documents of length 1, lengths n
 stripes, padded slots and trailing padding, GQA, striped cp 1/2/4 and zigzag cp 2, bf16 and fp16.
 :data:`SMOKE_CASES`: tiny fp16 cases for the CPU under ``TRITON_INTERPRET=1`` (the interpreter has
 no bf16 arithmetic).
+
+:func:`run_sparse_case` checks the vertical-slash sparse ring over the documents
+(:data:`SPARSE_CASES`): the pattern estimated on the whole sequence with the documents, each rank's
+steps converted and restricted to the documents, run by the Triton sparse step kernels with their
+document mask (the ring simulated as above). Oracle: masked attention in fp64 under (pattern) ∧
+causal ∧ same document; the bf16 reference is the same masked attention in bf16 torch ops; same
+criterion, padding and NaN checks. :data:`SPARSE_SMOKE_CASES`: tiny fp16 cases for the CPU
+interpreter.
 """
 
 from __future__ import annotations
@@ -99,6 +107,86 @@ SMOKE_CASES = (
     Case("smoke-packed-zigzag-cp2", ("zigzag", 2, 64), 256, (1, 63, 65, 100, 27), hq=2, hkv=1, d=64, dtype=fp16,
          seed=2),
 )
+
+
+SPARSE_CASES = (
+    Case("sparse-packed-cp1-mixed-8k", ("striped", 1, 64), 8192, _MIXED_8K, seed=20),
+    Case("sparse-packed-striped-cp2-mixed-8k", ("striped", 2, 64), 8192, _MIXED_8K, seed=21),
+    Case("sparse-packed-zigzag-cp2-padded-8k", ("zigzag", 2, 64), 8192, _PADDED_8K[0], _PADDED_8K[1], seed=22),
+    Case("sparse-packed-striped-cp4-padded-8k-kvgroup", ("striped", 4, 64), 8192, _PADDED_8K[0], _PADDED_8K[1],
+         hq=16, hkv=2, seed=23, extra={"share_pattern": "kv_group"}),
+    Case("sparse-packed-striped-cp2-b128-mixed-8k-d64", ("striped", 2, 128), 8192, _MIXED_8K, d=64, seed=24,
+         extra={"block_size": 128}),
+    Case("sparse-packed-striped-cp2-mixed-8k-fp16", ("striped", 2, 64), 8192, _MIXED_8K, dtype=fp16, seed=25),
+)
+
+SPARSE_SMOKE_CASES = (
+    Case("smoke-sparse-packed-striped-cp2", ("striped", 2, 64), 512, (1, 63, 65, 300, 83), hq=2, hkv=1, d=64,
+         dtype=fp16, seed=30),
+    Case("smoke-sparse-packed-padded-cp1", ("striped", 1, 64), 256, (1, 50, 70), (64, 64, 100), hq=2, hkv=1, d=64,
+         dtype=fp16, seed=31),
+)
+
+
+def _sparse_config(case: Case):
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+
+    kw = dict(recall=0.9, last_q=64, block_size=64, sink_tokens=16, local_blocks=1, max_vertical=256, max_slash=16)
+    kw.update(case.extra)
+    return VerticalSlashConfig(**kw)
+
+
+def run_sparse_case(case: Case, device="cuda", use_documents: bool = True) -> dict:
+    """Run one sparse case (:data:`SPARSE_CASES`); ``use_documents=False`` (a negative control) gives
+    the Triton steps the same restricted indices without their document bounds."""
+    from megatron_mtraining.ops.triton import make_sparse_step_kernel
+    from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
+    from megatron_mtraining.patterns.estimator import estimate_vertical_slash
+    from megatron_mtraining.patterns.indices import StepIndices
+
+    t0 = time.time()
+    layout = Layout(*case.layout)
+    cu, pad = offsets(case)
+    s = case.seq
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=case.batch,
+                                           cu_seqlens_padded=torch.tensor(pad), device=device)
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    mk = lambda h: torch.randn(case.batch, s, h, case.d, generator=g, device=device).to(case.dtype)  # noqa: E731
+    q, k, v, dout = mk(case.hq), mk(case.hkv), mk(case.hkv), mk(case.hq)
+    scale = case.d ** -0.5
+    cfg = _sparse_config(case)
+    pattern = estimate_vertical_slash(q.double(), k.double(), layout=Layout("striped", 1, cfg.block_size),
+                                      config=cfg, softmax_scale=scale, documents=docs)
+    mask = pattern.dense_mask(s)                                        # [b, h_pattern, S, S]
+    mask = mask.repeat_interleave(case.hq // mask.shape[1], dim=1)
+    t = torch.arange(s, device=device)
+    mask &= ((docs.lo[:, :, None] <= t) & (t <= docs.hi[:, :, None]))[:, None]
+    mask_fn = lambda r0, r1: mask[:, :, r0:r1]  # noqa: E731
+    gold = oracle(q, k, v, mask_fn, scale, dout)[:5]
+    ref = bf16_reference(q, k, v, mask_fn, scale, dout)
+    del mask
+
+    def kernel(rank):
+        steps = restrict_to_documents(convert_pattern(pattern, layout, rank, impl="torch"), docs, layout, rank)
+        if not use_documents:
+            steps = [StepIndices(st.block_count, st.block_index, st.column_count, st.column_index, st.causal,
+                                 st.block_size) for st in steps]
+        return make_sparse_step_kernel(steps, scale)
+
+    ours = _poisoned(lambda: simulate_dense_ring(layout, q, k, v, dout, kernel), device)
+    e_ours = {n: rel_err(a, r) for n, a, r in zip(NAMES, ours, gold)}
+    e_ref = {n: rel_err(a, r) for n, a, r in zip(NAMES, ref, gold)}
+    ratio = {n: e_ours[n] / max(e_ref[n], 1e-12) for n in NAMES}
+    nan = any(bool(torch.isnan(x).any()) for x in ours)
+    padding = ~docs.real()
+    pad_zero = all(bool((x[padding] == 0).all()) for x in (ours[0], ours[2], ours[3], ours[4]))
+    pad_lse = bool(torch.isneginf(ours[1].transpose(1, 2)[padding]).all())
+    ok = (not nan) and pad_zero and all(ratio[n] <= 2.0 for n in NAMES)
+    return dict(case=case.id, layout=list(case.layout), seq=s, documents=len(case.lengths),
+                padding_tokens=int(padding.sum()), dtype=str(case.dtype).replace("torch.", ""),
+                heads=[case.hq, case.hkv], head_dim=case.d, block_size=cfg.block_size,
+                share_pattern=cfg.share_pattern, err_ours=e_ours, err_bf16_ref=e_ref, ratio=ratio, nan=nan,
+                padding_exact_zero=pad_zero, padding_lse_neginf=pad_lse, ok=ok, seconds=round(time.time() - t0, 1))
 
 
 def _per_document(fn, q, k, v, dout, cu, pad, scale):
@@ -219,10 +307,12 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp16 cases on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     device, cases = ("cpu", SMOKE_CASES) if args.cpu_smoke else ("cuda", CASES)
+    sparse = SPARSE_SMOKE_CASES if args.cpu_smoke else SPARSE_CASES
     if device == "cuda":
         print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     results, oks = [], []
     runs = [(run_case, c) for c in cases] + [(run_ring_case, c) for c in (RING_CASES if device == "cuda" else ())]
+    runs += [(run_sparse_case, c) for c in sparse]
     for fn, c in runs:
         try:
             row = fn(c, device)
