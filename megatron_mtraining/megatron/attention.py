@@ -205,7 +205,7 @@ class MTrainingAttention(MegatronModule):
                 stream). Attention is then causal *and* within a document; padding tokens (past
                 ``cu_seqlens``, or in a document's padded slot) give zeros. The whole stream is split by
                 the run's layout (every rank holds the same offsets). With the vertical-slash pattern the
-                mask is (pattern) ∧ causal ∧ same document (torch sparse kernels, ``columns: in_ring``).
+                mask is (pattern) ∧ causal ∧ same document (torch or Triton sparse kernels, ``columns: in_ring``).
 
         Returns:
             ``[s_local, b, np * hn]`` (``thd``: ``[t_local, np * hn]``), dtype of ``query``.

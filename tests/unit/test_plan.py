@@ -146,7 +146,7 @@ def test_front_doors_accept_packed_documents_with_the_dense_pattern(tmp_path, kw
     with pytest.raises(ValueError, match="not supported through the Megatron-LM patch"):
         megatron_lm.mtraining_config_from_args(_mlm(**kw))
     sparse = dict(kw, mtraining_config=str(ROOT / "configs" / "demo_sparse.yaml"))
-    assert config_from_args(_mlm(**sparse)).sparse          # vertical-slash over documents: torch sparse kernels
+    assert config_from_args(_mlm(**sparse)).sparse          # vertical-slash over documents
     assert not isinstance(_pretrain(tmp_path, **sparse), str)
     if kw.get("reset_attention_mask"):
         oor = tmp_path / "oor.yaml"
@@ -163,8 +163,10 @@ def test_front_doors_accept_packed_documents_with_the_dense_pattern(tmp_path, kw
         with pytest.raises(ValueError, match="needs the tokenizer's EOD token"):
             packing_from_args(_mlm(**kw))
         assert resolve({"pattern": "vertical_slash"}, cp_group=None, packing=packing).config.sparse
-        with pytest.raises(ValueError, match="kernel_backend: triton has no sparse kernel with a document mask"):
-            resolve({"pattern": "vertical_slash", "kernel_backend": "triton"}, cp_group=None, packing=packing)
+        assert resolve({"pattern": "vertical_slash", "kernel_backend": "triton"}, cp_group=None,
+                       packing=packing).config.sparse           # the Triton sparse kernels have a document mask
+        with pytest.raises(ValueError, match="kernel_backend: fa4 has no sparse kernel with a document mask"):
+            resolve({"pattern": "vertical_slash", "kernel_backend": "fa4"}, cp_group=None, packing=packing)
     from megatron_mtraining.megatron.args import ArgumentValidationError, apply_mtraining_config
 
     te = SimpleNamespace(context_parallel_size=1, hierarchical_context_parallel_sizes=None, cp_attention="te",
