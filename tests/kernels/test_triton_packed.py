@@ -5,6 +5,14 @@ A simulated ring (every rank's steps and the LSE merge) of :class:`DenseGpuStepK
 out, dQ, dK, dV separately (fp32 inputs, <= 1e-5 relative to the largest reference magnitude);
 striped and zigzag, cp 1, 2 and 4, GQA 1 and 4, padded documents (exact zeros), two streams with
 different documents; tiles of other documents are not listed in the plan.
+
+The vertical-slash sparse steps with packed documents (the Triton sparse kernels' document mask):
+random indices restricted to the documents (two streams, a document crossing block boundaries,
+padded slots and a padded tail; the own causal step and another owner's step; per-head and
+per-group indices with packed GQA tiles) against fp64 masked attention: out, LSE, dQ, dK, dV
+separately (fp32, <= 1e-5), both backward modes, exact zeros for padding; the plan's unmasked splits
+against a brute-force count; a negative control without the bounds; the custom ops (autograd,
+torch.compile) and ``sparse_ring_attention`` at cp 1 with ``kernel_backend`` triton.
 """
 
 import os
@@ -277,3 +285,20 @@ def test_sparse_ring_with_documents_on_triton_matches_pattern_reference(share):
     real = docs.real()[0]
     for t in (out, *(x.grad for x in xs)):
         assert bool((t[:, ~real] == 0).all())
+
+
+def test_sparse_attention_autograd_with_documents():
+    """The custom ops carry the document bounds: autograd and torch.compile (fullgraph)."""
+    from megatron_mtraining.ops.triton import sparse_attention
+
+    gen = torch.Generator().manual_seed(1)
+    (idx,) = _sparse_steps(Layout("striped", 1, 64), 0, 256, 2, 2, gen)
+    q, k, v, dout = (torch.randn(2, 256, 2, D, generator=gen) for _ in range(4))
+    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = sparse_attention(*xs, idx, 0.2)
+    out.backward(dout)
+    ref = oracle(q, k, v, _doc_mask_fn(idx, 256), 0.2, dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in xs)), (ref[0], *ref[2:5])):
+        assert rel_err(got.detach(), want) <= 1e-5, name
+    compiled = torch.compile(lambda a, b, c: sparse_attention(a, b, c, idx, 0.2), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v), out.detach())

@@ -258,6 +258,8 @@ class TritonSparseStepKernel(SparseStepKernel):
         static_plans: backward plans at host-known sizes, without device reads (:func:`plan_for`;
             ``None``, the default: on CUDA for indices with host bounds).
 
+    Steps with packed-document bounds (``StepIndices.has_documents``) are masked by them.
+
     Inputs must be bf16/fp16/fp32 on a device where Triton runs, with ``d`` in 16/32/64/128/256 and
     lengths that are multiples of 64 (:func:`~megatron_mtraining.ops.backends.select_backend` checks
     this before choosing the kernel); the launchers raise ``ValueError`` otherwise.
