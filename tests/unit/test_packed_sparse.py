@@ -236,3 +236,13 @@ def test_step_kernels_take_document_bounds():
     assert torch.equal(plan.doc_lo.long(), steps[0].doc_lo) and torch.equal(plan.k_pos.long(), steps[0].key_pos)
     with pytest.raises(NotImplementedError, match="FA4 sparse step kernels have no document mask"):
         make_fa4_sparse_step(steps, 0.25, fallback=make_sparse_step_kernel)
+    # patterns at 128-token blocks are split into the kernels' 64-token tiles with their bounds
+    from megatron_mtraining.patterns.convert import refine_indices
+
+    lay128 = Layout("striped", 1, 128)
+    pat = estimate_vertical_slash(q, k, layout=lay128, config=_cfg(block_size=128), softmax_scale=0.25,
+                                  documents=docs)
+    (st,) = restrict_to_documents(convert_pattern(pat, lay128, 0, impl="torch"), docs, lay128, 0)
+    fine = refine_indices(st, 64)
+    assert fine.block_size == 64 and fine.doc_lo is st.doc_lo and fine.doc_hi is st.doc_hi
+    assert fine.key_pos is st.key_pos and plan_for(st).has_documents
