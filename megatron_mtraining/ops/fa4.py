@@ -465,7 +465,7 @@ class FA4SparseStepKernel(SparseStepKernel):
 
     def __init__(self, steps, softmax_scale: float, *, fallback, deterministic: bool = False):
         self.fallback, self.deterministic = fallback, bool(deterministic)
-        super().__init__(steps, softmax_scale, forward_fn=self._forward_step, backward_fn=self._backward_step)
+        super().__init__(steps, softmax_scale)
         bad = sorted({s.block_size for s in self.steps} - {FA4_BLOCK})
         if bad:
             raise ValueError(f"FA4 sparse steps need {FA4_BLOCK}-token blocks, got block_size {bad[0]}")
@@ -484,6 +484,10 @@ class FA4SparseStepKernel(SparseStepKernel):
     def begin_backward(self, out: torch.Tensor) -> None:
         """The ring's final output (``[b, sq, hq, d]``, q's dtype), for the FA4 backward."""
         self._out = out
+
+    def end_backward(self) -> None:
+        """Drop the output held since :meth:`begin_backward` (its autograd node refers back to this kernel)."""
+        self._out = None
 
     def _parts(self, idx):
         hit = self._cache.get(id(idx))
@@ -523,6 +527,9 @@ class FA4SparseStepKernel(SparseStepKernel):
         if grads is None:
             return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
         return grads
+
+    forward_fn = _forward_step
+    backward_fn = _backward_step
 
 
 def make_fa4_sparse_step(steps, softmax_scale: float, *, fallback, deterministic: bool = False):

@@ -234,7 +234,8 @@ class SparseStepKernel:
         forward_fn / backward_fn: step implementations with the signatures of
             :func:`sparse_attention_forward` / :func:`sparse_attention_backward` (default: the torch
             reference; the Triton kernel of :func:`megatron_mtraining.ops.triton.make_sparse_step_kernel`
-            plugs in here).
+            plugs in here). Plain functions: a subclass overrides :meth:`forward_fn` /
+            :meth:`backward_fn` instead.
 
     Attributes:
         column_phase: out-of-ring column work (:class:`~megatron_mtraining.ops.base.ColumnWork`) or
@@ -247,8 +248,11 @@ class SparseStepKernel:
                  forward_fn: Optional[SparseStepFunction] = None, backward_fn: Optional[SparseStepGradFunction] = None):
         self.steps = list(steps)
         self.softmax_scale = softmax_scale
-        self.forward_fn = forward_fn or sparse_attention_forward
-        self.backward_fn = backward_fn or sparse_attention_backward
+        # plain functions only: a subclass overrides the methods below instead of passing its own bound
+        # methods (which, stored on ``self``, would make a reference cycle that keeps every step's
+        # index tensors and plans alive until Python's cycle collector runs)
+        self._forward_impl = forward_fn or sparse_attention_forward
+        self._backward_impl = backward_fn or sparse_attention_backward
         self.empty = [s.is_empty() for s in self.steps]     # no device read for convert_pattern steps (known_max)
         self.column_phase = None
         self.expect_backward = True
@@ -256,6 +260,14 @@ class SparseStepKernel:
     @property
     def computed_steps(self) -> int:
         return sum(not e for e in self.empty)
+
+    def forward_fn(self, q, k, v, indices: StepIndices, softmax_scale: float):
+        """One step's forward (signature of :func:`sparse_attention_forward`)."""
+        return self._forward_impl(q, k, v, indices, softmax_scale)
+
+    def backward_fn(self, dout, q, k, v, lse, delta, indices: StepIndices, softmax_scale: float):
+        """One step's gradients (signature of :func:`sparse_attention_backward`)."""
+        return self._backward_impl(dout, q, k, v, lse, delta, indices, softmax_scale)
 
     def forward(self, q, k, v, owner: int):
         if self.empty[owner]:

@@ -35,7 +35,7 @@ from ..ops.merge import merge_attention
 from ..ops.reference import DenseStepKernel, attention_delta_torch
 
 __all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "ring_input_error",
-           "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward", "packed_documents",
+           "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward", "end_backward", "packed_documents",
            "documents_error", "dense_step_kernel"]
 
 
@@ -123,6 +123,16 @@ def begin_backward(kernel, out: torch.Tensor) -> None:
     hook = getattr(kernel, "begin_backward", None)
     if hook is not None:
         hook(out)
+
+
+def end_backward(ctx) -> None:
+    """After a ring Function's backward: let the kernel drop what it held for it (``end_backward``)
+    and release the kernel from ``ctx``, so that no reference cycle (output -> autograd node ->
+    kernel -> output) keeps the step plans and index tensors alive until Python's cycle collector runs."""
+    hook = getattr(ctx.kernel, "end_backward", None)
+    if hook is not None:
+        hook()
+    ctx.kernel = None
 
 
 def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,
@@ -224,6 +234,7 @@ class RingAttentionFunc(torch.autograd.Function):
                                     delta, dq, lambda step: (rank - step) % cp)
         if cols is not None:
             cols.finish_backward(dk, dv)
+        end_backward(ctx)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

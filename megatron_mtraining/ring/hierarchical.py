@@ -44,7 +44,7 @@ from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
 from ..ops.reference import attention_delta_torch
 from . import (_empty_out_lse, backend_for, begin_backward, column_phase_of, dense_step_kernel, documents_error,
-               last_dim_contiguous, packed_documents, ring_input_error,
+               end_backward, last_dim_contiguous, packed_documents, ring_input_error,
                ring_pass_backward, ring_pass_forward)
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
@@ -152,6 +152,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         dk, dv = acc_pending.wait()
         if cols is not None:
             cols.finish_backward(dk, dv)
+        end_backward(ctx)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

@@ -27,6 +27,8 @@ evenly. Both schedules compute every (query, key) pair of the pattern exactly on
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -48,6 +50,23 @@ __all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_a
 COLUMN_SCHEDULES = ("in_ring", "out_of_ring")
 _COLUMNS_FORWARD = "sparse ring forward: all_reduce of the out-of-ring column K/V"     # CommError context
 _COLUMNS_BACKWARD = "sparse ring backward: all_reduce of the out-of-ring column dK/dV"
+
+
+def _weak_callable(fn: Callable) -> Callable:
+    """``fn``, or for a bound method a callable that holds its object weakly: the column phase is
+    owned by the step kernel whose methods it calls, and a strong reference back would make a cycle
+    that keeps the kernel's plans and index tensors alive until Python's cycle collector runs."""
+    if not inspect.ismethod(fn):
+        return fn
+    ref = weakref.WeakMethod(fn)
+
+    def call(*args, **kwargs):
+        method = ref()
+        if method is None:
+            raise RuntimeError("the step kernel of this out-of-ring column phase no longer exists")
+        return method(*args, **kwargs)
+
+    return call
 
 
 class ColumnPhase:
@@ -100,7 +119,8 @@ class ColumnPhase:
             raise ValueError("columns='out_of_ring' needs block diagonal 0 selected for every head "
                              "(VerticalSlashConfig.local_blocks >= 1): out-of-ring columns are computed unmasked")
         self.layout, self.rank, self.group = layout, rank, group
-        self.forward_fn, self.backward_fn, self.softmax_scale = forward_fn, backward_fn, softmax_scale
+        self.forward_fn, self.backward_fn = _weak_callable(forward_fn), _weak_callable(backward_fn)
+        self.softmax_scale = softmax_scale
         S, bs = pattern.seq_len, pattern.block_size
         dev = pattern.vertical.device
         vert = pattern.vertical

@@ -268,7 +268,7 @@ class TritonSparseStepKernel(SparseStepKernel):
     def __init__(self, steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
                  prebuild: bool = True, config: Optional[KernelConfig] = None, stats: Optional[dict] = None,
                  static_plans: Optional[bool] = None):
-        super().__init__(steps, softmax_scale, forward_fn=self._forward_step, backward_fn=self._backward_step)
+        super().__init__(steps, softmax_scale)
         self.static_plans = static_plans
         self.deterministic, self.prebuild = bool(deterministic), bool(prebuild)
         self.config = config or DEFAULT_CONFIG
@@ -299,6 +299,9 @@ class TritonSparseStepKernel(SparseStepKernel):
     def _backward_step(self, dout, q, k, v, lse, delta, idx: StepIndices, scale: float):
         return sparse_backward(dout, q, k, v, lse, delta, self.plan(idx), scale, self.deterministic,
                                config=self.config, stats=self.stats)
+
+    forward_fn = _forward_step
+    backward_fn = _backward_step
 
 
 def make_sparse_step_kernel(steps: Sequence[StepIndices], softmax_scale: float, deterministic: bool = True,
