@@ -126,13 +126,13 @@ def begin_backward(kernel, out: torch.Tensor) -> None:
 
 
 def end_backward(ctx) -> None:
-    """After a ring Function's backward: let the kernel drop what it held for it (``end_backward``)
-    and release the kernel from ``ctx``, so that no reference cycle (output -> autograd node ->
-    kernel -> output) keeps the step plans and index tensors alive until Python's cycle collector runs."""
+    """After a ring Function's backward: let the kernel drop what it held for it (``end_backward``),
+    so that no reference cycle (output -> autograd node -> kernel -> output) keeps the step plans and
+    index tensors alive until Python's cycle collector runs. The kernel stays on ``ctx``: a second
+    backward through a retained graph runs it again."""
     hook = getattr(ctx.kernel, "end_backward", None)
     if hook is not None:
         hook()
-    ctx.kernel = None
 
 
 def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,

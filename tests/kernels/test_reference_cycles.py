@@ -141,3 +141,17 @@ def test_negative_control_a_stored_bound_method_is_found():
     found = cyclic_garbage(lambda: SelfReferencing(steps))
     assert any(isinstance(o, SelfReferencing) for o in found)
     assert RingAttentionFunc is not None
+
+
+def test_retained_graph_runs_backward_twice():
+    backend = select_backend("torch", device=torch.device("cpu"), dtype=torch.float32, head_dim=16,
+                             seq_len_local=256, cp_size=1, sparse=True)
+    cfg = VerticalSlashConfig(recall=0.9, last_q=64, block_size=64, sink_tokens=64, local_blocks=1)
+    q, k, v = _qkv()
+    out = sparse_ring_attention(q, k, v, layout=Layout("striped", 1, 64), config=cfg, backend=backend,
+                                columns="out_of_ring")
+    out.sum().backward(retain_graph=True)
+    first = [t.grad.clone() for t in (q, k, v)]
+    out.sum().backward()
+    for g1, t in zip(first, (q, k, v)):
+        assert torch.equal(t.grad, 2 * g1)
