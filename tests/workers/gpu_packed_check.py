@@ -136,6 +136,37 @@ def _sparse_config(case: Case):
     return VerticalSlashConfig(**kw)
 
 
+def _inputs(case: Case, device):
+    """The case's layout, document offsets, sequence length, documents, ``(q, k, v, dout)`` (seeded)
+    and softmax scale."""
+    layout = Layout(*case.layout)
+    cu, pad = offsets(case)
+    s = case.seq
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=case.batch,
+                                           cu_seqlens_padded=torch.tensor(pad), device=device)
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    mk = lambda h: torch.randn(case.batch, s, h, case.d, generator=g, device=device).to(case.dtype)  # noqa: E731
+    return layout, cu, pad, s, docs, (mk(case.hq), mk(case.hkv), mk(case.hkv), mk(case.hq)), case.d ** -0.5
+
+
+def _score(case: Case, ours, gold, ref, docs, t0: float, **extra) -> dict:
+    """The result row of ``ours = (out, lse, dq, dk, dv)`` against the fp64 ``gold`` and the bf16
+    reference ``ref``: errors, their ratios, NaN and padding checks, and the criterion ``ok``."""
+    e_ours = {n: rel_err(a, r) for n, a, r in zip(NAMES, ours, gold)}
+    e_ref = {n: rel_err(a, r) for n, a, r in zip(NAMES, ref, gold)}
+    ratio = {n: e_ours[n] / max(e_ref[n], 1e-12) for n in NAMES}
+    nan = any(bool(torch.isnan(t).any()) for t in ours)
+    padding = ~docs.real()                                               # [b, S]
+    pad_zero = all(bool((t[padding] == 0).all()) for t in (ours[0], ours[2], ours[3], ours[4]))
+    pad_lse = bool(torch.isneginf(ours[1].transpose(1, 2)[padding]).all())
+    ok = (not nan) and pad_zero and all(ratio[n] <= 2.0 for n in NAMES)
+    return dict(case=case.id, layout=list(case.layout), seq=case.seq, documents=len(case.lengths),
+                padding_tokens=int(padding.sum()), dtype=str(case.dtype).replace("torch.", ""),
+                heads=[case.hq, case.hkv], head_dim=case.d, **extra, err_ours=e_ours, err_bf16_ref=e_ref,
+                ratio=ratio, nan=nan, padding_exact_zero=pad_zero, padding_lse_neginf=pad_lse, ok=ok,
+                seconds=round(time.time() - t0, 1))
+
+
 def run_sparse_case(case: Case, device="cuda", use_documents: bool = True) -> dict:
     """Run one sparse case (:data:`SPARSE_CASES`); ``use_documents=False`` (a negative control) gives
     the Triton steps the same restricted indices without their document bounds."""
@@ -145,15 +176,7 @@ def run_sparse_case(case: Case, device="cuda", use_documents: bool = True) -> di
     from megatron_mtraining.patterns.indices import StepIndices
 
     t0 = time.time()
-    layout = Layout(*case.layout)
-    cu, pad = offsets(case)
-    s = case.seq
-    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=case.batch,
-                                           cu_seqlens_padded=torch.tensor(pad), device=device)
-    g = torch.Generator(device=device).manual_seed(case.seed)
-    mk = lambda h: torch.randn(case.batch, s, h, case.d, generator=g, device=device).to(case.dtype)  # noqa: E731
-    q, k, v, dout = mk(case.hq), mk(case.hkv), mk(case.hkv), mk(case.hq)
-    scale = case.d ** -0.5
+    layout, cu, pad, s, docs, (q, k, v, dout), scale = _inputs(case, device)
     cfg = _sparse_config(case)
     pattern = estimate_vertical_slash(q.double(), k.double(), layout=Layout("striped", 1, cfg.block_size),
                                       config=cfg, softmax_scale=scale, documents=docs)
@@ -174,19 +197,7 @@ def run_sparse_case(case: Case, device="cuda", use_documents: bool = True) -> di
         return make_sparse_step_kernel(steps, scale)
 
     ours = _poisoned(lambda: simulate_dense_ring(layout, q, k, v, dout, kernel), device)
-    e_ours = {n: rel_err(a, r) for n, a, r in zip(NAMES, ours, gold)}
-    e_ref = {n: rel_err(a, r) for n, a, r in zip(NAMES, ref, gold)}
-    ratio = {n: e_ours[n] / max(e_ref[n], 1e-12) for n in NAMES}
-    nan = any(bool(torch.isnan(x).any()) for x in ours)
-    padding = ~docs.real()
-    pad_zero = all(bool((x[padding] == 0).all()) for x in (ours[0], ours[2], ours[3], ours[4]))
-    pad_lse = bool(torch.isneginf(ours[1].transpose(1, 2)[padding]).all())
-    ok = (not nan) and pad_zero and all(ratio[n] <= 2.0 for n in NAMES)
-    return dict(case=case.id, layout=list(case.layout), seq=s, documents=len(case.lengths),
-                padding_tokens=int(padding.sum()), dtype=str(case.dtype).replace("torch.", ""),
-                heads=[case.hq, case.hkv], head_dim=case.d, block_size=cfg.block_size,
-                share_pattern=cfg.share_pattern, err_ours=e_ours, err_bf16_ref=e_ref, ratio=ratio, nan=nan,
-                padding_exact_zero=pad_zero, padding_lse_neginf=pad_lse, ok=ok, seconds=round(time.time() - t0, 1))
+    return _score(case, ours, gold, ref, docs, t0, block_size=cfg.block_size, share_pattern=cfg.share_pattern)
 
 
 def _per_document(fn, q, k, v, dout, cu, pad, scale):
@@ -220,33 +231,13 @@ def _poisoned(fn, device):
 def run_case(case: Case, device="cuda") -> dict:
     """Run one case; returns its result row (``row["ok"]`` is the criterion of the module docstring)."""
     t0 = time.time()
-    layout = Layout(*case.layout)
-    cu, pad = offsets(case)
-    s = case.seq
-    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=case.batch,
-                                           cu_seqlens_padded=torch.tensor(pad), device=device)
-    g = torch.Generator(device=device).manual_seed(case.seed)
-    mk = lambda h: torch.randn(case.batch, s, h, case.d, generator=g, device=device).to(case.dtype)  # noqa: E731
-    q, k, v, dout = mk(case.hq), mk(case.hkv), mk(case.hkv), mk(case.hq)
-    scale = case.d ** -0.5
+    layout, cu, pad, s, docs, (q, k, v, dout), scale = _inputs(case, device)
     gold = _per_document(lambda *a: oracle(*a), q, k, v, dout, cu, pad, scale)
     ref = _per_document(lambda *a: bf16_reference(*a), q, k, v, dout, cu, pad, scale)
     ours = _poisoned(lambda: simulate_dense_ring(
         layout, q, k, v, dout, lambda r: DenseGpuStepKernel(layout, r, s, scale, device=device, documents=docs)),
         device)
-    e_ours = {n: rel_err(a, r) for n, a, r in zip(NAMES, ours, gold)}
-    e_ref = {n: rel_err(a, r) for n, a, r in zip(NAMES, ref, gold)}
-    ratio = {n: e_ours[n] / max(e_ref[n], 1e-12) for n in NAMES}
-    nan = any(bool(torch.isnan(t).any()) for t in ours)
-    padding = ~docs.real()                                               # [b, S]
-    pad_zero = all(bool((t[padding] == 0).all()) for t in (ours[0], ours[2], ours[3], ours[4]))
-    pad_lse = bool(torch.isneginf(ours[1].transpose(1, 2)[padding]).all())
-    ok = (not nan) and pad_zero and all(ratio[n] <= 2.0 for n in NAMES)
-    return dict(case=case.id, layout=list(case.layout), seq=s, documents=len(case.lengths),
-                padding_tokens=int(padding.sum()), dtype=str(case.dtype).replace("torch.", ""),
-                heads=[case.hq, case.hkv], head_dim=case.d, err_ours=e_ours, err_bf16_ref=e_ref, ratio=ratio,
-                nan=nan, padding_exact_zero=pad_zero, padding_lse_neginf=pad_lse, ok=ok,
-                seconds=round(time.time() - t0, 1))
+    return _score(case, ours, gold, ref, docs, t0)
 
 
 def run_ring_case(case: Case, device="cuda") -> dict:
@@ -259,15 +250,7 @@ def run_ring_case(case: Case, device="cuda") -> dict:
     if case.layout[1] != 1:
         raise ValueError("run_ring_case runs one rank (cp 1)")
     t0 = time.time()
-    layout = Layout(*case.layout)
-    cu, pad = offsets(case)
-    s = case.seq
-    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=case.batch,
-                                           cu_seqlens_padded=torch.tensor(pad), device=device)
-    g = torch.Generator(device=device).manual_seed(case.seed)
-    mk = lambda h: torch.randn(case.batch, s, h, case.d, generator=g, device=device).to(case.dtype)  # noqa: E731
-    q, k, v, dout = mk(case.hq), mk(case.hkv), mk(case.hkv), mk(case.hq)
-    scale = case.d ** -0.5
+    layout, cu, pad, s, docs, (q, k, v, dout), scale = _inputs(case, device)
     gold = _per_document(lambda *a: oracle(*a), q, k, v, dout, cu, pad, scale)
     ref = _per_document(lambda *a: bf16_reference(*a), q, k, v, dout, cu, pad, scale)
     backend = select_backend("auto", device=device, dtype=case.dtype, head_dim=case.d, seq_len_local=s,
