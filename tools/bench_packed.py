@@ -1,30 +1,58 @@
 #!/usr/bin/env python
-"""Benchmark: dense causal attention over packed documents (THD) vs the same tokens unpacked.
+"""Benchmark: causal attention over packed documents (THD), dense or vertical-slash sparse, vs the same tokens unpacked.
 
     python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --json packed.json
+    python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --attention dense,sparse \
+        --mtraining-config configs/long_context_r098.yaml --json packed.json
 
 A stream of ``--seq-len`` tokens is filled with documents whose lengths come from a real corpus
 (``--doc-lengths corpus``: the document lengths of ``--data-path PREFIX.idx``, read with
 megatron-core's ``IndexedDataset``, in file order from ``--doc-offset``, cycling through the corpus
 if it is short), split into pieces of at most ``--max-doc-len`` tokens (one run per value; ``none``:
 whole documents), the last one cut at the end of the stream; or fixed lengths (``fixed:N``,
-``list:A,B,...``). For each length distribution, fwd and fwd+bwd of
-:func:`~megatron_mtraining.ring.ring_attention` on one rank with the kernels of ``--backend``
-(``auto``: the Triton dense steps on a GPU, the torch reference on the CPU; the unmasked and
-per-document runs use the same kernels unless ``--baseline-backend`` names others):
+``list:A,B,...``). One batch of one stream: q ``[1, S, heads, head_dim]``, k/v ``[1, S, kv_heads,
+head_dim]`` in ``--dtype`` on ``--device``. For each length distribution and each ``--attention``
+(comma list, default ``dense``), fwd and fwd+bwd on one rank (CP=1) with the kernels of
+``--backend`` (``auto``: the Triton steps on a GPU, the torch reference on the CPU; the unmasked and
+per-document runs use the same kernels unless ``--baseline-backend`` names others) of:
+
+* ``dense``: :func:`~megatron_mtraining.ring.ring_attention` (exact causal attention) on random
+  normal inputs;
+* ``sparse``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention`, the entry point of a
+  sparse layer (:class:`~megatron_mtraining.megatron.MTrainingAttention`): the online
+  vertical-slash estimator, the index conversion and the sparse step kernels, all timed, with the
+  layout, ``vertical_slash`` budgets, ``columns`` and ``deterministic`` of ``--mtraining-config``
+  (default ``configs/long_context_r098.yaml``; ``pattern: vertical_slash``). The inputs have
+  vertical-slash structure (:func:`megatron_mtraining.bench.structured_qkv`, cast to ``--dtype``),
+  so that the estimator keeps a part of the causal pairs. With packed documents the kernels are
+  ``torch`` or ``triton`` (CUDA, or the CPU with ``TRITON_INTERPRET=1``); ``sdpa`` and ``fa4`` are
+  refused (``error: ...``), as is ``columns: out_of_ring``.
+
+Each row (one attention, one length distribution) times three runs:
 
 * ``packed``: the stream with its document mask (``documents=PackedDocuments``: attention causal
-  and within a document; key tiles of other documents skipped);
+  and within a document; key tiles of other documents skipped; sparse: each document's first
+  ``sink_tokens`` are vertical floors and the pattern is restricted to the documents);
 * ``unmasked``: the same tokens as one causal sequence (no document mask): what packing without a
   mask would cost;
-* ``per_document_sum``: every document attended alone, summed: documents of the same length
-  (rounded up to 64 tokens, the kernels' tile) run as one batch, and the batch times are added.
+* ``per_document_sum``: every document attended alone, summed: documents of the same padded length
+  run as one batch, and the batch times are added. Dense: lengths rounded up to 64 tokens (the
+  kernels' tile) with random trailing tokens (causal attention: they change no real token).
+  Sparse: the document's own tokens of the stream, rounded up to a multiple of the block size, the
+  layout's divisor and 64, and to at least ``last_q`` (so documents shorter than a block, the sink
+  or the local window run too); the padding is masked as a padded document slot
+  (``cu_seqlens_padded``), so it gets no attention and its probes score nothing in the estimator;
+  documents that need no padding run the unpacked sparse path.
 
 ``packed_over_sum`` = packed / per_document_sum is the cost of the document mask over the ideal
-(target <= 1.1); ``packed_over_unmasked`` the saving of packing with a mask. The FLOP model of the
-same streams (:mod:`megatron_mtraining.bench.packing`) is reported with each row: 64x64 tiles the
-masked kernels compute, tiles of the documents alone, tiles of the unmasked causal sequence.
-Times: :func:`megatron_mtraining.bench.measure` (median; CUDA events on the GPU).
+(target <= 1.1); ``packed_over_unmasked`` the saving of packing with a mask. Times in milliseconds
+(``*_fwd_ms``, ``*_fwd_bwd_ms``): :func:`megatron_mtraining.bench.measure` (median; CUDA events on the
+GPU). Dense rows also carry the FLOP model of the same streams (:mod:`megatron_mtraining.bench.packing`):
+64x64 tiles the masked kernels compute, tiles of the documents alone, tiles of the unmasked causal
+sequence. Sparse rows carry, from one more untimed estimate, the mean number of selected vertical
+columns and block diagonals per head (``packed_mean_vertical``, ``packed_mean_slash``,
+``unmasked_*``) and ``unmasked_kept_fraction``, the exact fraction of the causal pairs the unmasked
+pattern keeps (:func:`megatron_mtraining.bench.kept_fraction`).
 
 On the CPU (``--device cpu --backend torch``) the same code runs the torch reference kernels at
 small sizes (a code-path check; the times are not the GPU's).
