@@ -42,7 +42,7 @@ Each row (one attention, one length distribution) times three runs:
   layout's divisor and 64, and to at least ``last_q`` (so documents shorter than a block, the sink
   or the local window run too); the padding is masked as a padded document slot
   (``cu_seqlens_padded``), so it gets no attention and its probes score nothing in the estimator;
-  documents that need no padding run the unpacked sparse path.
+  a batch whose documents all fill their rows runs the unpacked sparse path.
 
 ``packed_over_sum`` = packed / per_document_sum is the cost of the document mask over the ideal
 (target <= 1.1); ``packed_over_unmasked`` the saving of packing with a mask. Times in milliseconds
