@@ -1,30 +1,58 @@
 #!/usr/bin/env python
-"""Benchmark: dense causal attention over packed documents (THD) vs the same tokens unpacked.
+"""Benchmark: causal attention over packed documents (THD), dense or vertical-slash sparse, vs the same tokens unpacked.
 
     python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --json packed.json
+    python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --attention dense,sparse \
+        --mtraining-config configs/long_context_r098.yaml --json packed.json
 
 A stream of ``--seq-len`` tokens is filled with documents whose lengths come from a real corpus
 (``--doc-lengths corpus``: the document lengths of ``--data-path PREFIX.idx``, read with
 megatron-core's ``IndexedDataset``, in file order from ``--doc-offset``, cycling through the corpus
 if it is short), split into pieces of at most ``--max-doc-len`` tokens (one run per value; ``none``:
 whole documents), the last one cut at the end of the stream; or fixed lengths (``fixed:N``,
-``list:A,B,...``). For each length distribution, fwd and fwd+bwd of
-:func:`~megatron_mtraining.ring.ring_attention` on one rank with the kernels of ``--backend``
-(``auto``: the Triton dense steps on a GPU, the torch reference on the CPU; the unmasked and
-per-document runs use the same kernels unless ``--baseline-backend`` names others):
+``list:A,B,...``). One batch of one stream: q ``[1, S, heads, head_dim]``, k/v ``[1, S, kv_heads,
+head_dim]`` in ``--dtype`` on ``--device``. For each length distribution and each ``--attention``
+(comma list, default ``dense``), fwd and fwd+bwd on one rank (CP=1) with the kernels of
+``--backend`` (``auto``: the Triton steps on a GPU, the torch reference on the CPU; the unmasked and
+per-document runs use the same kernels unless ``--baseline-backend`` names others) of:
+
+* ``dense``: :func:`~megatron_mtraining.ring.ring_attention` (exact causal attention) on random
+  normal inputs;
+* ``sparse``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention`, the entry point of a
+  sparse layer (:class:`~megatron_mtraining.megatron.MTrainingAttention`): the online
+  vertical-slash estimator, the index conversion and the sparse step kernels, all timed, with the
+  layout, ``vertical_slash`` budgets, ``columns`` and ``deterministic`` of ``--mtraining-config``
+  (default ``configs/long_context_r098.yaml``; ``pattern: vertical_slash``). The inputs have
+  vertical-slash structure (:func:`megatron_mtraining.bench.structured_qkv`, cast to ``--dtype``),
+  so that the estimator keeps a part of the causal pairs. With packed documents the kernels are
+  ``torch`` or ``triton`` (CUDA, or the CPU with ``TRITON_INTERPRET=1``); ``sdpa`` and ``fa4`` are
+  refused (``error: ...``), as is ``columns: out_of_ring``.
+
+Each row (one attention, one length distribution) times three runs:
 
 * ``packed``: the stream with its document mask (``documents=PackedDocuments``: attention causal
-  and within a document; key tiles of other documents skipped);
+  and within a document; key tiles of other documents skipped; sparse: each document's first
+  ``sink_tokens`` are vertical floors and the pattern is restricted to the documents);
 * ``unmasked``: the same tokens as one causal sequence (no document mask): what packing without a
   mask would cost;
-* ``per_document_sum``: every document attended alone, summed: documents of the same length
-  (rounded up to 64 tokens, the kernels' tile) run as one batch, and the batch times are added.
+* ``per_document_sum``: every document attended alone, summed: documents of the same padded length
+  run as one batch, and the batch times are added. Dense: lengths rounded up to 64 tokens (the
+  kernels' tile) with random trailing tokens (causal attention: they change no real token).
+  Sparse: the document's own tokens of the stream, rounded up to a multiple of the block size, the
+  layout's divisor and 64, and to at least ``last_q`` (so documents shorter than a block, the sink
+  or the local window run too); the padding is masked as a padded document slot
+  (``cu_seqlens_padded``), so it gets no attention and its probes score nothing in the estimator;
+  a batch whose documents all fill their rows runs the unpacked sparse path.
 
 ``packed_over_sum`` = packed / per_document_sum is the cost of the document mask over the ideal
-(target <= 1.1); ``packed_over_unmasked`` the saving of packing with a mask. The FLOP model of the
-same streams (:mod:`megatron_mtraining.bench.packing`) is reported with each row: 64x64 tiles the
-masked kernels compute, tiles of the documents alone, tiles of the unmasked causal sequence.
-Times: :func:`megatron_mtraining.bench.measure` (median; CUDA events on the GPU).
+(target <= 1.1); ``packed_over_unmasked`` the saving of packing with a mask. Times in milliseconds
+(``*_fwd_ms``, ``*_fwd_bwd_ms``): :func:`megatron_mtraining.bench.measure` (median; CUDA events on the
+GPU). Dense rows also carry the FLOP model of the same streams (:mod:`megatron_mtraining.bench.packing`):
+64x64 tiles the masked kernels compute, tiles of the documents alone, tiles of the unmasked causal
+sequence. Sparse rows carry, from one more untimed estimate, the mean number of selected vertical
+columns and block diagonals per head (``packed_mean_vertical``, ``packed_mean_slash``,
+``unmasked_*``) and ``unmasked_kept_fraction``, the exact fraction of the causal pairs the unmasked
+pattern keeps (:func:`megatron_mtraining.bench.kept_fraction`).
 
 On the CPU (``--device cpu --backend torch``) the same code runs the torch reference kernels at
 small sizes (a code-path check; the times are not the GPU's).
@@ -33,12 +61,14 @@ small sizes (a code-path check; the times are not the GPU's).
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from megatron_mtraining.bench import measure, result_record, write_json
+from megatron_mtraining.bench import kept_fraction, measure, result_record, structured_qkv, write_json
 from megatron_mtraining.bench.packing import (
     causal_tiles,
     pack_lengths,
@@ -49,6 +79,27 @@ from megatron_mtraining.bench.packing import (
 from megatron_mtraining.layout import Layout, PackedDocuments
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ATTENTIONS = ("dense", "sparse")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DENSE_LAYOUT = Layout("striped", 1, 64)
+TILE = 64                     # the kernels' tile: every stream is a multiple of it
+
+
+class Sparse(NamedTuple):
+    """What a sparse layer at CP=1 runs with: its layout, pattern budgets, column schedule, ``deterministic``."""
+
+    layout: Layout
+    pattern: object           # VerticalSlashConfig
+    columns: str
+    deterministic: bool
+
+    def multiple(self) -> int:
+        """Token multiple of every stream the sparse path accepts (blocks, layout, kernel tiles)."""
+        return math.lcm(TILE, self.pattern.block_size, self.layout.divisor)
+
+    def min_len(self) -> int:
+        """Shortest stream: ``last_q`` probes, rounded up to :meth:`multiple`."""
+        return -(-self.pattern.last_q // self.multiple()) * self.multiple()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timed repetitions per measurement")
     ap.add_argument("--repeats", type=int, default=None, help="fixed repetitions instead of --budget")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", default="dense",
+                    help="comma list of dense | sparse (the vertical-slash pattern of --mtraining-config)")
+    ap.add_argument("--mtraining-config", default=os.path.join(REPO, "configs", "long_context_r098.yaml"),
+                    help="--attention sparse: MTraining config (pattern: vertical_slash) of the sparse rows")
     ap.add_argument("--json", default=None)
     return ap
 
@@ -109,23 +164,57 @@ def _caps(text: str) -> list[Optional[int]]:
     return caps
 
 
-def _backend(name, dev, dtype, d, s, packed):
+def _attentions(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",")]
+    bad = [x for x in names if x not in ATTENTIONS]
+    if bad or not names:
+        raise SystemExit(f"error: --attention: expected a comma list of {', '.join(ATTENTIONS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def sparse_settings(path: str) -> Sparse:
+    """The sparse layer settings of the MTraining config at ``path`` (CP=1)."""
+    from megatron_mtraining.config import load_mtraining_config
+
+    cfg = load_mtraining_config(path)
+    if not cfg.sparse:
+        raise ValueError(f"--mtraining-config {path}: pattern is {cfg.pattern!r}; the sparse rows need "
+                         "pattern: vertical_slash")
+    return Sparse(cfg.make_layout(1), cfg.vertical_slash, cfg.columns, cfg.deterministic)
+
+
+def _backend(name, dev, dtype, d, s, packed, sparse: Optional[Sparse] = None):
     from megatron_mtraining.ops.backends import select_backend
 
-    return select_backend(name, device=dev, dtype=dtype, head_dim=d, seq_len_local=s, cp_size=1, sparse=False,
-                          deterministic=False, packed=packed)
+    return select_backend(name, device=dev, dtype=dtype, head_dim=d, seq_len_local=s, cp_size=1,
+                          sparse=sparse is not None, deterministic=sparse is not None and sparse.deterministic,
+                          packed=packed)
 
 
-def _fns(q, k, v, dout, backend, documents=None):
-    """``(fwd, fwd_bwd)`` closures of the one-rank ring with ``backend``."""
+def _attention(backend, documents=None, sparse: Optional[Sparse] = None):
+    """``call(q, k, v, **kw)``: the one-rank ring with ``backend``, as a layer runs it: dense
+    (:func:`~megatron_mtraining.ring.ring_attention`) or, with ``sparse``, the vertical-slash ring
+    (:func:`~megatron_mtraining.ring.sparse.sparse_ring_attention`: estimator, index conversion,
+    sparse steps)."""
     from megatron_mtraining.ring import ring_attention
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
 
-    lay = Layout("striped", 1, 64)
+    if sparse is None:
+        def call(a, b, c, **kw):
+            return ring_attention(a, b, c, layout=DENSE_LAYOUT, group=None, causal=True, check_inputs=False,
+                                  backend=backend, documents=documents, **kw)
+    else:
+        def call(a, b, c, **kw):
+            return sparse_ring_attention(a, b, c, layout=sparse.layout, group=None, config=sparse.pattern,
+                                         check_inputs=False, columns=sparse.columns, backend=backend,
+                                         documents=documents, **kw)
+    return call
+
+
+def _fns(q, k, v, dout, backend, documents=None, sparse: Optional[Sparse] = None):
+    """``(fwd, fwd_bwd)`` closures of the one-rank ring with ``backend`` (:func:`_attention`)."""
+    call = _attention(backend, documents, sparse)
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-
-    def call(a, b, c):
-        return ring_attention(a, b, c, layout=lay, group=None, causal=True, check_inputs=False, backend=backend,
-                              documents=documents)
 
     def fwd():
         with torch.no_grad():
@@ -138,7 +227,52 @@ def _fns(q, k, v, dout, backend, documents=None):
     return fwd, fwd_bwd
 
 
-def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype) -> dict:
+def _pattern_stats(q, k, v, backend, documents, sparse: Sparse, prefix: str) -> dict:
+    """Mean selected vertical columns and block diagonals per head of one (untimed) estimate; for
+    the unmasked stream also the exact kept fraction of the causal pairs."""
+    with torch.no_grad():
+        _, pat = _attention(backend, documents, sparse)(q, k, v, return_pattern=True)
+    stats = {f"{prefix}_mean_vertical": float(pat.vertical_count.double().mean()),
+             f"{prefix}_mean_slash": float(pat.slash_count.double().mean())}
+    if documents is None:
+        stats[f"{prefix}_kept_fraction"] = kept_fraction(pat)
+    return stats
+
+
+def length_buckets(docs_len: list[int], multiple: int = TILE, floor: int = TILE) -> dict[int, list[tuple[int, int]]]:
+    """Documents by padded length: ``{padded: [(start in the stream, length), ...]}``, each length
+    rounded up to ``multiple`` tokens and to at least ``floor``."""
+    buckets: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for n in docs_len:
+        padded = max(floor, -(-n // multiple) * multiple)
+        buckets.setdefault(padded, []).append((start, n))
+        start += n
+    return buckets
+
+
+def _document_batch(stream: torch.Tensor, members: list[tuple[int, int]], n: int) -> torch.Tensor:
+    """``[len(members), n, ...]``: the members' tokens of ``stream [1, S, ...]``, zeros after each."""
+    out = stream.new_zeros((len(members), n, *stream.shape[2:]))
+    for i, (a, m) in enumerate(members):
+        out[i, :m] = stream[0, a:a + m]
+    return out
+
+
+def _padded_documents(members: list[tuple[int, int]], n: int, dev):
+    """One document per row of ``n`` tokens, its real tokens first and padding after (a document mask)."""
+    from megatron_mtraining.ring import packed_documents
+
+    cu = [0]
+    for _, m in members:
+        cu.append(cu[-1] + m)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), n, batch_size=len(members),
+                                           cu_seqlens_padded=torch.arange(len(members) + 1) * n, device=dev)
+    return packed_documents(docs)       # None when no row has padding: the plain sparse path
+
+
+def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype,
+                     sparse: Optional[Sparse] = None) -> dict:
     s, h, hkv, d = args.seq_len, args.heads, args.kv_heads, args.head_dim
     docs_len = pack_lengths(lengths, s, cap)
     cu = [0]
@@ -147,38 +281,50 @@ def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype) -
     docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, device=dev)
     g = torch.Generator(device="cpu").manual_seed(args.seed)
     mk = lambda b, n, hh: torch.randn(b, n, hh, d, generator=g).to(device=dev, dtype=dtype)  # noqa: E731
-    q, k, v, dout = mk(1, s, h), mk(1, s, hkv), mk(1, s, hkv), mk(1, s, h)
+    if sparse is None:
+        q, k, v, dout = mk(1, s, h), mk(1, s, hkv), mk(1, s, hkv), mk(1, s, h)
+    else:       # vertical-slash structure, so that the estimator keeps a part of the causal pairs
+        q, k, v = (t.to(dtype) for t in structured_qkv(s, h, hkv, d, dev, seed=args.seed))
+        dout = mk(1, s, h)
 
     def timed(fn):
         kw = {"repeats": args.repeats} if args.repeats else {"budget_s": args.budget}
         return measure(fn, device=dev, warmup=1, **kw).median_ms
 
-    packed_b = _backend(args.backend, dev, dtype, d, s, True)
+    packed_b = _backend(args.backend, dev, dtype, d, s, True, sparse)
     base_name = args.baseline_backend or packed_b.name      # default: the packed run's kernels, unmasked
-    plain_b = _backend(base_name, dev, dtype, d, s, False)
-    row = {"max_doc_len": cap, "documents": len(docs_len), "doc_len_min": min(docs_len),
-           "doc_len_max": max(docs_len), "doc_len_mean": s / len(docs_len), "backend": packed_b.name,
-           "baseline_backend": plain_b.name}
-    for name, (f, fb) in (("packed", _fns(q, k, v, dout, packed_b, docs)), ("unmasked", _fns(q, k, v, dout, plain_b))):
+    plain_b = _backend(base_name, dev, dtype, d, s, False, sparse)
+    row = {"attention": "dense" if sparse is None else "sparse", "max_doc_len": cap, "documents": len(docs_len),
+           "doc_len_min": min(docs_len), "doc_len_max": max(docs_len), "doc_len_mean": s / len(docs_len),
+           "backend": packed_b.name, "baseline_backend": plain_b.name}
+    for name, b, dd in (("packed", packed_b, docs), ("unmasked", plain_b, None)):
+        f, fb = _fns(q, k, v, dout, b, dd, sparse)
         row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = timed(f), timed(fb)
-    buckets: dict[int, int] = {}
-    for n in docs_len:
-        padded = -(-n // 64) * 64
-        buckets[padded] = buckets.get(padded, 0) + 1
+        if sparse is not None:
+            row.update(_pattern_stats(q, k, v, b, dd, sparse, name))
+    buckets = length_buckets(docs_len) if sparse is None else length_buckets(docs_len, sparse.multiple(),
+                                                                             sparse.min_len())
     fwd_sum = fb_sum = 0.0
-    for n, count in sorted(buckets.items()):
-        b = _backend(base_name, dev, dtype, d, n, False)
-        f, fb = _fns(mk(count, n, h), mk(count, n, hkv), mk(count, n, hkv), mk(count, n, h), b)
+    for n, members in sorted(buckets.items()):
+        count = len(members)
+        if sparse is None:      # trailing padding of causal attention changes no real token
+            b = _backend(base_name, dev, dtype, d, n, False)
+            f, fb = _fns(mk(count, n, h), mk(count, n, hkv), mk(count, n, hkv), mk(count, n, h), b)
+        else:                   # the document's own tokens, padding masked (and never a probe of the estimator)
+            dd = _padded_documents(members, n, dev)
+            b = _backend(base_name, dev, dtype, d, n, dd is not None, sparse)
+            f, fb = _fns(*(_document_batch(t, members, n) for t in (q, k, v, dout)), b, dd, sparse)
         fwd_sum += timed(f)
         fb_sum += timed(fb)
     row.update(per_document_sum_fwd_ms=fwd_sum, per_document_sum_fwd_bwd_ms=fb_sum, length_buckets=len(buckets))
     for ph in ("fwd", "fwd_bwd"):
         row[f"packed_over_sum_{ph}"] = row[f"packed_{ph}_ms"] / row[f"per_document_sum_{ph}_ms"]
         row[f"packed_over_unmasked_{ph}"] = row[f"packed_{ph}_ms"] / row[f"unmasked_{ph}_ms"]
-    tiles = float(packed_tile_work(docs_len, s, Layout("striped", 1, 64)).sum()) / 4096
-    row.update(model_tiles_packed=tiles, model_tiles_per_document=per_document_tiles(docs_len),
-               model_tiles_unmasked=causal_tiles(s))
-    row["model_packed_over_sum"] = tiles / row["model_tiles_per_document"]
+    if sparse is None:
+        tiles = float(packed_tile_work(docs_len, s, DENSE_LAYOUT).sum()) / 4096
+        row.update(model_tiles_packed=tiles, model_tiles_per_document=per_document_tiles(docs_len),
+                   model_tiles_unmasked=causal_tiles(s))
+        row["model_packed_over_sum"] = tiles / row["model_tiles_per_document"]
     return row
 
 
@@ -188,11 +334,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"error: --seq-len must be a positive multiple of 64, got {args.seq_len}")
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         raise SystemExit(f"error: --heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    attentions = _attentions(args.attention)
     try:
         caps = _caps(args.max_doc_len)
         lengths, source = source_lengths(args)
+        sparse = sparse_settings(args.mtraining_config) if "sparse" in attentions else None
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
+    if sparse is not None and (args.seq_len % sparse.multiple() or args.seq_len < max(sparse.min_len(), 2 * TILE)):
+        raise SystemExit(f"error: --seq-len {args.seq_len}: the sparse rows need a multiple of {sparse.multiple()} "
+                         f"(block_size, layout, kernel tile) of at least {max(sparse.min_len(), 2 * TILE)} tokens "
+                         f"(last_q probes; --mtraining-config {args.mtraining_config})")
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: CUDA is not available on this machine")
@@ -201,15 +353,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{source}; stream {args.seq_len} tokens, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
           f"{args.dtype} on {dev}", flush=True)
     for cap in caps:
-        try:
-            row = run_distribution(args, lengths, cap, dev, dtype)
-        except ValueError as e:            # the kernels' rules (e.g. --backend triton on a CPU), named
-            raise SystemExit(f"error: {e}") from None
-        rows.append(row)
-        print(f"max_doc_len {str(cap):>6}: {row['documents']:5d} docs (len {row['doc_len_min']}..{row['doc_len_max']})"
-              f"  fwd+bwd ms packed {row['packed_fwd_bwd_ms']:.3f} unmasked {row['unmasked_fwd_bwd_ms']:.3f} "
-              f"per-doc sum {row['per_document_sum_fwd_bwd_ms']:.3f}  packed/sum {row['packed_over_sum_fwd_bwd']:.3f} "
-              f"(fwd {row['packed_over_sum_fwd']:.3f}; tile model {row['model_packed_over_sum']:.3f})", flush=True)
+        for attention in attentions:
+            try:
+                row = run_distribution(args, lengths, cap, dev, dtype, sparse if attention == "sparse" else None)
+            except (ValueError, NotImplementedError) as e:   # the kernels' rules (e.g. --backend triton on a CPU)
+                raise SystemExit(f"error: {e}") from None
+            rows.append(row)
+            extra = (f"tile model {row['model_packed_over_sum']:.3f}" if attention == "dense" else
+                     f"kept fraction unmasked {row['unmasked_kept_fraction']:.3f}")
+            print(f"{attention:6} max_doc_len {str(cap):>6}: {row['documents']:5d} docs "
+                  f"(len {row['doc_len_min']}..{row['doc_len_max']})  fwd+bwd ms packed {row['packed_fwd_bwd_ms']:.3f} "
+                  f"unmasked {row['unmasked_fwd_bwd_ms']:.3f} per-doc sum {row['per_document_sum_fwd_bwd_ms']:.3f}  "
+                  f"packed/sum {row['packed_over_sum_fwd_bwd']:.3f} (fwd {row['packed_over_sum_fwd']:.3f}; {extra})",
+                  flush=True)
     if args.json:
         cfg = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, result_record({"config": cfg, "source": source, "rows": rows}, device=dev, argv=argv))

@@ -6,6 +6,7 @@ on the CPU (torch reference kernels)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -21,7 +22,7 @@ from megatron_mtraining.bench.packing import (
     per_document_tiles,
 )
 from megatron_mtraining.layout import Layout, PackedDocuments
-from tests.helpers.dist import run_python
+from tests.helpers.dist import REPO_ROOT, run_python
 from tests.helpers.tiny_data import make_tiny_dataset
 
 
@@ -189,12 +190,62 @@ def test_bench_packed_runs_on_cpu_with_the_torch_reference(tmp_path):
     assert rows[1]["doc_len_max"] <= 32
 
 
+def test_bench_packed_sparse_mode_on_cpu(tmp_path):
+    """--attention dense,sparse: a dense and a sparse row per cap (torch reference, tiny size); documents
+    shorter than the sparse blocks and not a multiple of them are padded, their padding masked."""
+    js = tmp_path / "bench.json"
+    res = run_python("tools/bench_packed.py", [
+        "--seq-len", "1024", "--doc-lengths", "list:300,1,700,23", "--heads", "2", "--kv-heads", "1",
+        "--head-dim", "32", "--dtype", "fp32", "--device", "cpu", "--backend", "torch", "--repeats", "1",
+        "--attention", "dense,sparse", "--json", str(js)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    assert "sparse max_doc_len" in res.stdout and "dense  max_doc_len" in res.stdout, res.tail()
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["attention"] for r in rows] == ["dense", "sparse"]
+    dense, sparse = rows
+    assert "model_packed_over_sum" in dense and "unmasked_kept_fraction" not in dense
+    assert sparse["backend"] == sparse["baseline_backend"] == "torch" and sparse["documents"] == 4
+    assert sparse["length_buckets"] == 3 and sparse["doc_len_min"] == 1          # 300 -> 320, 1 and 23 -> 64
+    for r in rows:
+        for k in ("packed", "unmasked", "per_document_sum"):
+            for ph in ("fwd", "fwd_bwd"):
+                assert math.isfinite(r[f"{k}_{ph}_ms"]) and r[f"{k}_{ph}_ms"] > 0, (k, ph, r)
+        for k in ("packed_over_sum_fwd", "packed_over_sum_fwd_bwd", "packed_over_unmasked_fwd_bwd"):
+            assert math.isfinite(r[k]) and r[k] > 0, (k, r)
+    assert 0 < sparse["unmasked_kept_fraction"] <= 1
+    for k in ("packed_mean_vertical", "packed_mean_slash", "unmasked_mean_vertical", "unmasked_mean_slash"):
+        assert sparse[k] >= 1, (k, sparse)
+    # every document keeps its first sink_tokens (64 in the default config) as vertical floors
+    assert sparse["packed_mean_vertical"] >= 1 + 23 + 64 * 2
+
+
+def test_bench_packed_default_is_dense_only(tmp_path):
+    """Without --attention the rows and the printed lines are the dense ones only."""
+    js = tmp_path / "bench.json"
+    res = run_python("tools/bench_packed.py", [
+        "--seq-len", "256", "--doc-lengths", "list:100,156", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--dtype", "fp32", "--device", "cpu", "--backend", "torch", "--repeats", "1", "--json", str(js)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    assert "sparse" not in res.stdout, res.tail()
+    rows = json.loads(js.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["attention"] == "dense" and rows[0]["model_tiles_unmasked"] == 10
+    assert not any(k.endswith(("_mean_vertical", "_kept_fraction")) for k in rows[0])
+
+
 def test_bench_packed_errors():
     from tools.bench_packed import main
 
     for argv, needle in ((["--seq-len", "100"], "--seq-len"), (["--doc-lengths", "fixed:x"], "--doc-lengths"),
                          (["--max-doc-len", "4k"], "--max-doc-len"), (["--heads", "3", "--kv-heads", "2"], "--heads"),
-                         (["--data-path", "/nonexistent/prefix"], "not found")):
+                         (["--data-path", "/nonexistent/prefix"], "not found"),
+                         (["--attention", "dense,flash"], "--attention"),
+                         (["--attention", "sparse", "--doc-lengths", "fixed:64", "--mtraining-config",
+                           "/nonexistent.yaml"], "not found"),
+                         (["--attention", "sparse", "--doc-lengths", "fixed:64", "--mtraining-config",
+                           str(REPO_ROOT / "configs" / "demo.yaml")], "vertical_slash"),
+                         (["--attention", "sparse", "--doc-lengths", "fixed:64", "--seq-len", "64"], "--seq-len"),
+                         (["--attention", "sparse", "--seq-len", "1024", "--doc-lengths", "fixed:500",
+                           "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--backend", "sdpa"], "sdpa")):
         with pytest.raises(SystemExit) as e:
             main(["--device", "cpu", "--backend", "torch"] + argv)
         assert str(e.value).startswith("error: ") and needle in str(e.value), (argv, e.value)
@@ -213,3 +264,20 @@ def test_bench_packed_on_gpu(tmp_path):
     for r in rows:
         assert r["backend"] == r["baseline_backend"] == "triton", r
         assert r["packed_fwd_bwd_ms"] > 0 and r["per_document_sum_fwd_bwd_ms"] > 0 and r["unmasked_fwd_bwd_ms"] > 0
+
+
+@pytest.mark.gpu
+def test_bench_packed_sparse_on_gpu(tmp_path):
+    """The sparse rows' GPU path at a small size: the Triton sparse steps, packed, unmasked and per document."""
+    js = tmp_path / "bench.json"
+    res = run_python("tools/bench_packed.py", [
+        "--seq-len", "16384", "--doc-lengths", "list:1,63,65,1000,4096", "--max-doc-len", "none,1024",
+        "--device", "cuda", "--backend", "triton", "--attention", "sparse", "--budget", "0.2", "--json", str(js)],
+        timeout=600)
+    assert res.returncode == 0, res.tail()
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["attention"] for r in rows] == ["sparse", "sparse"]
+    for r in rows:
+        assert r["backend"] == r["baseline_backend"] == "triton", r
+        assert r["packed_fwd_bwd_ms"] > 0 and r["per_document_sum_fwd_bwd_ms"] > 0 and r["unmasked_fwd_bwd_ms"] > 0
+        assert 0 < r["unmasked_kept_fraction"] < 1
