@@ -201,6 +201,22 @@ class CPPlan:
             self._backends[key] = backend
         return backend
 
+    def kernel_summary(self) -> str:
+        """The kernels this plan's layers have chosen so far, for a run's log (``""`` before the first forward).
+
+        One entry per distinct choice, e.g. ``"dense: fa4 (CP=1 fa4_causal)"`` or ``"sparse: triton"``: the
+        :class:`~megatron_mtraining.ops.backends.KernelBackend` name, and at CP=1 the dense function that runs
+        the whole causal attention (``sdpa_causal``, ``fa4_causal``) where there is one.
+        """
+        seen = []
+        for key, b in self._backends.items():
+            kind = "sparse" if key[-1] else "dense"
+            one = getattr(b.dense_cp1, "__name__", None) if kind == "dense" and self.cp_size == 1 else None
+            text = f"{kind}: {b.name}" + (f" (CP=1 {one})" if one else "")
+            if text not in seen:
+                seen.append(text)
+        return ", ".join(seen)
+
     def agreement_fields(self, softmax_scale: float, causal: bool = True) -> dict:
         """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout):
         the same for the run plan and every per-layer view (the whole layer policy is one field)."""

@@ -216,3 +216,18 @@ def test_config_from_args_checks_num_layers():
     args.mtraining_config = {"pattern": "vertical_slash", "dense_layers": ["2-3"]}
     with pytest.raises(ValueError, match=r"^--num-layers 2: mtraining config 'dense_layers' names layer 3"):
         config_from_args(args)
+
+
+def test_kernel_summary_names_the_chosen_kernels_once():
+    plan = resolve(ROOT / "configs" / "demo_sparse.yaml", cp_group=None, seq_len=1024, device="cpu",
+                   dtype=torch.float32)
+    assert plan.kernel_summary() == ""                      # nothing chosen before the first forward
+    for _ in range(2):
+        plan.select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=64, seq_len_local=1024)
+    assert plan.kernel_summary() == "sparse: torch"
+    dense = resolve(None, cp_group=None, seq_len=1024, device="cpu", dtype=torch.float32)
+    dense.select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=64, seq_len_local=1024)
+    assert dense.kernel_summary() == "dense: torch"         # the CPU has no CP=1 SDPA/FA4 function
+    sdpa = resolve(load_mtraining_config({"kernel_backend": "sdpa"}), cp_group=None)
+    sdpa.select_backend(device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=64, seq_len_local=1024)
+    assert sdpa.kernel_summary() == "dense: sdpa (CP=1 sdpa_causal)"
