@@ -45,6 +45,23 @@ whose recall is near 1 from the local window, are not over-weighted; the probe r
 computed for ``probe_recall`` but count in ``recall`` only if their chunk is on the grid; the
 report records the stride and the number of rows behind ``recall``).
 
+``--packed`` measures packed documents: each stream holds consecutive documents (from
+``--doc-offset``, each cut to ``--max-doc-len``, the last one cut at the end of the stream); the model
+runs the stream in one forward with the documents' ``PackedSeqParams`` (``qkv_format="sbhd"``:
+MTrainingAttention's dense ring, causal and within a document) and RoPE positions restarting per
+document (``install_layout_rope`` with ``reset_position_ids``), as packed training does. Every layer
+then reports, under the exact causal and same-document attention, ``recall_stream`` / ``sparsity_stream``
+of the library's packed estimator (per-stream probes: the stream's last ``last_q`` queries, each
+scoring its own document; floors per document) and ``recall_document`` / ``sparsity_document`` of
+per-document probes (the same estimator on each document alone, the patterns united in the stream);
+sparsity is 1 - the kernels' work after ``restrict_to_documents`` over that of exact attention over the
+documents. ``--sweep-recall R ...`` adds recall targets (same caps, same exact softmax), so the two
+can be compared at equal kept work. No timings, no PNG::
+
+    python tools/pattern_recall.py --load ckpt --data-path data/megatron/docs_text_document --packed \\
+        --seq-length 8192 --mtraining-config configs/long_context_r098.yaml --timing-repeats 0 \\
+        --sweep-recall 0.7 0.9 --out results/packed_recall
+
 Writes ``OUT.json`` and ``OUT.png`` (a few heads' attention, log scale, with the chosen vertical
 columns and slash diagonals drawn over it)::
 
