@@ -45,6 +45,23 @@ whose recall is near 1 from the local window, are not over-weighted; the probe r
 computed for ``probe_recall`` but count in ``recall`` only if their chunk is on the grid; the
 report records the stride and the number of rows behind ``recall``).
 
+``--packed`` measures packed documents: each stream holds consecutive documents (from
+``--doc-offset``, each cut to ``--max-doc-len``, the last one cut at the end of the stream); the model
+runs the stream in one forward with the documents' ``PackedSeqParams`` (``qkv_format="sbhd"``:
+MTrainingAttention's dense ring, causal and within a document) and RoPE positions restarting per
+document (``install_layout_rope`` with ``reset_position_ids``), as packed training does. Every layer
+then reports, under the exact causal and same-document attention, ``recall_stream`` / ``sparsity_stream``
+of the library's packed estimator (per-stream probes: the stream's last ``last_q`` queries, each
+scoring its own document; floors per document) and ``recall_document`` / ``sparsity_document`` of
+per-document probes (the same estimator on each document alone, the patterns united in the stream);
+sparsity is 1 - the kernels' work after ``restrict_to_documents`` over that of exact attention over the
+documents. ``--sweep-recall R ...`` adds recall targets (same caps, same exact softmax), so the two
+can be compared at equal kept work. No timings, no PNG::
+
+    python tools/pattern_recall.py --load ckpt --data-path data/megatron/docs_text_document --packed \\
+        --seq-length 8192 --mtraining-config configs/long_context_r098.yaml --timing-repeats 0 \\
+        --sweep-recall 0.7 0.9 --out results/packed_recall
+
 Writes ``OUT.json`` and ``OUT.png`` (a few heads' attention, log scale, with the chosen vertical
 columns and slash diagonals drawn over it)::
 
@@ -95,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seq-length", type=int, default=1024)
     data.add_argument("--num-samples", type=int, default=1, help="batch of samples (one pattern each)")
     data.add_argument("--doc-offset", type=int, default=0, help="first document used")
+    data.add_argument("--packed", action="store_true",
+                      help="packed documents: each stream holds consecutive documents (the last one cut), the "
+                           "forward runs with the documents' PackedSeqParams (attention causal and within a "
+                           "document) and RoPE positions restarting per document; recall under that attention of "
+                           "the library's per-stream estimate and of per-document estimates (no timings, no PNG)")
+    data.add_argument("--sweep-recall", type=float, nargs="*", default=[], metavar="R",
+                      help="--packed: also measure both estimates at these recall targets (same caps, same exact "
+                           "softmax): recall against kept work for each, per layer ('sweep') and in the summary")
+    data.add_argument("--max-doc-len", type=int, default=None,
+                      help="--packed: cut every document to at most N tokens (more documents per stream)")
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 
     dflt = VerticalSlashConfig()        # the estimator's own defaults, one source
@@ -125,18 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------ data
-def load_tokens(args) -> torch.Tensor:
-    """``[num_samples, seq_length + 1]`` int64: documents concatenated in order, split into samples."""
-    need = args.num_samples * (args.seq_length + 1)
-    ids: list[int] = []
+def iter_documents(args):
+    """Token lists of the documents from ``--doc-offset`` on, in order (``--data-path``: as stored, EOD
+    included; ``--jsonl``: the text encoded, EOS appended)."""
     if args.data_path:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         ds = IndexedDataset(args.data_path)
         for i in range(args.doc_offset, len(ds)):
-            ids.extend(int(t) for t in ds[i][: need - len(ids)])
-            if len(ids) >= need:
-                break
+            yield [int(t) for t in ds[i]]
     elif args.jsonl:
         if not args.tokenizer_model:
             raise SystemExit("error: --jsonl needs --tokenizer-model")
@@ -145,17 +169,46 @@ def load_tokens(args) -> torch.Tensor:
         sp = spm.SentencePieceProcessor(model_file=args.tokenizer_model)
         with open(args.jsonl) as f:
             for n, line in enumerate(f):
-                if n < args.doc_offset:
-                    continue
-                ids.extend(sp.encode(json.loads(line)["text"]) + [sp.eos_id()])
-                if len(ids) >= need:
-                    break
+                if n >= args.doc_offset:
+                    yield sp.encode(json.loads(line)["text"]) + [sp.eos_id()]
     else:
         raise SystemExit("error: give --data-path PREFIX or --jsonl FILE --tokenizer-model SPM")
+
+
+def load_tokens(args) -> torch.Tensor:
+    """``[num_samples, seq_length + 1]`` int64: documents concatenated in order, split into samples."""
+    need = args.num_samples * (args.seq_length + 1)
+    ids: list[int] = []
+    for doc in iter_documents(args):
+        ids.extend(doc[: need - len(ids)])
+        if len(ids) >= need:
+            break
     if len(ids) < need:
         raise SystemExit(f"error: the data holds {len(ids)} tokens, {need} needed "
                          f"(--num-samples {args.num_samples} x (--seq-length {args.seq_length} + 1))")
     return torch.tensor(ids[:need], dtype=torch.long).view(args.num_samples, args.seq_length + 1)
+
+
+def load_packed(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--packed``: ``(tokens [num_samples, seq_length], cu_seqlens [n + 1])``. Each stream is filled with
+    consecutive documents (each cut to ``--max-doc-len`` tokens if given), the last one cut at the end of
+    the stream; the next stream starts with the next document. ``cu_seqlens`` runs over the streams
+    concatenated (THD offsets, :class:`~megatron_mtraining.layout.PackedDocuments`)."""
+    seq, rows, cu, row = args.seq_length, [], [0], []
+    docs = iter_documents(args)
+    for doc in docs:
+        doc = doc[: args.max_doc_len or None][: seq - len(row)]
+        row.extend(doc)
+        cu.append(cu[-1] + len(doc))
+        if len(row) == seq:
+            rows.append(row)
+            row = []
+            if len(rows) == args.num_samples:
+                break
+    if len(rows) < args.num_samples:
+        raise SystemExit(f"error: the data fills {len(rows)} packed streams of {seq} tokens, "
+                         f"{args.num_samples} needed (--num-samples)")
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(cu, dtype=torch.int64)
 
 
 def tokenizer_vocab_size(path: str, tokenizer_type: Optional[str] = None) -> int:
@@ -209,8 +262,9 @@ def _checkpoint_dir(load: str) -> tuple[str, dict]:
     return str(ckpt), {"format": "torch_dist", "args": common.get("args", {}), "iteration": it}
 
 
-def build_model(args, vocab: int, saved: Optional[dict]):
-    """GPTModel (TP=1, CP=1) with MTrainingAttention as core attention (the demo's spec)."""
+def build_model(args, vocab: int, saved: Optional[dict], mtraining_config=None):
+    """GPTModel (TP=1, CP=1) with MTrainingAttention as core attention (the demo's spec); its attention
+    follows ``mtraining_config`` (a config or plan; default: the dense striped ring, granularity 64)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -239,7 +293,7 @@ def build_model(args, vocab: int, saved: Optional[dict]):
     config = TransformerConfig(**kw)
     cpu_seed(args.seed)
     spec = get_gpt_layer_spec_with_mtraining(use_te=False, normalization=norm,
-                                             mtraining_config=MTrainingConfig(granularity=64))
+                                             mtraining_config=mtraining_config or MTrainingConfig(granularity=64))
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=max(args.seq_length, get("max_position_embeddings", args.seq_length)),
                      share_embeddings_and_output_weights=not bool(get("untie_embeddings_and_output_weights", False)),
@@ -273,39 +327,58 @@ def sampled_rows(seq: int, stride: int, rows: int = 256) -> torch.Tensor:
     return (torch.arange(seq) // rows) % stride == stride // 2
 
 
-def exact_mass_inside(q, k, mask_fn, scale, rows=256, stride=1, last_q=0):
+def exact_mass_inside(q, k, mask_fn, scale, rows=256, stride=1, last_q=0, bounds=None):
     """Per (b, head, query row): the exact causal attention mass (fp64) inside the mask.
 
     Rows are taken in chunks of ``rows``; with ``stride`` > 1 only the chunks of
     :func:`sampled_rows` and those holding the last ``last_q`` rows are computed, the others are
-    NaN."""
+    NaN. ``bounds``: ``(lo, hi)`` ``[b, s]`` key bounds of packed documents
+    (:class:`~megatron_mtraining.layout.PackedDocuments` ``lo``/``hi``): the exact attention is then
+    causal and within the query's document (key ``t`` visible iff ``lo <= t <= hi``), padding rows are
+    NaN, and a chunk's keys start at ``k0``, its rows' first document start: ``mask_fn(r0, r1, k0)``
+    returns keys ``k0:r1`` only. ``mask_fn(r0, r1)`` returns a mask of rows ``r0:r1``, keys ``0:r1``
+    (``[b, hq, r1 - r0, r1]``), or a tuple of such masks; the result is then a tuple with one tensor
+    per mask, from one softmax."""
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
     kk = k.double().repeat_interleave(rep, 2)
-    inside = torch.full((b, hq, s), float("nan") if stride > 1 else 0.0, dtype=torch.float64, device=q.device)
+    first = None
     pos = torch.arange(s, device=q.device)
-    need = sampled_rows(s, stride, rows)
+    need = sampled_rows(s, stride, rows).to(q.device)
     need[s - min(last_q, s):] = True
     for r0 in range(0, s, rows):
         r1 = min(s, r0 + rows)
         if not bool(need[r0:r1].any()):
             continue
-        sc = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].double(), kk[:, :r1]) * scale
-        sc = sc.masked_fill(pos[None, :r1] > pos[r0:r1, None], float("-inf"))
-        p = torch.softmax(sc, -1)
-        inside[..., r0:r1] = (p * mask_fn(r0, r1)).sum(-1)
-    return inside
+        k0 = 0 if bounds is None else min(r0, int(bounds[0][:, r0:r1].min()))
+        sc = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].double(), kk[:, k0:r1]) * scale
+        if bounds is None:
+            sc = sc.masked_fill(pos[None, :r1] > pos[r0:r1, None], float("-inf"))
+        else:
+            t = pos[None, None, k0:r1]
+            sc = sc.masked_fill(((t < bounds[0][:, r0:r1, None]) | (t > bounds[1][:, r0:r1, None]))[:, None],
+                                float("-inf"))
+        p = torch.softmax(sc, -1)                 # a padding row (no visible key) is NaN
+        masks = mask_fn(r0, r1) if bounds is None else mask_fn(r0, r1, k0)
+        single = not isinstance(masks, tuple)
+        masks = (masks,) if single else masks
+        if first is None:
+            fill = float("nan") if stride > 1 or bounds is not None else 0.0
+            first = [torch.full((b, hq, s), fill, dtype=torch.float64, device=q.device) for _ in masks]
+        for out, m in zip(first, masks):
+            out[..., r0:r1] = (p * (m if bounds is not None else m[..., k0:r1])).sum(-1)
+    return first[0] if single else tuple(first)
 
 
-def pattern_rows(pattern, r0: int, r1: int) -> torch.Tensor:
-    """Rows ``r0:r1`` of the pattern's token mask, keys ``0:r1`` (``[b, hq, r1-r0, r1]``)."""
+def pattern_rows(pattern, r0: int, r1: int, k0: int = 0) -> torch.Tensor:
+    """Rows ``r0:r1`` of the pattern's token mask, keys ``k0:r1`` (``[b, hq, r1-r0, r1-k0]``)."""
     bs = pattern.block_size
     dev = pattern.slash.device
     qp = torch.arange(r0, r1, device=dev)
-    kp = torch.arange(r1, device=dev)
+    kp = torch.arange(k0, r1, device=dev)
     d = qp[:, None] // bs - kp[None, :] // bs
     on_slash = pattern.slash_mask()[..., d.clamp(min=0)] & (d >= 0)
-    on_vert = pattern.vertical_mask()[..., :r1][:, :, None, :]
+    on_vert = pattern.vertical_mask()[..., k0:r1][:, :, None, :]
     return (on_slash | on_vert) & (kp[None, :] <= qp[:, None])
 
 
@@ -323,10 +396,164 @@ def per_query_head(pattern, hq: int):
                                 rep(pattern.est_vertical_mass))
 
 
+def work(steps, bs: int) -> torch.Tensor:
+    """Per (b, head): what the kernels compute for ``steps`` (entries of ``bs x bs`` tiles and of
+    ``bs``-row vertical columns)."""
+    return sum(st.block_count.double().sum(-1) * bs * bs + st.column_count.double().sum(-1) * bs for st in steps)
+
+
 def work_fraction(steps, nb: int, bs: int) -> torch.Tensor:
     """Per (b, head): computed work / dense causal work (tiles of bs x bs, columns of bs rows)."""
-    work = sum(st.block_count.double().sum(-1) * bs * bs + st.column_count.double().sum(-1) * bs for st in steps)
-    return work / (nb * (nb + 1) / 2 * bs * bs)
+    return work(steps, bs) / (nb * (nb + 1) / 2 * bs * bs)
+
+
+# ------------------------------------------------------------------------------ packed documents
+def document_spans(documents):
+    """``(stream, start, length)`` of every non-empty document of ``documents`` (stream positions)."""
+    S, cu, pad = documents.seq_len, documents.cu_seqlens, documents.cu_seqlens_padded
+    return [(pad[i] // S, pad[i] % S, cu[i + 1] - cu[i]) for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+
+
+def estimate_per_document(q, k, documents, cfg, scale):
+    """Per-document probes: the estimator run on each document alone, with the same config.
+
+    Document ``(stream, s0, n)`` is estimated on the window ``[a, e)`` of its stream, ``a`` / ``e``
+    its start / end rounded down / up to the block grid (so the pattern's blocks are the stream's), as
+    an unpacked sequence whose tokens outside the document are padding (a
+    :class:`~megatron_mtraining.layout.PackedDocuments` of one document); ``last_q`` grows by the
+    trailing padding ``e - s0 - n``, so the probes are the document's own last ``last_q`` real tokens
+    (all of them when it is shorter). Returns ``[(stream, a, s0, n, pattern (per query head), steps
+    restricted to the document)]``."""
+    import dataclasses
+
+    from megatron_mtraining.layout import Layout, PackedDocuments
+    from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
+    from megatron_mtraining.patterns.estimator import estimate_vertical_slash
+
+    bs = cfg.block_size
+    out = []
+    for row, s0, n in document_spans(documents):
+        a, e = s0 // bs * bs, -(-(s0 + n) // bs) * bs
+        lay = Layout("striped", 1, bs)
+        wdocs = PackedDocuments.from_cu_seqlens([0, 0, n], e - a, cu_seqlens_padded=[0, s0 - a, e - a],
+                                                device=q.device)
+        dcfg = dataclasses.replace(cfg, last_q=min(cfg.last_q + (e - s0 - n), e - a))
+        pat = per_query_head(estimate_vertical_slash(q[row:row + 1, a:e], k[row:row + 1, a:e], layout=lay,
+                                                     config=dcfg, softmax_scale=scale, documents=wdocs), q.shape[2])
+        steps = restrict_to_documents(convert_pattern(pat, lay, 0), wdocs, lay, 0)
+        out.append((row, a, s0, n, pat, steps))
+    return out
+
+
+def document_union_rows(doc_patterns, shape, r0: int, r1: int, device, k0: int = 0) -> torch.Tensor:
+    """Rows ``r0:r1`` (keys ``k0:r1``) of the union of per-document patterns placed back in their streams:
+    each query row takes its own document's pattern (``[b, hq, r1 - r0, r1 - k0]`` bool)."""
+    b, hq = shape
+    out = torch.zeros((b, hq, r1 - r0, r1 - k0), dtype=torch.bool, device=device)
+    for row, a, s0, n, pat, _ in doc_patterns:
+        q0, q1 = max(r0, s0), min(r1, s0 + n)
+        w0 = max(a, k0)                                        # keys before k0 are outside these rows' documents
+        if q0 < q1:
+            out[row, :, q0 - r0:q1 - r0, w0 - k0:q1 - k0] = pattern_rows(pat, q0 - a, q1 - a, w0 - a)[0]
+    return out
+
+
+def union_work(doc_patterns, shape, seq: int, bs: int) -> torch.Tensor:
+    """Per (b, head): the work of the union of per-document patterns placed back in their streams
+    (:func:`work` of one pattern over the whole stream): a tile or a column that several documents'
+    patterns select (documents sharing a block) is computed once, a column inside an active tile not
+    at all."""
+    b, hq = shape
+    nb = seq // bs
+    tiles = torch.zeros((b, hq, nb, nb + 1), dtype=torch.bool)             # last slot: padding entries
+    cols = torch.zeros((b, hq, nb, seq + 1), dtype=torch.bool)
+    for row, a, _, _, _, (st,) in doc_patterns:
+        u0, n = a // bs, st.block_count.shape[-1]
+        for table, count, index, off, pad in ((tiles, st.block_count, st.block_index, u0, nb),
+                                              (cols, st.column_count, st.column_index, a, seq)):
+            index = index[0].long().cpu()
+            valid = torch.arange(index.shape[-1]) < count[0].cpu()[..., None]
+            table[row, :, u0:u0 + n].scatter_(-1, torch.where(valid, index + off, pad), True)
+    tiles, cols = tiles[..., :nb], cols[..., :seq]
+    cols &= ~tiles.repeat_interleave(bs, -1)
+    return tiles.sum((-1, -2)).double() * bs * bs + cols.sum((-1, -2)).double() * bs
+
+
+def dense_document_work(documents, hq: int, bs: int) -> torch.Tensor:
+    """Per (b, head): the work of exact attention over ``documents`` (every block diagonal, restricted to
+    the documents as the sparse ring restricts a pattern)."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
+    from megatron_mtraining.patterns.estimator import VerticalSlashPattern
+
+    S, b = documents.seq_len, documents.batch_size
+    lay = Layout("striped", 1, bs)
+    full = VerticalSlashPattern.from_lists(S, bs, [[list(range(S // bs))] * hq] * b, [[[]] * hq] * b)
+    return work(restrict_to_documents(convert_pattern(full.to(documents.lo.device), lay, 0), documents, lay, 0), bs)
+
+
+def packed_layer(q, k, cfg, documents, rows: torch.Tensor, scale: float, stride: int, dense_work: torch.Tensor,
+                 sweep=()) -> dict:
+    """One layer of a packed stream, two estimates under the exact attention of causal and same document:
+
+    * ``stream``: the library's packed estimator (:func:`estimate_vertical_slash` with ``documents``:
+      the stream's last ``last_q`` queries as probes, floors per document);
+    * ``document``: :func:`estimate_per_document` (each document's own probes), patterns united.
+
+    ``recall_*``: mean over the real query rows ``rows`` (``[b, S]`` bool) of the exact mass inside the
+    pattern; ``sparsity_*``: 1 - the kernels' work after :func:`restrict_to_documents` / ``dense_work``
+    (exact attention over the documents, :func:`dense_document_work`). ``sweep``: more recall targets
+    (the same caps) at which both are measured too, from the same exact softmax (``sweep`` entries)."""
+    import dataclasses
+
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
+    from megatron_mtraining.patterns.estimator import estimate_vertical_slash
+
+    b, S, hq, _ = q.shape
+    bs = cfg.block_size
+    lay = Layout("striped", 1, bs)
+    targets = [cfg.recall] + [r for r in sweep if r != cfg.recall]
+    est = []                                   # (stream pattern, per-document patterns) per target
+    for r in targets:
+        c = dataclasses.replace(cfg, recall=r)
+        est.append((per_query_head(estimate_vertical_slash(q, k, layout=lay, config=c, softmax_scale=scale,
+                                                           documents=documents), hq),
+                    estimate_per_document(q, k, documents, c, scale)))
+    masks = lambda r0, r1, k0: tuple(m for stream, per_doc in est for m in (                 # noqa: E731
+        pattern_rows(stream, r0, r1, k0), document_union_rows(per_doc, (b, hq), r0, r1, q.device, k0)))
+    inside = [x.cpu() for x in exact_mass_inside(q, k, masks, scale, stride=stride, last_q=cfg.last_q,
+                                                 bounds=(documents.lo, documents.hi))]
+    probes = documents.real().cpu().clone()
+    probes[:, :S - cfg.last_q] = False
+    mean_rows = lambda x, sel: torch.stack([x[i][:, sel[i]].mean(-1) for i in range(b)])   # noqa: E731
+    recall = [mean_rows(x, rows) for x in inside]                                            # [b, hq] each
+    sparsity = []
+    for stream, per_doc in est:
+        work_s = work(restrict_to_documents(convert_pattern(stream, lay, 0), documents, lay, 0), bs).cpu()
+        sparsity += [1.0 - work_s / dense_work, 1.0 - union_work(per_doc, (b, hq), S, bs) / dense_work]
+    probe_recall = mean_rows(inside[0], probes)
+    stream, per_doc = est[0]
+    heads = [{"head": h, "kv_head": h // (hq // k.shape[2]),
+              "recall": recall[0][:, h].mean().item(), "sparsity": sparsity[0][:, h].mean().item(),   # = *_stream
+              "recall_stream": recall[0][:, h].mean().item(), "recall_document": recall[1][:, h].mean().item(),
+              "probe_recall_stream": probe_recall[:, h].mean().item(),
+              "sparsity_stream": sparsity[0][:, h].mean().item(), "sparsity_document": sparsity[1][:, h].mean().item(),
+              "vertical": stream.vertical_count[:, h].tolist(), "slash": stream.slash_count[:, h].tolist(),
+              "vertical_document": [int(pat.vertical_count[0, h]) for *_, pat, _ in per_doc],
+              "slash_document": [int(pat.slash_count[0, h]) for *_, pat, _ in per_doc]}
+             for h in range(hq)]
+    sweep_rows = [{"recall_target": r, "recall_stream": recall[2 * i].mean().item(),
+                   "recall_document": recall[2 * i + 1].mean().item(),
+                   "sparsity_stream": sparsity[2 * i].mean().item(), "sparsity_document": sparsity[2 * i + 1].mean().item()}
+                  for i, r in enumerate(targets)]
+    top = sweep_rows[0]
+    return {"dense": False, "recall_target": cfg.recall, "heads": heads,
+            **{key + "_mean": top[key] for key in ("recall_stream", "recall_document", "sparsity_stream",
+                                                   "sparsity_document")},
+            "recall_mean": top["recall_stream"], "sparsity_mean": top["sparsity_stream"],   # the library's estimator
+            "sweep": sweep_rows,
+            "estimator_s": None, "dense_attention_s": None, "sparse_reference_s": None, "est_time_ratio": None}
 
 
 def timed(fn, repeats: int, device="cpu") -> float:
@@ -407,12 +634,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plot_heads > 0 and args.seq_length > PLOT_MAX_SEQ:
         raise SystemExit(f"error: --plot-heads draws a [seq, seq] map per head: --seq-length must be <= "
                          f"{PLOT_MAX_SEQ}, or pass --plot-heads 0")
+    if args.max_doc_len is not None and (not args.packed or args.max_doc_len < 1):
+        raise SystemExit(f"error: --max-doc-len needs --packed and a value >= 1, got {args.max_doc_len}")
+    if args.sweep_recall and (not args.packed or not all(0.0 < r <= 1.0 for r in args.sweep_recall)):
+        raise SystemExit(f"error: --sweep-recall needs --packed and targets in (0, 1], got {args.sweep_recall}")
+    if args.packed and args.save_pattern:
+        raise SystemExit("error: --save-pattern with --packed: a pattern file holds unpacked patterns")
     if args.save_pattern:
         if not args.save_pattern.endswith((".npz", ".pt")):   # numpy would append .npz to any other name
             raise SystemExit(f"error: --save-pattern {args.save_pattern}: the name must end in .npz or .pt")
         Path(args.save_pattern).parent.mkdir(parents=True, exist_ok=True)
     _init_world()
-    tokens = load_tokens(args)
+    tokens, cu_seqlens = load_packed(args) if args.packed else (load_tokens(args), None)
     saved, info, ckpt_dir = {}, None, None
     if args.load:
         ckpt_dir, info = _checkpoint_dir(args.load)
@@ -435,7 +668,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         vocab = padded_vocab(args.vocab_size or int(tokens.max()) + 1, saved or {"make_vocab_size_divisible_by": 128})
     if int(tokens.max()) >= vocab:
         raise SystemExit(f"error: token id {int(tokens.max())} >= vocab size {vocab}")
-    model, config = build_model(args, vocab, saved)
+    plan = None
+    if args.packed:        # the trainer's plan for --reset-position-ids: RoPE rows follow the position_ids
+        from megatron_mtraining.config import MTrainingConfig
+        from megatron_mtraining.plan import DocumentPacking, resolve
+
+        plan = resolve(MTrainingConfig(granularity=64), cp_group=None,
+                       packing=DocumentPacking(reset_position_ids=True))
+    model, config = build_model(args, vocab, saved, mtraining_config=plan)
     if policy is not None:
         try:
             policy.check_layers(config.num_layers, flag="--num-layers")
@@ -445,6 +685,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if info is not None:
         load_weights(model, info, ckpt_dir)
         source = f"{ckpt_dir} ({info['format']}, iteration {info['iteration']})"
+    if plan is not None:
+        from megatron_mtraining.megatron.rope import install_layout_rope
+
+        install_layout_rope(model, plan)
     model.eval()
     dev = torch.device(args.device)
     model.to(dev)
@@ -459,13 +703,25 @@ def main(argv: Optional[list[str]] = None) -> int:
              for layer in model.decoder.layers]
     seq = args.seq_length
     inp = tokens[:, :seq].to(dev)
-    pos = torch.arange(seq, device=dev).expand(inp.shape[0], -1)
+    one = Layout("striped", 1, 64)
+    documents, fwd = None, {}
+    if args.packed:        # the library's packed path: sbhd PackedSeqParams -> documents in MTrainingAttention
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
+
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        fwd["packed_seq_params"] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                   max_seqlen_q=seq, max_seqlen_kv=seq)
+        documents = documents_from_packed_seq_params(fwd["packed_seq_params"], seq, inp.shape[0])
+        pos = documents.positions(one, 0)                    # positions restart per document
+    else:
+        pos = torch.arange(seq, device=dev).expand(inp.shape[0], -1)
     with torch.no_grad():
-        model(inp, pos, None)
+        model(inp, pos, None, **fwd)
     for h in hooks:
         h.remove()
 
-    one = Layout("striped", 1, 64)
     bs = cfg.block_size
     nb = seq // bs
     pos1 = torch.arange(seq, device=dev)
@@ -475,6 +731,16 @@ def main(argv: Optional[list[str]] = None) -> int:
               "layer_policy": None if policy is None else policy.layer_policy_text()}
     grid = sampled_rows(seq, args.recall_stride)
     report["recall_rows"] = int(grid.sum())
+    if documents is not None:
+        spans = document_spans(documents)
+        report["packed"] = {"max_doc_len": args.max_doc_len, "cu_seqlens": documents.cu_seqlens,
+                            "documents_per_stream": [sum(1 for r, _, _ in spans if r == i) for i in range(len(tokens))],
+                            "document_lengths": [n for _, _, n in spans], "positions": "restart per document",
+                            "forward": "packed: one forward per stream with PackedSeqParams (sbhd), "
+                                       "attention causal and within a document"}
+        real_grid = documents.real().cpu() & grid
+        report["recall_rows"] = int(real_grid.sum())
+        dense_work = dense_document_work(documents, captured[0][0].shape[2], cfg.block_size).cpu()
     picks = []
     saved_rows = ([], [])                  # (slash offsets, vertical positions) per layer x sample x head
     for li, (q, k, v) in enumerate(captured):
@@ -487,6 +753,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "sparse_reference_s": None, "est_time_ratio": None}
             report["layers"].append(layer)
             print(f"layer {li} (layer_number {layer_number}): dense (dense_layers)", flush=True)
+            continue
+        if documents is not None:
+            layer = packed_layer(q, k, lcfg, documents, real_grid, scale, args.recall_stride, dense_work,
+                                 sweep=args.sweep_recall)
+            layer.update(layer=li, layer_number=layer_number)
+            report["layers"].append(layer)
+            print(f"layer {li} (layer_number {layer_number}): recall stream {layer['recall_stream_mean']:.4f} "
+                  f"document {layer['recall_document_mean']:.4f}  sparsity stream {layer['sparsity_stream_mean']:.3f} "
+                  f"document {layer['sparsity_document_mean']:.3f}", flush=True)
             continue
         group_pattern = estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale)
         for rows, t in zip(saved_rows, (group_pattern.slash, group_pattern.vertical)):
@@ -533,12 +808,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         "recall_mean": sum(l["recall_mean"] for l in layers) / len(layers),
         "recall_min_head": min((hh["recall"] for l in layers for hh in l["heads"]), default=1.0),
         "sparsity_mean": sum(l["sparsity_mean"] for l in layers) / len(layers),
-        "est_time_ratio_mean": (None if args.timing_repeats <= 0 or not sparse_layers else
+        "est_time_ratio_mean": (None if args.timing_repeats <= 0 or args.packed or not sparse_layers else
                                 sum(l["est_time_ratio"] for l in sparse_layers) / len(sparse_layers)),
         # measured, per layer: the 1-based layer numbers whose exact recall is below their target
         "layers_below_recall_target": [l["layer_number"] for l in sparse_layers
                                        if l["recall_mean"] < l["recall_target"]],
     }
+    if documents is not None:       # means over layers (a dense layer counts as exact, nothing skipped)
+        keys = ("recall_stream", "recall_document", "sparsity_stream", "sparsity_document")
+        for key in keys:
+            exact = 0.0 if key.startswith("sparsity") else 1.0
+            report["summary"][key + "_mean"] = sum(l.get(key + "_mean", exact) for l in layers) / len(layers)
+        if sparse_layers:
+            report["summary"]["sweep"] = [
+                {"recall_target": row["recall_target"],
+                 **{key: sum(l["sweep"][i][key] if "sweep" in l else (0.0 if key.startswith("sparsity") else 1.0)
+                             for l in layers) / len(layers) for key in keys}}
+                for i, row in enumerate(sparse_layers[0]["sweep"])]
     out_json, out_png = Path(args.out + ".json"), Path(args.out + ".png")   # OUT may contain dots
     write_json(out_json, result_record(report, device=dev, argv=argv))
     print("summary:", json.dumps(report["summary"]), flush=True)
@@ -551,7 +837,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       "layers": len(captured), "rows_per_layer": len(saved_rows[0]) // max(1, len(captured)),
                       "recall_target": cfg.recall, "share_pattern": cfg.share_pattern})
         print(f"wrote {args.save_pattern}", flush=True)
-    if args.plot_heads > 0 and picks:
+    if args.plot_heads > 0 and picks and documents is None:
         picks.sort(key=lambda x: -x[2])                       # the sparsest heads are the most telling
         chosen = []
         for li, h, sp, q, k, pattern in picks[:args.plot_heads]:

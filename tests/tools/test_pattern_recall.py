@@ -201,3 +201,83 @@ def test_pattern_recall_config_policy_errors(tmp_path):
         with pytest.raises(SystemExit) as exc:
             main(base + extra)
         assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)
+
+
+def test_packed_mode_compares_stream_and_document_probes(tmp_path):
+    """--packed: one stream of several documents (forward with the documents' PackedSeqParams, positions
+    restarting per document), recall of the library's per-stream estimate and of per-document estimates,
+    each in [0, 1] with their sparsities, also at the --sweep-recall targets (recall 1.0 with caps over every
+    line keeps all the mass of both)."""
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    res = run_python("tools/pattern_recall.py", [
+        "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--data-path", prefix, "--tokenizer-model", tok, "--recall", "0.9", "--sink-tokens", "8",
+        "--timing-repeats", "0", "--packed", "--seq-length", "512", "--sweep-recall", "0.5", "1.0",
+        "--out", str(tmp_path / "many")], timeout=300)
+    assert res.returncode == 0, res.tail()
+    many = json.loads((tmp_path / "many.json").read_text())
+    assert many["packed"]["documents_per_stream"][0] >= 3 and many["recall_rows"] == 512
+    for h in many["layers"][0]["heads"]:
+        for key in ("recall_stream", "recall_document", "probe_recall_stream"):
+            assert 0.0 < h[key] <= 1.0 + 1e-12, (key, h)
+        assert 0.0 <= h["sparsity_stream"] < 1.0 and 0.0 <= h["sparsity_document"] < 1.0
+        assert len(h["vertical_document"]) == many["packed"]["documents_per_stream"][0]
+    s = many["summary"]
+    assert {"recall_stream_mean", "recall_document_mean", "sparsity_stream_mean", "sparsity_document_mean"} <= set(s)
+    assert [r["recall_target"] for r in s["sweep"]] == [0.9, 0.5, 1.0]
+    assert s["sweep"][0]["recall_stream"] == s["recall_stream_mean"]
+    full = s["sweep"][2]
+    assert full["recall_stream"] == pytest.approx(1.0, abs=1e-12) and full["recall_document"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_packed_recall_is_scored_under_the_document_mask():
+    """The packed recall pieces on random q/k: the exact attention with the document bounds sums to 1 per
+    row inside the document mask and differs from plain causal attention (negative control: the same
+    pattern scored without the bounds); the per-document union restricted to one document is that
+    document's own pattern, and its work equals the estimator's own step accounting for one document."""
+    import math
+
+    import torch
+
+    from megatron_mtraining.layout import PackedDocuments
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+    from megatron_mtraining.layout import Layout
+    from tools.pattern_recall import (document_union_rows, estimate_per_document, exact_mass_inside,
+                                      pattern_rows, per_query_head, union_work, work)
+    from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
+
+    g = torch.Generator().manual_seed(0)
+    b, s, hq, hkv, d = 1, 512, 4, 2, 16
+    q = torch.randn(b, s, hq, d, generator=g)
+    k = torch.randn(b, s, hkv, d, generator=g)
+    k[:, 200] *= 6                       # a strong key in the second document: a causal-only score sees it
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 150, 330, 512]), s)
+    cfg = VerticalSlashConfig(recall=0.8, last_q=64, sink_tokens=8, max_vertical=64, max_slash=4)
+    scale = 1 / math.sqrt(d)
+    lay = Layout("striped", 1, 64)
+    stream = per_query_head(estimate_vertical_slash(q, k, layout=lay, config=cfg, softmax_scale=scale,
+                                                    documents=docs), hq)
+    bounds = (docs.lo, docs.hi)
+    ones = lambda r0, r1, k0: torch.ones(b, hq, r1 - r0, r1 - k0, dtype=torch.bool)  # noqa: E731
+    assert torch.allclose(exact_mass_inside(q, k, ones, scale, bounds=bounds), torch.ones(b, hq, s, dtype=torch.float64))
+    same_doc = lambda r0, r1: ((torch.arange(r1)[None, :] >= docs.lo[0, r0:r1, None])  # noqa: E731
+                               .expand(b, hq, -1, -1))
+    plain = exact_mass_inside(q, k, same_doc, scale)            # causal only: mass leaks to other documents
+    assert plain[..., 150:].min() < 0.9
+    with_docs = exact_mass_inside(q, k, lambda r0, r1, k0: pattern_rows(stream, r0, r1, k0), scale, bounds=bounds)
+    without = exact_mass_inside(q, k, lambda r0, r1: pattern_rows(stream, r0, r1), scale)
+    assert (with_docs - without).abs().max() > 1e-3
+    per_doc = estimate_per_document(q, k, docs, cfg, scale)
+    assert [(a, s0, n) for _, a, s0, n, _, _ in per_doc] == [(0, 0, 150), (128, 150, 180), (320, 330, 182)]
+    row, a, s0, n, pat, steps = per_doc[1]
+    union = document_union_rows(per_doc, (b, hq), 192, 256, q.device)
+    assert torch.equal(union[0, :, :, a:256], pattern_rows(pat, 192 - a, 256 - a)[0])
+    assert not union[0, :, :, :a].any()
+    assert torch.equal(document_union_rows(per_doc, (b, hq), 192, 256, q.device, k0=150), union[..., 150:])
+    assert torch.equal(union_work(per_doc[1:2], (b, hq), s, 64), work(steps, 64))
+    whole = PackedDocuments.from_cu_seqlens(torch.tensor([0, s]), s)
+    pw = per_query_head(estimate_vertical_slash(q, k, layout=lay, config=cfg, softmax_scale=scale), hq)
+    one = estimate_per_document(q, k, whole, cfg, scale)
+    assert torch.equal(one[0][4].vertical, pw.vertical) and torch.equal(one[0][4].slash, pw.slash)
+    assert torch.equal(union_work(one, (b, hq), s, 64),
+                       work(restrict_to_documents(convert_pattern(pw, lay, 0), whole, lay, 0), 64))
