@@ -424,6 +424,23 @@ def _compact(index: torch.Tensor, keep: torch.Tensor):
     return cnt, idx.contiguous()
 
 
+#: elements of one ``[b, h, query blocks, entries, block_size]`` temporary of :func:`restrict_to_documents`;
+#: the entries are tested in chunks of at most this size, so a stream of many short documents (thousands
+#: of sink columns) does not materialise a many-GiB mask at once
+RESTRICT_CHUNK_ELEMENTS = 1 << 26
+
+
+def _any_row_sees(test, rows: int, width: int) -> torch.Tensor:
+    """``test(j0, j1)`` (``[..., j1 - j0]`` bool: some query row of the block sees entry ``j``) over the
+    entries ``0 .. width``, in chunks of at most :data:`RESTRICT_CHUNK_ELEMENTS` // ``rows`` entries
+    (``rows``: the elements one entry spans, ``b * h * query blocks * block_size``); the result is the
+    same as one call on all entries."""
+    step = max(1, RESTRICT_CHUNK_ELEMENTS // max(rows, 1))
+    if step >= width:
+        return test(0, width)
+    return torch.cat([test(j, min(j + step, width)) for j in range(0, width, step)], dim=-1)
+
+
 def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, rank: int) -> List[StepIndices]:
     """``rank``'s per-owner :class:`StepIndices` restricted to packed ``documents``.
 
@@ -461,12 +478,16 @@ def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, r
         b_ok = torch.arange(bi.shape[-1], device=dev) < st.block_count[..., None].long()
         t0 = kpos[bi.clamp(min=0) * bs][..., None]
         t1 = kpos[bi.clamp(min=0) * bs + bs - 1][..., None]
-        live = ((torch.maximum(lo_b, t0) <= torch.minimum(hi_b, t1)).any(-1)) & b_ok
+        rows = b * h * nqb * bs
+        live = _any_row_sees(lambda j0, j1: (torch.maximum(lo_b, t0[..., j0:j1, :])
+                                             <= torch.minimum(hi_b, t1[..., j0:j1, :])).any(-1),
+                             rows, bi.shape[-1]) & b_ok
         bc, bidx = _compact(st.block_index, live)
         ci = st.column_index.long()
         c_ok = torch.arange(ci.shape[-1], device=dev) < st.column_count[..., None].long()
         t = kpos[ci.clamp(min=0)][..., None]
-        c_live = ((lo_b <= t) & (t <= hi_b)).any(-1) & c_ok
+        c_live = _any_row_sees(lambda j0, j1: ((lo_b <= t[..., j0:j1, :]) & (t[..., j0:j1, :] <= hi_b)).any(-1),
+                               rows, ci.shape[-1]) & c_ok
         cc, cidx = _compact(st.column_index, c_live)
         out.append(StepIndices(bc, bidx, cc, cidx, st.causal, bs, doc_lo=lo, doc_hi=hi, key_pos=kpos))
     return out

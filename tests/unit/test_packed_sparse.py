@@ -246,3 +246,32 @@ def test_step_kernels_take_document_bounds():
     fine = refine_indices(st, 64)
     assert fine.block_size == 64 and fine.doc_lo is st.doc_lo and fine.doc_hi is st.doc_hi
     assert fine.key_pos is st.key_pos and plan_for(st).has_documents
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_restriction_in_chunks_equals_one_pass(monkeypatch, cp):
+    """restrict_to_documents tests its entries in chunks bounded by RESTRICT_CHUNK_ELEMENTS; any chunk size
+    keeps and drops exactly the entries of one pass over all of them (padded documents, straddling blocks)."""
+    import megatron_mtraining.patterns.convert as conv
+
+    S = 256
+    layout = Layout("striped", cp, BS)
+    q, k, _, _ = _inputs(S, 4, 2, torch.float64, seed=11)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 38, 100, 180]), S,
+                                           cu_seqlens_padded=torch.tensor([0, 24, 64, 130, S]))
+    pattern = estimate_vertical_slash(q, k, layout=Layout("striped", 1, BS), config=_cfg(recall=1.0, max_vertical=12,
+                                      max_slash=8), softmax_scale=0.25, documents=docs)
+    calls = []
+    real = conv._any_row_sees
+    monkeypatch.setattr(conv, "_any_row_sees", lambda test, rows, width: calls.append(width) or real(test, rows, width))
+    for rank in range(cp):
+        steps = convert_pattern(pattern, layout, rank, impl="torch")
+        whole = restrict_to_documents(steps, docs, layout, rank)
+        for chunk in (1, 2 * 4 * (S // cp // BS) * BS + 1, 3 * 4 * (S // cp // BS) * BS):
+            monkeypatch.setattr(conv, "RESTRICT_CHUNK_ELEMENTS", chunk)    # 1 entry, 1 entry (+1), 3 entries a chunk
+            part = restrict_to_documents(steps, docs, layout, rank)
+            monkeypatch.setattr(conv, "RESTRICT_CHUNK_ELEMENTS", 1 << 26)
+            for a, b in zip(whole, part):
+                for name in ("block_count", "block_index", "column_count", "column_index"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), (rank, chunk, name)
+    assert calls and max(calls) > 3                       # the chunked runs really split the entries
