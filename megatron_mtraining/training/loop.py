@@ -188,8 +188,9 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
         throughput.check(iteration, dt)
         loss = (loss_sum / n_tok.clamp(min=1)).item()
         metrics.iteration(iteration, loss, grad_norm, lr, int(n_tok.item()), dt)
-        if iteration == start_iter + 1 and plan is not None and plan.kernel_summary():
-            log0(f" > attention kernels: {plan.kernel_summary()}")
+        kernels = plan.kernel_summary() if iteration == start_iter + 1 and plan is not None else ""
+        if kernels:
+            log0(f" > attention kernels: {kernels}")
         if args.eval_iters > 0 and valid_iter is not None and iteration % args.eval_interval == 0:
             metrics.validation(iteration, evaluate(args, model, optimizer, valid_iter, split, device))
         if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.train_iters:
