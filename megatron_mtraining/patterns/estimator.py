@@ -706,8 +706,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             ``last_q`` queries) score only keys of their own documents (padding probes score
             nothing), the recall target is ``recall`` times the number of real probes of the
             stream, the vertical floors are the first ``sink_tokens`` tokens of *every* document
-            (the cap ``max_vertical`` is raised to their number where they exceed it), and the
-            scores are the fp64 torch path (``impl`` ``"auto"`` or ``"torch"``).
+            (the cap ``max_vertical`` is raised to their number where they exceed it); both score
+            paths apply the document bounds (the Triton kernels skip key tiles that no probe sees).
 
     Returns:
         :class:`VerticalSlashPattern` on ``q.device``; every rank of the group returns the same.
@@ -722,8 +722,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         ValueError: shape mismatch, ``layout.cp_size`` not the group size, a sequence the layout
             cannot split, ``S % block_size != 0`` or ``S < last_q``; an unknown ``impl``, or
             ``impl="triton"`` where the kernels cannot run (Triton missing, fp64 or mixed dtypes,
-            CPU without ``TRITON_INTERPRET=1``), ``impl="triton"`` with packed documents (the fused
-            score kernels have no document mask).
+            CPU without ``TRITON_INTERPRET=1``); packed documents that do not describe ``b``
+            streams of ``S`` tokens.
     """
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q [b, s, hq, d] and k [b, s, hkv, d] expected, got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -743,14 +743,9 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         raise ValueError(f"VerticalSlashConfig.last_q={L} exceeds the sequence length {S}")
     if documents is not None and documents.single_document:
         documents = None                              # plain causal attention: the unpacked path, bitwise
-    if documents is not None:
-        if impl == "triton":
-            raise ValueError("estimate_vertical_slash: impl='triton' has no document mask (packed documents "
-                             "need impl='torch' or 'auto')")
-        if documents.seq_len != S or documents.batch_size != b:
-            raise ValueError(f"packed documents describe {documents.batch_size} streams of {documents.seq_len} "
-                             f"tokens but q has batch {b} and sequence length {S}")
-        impl = "torch"
+    if documents is not None and (documents.seq_len != S or documents.batch_size != b):
+        raise ValueError(f"packed documents describe {documents.batch_size} streams of {documents.seq_len} "
+                         f"tokens but q has batch {b} and sequence length {S}")
     fused = resolve_impl(impl, q, k) == "triton"
     nb = S // bs
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
@@ -779,14 +774,15 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
     q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
                 for u in range((S - L) // bs, nb)]
 
+    bounds = None if documents is None else (documents.lo[:, S - L:], documents.hi[:, S - L:])
     if fused:
         from .triton.estimator import probe_column_sums, probe_softmax_stats
 
         # --- exact softmax rows of the probes across the CP group: local (m, z) from the kernel
-        m, z = probe_softmax_stats(probe, k, k_pos, S, scale)
+        m, z = probe_softmax_stats(probe, k, k_pos, S, scale, bounds=bounds)
         lse = _global_lse(m, z, group, cp)
         # --- line scores: per-key sums split by probe query block (fp32), cast to fp64
-        colu32 = probe_column_sums(probe, k, k_pos, S, lse, scale, bs)          # [b, hq, nu, sl]
+        colu32 = probe_column_sums(probe, k, k_pos, S, lse, scale, bs, bounds=bounds)   # [b, hq, nu, sl]
         colu = colu32.to(f64)
         assert colu.shape[2] == len(q_blocks)
         # one query block: the column scores are fp32 values; the selection sorts them as fp32 (the
@@ -798,7 +794,6 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
             # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
             slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
     else:
-        bounds = None if documents is None else (documents.lo[:, S - L:], documents.hi[:, S - L:])
         col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp, bounds=bounds)
     if share_kv_group:
         col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])

@@ -268,7 +268,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             key blocks and columns no query of a block may see and the sparse step kernel (torch
             or Triton) masks mixed blocks by document bounds. Padding tokens get exact zeros (out,
             dQ, dK, dV). A single document per stream without padding runs the unpacked path
-            (bitwise). The estimator and the index conversion run in torch; needs
+            (bitwise). The estimator and the index conversion run on the backend's
+            implementations (Triton score kernels with the document bounds, or torch); needs
             ``columns="in_ring"`` and a backend other than FA4.
 
     Returns:
@@ -303,10 +304,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     q, k, v = last_dim_contiguous(q, k, v)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale,
-                                                            impl="torch" if documents is not None
-                                                            else backend.estimator_impl, documents=documents)
-    steps = convert_pattern(pattern, layout, group_rank(group),
-                            impl="torch" if documents is not None else backend.convert_impl)
+                                                            impl=backend.estimator_impl, documents=documents)
+    steps = convert_pattern(pattern, layout, group_rank(group), impl=backend.convert_impl)
     if documents is not None:
         steps = restrict_to_documents(steps, documents, layout, group_rank(group))
     if backend.name != "triton":      # only the Triton kernels read per-group indices (kv_group) directly

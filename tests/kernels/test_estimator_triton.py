@@ -7,8 +7,10 @@ fp32 and fp16 inputs (fp16: the oracle uses the same fp16-rounded values; bf16 `
 in the interpreter, see test_triton_kernels.py); GQA 2 and 4 and MHA; batch 2; probe counts with one
 and two query blocks (aligned and not), probe rows padded and split over several row chunks;
 striped (granularity 64 and 16), zigzag and contiguous layouts at cp 1 and simulated cp 2 (the
-kernels run on each rank's local keys). ``estimate_vertical_slash(impl="triton")`` selects the
-same lines as ``impl="torch"``; a shifted ``k_pos`` (negative control) is caught; ranks / rows
+kernels run on each rank's local keys); packed documents (per-row key bounds against an oracle with
+an explicit document mask: several documents among the probes, padding, two streams, probes that
+are all padding, whole key tiles skipped). ``estimate_vertical_slash(impl="triton")`` selects the
+same lines as ``impl="torch"``, with and without documents; a shifted ``k_pos`` (negative control) is caught; ranks / rows
 without visible keys give exact zeros, no NaN; bad ``impl`` values raise.
 
 The interpreter must be chosen before triton is imported (same mechanism as
@@ -59,8 +61,10 @@ def test_all_in_fresh_interpreter():
 
 
 # ------------------------------------------------------------------------------ independent fp64 oracle
-def oracle(q, k, L, bs, scale):
-    """``(lse [b,hq,L], col [b,hq,S], slash [b,hq,S/bs])`` in fp64 from the given (rounded) values."""
+def oracle(q, k, L, bs, scale, doc_ids=None):
+    """``(lse [b,hq,L], col [b,hq,S], slash [b,hq,S/bs])`` in fp64 from the given (rounded) values.
+    ``doc_ids [b, S]``: packed documents (a key is visible iff causal and of the row's document;
+    id ``-1`` is padding, which sees and is seen by nothing)."""
     b, S, hq, _ = q.shape
     rep = hq // k.shape[2]
     qq = q[:, S - L:].to(F64)
@@ -68,9 +72,19 @@ def oracle(q, k, L, bs, scale):
     s = torch.einsum("bqhd,bkhd->bhqk", qq, kk) * scale                 # [b, hq, L, S]
     qpos, kpos = torch.arange(S - L, S), torch.arange(S)
     vis = kpos[None, :] <= qpos[:, None]                                  # explicit causal mask
-    s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.softmax(s, -1)
+    if doc_ids is not None:
+        same = doc_ids[:, S - L:, None] == doc_ids[:, None, :]
+        vis = vis[None] & same & (doc_ids[:, S - L:, None] >= 0)          # [b, L, S]
+        s = s.masked_fill(~vis[:, None], float("-inf"))
+        rows_ok = vis.any(-1)[:, None, :, None]
+        lse = torch.logsumexp(s, -1)
+        p = torch.where(rows_ok, torch.softmax(torch.where(rows_ok, s, 0.0), -1), 0.0)
+        p = p.masked_fill(~vis[:, None], 0.0)
+        vis = vis[:, None]
+    else:
+        s = s.masked_fill(~vis, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.softmax(s, -1)
     col = p.sum(2)
     diag = qpos[:, None] // bs - kpos[None, :] // bs                      # [L, S] block offset
     slash = torch.stack([(p * ((diag == dd) & vis)).sum((-1, -2)) for dd in range(S // bs)], -1)
@@ -83,8 +97,9 @@ def max_rel(got, ref, floor=1e-30):
     return float(((got - ref).abs() / (ref.abs() + floor)).max())
 
 
-def simulated_scores(q, k, layout, L, bs, scale, shift_kpos=0):
+def simulated_scores(q, k, layout, L, bs, scale, shift_kpos=0, bounds=None):
     """The kernels on every rank's local keys, (m, z) merged like the all-reduce (MAX, rescaled SUM).
+    ``bounds``: the probe rows' key bounds ``(lo, hi)`` ``[b, L]`` (packed documents) or ``None``.
 
     Returns ``(lse [b,hq,L], col [b,hq,S] in global positions, slash [b,hq,S/bs], per-rank (m, z))``."""
     E = _ops()
@@ -95,7 +110,7 @@ def simulated_scores(q, k, layout, L, bs, scale, shift_kpos=0):
     for r in range(cp):
         k_loc = layout.shard(k, r, dim=1)
         k_pos = layout.positions(r, S) + shift_kpos
-        m, z = E.probe_softmax_stats(probe, k_loc, k_pos, S, scale)
+        m, z = E.probe_softmax_stats(probe, k_loc, k_pos, S, scale, bounds=bounds)
         assert m.dtype == F64 and z.dtype == F64 and m.shape == (b, hq, L)
         ranks.append((k_loc, k_pos, m, z))
     gm = torch.stack([x[2] for x in ranks]).amax(0)
@@ -106,7 +121,7 @@ def simulated_scores(q, k, layout, L, bs, scale, shift_kpos=0):
     slash = torch.zeros(b, hq, S // bs, dtype=F64)
     u0, nu = E.probe_block_range(S, L, bs)
     for k_loc, k_pos, _, _ in ranks:
-        colu = E.probe_column_sums(probe, k_loc, k_pos, S, lse, scale, bs)
+        colu = E.probe_column_sums(probe, k_loc, k_pos, S, lse, scale, bs, bounds=bounds)
         assert colu.dtype == torch.float32 and colu.shape == (b, hq, nu, k_loc.shape[1])
         colu = colu.to(F64)
         col[:, :, (k_pos - shift_kpos).long()] = colu.sum(2)
@@ -189,6 +204,80 @@ def test_rows_without_visible_keys_give_exact_zeros():
     E = _ops()
     colu = E.probe_column_sums(q[:, S - L:], k, torch.arange(S), S, torch.full((b, hq, L), float("-inf")), scale, bs)
     assert torch.equal(colu, torch.zeros_like(colu))
+
+
+# ------------------------------------------------------------------------------ packed documents
+def _doc_ids(docs):
+    """``[b, S]`` document id of every token (its document's first position), ``-1`` for padding."""
+    return torch.where(docs.hi >= 0, docs.doc_start, torch.full_like(docs.doc_start, -1))
+
+
+DOC_CASES = [
+    # b, S,  hq, hkv, d, L,  bs, dtype, layout, cu_seqlens, cu_seqlens_padded
+    # probes in three documents (the rows straddle two query blocks); keys 0..299 skipped as whole tiles
+    (1, 512, 4, 2, 32, 100, 64, torch.float32, Layout("striped", 1, 64), [0, 37, 300, 450, 470, 512], None),
+    (1, 512, 4, 1, 32, 100, 64, torch.float32, Layout("striped", 2, 64), [0, 37, 300, 450, 470, 512], None),
+    # two streams with different documents, fp16, zigzag cp 2, padding between documents and at the end
+    (2, 256, 4, 2, 32, 64, 32, torch.float16, Layout("zigzag", 2), [0, 30, 200, 220, 227, 370, 420],
+     [0, 40, 220, 256, 300, 460, 512]),
+    # the last probes are padding (no visible key: lse -inf, exact zeros), contiguous cp 2
+    (1, 384, 2, 2, 32, 64, 64, torch.float32, Layout("contiguous", 2), [0, 100, 330], [0, 128, 384]),
+]
+
+
+@pytest.mark.parametrize("b,S,hq,hkv,d,L,bs,dtype,layout,cu,cu_pad", DOC_CASES)
+def test_kernels_with_document_bounds_match_fp64_oracle(b, S, hq, hkv, d, L, bs, dtype, layout, cu, cu_pad):
+    from megatron_mtraining.layout import PackedDocuments
+
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, batch_size=b,
+                                           cu_seqlens_padded=None if cu_pad is None else torch.tensor(cu_pad))
+    q, k = _inputs(b, S, hq, hkv, d, dtype, seed=S + L + b)
+    scale = d ** -0.5
+    lse_r, col_r, slash_r = oracle(q, k, L, bs, scale, doc_ids=_doc_ids(docs))
+    bounds = (docs.lo[:, S - L:], docs.hi[:, S - L:])
+    lse, col, slash, _ = simulated_scores(q, k, layout, L, bs, scale, bounds=bounds)
+    rows = torch.isfinite(lse_r)              # rows without a visible key (padding probes): lse is unused
+    assert not torch.isnan(lse).any()
+    errs = {"lse": float(((lse - lse_r).abs() / lse_r.abs().clamp_min(1.0))[rows].max()),
+            "col": max_rel(col, col_r), "slash": max_rel(slash, slash_r)}
+    assert all(e <= TOL for e in errs.values()), errs
+    # keys of other documents and padding are exact zeros, not merely small
+    assert torch.equal(col == 0, col_r == 0) and torch.equal(slash == 0, slash_r == 0)
+    # negative control: the causal kernels on the same inputs ignore the document mask
+    _, col_c, _, _ = simulated_scores(q, k, layout, L, bs, scale)
+    assert max_rel(col_c, col_r) > 1e-2
+
+
+def test_document_bounds_shifted_by_one_are_caught():
+    """Negative control: bounds one key too wide at the document start change the column scores."""
+    from megatron_mtraining.layout import PackedDocuments
+
+    b, S, hq, hkv, d, L, bs = 1, 256, 2, 1, 32, 64, 64
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 150, 256]), S)
+    q, k = _inputs(b, S, hq, hkv, d, torch.float32, seed=13)
+    scale = d ** -0.5
+    _, col_r, _ = oracle(q, k, L, bs, scale, doc_ids=_doc_ids(docs))
+    lo, hi = docs.lo[:, S - L:], docs.hi[:, S - L:]
+    _, col, _, _ = simulated_scores(q, k, Layout("striped", 1, 64), L, bs, scale, bounds=(lo, hi))
+    assert max_rel(col, col_r) <= TOL
+    _, col, _, _ = simulated_scores(q, k, Layout("striped", 1, 64), L, bs, scale, bounds=(lo - 1, hi))
+    assert col[0, :, 149].abs().min() > 0 and max_rel(col, col_r) > 1e-2
+
+
+def test_estimator_triton_selects_the_torch_pattern_with_documents():
+    from megatron_mtraining.layout import PackedDocuments
+
+    q, k, _ = make_qkv(2, 512, 4, 2, 32, seed=4, dtype=torch.float32)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 37, 300, 470, 512, 700, 1000]), 512, batch_size=2)
+    for cfg in (dict(recall=0.9, sink_tokens=4, last_q=100), dict(recall=0.9, sink_tokens=8, share_pattern="kv_group")):
+        config = VerticalSlashConfig(**cfg)
+        one = Layout("striped", 1, 64)
+        got = estimate_vertical_slash(q, k, layout=one, config=config, impl="triton", documents=docs)
+        ref = estimate_vertical_slash(q, k, layout=one, config=config, impl="torch", documents=docs)
+        assert got.same_selection(ref)
+        assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
+        assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
+        assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
 
 
 def test_probe_block_range():

@@ -194,8 +194,8 @@ def test_refusals_name_the_rule():
     with pytest.raises(ValueError, match="kernel_backend='fa4' cannot run packed sequences"):
         select_backend("fa4", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True,
                        triton_available=True, fa4_available=True)
-    with pytest.raises(ValueError, match="impl='triton' has no document mask"):
-        estimate_vertical_slash(q, k, layout=layout, config=_cfg(), impl="triton", documents=docs)
+    with pytest.raises(ValueError, match="packed documents describe 1 streams of 256"):
+        estimate_vertical_slash(q, k, layout=layout, config=_cfg(), documents=_documents(2 * S, 1, "contiguous"))
     fa4_named = dataclasses.replace(select_backend("torch", device="cpu", dtype=torch.float32, head_dim=16,
                                                    sparse=True, packed=True), name="fa4")
     with pytest.raises(NotImplementedError, match="FA4 sparse kernels have no document mask"):
@@ -211,7 +211,7 @@ def test_triton_backends_keep_the_triton_sparse_steps_for_documents():
     tri = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=16, sparse=True, packed=True,
                          triton_available=True)
     assert tri.name == "triton" and tri.sparse_step.func is make_sparse_step_kernel
-    assert tri.estimator_impl == "triton"      # sparse_ring_attention runs the torch estimator with documents
+    assert tri.estimator_impl == "triton"      # the Triton score kernels take the document bounds
     cuda_auto = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, sparse=True, packed=True,
                                triton_available=True, fa4_available=True)
     assert cuda_auto.name == "triton" and cuda_auto.sparse_step.func is make_sparse_step_kernel

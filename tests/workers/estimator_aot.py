@@ -5,7 +5,7 @@
 The Triton interpreter (tests/kernels/test_estimator_triton.py) checks the numbers but not that the kernels
 compile: this runs the real compiler (TTIR -> PTX -> cubin with the ptxas shipped in the triton
 wheel) for bf16/fp16/fp32 inputs, head_dim 64/128/80 (padded to 128) and the launcher's tile
-sizes (probe-row chunks of the maximum and of 16), and prints the cubin's register / stack use
+sizes (probe-row chunks of the maximum and of 16), causal and with document bounds, and prints the cubin's register / stack use
 (stack > 0 means register spills) when cuobjdump is there. Must run without ``TRITON_INTERPRET``.
 """
 
@@ -32,7 +32,8 @@ PTRS = {E._probe_stats_kernel: ("Q", "K", "KPos", "MPart", "ZPart"),
 
 def signature(fn, dt: str, consts: dict) -> dict:
     q, k, kpos, o1, o2 = PTRS[fn]
-    ptr = {q: "*" + dt, k: "*" + dt, kpos: "*i32", o1: "*fp32", o2: "*fp32"}
+    ptr = {q: "*" + dt, k: "*" + dt, kpos: "*i32", o1: "*fp32", o2: "*fp32",
+           "Lo": "*i32", "Hi": "*i32", "Span": "*i32"}
     return {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "scale_log2" else "i32")
             for n in fn.arg_names}
 
@@ -55,15 +56,18 @@ def main() -> int:
         for d, bd in ((128, 128), (64, 64), (80, 128)):
             max_m, block_n = (E.MAX_BLOCK_M_FP32, E.BLOCK_N_FP32) if dt == "fp32" else (E.MAX_BLOCK_M, E.BLOCK_N)
             for bm in sorted({max_m, 16}, reverse=True):
-                consts = dict(REP=8, D=d, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=block_n, FP32=dt == "fp32")
-                for fn in PTRS:
-                    try:
-                        k = triton.compile(ASTSource(fn, signature(fn, dt, consts), consts), target=TARGET,
-                                           options={"num_warps": E.NUM_WARPS})
-                        print(f"{dt} d={d} BLOCK_M={bm} {fn.__name__}: ok {resources(k.asm['cubin'])}")
-                    except Exception as e:  # noqa: BLE001 - report every failing variant
-                        ok = False
-                        print(f"{dt} d={d} BLOCK_M={bm} {fn.__name__}: FAILED {type(e).__name__}: {e}")
+                for bounds in (False, True):
+                    consts = dict(REP=8, D=d, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=block_n, FP32=dt == "fp32",
+                                  HAS_BOUNDS=bounds)
+                    name = f"{dt} d={d} BLOCK_M={bm} bounds={int(bounds)}"
+                    for fn in PTRS:
+                        try:
+                            k = triton.compile(ASTSource(fn, signature(fn, dt, consts), consts), target=TARGET,
+                                               options={"num_warps": E.NUM_WARPS})
+                            print(f"{name} {fn.__name__}: ok {resources(k.asm['cubin'])}")
+                        except Exception as e:  # noqa: BLE001 - report every failing variant
+                            ok = False
+                            print(f"{name} {fn.__name__}: FAILED {type(e).__name__}: {e}")
     print("RESULT", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

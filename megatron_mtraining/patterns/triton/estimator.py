@@ -11,7 +11,8 @@ this rank's keys, each reading K once (the selection stays in torch, in fp64)::
 Notation: ``L = probe_q.shape[1]`` probe queries at global positions ``S - L .. S - 1`` (row
 ``r`` at ``S - L + r``); ``k_pos [S_local]`` the global positions of the local keys (ascending;
 striped layouts are not contiguous). A key is visible to probe row ``r`` iff
-``k_pos <= S - L + r``. GQA: query head ``h`` reads kv head ``h // (hq // hkv)``; one program
+``k_pos <= S - L + r`` -- or, for packed documents, iff ``lo[r] <= k_pos <= hi[r]`` (the row's
+document; ``bounds=(lo, hi)``), with key tiles outside every row's bounds skipped. GQA: query head ``h`` reads kv head ``h // (hq // hkv)``; one program
 owns one (sample, kv head, tile of ``BLOCK_N`` keys), loads the K tile once and loops over the
 ``hq // hkv`` query heads of the group and over chunks of at most ``MAX_BLOCK_M`` probe rows
 (fp32 inputs: ``BLOCK_N_FP32`` / ``MAX_BLOCK_M_FP32``, smaller tiles: the fp32 ``tl.dot`` runs
@@ -69,80 +70,104 @@ def _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh,
 
 
 @triton.jit
-def _probe_logits(Q, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
-    """Base-2 logits ``[BLOCK_M, BLOCK_N]`` of probe rows ``rows`` of head ``h``; -inf where invisible."""
+def _probe_logits(Q, Lo, Hi, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh, s_bb,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr, HAS_BOUNDS: tl.constexpr):
+    """Base-2 logits ``[BLOCK_M, BLOCK_N]`` of probe rows ``rows`` of head ``h``; -inf where invisible
+    (causal, or outside the row's key bounds ``Lo[bi, r] <= kpos <= Hi[bi, r]`` with ``HAS_BOUNDS``)."""
     offs_d = tl.arange(0, BLOCK_D)
     qt = tl.load(Q + bi * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :],
                  mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)        # [BLOCK_M, BLOCK_D]
     s = _dot(qt, kt, FP32) * scale_log2
-    vis = r_ok[:, None] & n_ok[None, :] & (kpos[None, :] <= (p0 + rows)[:, None])
+    if HAS_BOUNDS:
+        lo = tl.load(Lo + bi * s_bb + rows, mask=r_ok, other=0)
+        hi = tl.load(Hi + bi * s_bb + rows, mask=r_ok, other=-1)
+        vis = r_ok[:, None] & n_ok[None, :] & (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+    else:
+        vis = r_ok[:, None] & n_ok[None, :] & (kpos[None, :] <= (p0 + rows)[:, None])
     return tl.where(vis, s, float("-inf")), vis
 
 
 @triton.jit
+def _tile_visible(KPos, Span, bi, tile, SL, BLOCK_N: tl.constexpr, HAS_BOUNDS: tl.constexpr):
+    """Whether any key of this tile can be visible to a probe row: with ``HAS_BOUNDS``, the tile's
+    key range (``k_pos`` ascends) meets ``[Span[bi, 0], Span[bi, 1]]`` (the union of the row bounds)."""
+    if HAS_BOUNDS:
+        first = tl.load(KPos + tile * BLOCK_N)
+        last = tl.load(KPos + tl.minimum(tile * BLOCK_N + BLOCK_N, SL) - 1)
+        return (last >= tl.load(Span + 2 * bi)) & (first <= tl.load(Span + 2 * bi + 1))
+    else:
+        return True
+
+
+@triton.jit
 def _probe_stats_kernel(
-    Q, K, KPos, MPart, ZPart,
+    Q, K, KPos, Lo, Hi, Span, MPart, ZPart,
     scale_log2, L, SL, p0, HKV,
     s_qb, s_ql, s_qh,
     s_kb, s_ks, s_kh,
+    s_bb,
     s_pb, s_ph, s_pt,
     REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr, HAS_BOUNDS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bg = tl.program_id(1)
     bi = bg // HKV
     g = bg % HKV
-    kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
-    for r in range(REP):
-        h = g * REP + r
-        out = bi * s_pb + h * s_ph + tile * s_pt
-        for r0 in range(0, L, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            r_ok = rows < L
-            s, vis = _probe_logits(Q, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh,
-                                   D, BLOCK_D, FP32)
-            m = tl.max(s, 1)
-            m_use = tl.where(m == float("-inf"), 0.0, m)
-            z = tl.sum(tl.math.exp2(s - m_use[:, None]), 1)        # exp2(-inf) == 0: masked keys add 0
-            tl.store(MPart + out + rows, m * LN2, mask=r_ok)        # natural-log units; -inf stays -inf
-            tl.store(ZPart + out + rows, z, mask=r_ok)
+    # a tile that no probe row can see keeps the pre-filled (m, z) = (-inf, 0) (bounded launches)
+    if _tile_visible(KPos, Span, bi, tile, SL, BLOCK_N, HAS_BOUNDS):
+        kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
+        for r in range(REP):
+            h = g * REP + r
+            out = bi * s_pb + h * s_ph + tile * s_pt
+            for r0 in range(0, L, BLOCK_M):
+                rows = r0 + tl.arange(0, BLOCK_M)
+                r_ok = rows < L
+                s, vis = _probe_logits(Q, Lo, Hi, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2,
+                                       s_qb, s_ql, s_qh, s_bb, D, BLOCK_D, FP32, HAS_BOUNDS)
+                m = tl.max(s, 1)
+                m_use = tl.where(m == float("-inf"), 0.0, m)
+                z = tl.sum(tl.math.exp2(s - m_use[:, None]), 1)        # exp2(-inf) == 0: masked keys add 0
+                tl.store(MPart + out + rows, m * LN2, mask=r_ok)        # natural-log units; -inf stays -inf
+                tl.store(ZPart + out + rows, z, mask=r_ok)
 
 
 @triton.jit
 def _probe_colsum_kernel(
-    Q, K, KPos, Lse2, ColU,
+    Q, K, KPos, Lo, Hi, Span, Lse2, ColU,
     scale_log2, L, SL, p0, HKV, BS, U0, NU,
     s_qb, s_ql, s_qh,
     s_kb, s_ks, s_kh,
+    s_bb,
     s_lb, s_lh,
     s_cb, s_ch, s_cu,
     REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr, HAS_BOUNDS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bg = tl.program_id(1)
     bi = bg // HKV
     g = bg % HKV
-    kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
-    for r in range(REP):
-        h = g * REP + r
-        for u in range(NU):
-            # probe rows of global query block U0 + u: [max(0, (U0+u)*BS - p0), min(L, (U0+u+1)*BS - p0))
-            r_lo = tl.maximum((U0 + u) * BS - p0, 0)
-            r_hi = tl.minimum((U0 + u + 1) * BS - p0, L)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for r0 in range(r_lo, r_hi, BLOCK_M):
-                rows = r0 + tl.arange(0, BLOCK_M)
-                r_ok = rows < r_hi
-                s, vis = _probe_logits(Q, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2, s_qb, s_ql, s_qh,
-                                       D, BLOCK_D, FP32)
-                lse2 = tl.load(Lse2 + bi * s_lb + h * s_lh + rows, mask=r_ok, other=float("-inf"))
-                ok = vis & (lse2 > float("-inf"))[:, None]
-                p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
-                acc += tl.sum(p, 0)
-            tl.store(ColU + bi * s_cb + h * s_ch + u * s_cu + offs_n, acc, mask=n_ok)
+    # a tile that no probe row can see keeps the pre-filled zeros (bounded launches)
+    if _tile_visible(KPos, Span, bi, tile, SL, BLOCK_N, HAS_BOUNDS):
+        kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, bi, g, tile, SL, s_kb, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
+        for r in range(REP):
+            h = g * REP + r
+            for u in range(NU):
+                # probe rows of global query block U0 + u: [max(0, (U0+u)*BS - p0), min(L, (U0+u+1)*BS - p0))
+                r_lo = tl.maximum((U0 + u) * BS - p0, 0)
+                r_hi = tl.minimum((U0 + u + 1) * BS - p0, L)
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for r0 in range(r_lo, r_hi, BLOCK_M):
+                    rows = r0 + tl.arange(0, BLOCK_M)
+                    r_ok = rows < r_hi
+                    s, vis = _probe_logits(Q, Lo, Hi, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2,
+                                           s_qb, s_ql, s_qh, s_bb, D, BLOCK_D, FP32, HAS_BOUNDS)
+                    lse2 = tl.load(Lse2 + bi * s_lb + h * s_lh + rows, mask=r_ok, other=float("-inf"))
+                    ok = vis & (lse2 > float("-inf"))[:, None]
+                    p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
+                    acc += tl.sum(p, 0)
+                tl.store(ColU + bi * s_cb + h * s_ch + u * s_cu + offs_n, acc, mask=n_ok)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -179,6 +204,21 @@ def _check(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len:
         raise ValueError(f"seq_len {seq_len} does not fit int32 positions")
 
 
+def _bounds(bounds, b: int, L: int, device):
+    """``(lo, hi, span)`` int32 for the kernels from ``bounds = (lo, hi)`` (``[b, L]`` integer key
+    bounds of the probe rows) -- ``span [b, 2]``: the smallest ``lo`` and the largest ``hi`` per
+    sample, so a tile outside it is skipped -- or ``(None, None, None)``."""
+    if bounds is None:
+        return None, None, None
+    lo, hi = bounds
+    if tuple(lo.shape) != (b, L) or tuple(hi.shape) != (b, L):
+        raise ValueError(f"bounds must be two [b, L] = {[b, L]} tensors, got {tuple(lo.shape)}, {tuple(hi.shape)}")
+    lo = lo.to(device=device, dtype=torch.int32).contiguous()
+    hi = hi.to(device=device, dtype=torch.int32).contiguous()
+    span = torch.stack([lo.amin(-1), hi.amax(-1)], -1).contiguous()
+    return lo, hi, span
+
+
 def _prep(probe_q, k, k_pos, seq_len):
     _check(probe_q, k, k_pos, seq_len)
     q = probe_q if probe_q.stride(-1) == 1 else probe_q.contiguous()
@@ -195,7 +235,7 @@ def _prep(probe_q, k, k_pos, seq_len):
 
 
 def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
-                        softmax_scale: float) -> "tuple[torch.Tensor, torch.Tensor]":
+                        softmax_scale: float, bounds=None) -> "tuple[torch.Tensor, torch.Tensor]":
     """Local softmax statistics of the probe rows over this rank's keys (pass 1).
 
     Args:
@@ -205,6 +245,10 @@ def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Ten
         k_pos: ``[s_local]`` integer global positions of the local keys.
         seq_len: global sequence length ``S``.
         softmax_scale: logit scale.
+        bounds: ``None`` (causal: key ``t`` visible to row ``r`` iff ``t <= seq_len - L + r``) or
+            ``(lo, hi)``, two ``[b, L]`` integer tensors: key ``t`` is visible to row ``r`` of sample
+            ``i`` iff ``lo[i, r] <= t <= hi[i, r]`` (packed documents; ``hi < lo``: no key). Key tiles
+            outside every row's bounds are skipped.
 
     Returns:
         ``(m, z)``, both ``[b, hq, L]`` fp64: ``m`` the row max of the scaled logits over the
@@ -215,16 +259,22 @@ def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Ten
     """
     q, kk, kp, meta, grid = _prep(probe_q, k, k_pos, seq_len)
     b, L, hq, _ = q.shape
+    lo, hi, span = _bounds(bounds, b, L, q.device)
     nt = grid[0]
-    mp = torch.empty((b, hq, nt, L), dtype=torch.float32, device=q.device)
-    zp = torch.empty_like(mp)
+    if lo is None:
+        mp = torch.empty((b, hq, nt, L), dtype=torch.float32, device=q.device)
+        zp = torch.empty_like(mp)
+    else:                                   # skipped tiles keep these
+        mp = torch.full((b, hq, nt, L), float("-inf"), dtype=torch.float32, device=q.device)
+        zp = torch.zeros_like(mp)
     _probe_stats_kernel[grid](
-        q, kk, kp, mp, zp,
+        q, kk, kp, kp if lo is None else lo, kp if hi is None else hi, kp if span is None else span, mp, zp,
         float(softmax_scale) * LOG2E, L, kk.shape[1], seq_len - L, kk.shape[2],
         q.stride(0), q.stride(1), q.stride(2),
         kk.stride(0), kk.stride(1), kk.stride(2),
+        0 if lo is None else lo.stride(0),
         mp.stride(0), mp.stride(1), mp.stride(2),
-        **meta)
+        HAS_BOUNDS=lo is not None, **meta)
     mp, zp = mp.double(), zp.double()
     m = mp.amax(2)
     safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
@@ -233,11 +283,11 @@ def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Ten
 
 
 def probe_column_sums(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
-                      lse: torch.Tensor, softmax_scale: float, block_size: int) -> torch.Tensor:
+                      lse: torch.Tensor, softmax_scale: float, block_size: int, bounds=None) -> torch.Tensor:
     """Probe probabilities summed per local key, split by global query block (pass 2).
 
     Args:
-        probe_q, k, k_pos, seq_len, softmax_scale: as in :func:`probe_softmax_stats`.
+        probe_q, k, k_pos, seq_len, softmax_scale, bounds: as in :func:`probe_softmax_stats`.
         lse: ``[b, hq, L]`` the (global) log-sum-exp of the probe rows (any float dtype; used in
             fp32); ``-inf`` rows contribute zero.
         block_size: the slash block size ``bs``.
@@ -259,13 +309,16 @@ def probe_column_sums(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tenso
     u0, nu = probe_block_range(seq_len, L, block_size)
     sl = kk.shape[1]
     lse2 = (lse.to(device=q.device, dtype=torch.float64) * LOG2E).float().contiguous()
-    colu = torch.empty((b, hq, nu, sl), dtype=torch.float32, device=q.device)
+    lo, hi, span = _bounds(bounds, b, L, q.device)
+    # skipped tiles (bounded launches) keep the zeros
+    colu = (torch.empty if lo is None else torch.zeros)((b, hq, nu, sl), dtype=torch.float32, device=q.device)
     _probe_colsum_kernel[grid](
-        q, kk, kp, lse2, colu,
+        q, kk, kp, kp if lo is None else lo, kp if hi is None else hi, kp if span is None else span, lse2, colu,
         float(softmax_scale) * LOG2E, L, sl, seq_len - L, kk.shape[2], block_size, u0, nu,
         q.stride(0), q.stride(1), q.stride(2),
         kk.stride(0), kk.stride(1), kk.stride(2),
+        0 if lo is None else lo.stride(0),
         lse2.stride(0), lse2.stride(1),
         colu.stride(0), colu.stride(1), colu.stride(2),
-        **meta)
+        HAS_BOUNDS=lo is not None, **meta)
     return colu
