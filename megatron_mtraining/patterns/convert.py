@@ -424,17 +424,17 @@ def _compact(index: torch.Tensor, keep: torch.Tensor):
     return cnt, idx.contiguous()
 
 
-#: elements of one ``[b, h, query blocks, entries, block_size]`` temporary of :func:`restrict_to_documents`;
-#: the entries are tested in chunks of at most this size, so a stream of many short documents (thousands
-#: of sink columns) does not materialise a many-GiB mask at once
+#: elements of one ``[b, h, query blocks, entries]`` temporary of :func:`restrict_to_documents`; the
+#: entries are tested in chunks of at most this size, so a stream of many short documents (tens of
+#: thousands of sink columns) does not materialise a many-GiB temporary at once
 RESTRICT_CHUNK_ELEMENTS = 1 << 26
 
 
 def _any_row_sees(test, rows: int, width: int) -> torch.Tensor:
     """``test(j0, j1)`` (``[..., j1 - j0]`` bool: some query row of the block sees entry ``j``) over the
     entries ``0 .. width``, in chunks of at most :data:`RESTRICT_CHUNK_ELEMENTS` // ``rows`` entries
-    (``rows``: the elements one entry spans, ``b * h * query blocks * block_size``); the result is the
-    same as one call on all entries."""
+    (``rows``: the elements one entry spans, ``b * h * query blocks``); the result is the same as one
+    call on all entries."""
     step = max(1, RESTRICT_CHUNK_ELEMENTS // max(rows, 1))
     if step >= width:
         return test(0, width)
@@ -446,10 +446,16 @@ def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, r
 
     For query block ``i`` (queries ``q`` with key bounds ``lo[q] <= t <= hi[q]``,
     :meth:`~megatron_mtraining.layout.PackedDocuments.key_bounds`) a listed key block is kept iff
-    some query of ``i`` may see some key of it (a block is ``block_size`` consecutive global
-    positions: the interval test ``max(lo, t0) <= min(hi, t1)``), a vertical column ``t`` iff
-    ``lo[q] <= t <= hi[q]`` for some query of ``i``. Dropped entries cost nothing in the kernels;
-    the kept ones carry ``doc_lo``/``doc_hi``/``key_pos`` so the kernels mask every pair exactly.
+    some query of ``i`` may see some key of it, a vertical column ``t`` iff ``lo[q] <= t <= hi[q]``
+    for some query of ``i``. Dropped entries cost nothing in the kernels; the kept ones carry
+    ``doc_lo``/``doc_hi``/``key_pos`` so the kernels mask every pair exactly.
+
+    The test runs per query block, not per query: a block's queries are ``block_size`` consecutive
+    global positions and a document's real tokens are consecutive, so the union of their key
+    intervals is ``[min lo, max hi]`` less the padding positions in it (which lie between documents
+    that both have queries in the block, fewer than ``block_size`` of them). Hence a key block (whole
+    and aligned) is kept iff it meets ``[min lo, max hi]``, and a column iff it lies in it and is a
+    real token -- the same entries as the per-query definition, at ``1 / block_size`` of its work.
 
     Args:
         steps: ``steps[o]`` against owner ``o`` (from :func:`convert_pattern`).
@@ -464,6 +470,7 @@ def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, r
     """
     S = documents.seq_len
     lo, hi = documents.key_bounds(layout, rank)                        # [b, sl] int64
+    real_key = documents.hi >= 0                                       # [b, S]: a real token (not padding)
     out = []
     for o, st in enumerate(steps):
         b, h, nqb = st.block_count.shape
@@ -471,23 +478,28 @@ def restrict_to_documents(steps: List[StepIndices], documents, layout: Layout, r
             raise ValueError(f"packed documents describe {lo.shape[0]} streams but the sparse indices have batch {b}")
         bs = st.block_size
         dev = st.block_count.device
-        lo_b = lo.view(b, 1, nqb, 1, bs)
-        hi_b = hi.view(b, 1, nqb, 1, bs)
+        # per query block: the smallest lo and the largest hi of its queries (padding: lo = S, hi = -1)
+        lo_q = lo.view(b, nqb, bs).amin(-1).view(b, 1, nqb, 1)
+        hi_q = hi.view(b, nqb, bs).amax(-1).view(b, 1, nqb, 1)
         kpos = layout.positions(o, S, device=dev)                        # ascending, blocks contiguous
+        rows = b * h * nqb
         bi = st.block_index.long()
         b_ok = torch.arange(bi.shape[-1], device=dev) < st.block_count[..., None].long()
-        t0 = kpos[bi.clamp(min=0) * bs][..., None]
-        t1 = kpos[bi.clamp(min=0) * bs + bs - 1][..., None]
-        rows = b * h * nqb * bs
-        live = _any_row_sees(lambda j0, j1: (torch.maximum(lo_b, t0[..., j0:j1, :])
-                                             <= torch.minimum(hi_b, t1[..., j0:j1, :])).any(-1),
+        t0 = kpos[bi.clamp(min=0) * bs]
+        t1 = kpos[bi.clamp(min=0) * bs + bs - 1]
+        live = _any_row_sees(lambda j0, j1: torch.maximum(lo_q, t0[..., j0:j1]) <= torch.minimum(hi_q, t1[..., j0:j1]),
                              rows, bi.shape[-1]) & b_ok
         bc, bidx = _compact(st.block_index, live)
         ci = st.column_index.long()
         c_ok = torch.arange(ci.shape[-1], device=dev) < st.column_count[..., None].long()
-        t = kpos[ci.clamp(min=0)][..., None]
-        c_live = _any_row_sees(lambda j0, j1: ((lo_b <= t[..., j0:j1, :]) & (t[..., j0:j1, :] <= hi_b)).any(-1),
-                               rows, ci.shape[-1]) & c_ok
+        t = kpos[ci.clamp(min=0)]                                        # [b, h, nqb, W] global positions
+        real = real_key.gather(1, t.reshape(b, -1)).view_as(t)
+
+        def col_test(j0, j1):
+            tt = t[..., j0:j1]
+            return (lo_q <= tt) & (tt <= hi_q) & real[..., j0:j1]
+
+        c_live = _any_row_sees(col_test, rows, ci.shape[-1]) & c_ok
         cc, cidx = _compact(st.column_index, c_live)
         out.append(StepIndices(bc, bidx, cc, cidx, st.causal, bs, doc_lo=lo, doc_hi=hi, key_pos=kpos))
     return out

@@ -17,7 +17,7 @@ from megatron_mtraining.layout import Layout, PackedDocuments
 from megatron_mtraining.ops.backends import select_backend
 from megatron_mtraining.ops.sparse_reference import SparseStepKernel
 from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
-from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+from megatron_mtraining.patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from megatron_mtraining.ring.sparse import sparse_ring_attention
 from tests.helpers.packed_ref import pattern_document_attention, rel_err
 from tests.helpers.ring_sim import simulate_dense_ring
@@ -248,6 +248,61 @@ def test_step_kernels_take_document_bounds():
     assert fine.key_pos is st.key_pos and plan_for(st).has_documents
 
 
+def _restrict_per_query(st, docs, layout, rank, owner):
+    """Independent oracle of restrict_to_documents: the kept (block, column) entries by the per-query
+    definition, every query of the block tested against every key of the entry, in Python loops."""
+    S = docs.seq_len
+    lo, hi = docs.key_bounds(layout, rank)
+    kpos = layout.positions(owner, S).tolist()
+    bs = st.block_size
+    b, h, nqb = st.block_count.shape
+    keep_b, keep_c = {}, {}
+    for bb in range(b):
+        for hh in range(h):
+            for i in range(nqb):
+                rows = [(int(lo[bb, i * bs + r]), int(hi[bb, i * bs + r])) for r in range(bs)]
+                blocks = st.block_index[bb, hh, i, :int(st.block_count[bb, hh, i])].tolist()
+                keep_b[bb, hh, i] = [j for j in blocks
+                                     if any(a <= kpos[j * bs + x] <= z for a, z in rows for x in range(bs))]
+                cols = st.column_index[bb, hh, i, :int(st.column_count[bb, hh, i])].tolist()
+                keep_c[bb, hh, i] = [c for c in cols if any(a <= kpos[c] <= z for a, z in rows)]
+    return keep_b, keep_c
+
+
+@pytest.mark.parametrize("cp,kind", [(1, "striped"), (2, "striped"), (4, "striped"), (2, "zigzag")])
+@pytest.mark.parametrize("docs_kind", ["contiguous", "padded", "padded_real_tail", "gaps"])
+def test_restriction_per_block_equals_the_per_query_definition(cp, kind, docs_kind):
+    """The per-query-block test of restrict_to_documents keeps exactly the entries that some query of the
+    block may see (oracle: every query against every key); the documents include padding between
+    documents inside one block, documents shorter than a block and documents straddling stripes."""
+    S = max(128, 4 * cp * BS)
+    layout = Layout(kind, cp, BS) if kind == "striped" else Layout(kind, cp)
+    q, k, _, _ = _inputs(S, 2, 2, torch.float64, seed=5)
+    if docs_kind == "gaps":      # real lengths 3, 20, 1, 40 in slots of 10, 30, 5, rest: padding inside blocks
+        docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 3, 23, 24, 64]), S,
+                                               cu_seqlens_padded=torch.tensor([0, 10, 40, 45, S]))
+    else:
+        docs = _documents(S, cp, docs_kind)
+    if docs_kind == "gaps":     # a hand-made pattern without the diagonal: columns on padding inside a block
+        pattern = VerticalSlashPattern.from_lists(S, BS, [[[1]] * 2], [[list(range(S))] * 2])
+    else:
+        pattern = estimate_vertical_slash(q, k, layout=Layout("striped", 1, BS), config=_cfg(
+            recall=1.0, max_vertical=S, max_slash=S // BS, sink_tokens=2), softmax_scale=0.25, documents=docs)
+    for rank in range(cp):
+        steps = convert_pattern(pattern, layout, rank, impl="torch")
+        for o, (st, got) in enumerate(zip(steps, restrict_to_documents(steps, docs, layout, rank))):
+            keep_b, keep_c = _restrict_per_query(st, docs, layout, rank, o)
+            for (bb, hh, i), want in keep_b.items():
+                assert got.block_index[bb, hh, i, :int(got.block_count[bb, hh, i])].tolist() == want
+            for (bb, hh, i), want in keep_c.items():
+                assert got.column_index[bb, hh, i, :int(got.column_count[bb, hh, i])].tolist() == want
+    # negative control: the oracle does drop entries here (the test is not vacuous)
+    st = convert_pattern(pattern, layout, 0, impl="torch")[0]
+    keep_b, keep_c = _restrict_per_query(st, docs, layout, 0, 0)
+    assert sum(map(len, keep_b.values())) + sum(map(len, keep_c.values())) < \
+        int(st.block_count.sum()) + int(st.column_count.sum())
+
+
 @pytest.mark.parametrize("cp", [1, 2])
 def test_restriction_in_chunks_equals_one_pass(monkeypatch, cp):
     """restrict_to_documents tests its entries in chunks bounded by RESTRICT_CHUNK_ELEMENTS; any chunk size
@@ -267,7 +322,7 @@ def test_restriction_in_chunks_equals_one_pass(monkeypatch, cp):
     for rank in range(cp):
         steps = convert_pattern(pattern, layout, rank, impl="torch")
         whole = restrict_to_documents(steps, docs, layout, rank)
-        for chunk in (1, 2 * 4 * (S // cp // BS) * BS + 1, 3 * 4 * (S // cp // BS) * BS):
+        for chunk in (1, 4 * (S // cp // BS) + 1, 3 * 4 * (S // cp // BS)):
             monkeypatch.setattr(conv, "RESTRICT_CHUNK_ELEMENTS", chunk)    # 1 entry, 1 entry (+1), 3 entries a chunk
             part = restrict_to_documents(steps, docs, layout, rank)
             monkeypatch.setattr(conv, "RESTRICT_CHUNK_ELEMENTS", 1 << 26)
