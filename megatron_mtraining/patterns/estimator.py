@@ -105,11 +105,13 @@ from .indices import packed_index_lists
 from ..common import (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, TRITON_DTYPES, default_softmax_scale,
                       record_function, triton_runs_on)
 
-__all__ = ["SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash",
+__all__ = ["PROBES", "SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash",
            "floor_first_sort", "priority_order", "resolve_impl"]
 
 #: Values of :attr:`VerticalSlashConfig.share_pattern`: one pattern per query head, or per KV head.
 SHARE_PATTERNS = ("head", "kv_group")
+#: Values of :attr:`VerticalSlashConfig.probes` (packed documents): the stream's last queries, or every document's.
+PROBES = ("stream", "document")
 
 # Max elements of one fp64 [b, hq, last_q, key_chunk] logit block (64 MiB).
 _LOGIT_BUDGET = 1 << 23
@@ -135,6 +137,13 @@ class VerticalSlashConfig:
             group's mean probe mass, see :func:`estimate_vertical_slash`; the Triton kernels then
             read one index list per group and pack several of its heads into one forward tile,
             ``KernelConfig.pack_gqa``).
+        probes: which queries probe a stream of packed documents (no effect without documents):
+            ``"stream"`` (default): the stream's last ``last_q`` queries, each scoring its own
+            document; ``"document"``: the last ``last_q`` real queries of *every* document, each
+            scoring its own document, all feeding one selection (one slash set and one column
+            ranking per stream and head; the recall target applies to the mass of all probes).
+            ``"document"`` scores in fp64 torch (the fused Triton score kernels take the stream's
+            probes only).
 
     Raises:
         ValueError: naming the offending field.
@@ -148,6 +157,7 @@ class VerticalSlashConfig:
     max_vertical: int = 4096
     max_slash: int = 1024
     share_pattern: str = "head"
+    probes: str = "stream"
 
     def __post_init__(self) -> None:
         r = self.recall
@@ -156,8 +166,11 @@ class VerticalSlashConfig:
         if self.share_pattern not in SHARE_PATTERNS:
             allowed = ", ".join(map(repr, SHARE_PATTERNS))
             raise ValueError(f"VerticalSlashConfig.share_pattern must be one of {allowed}, got {self.share_pattern!r}")
+        if self.probes not in PROBES:
+            allowed = ", ".join(map(repr, PROBES))
+            raise ValueError(f"VerticalSlashConfig.probes must be one of {allowed}, got {self.probes!r}")
         for f in fields(self):
-            if f.name in ("recall", "share_pattern"):
+            if f.name in ("recall", "share_pattern", "probes"):
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int):
@@ -471,13 +484,20 @@ def _document_floors(documents, sink_tokens: int) -> tuple[torch.Tensor, list]:
 
 
 def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, S: int, L: int,
-                      config: VerticalSlashConfig, gather, documents) -> VerticalSlashPattern:
+                      config: VerticalSlashConfig, gather, documents, n_real=None) -> VerticalSlashPattern:
     """:func:`_select` for packed documents: per-document sink floors, the recall target of each
-    stream's real probes, the vertical cap raised to the floors where they exceed it (one host sync)."""
+    stream's real probes, the vertical cap raised to the floors where they exceed it (one host sync).
+    ``n_real``: ``[b]`` real probes per stream (default: the real tokens among the last ``L``);
+    the estimated masses are fractions of it (of ``L`` for the stream's probes)."""
     b, h, sl = col.shape
     nb, dev = slash.shape[-1], col.device
     sink, floors = _document_floors(documents, config.sink_tokens)
-    n_real = (documents.hi[:, S - L:] >= 0).sum(-1).to(torch.float64)               # [b]
+    norm = L
+    if n_real is None:
+        n_real = (documents.hi[:, S - L:] >= 0).sum(-1).to(torch.float64)           # [b]
+    else:
+        n_real = n_real.to(device=dev, dtype=torch.float64)
+        norm = n_real.clamp(min=1)[:, None]
     target = (float(config.recall) * n_real)[:, None, None]
     take_all = float(config.recall) >= 1.0
 
@@ -514,7 +534,72 @@ def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tenso
     s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
+                                est_slash_mass=s_cov / norm, est_vertical_mass=v_cov / norm)
+
+
+def _document_probe_positions(documents, last_q: int) -> list:
+    """Per stream, the ascending stream positions of the last ``last_q`` real tokens of every document
+    (all of a shorter document's) -- host lists from the offsets, no device read."""
+    S = documents.seq_len
+    cu, pad = documents.cu_seqlens, documents.cu_seqlens_padded
+    out = [[] for _ in range(documents.batch_size)]
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        if n > 0:
+            row, s0 = pad[i] // S, pad[i] % S
+            out[row].extend(range(s0 + max(0, n - last_q), s0 + n))
+    return out
+
+
+def _gather_rows(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int, positions: list):
+    """``[len(positions), hq, d]``: the queries of one stream ``q [s_local, hq, d]`` at the global
+    ``positions`` on every rank (each rank copies the rows it holds, zeros elsewhere, one all_reduce SUM:
+    every row has one owner, so the sum is that row exactly)."""
+    mine, slots = [], []
+    for i, t in enumerate(positions):
+        o, loc = layout.global_to_local(t, seq_len)
+        if int(o) == rank:
+            mine.append(int(loc))
+            slots.append(i)
+    out = q.new_zeros((len(positions), *q.shape[1:]))
+    if mine:
+        out[torch.tensor(slots, device=q.device)] = q[torch.tensor(mine, device=q.device)]
+    if cp > 1:
+        with comm_context("vertical-slash estimator: all_reduce of the per-document probe queries", group):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int,
+                           scale: float, share_kv_group: bool, documents):
+    """Steps 1-3 with per-document probes (``VerticalSlashConfig.probes="document"``), fp64 torch:
+    ``(col [b, h, S_local], slash [b, h, S/bs] all-reduced, k_pos [S_local], n_real [b])``. Each stream
+    is scored on its own (its probes sit at other positions than another stream's)."""
+    b = q.shape[0]
+    k_pos = layout.positions(rank, S, device=q.device)
+    cols, slashes, n_real = [], [], []
+    for i, pos in enumerate(_document_probe_positions(documents, L)):
+        n_real.append(len(pos))
+        if not pos:                        # a stream of padding only: no probe, zero scores
+            pos = [S - 1]
+        probe = _gather_rows(q[i], layout, group, rank, cp, S, pos)[None]            # [1, P, hq, d]
+        pos_t = torch.tensor(pos, device=q.device)
+        lo, hi = documents.lo[i:i + 1, pos_t], documents.hi[i:i + 1, pos_t]
+        if not n_real[-1]:
+            hi = torch.full_like(hi, -1)
+        q_blocks, r0 = [], 0
+        for r in range(1, len(pos) + 1):   # runs of probes in one global query block
+            if r == len(pos) or pos[r] // bs != pos[r0] // bs:
+                q_blocks.append((pos[r0] // bs, r0, r))
+                r0 = r
+        col, slash = _torch_scores(probe, k[i:i + 1], k_pos, q_blocks, S, bs, scale, group, cp, bounds=(lo, hi))
+        cols.append(col)
+        slashes.append(slash)
+    col, slash = torch.cat(cols), torch.cat(slashes)
+    if share_kv_group:
+        col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])
+    slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")
+    return col, slash, k_pos, torch.tensor(n_real, dtype=torch.float64, device=q.device)
 
 
 def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
@@ -751,13 +836,19 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
 
     static = q.is_cuda if static_widths is None else bool(static_widths)
+    per_document = documents is not None and config.probes == "document"
+    n_real = None
     with record_function(REGION_ESTIMATOR_SCORES):
-        col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused,
-                                    share_kv_group=config.share_pattern == "kv_group", documents=documents)
+        if per_document:
+            col, slash, k_pos, n_real = _document_probe_scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale,
+                                                               config.share_pattern == "kv_group", documents)
+        else:
+            col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused,
+                                        share_kv_group=config.share_pattern == "kv_group", documents=documents)
     with record_function(REGION_ESTIMATOR_SELECTION):
         gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
         if documents is not None:
-            return _select_documents(slash, col, k_pos, S, L, config, gather, documents)
+            return _select_documents(slash, col, k_pos, S, L, config, gather, documents, n_real=n_real)
         return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths=static)
 
 

@@ -40,7 +40,7 @@ from ..ops.backends import KernelBackend
 from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
 from ..patterns.convert import (check_block_layout, column_phase_indices, convert_pattern, local_block_ids,
                                 restrict_to_documents, without_columns)
-from ..patterns.estimator import SHARE_PATTERNS, VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
+from ..patterns.estimator import PROBES, SHARE_PATTERNS, VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
 from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous, packed_documents
 
@@ -226,7 +226,8 @@ def sparse_agreement_fields(config: VerticalSlashConfig, columns: str) -> dict:
     """The sparse parameters every CP rank must agree on (for the cross-rank input check)."""
     return dict(budgets=(config.last_q, config.block_size, config.sink_tokens, config.local_blocks,
                          config.max_vertical, config.max_slash), recall=float(config.recall),
-                columns=COLUMN_SCHEDULES.index(columns), share_pattern=SHARE_PATTERNS.index(config.share_pattern))
+                columns=COLUMN_SCHEDULES.index(columns), share_pattern=SHARE_PATTERNS.index(config.share_pattern),
+                probes=PROBES.index(config.probes))
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,

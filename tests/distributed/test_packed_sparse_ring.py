@@ -3,7 +3,8 @@
 The worker (tests/workers/packed_sparse_ring_check.py) runs ``sparse_ring_attention`` with
 documents (the estimator's collectives included) at cp 2 and 4, striped and zigzag, GQA 1 and 4,
 fp64 (<= 1e-10) and fp32 (<= 1e-5), documents of lengths 1 ... 2*cp*block straddling stripes and
-padded documents; at cp 4 also the 2 x 2 hierarchical ring. At cp 2 the same check runs the Triton
+padded documents, and per-document probes (``probes="document"``, gathered across the ranks); at
+cp 4 also the 2 x 2 hierarchical ring. At cp 2 the same check runs the Triton
 sparse step kernels (document mask) in the Triton CPU interpreter. out, dQ, dK, dV are compared separately
 with an fp64 reference built from the same pattern; the pattern must equal the cp-1 estimate,
 padding gets exact zeros and a single document equals the unpacked sparse ring bitwise.
@@ -24,7 +25,7 @@ def test_packed_sparse_ring_matches_pattern_reference(cp):
     assert res.returncode == 0, res.tail()
     rows = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     cases = [r for r in rows if "ring" in r["case"]]
-    assert len(cases) == 24 + (6 if cp == 4 else 0), res.tail()
+    assert len(cases) == 24 + 2 + (6 if cp == 4 else 0), res.tail()
     for r in cases:
         assert r["finite"] and r["padding_zero"] and r["same_pattern"], r
         for key in ("out", "dq", "dk", "dv"):

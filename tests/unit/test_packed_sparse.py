@@ -330,3 +330,68 @@ def test_restriction_in_chunks_equals_one_pass(monkeypatch, cp):
                 for name in ("block_count", "block_index", "column_count", "column_index"):
                     assert torch.equal(getattr(a, name), getattr(b, name)), (rank, chunk, name)
     assert calls and max(calls) > 3                       # the chunked runs really split the entries
+
+
+# ------------------------------------------------------------------------------ per-document probes
+def _document_probe_oracle(q, k, docs, L, bs, scale, hkv):
+    """fp64 ``(col [b, hq, S], slash [b, hq, S/bs], n_real [b])`` of per-document probes from an explicit
+    mask: the last ``L`` real tokens of every document, each row's softmax over causal same-document keys."""
+    b, S, hq, _ = q.shape
+    ids = torch.where(docs.hi >= 0, docs.doc_start, torch.full_like(docs.doc_start, -1))
+    col = torch.zeros(b, hq, S, dtype=torch.float64)
+    slash = torch.zeros(b, hq, S // bs, dtype=torch.float64)
+    n_real = []
+    kk = k.double().repeat_interleave(hq // hkv, 2)
+    for i in range(b):
+        probes = [p for p in range(S) if ids[i, p] >= 0 and
+                  sum(1 for t in range(p + 1, S) if ids[i, t] == ids[i, p]) < L]
+        n_real.append(len(probes))
+        for p in probes:
+            vis = torch.tensor([t <= p and ids[i, t] == ids[i, p] for t in range(S)])
+            s = torch.einsum("hd,thd->ht", q[i, p].double(), kk[i]) * scale
+            prob = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
+            col[i] += prob
+            for t in range(S):
+                if vis[t]:
+                    slash[i, :, p // bs - t // bs] += prob[:, t]
+    return col, slash, torch.tensor(n_real, dtype=torch.float64)
+
+
+def test_per_document_probe_scores_match_explicit_oracle():
+    from megatron_mtraining.patterns.estimator import _document_probe_scores
+
+    S, hq, hkv, L = 128, 4, 2, 12
+    q, k, _, _ = _inputs(S, hq, hkv, torch.float64, seed=3, b=2)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 30, 90, 91, 130, 190]), S, batch_size=2,
+                                           cu_seqlens_padded=torch.tensor([0, 10, 40, 120, 128, 180, 256]))
+    lay = Layout("striped", 1, BS)
+    col, slash, k_pos, n_real = _document_probe_scores(q, k, lay, None, 0, 1, S, BS, L, S // BS, 0.25, False, docs)
+    r_col, r_slash, r_n = _document_probe_oracle(q, k, docs, L, BS, 0.25, hkv)
+    assert torch.equal(n_real, r_n) and torch.equal(k_pos, torch.arange(S))
+    assert rel_err(col, r_col) <= 1e-12 and rel_err(slash, r_slash) <= 1e-12
+    # every document's probes carry mass 1 per row: the scores hold the whole probe mass
+    assert torch.allclose(col.sum(-1), n_real[:, None].expand(2, hq), rtol=1e-12)
+    # negative control: the stream's probes see only its last document's keys
+    from megatron_mtraining.patterns.estimator import _scores
+
+    s_col, *_ = _scores(q, k, lay, None, 0, 1, S, BS, L, S // BS, 0.25, False, documents=docs)
+    assert rel_err(s_col, r_col) > 0.5
+
+
+def test_per_document_probes_select_lines_in_every_document():
+    """With per-document probes the columns of documents other than the last carry scores (beyond their
+    sinks) and the masses are fractions of all probes; the stream's probes leave those documents at the floors."""
+    S, hq, hkv = 128, 2, 2
+    q, k, _, _ = _inputs(S, hq, hkv, torch.float64, seed=9)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 60, 100, 128]), S)
+    lay = Layout("striped", 1, BS)
+    cfg = _cfg(recall=0.9, max_vertical=40, max_slash=8)
+    stream = estimate_vertical_slash(q, k, layout=lay, config=cfg, softmax_scale=0.25, documents=docs)
+    per_doc = estimate_vertical_slash(q, k, layout=lay, config=dataclasses.replace(cfg, probes="document"),
+                                      softmax_scale=0.25, documents=docs)
+    first = lambda pat: {int(t) for t in pat.vertical[0, 0, :int(pat.vertical_count[0, 0])] if 2 <= t < 60}  # noqa: E731
+    assert not first(stream) and first(per_doc)
+    for m in (per_doc.est_vertical_mass, per_doc.est_slash_mass):      # fractions of all probes' mass
+        assert ((m > 0) & (m <= 1 + 1e-12)).all()
+    with pytest.raises(ValueError, match="probes must be one of 'stream', 'document'"):
+        _cfg(probes="documents")

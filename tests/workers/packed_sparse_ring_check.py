@@ -58,7 +58,8 @@ def _gather_worst(res):
     return {k: (max(r[k] for r in allres) if isinstance(res[k], float) else all(r[k] for r in allres)) for k in res}
 
 
-def run_case(group, hier, layout, name, hq, hkv, dtype):
+def run_case(group, hier, layout, name, hq, hkv, dtype, cfg=None):
+    cfg = CFG if cfg is None else cfg
     rank = dist.get_rank(group)
     cu, padded = DOCS[name]
     q, k, v, do = (t.to(dtype) for t in _data(hq, hkv))
@@ -73,10 +74,10 @@ def run_case(group, hier, layout, name, hq, hkv, dtype):
                              cp_size=layout.cp_size, sparse=True, packed=True)
         backend = dataclasses.replace(tri, sparse_step=lambda st, sc: kernels.append(tri.sparse_step(st, sc))
                                       or kernels[-1])
-    out, pat = sparse_ring_attention(ql, kl, vl, layout=layout, group=group, config=CFG, softmax_scale=SCALE,
+    out, pat = sparse_ring_attention(ql, kl, vl, layout=layout, group=group, config=cfg, softmax_scale=SCALE,
                                      documents=docs, return_pattern=True, hierarchical_groups=hier, backend=backend)
     out.backward(sh(do))
-    whole = estimate_vertical_slash(q.double(), k.double(), layout=Layout("striped", 1, BS), config=CFG,
+    whole = estimate_vertical_slash(q.double(), k.double(), layout=Layout("striped", 1, BS), config=cfg,
                                     softmax_scale=SCALE, documents=docs)
     ref = pattern_document_attention(q, k, v, do, pat, docs, SCALE)[:4]
     got = (out, ql.grad, kl.grad, vl.grad)
@@ -123,6 +124,11 @@ def main():
     if TRITON:
         finish_process_group()
         return
+    per_doc = dataclasses.replace(CFG, probes="document")     # every document's probes, gathered across ranks
+    for layout in layouts:
+        res = _gather_worst(run_case(group, None, layout, "mixed", 4, 1, torch.float64, cfg=per_doc))
+        emit(dict(ring="flat", layout=layout.kind, docs="mixed", hq=4, hkv=1, dtype="float64", probes="document"),
+             res)
     if world == 4:
         from megatron.core import parallel_state as ps
 
