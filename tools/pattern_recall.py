@@ -52,10 +52,12 @@ MTrainingAttention's dense ring, causal and within a document) and RoPE position
 document (``install_layout_rope`` with ``reset_position_ids``), as packed training does. Every layer
 then reports, under the exact causal and same-document attention, ``recall_stream`` / ``sparsity_stream``
 of the library's packed estimator (per-stream probes: the stream's last ``last_q`` queries, each
-scoring its own document; floors per document) and ``recall_document`` / ``sparsity_document`` of
-per-document probes (the same estimator on each document alone, the patterns united in the stream);
+scoring its own document; floors per document), ``recall_document`` / ``sparsity_document`` of
+per-document patterns (the same estimator on each document alone, the patterns united in the stream)
+and ``recall_document_probes`` / ``sparsity_document_probes`` of the library's estimator with
+``probes="document"`` (every document's probes, one selection for the stream);
 sparsity is 1 - the kernels' work after ``restrict_to_documents`` over that of exact attention over the
-documents. ``--sweep-recall R ...`` adds recall targets (same caps, same exact softmax), so the two
+documents. ``--sweep-recall R ...`` adds recall targets (same caps, same exact softmax), so the three
 can be compared at equal kept work. No timings, no PNG::
 
     python tools/pattern_recall.py --load ckpt --data-path data/megatron/docs_text_document --packed \\
@@ -494,11 +496,13 @@ def dense_document_work(documents, hq: int, bs: int) -> torch.Tensor:
 
 def packed_layer(q, k, cfg, documents, rows: torch.Tensor, scale: float, stride: int, dense_work: torch.Tensor,
                  sweep=()) -> dict:
-    """One layer of a packed stream, two estimates under the exact attention of causal and same document:
+    """One layer of a packed stream, three estimates under the exact attention of causal and same document:
 
     * ``stream``: the library's packed estimator (:func:`estimate_vertical_slash` with ``documents``:
       the stream's last ``last_q`` queries as probes, floors per document);
-    * ``document``: :func:`estimate_per_document` (each document's own probes), patterns united.
+    * ``document``: :func:`estimate_per_document` (each document's own probes), patterns united;
+    * ``document_probes``: the library's estimator with ``probes="document"`` (every document's
+      last ``last_q`` queries as probes, one selection for the stream).
 
     ``recall_*``: mean over the real query rows ``rows`` (``[b, S]`` bool) of the exact mass inside the
     pattern; ``sparsity_*``: 1 - the kernels' work after :func:`restrict_to_documents` / ``dense_work``
@@ -514,14 +518,17 @@ def packed_layer(q, k, cfg, documents, rows: torch.Tensor, scale: float, stride:
     bs = cfg.block_size
     lay = Layout("striped", 1, bs)
     targets = [cfg.recall] + [r for r in sweep if r != cfg.recall]
-    est = []                                   # (stream pattern, per-document patterns) per target
+    est = []                 # (stream pattern, per-document patterns, document-probes pattern) per target
     for r in targets:
         c = dataclasses.replace(cfg, recall=r)
         est.append((per_query_head(estimate_vertical_slash(q, k, layout=lay, config=c, softmax_scale=scale,
                                                            documents=documents), hq),
-                    estimate_per_document(q, k, documents, c, scale)))
-    masks = lambda r0, r1, k0: tuple(m for stream, per_doc in est for m in (                 # noqa: E731
-        pattern_rows(stream, r0, r1, k0), document_union_rows(per_doc, (b, hq), r0, r1, q.device, k0)))
+                    estimate_per_document(q, k, documents, c, scale),
+                    per_query_head(estimate_vertical_slash(q, k, layout=lay, config=dataclasses.replace(
+                        c, probes="document"), softmax_scale=scale, documents=documents), hq)))
+    masks = lambda r0, r1, k0: tuple(m for stream, per_doc, doc_probes in est for m in (     # noqa: E731
+        pattern_rows(stream, r0, r1, k0), document_union_rows(per_doc, (b, hq), r0, r1, q.device, k0),
+        pattern_rows(doc_probes, r0, r1, k0)))
     inside = [x.cpu() for x in exact_mass_inside(q, k, masks, scale, stride=stride, last_q=cfg.last_q,
                                                  bounds=(documents.lo, documents.hi))]
     probes = documents.real().cpu().clone()
@@ -529,28 +536,35 @@ def packed_layer(q, k, cfg, documents, rows: torch.Tensor, scale: float, stride:
     mean_rows = lambda x, sel: torch.stack([x[i][:, sel[i]].mean(-1) for i in range(b)])   # noqa: E731
     recall = [mean_rows(x, rows) for x in inside]                                            # [b, hq] each
     sparsity = []
-    for stream, per_doc in est:
+    for stream, per_doc, doc_probes in est:
         work_s = work(restrict_to_documents(convert_pattern(stream, lay, 0), documents, lay, 0), bs).cpu()
-        sparsity += [1.0 - work_s / dense_work, 1.0 - union_work(per_doc, (b, hq), S, bs) / dense_work]
+        work_p = work(restrict_to_documents(convert_pattern(doc_probes, lay, 0), documents, lay, 0), bs).cpu()
+        sparsity += [1.0 - work_s / dense_work, 1.0 - union_work(per_doc, (b, hq), S, bs) / dense_work,
+                     1.0 - work_p / dense_work]
     probe_recall = mean_rows(inside[0], probes)
-    stream, per_doc = est[0]
+    stream, per_doc, doc_probes = est[0]
     heads = [{"head": h, "kv_head": h // (hq // k.shape[2]),
               "recall": recall[0][:, h].mean().item(), "sparsity": sparsity[0][:, h].mean().item(),   # = *_stream
               "recall_stream": recall[0][:, h].mean().item(), "recall_document": recall[1][:, h].mean().item(),
+              "recall_document_probes": recall[2][:, h].mean().item(),
               "probe_recall_stream": probe_recall[:, h].mean().item(),
               "sparsity_stream": sparsity[0][:, h].mean().item(), "sparsity_document": sparsity[1][:, h].mean().item(),
+              "sparsity_document_probes": sparsity[2][:, h].mean().item(),
               "vertical": stream.vertical_count[:, h].tolist(), "slash": stream.slash_count[:, h].tolist(),
               "vertical_document": [int(pat.vertical_count[0, h]) for *_, pat, _ in per_doc],
               "slash_document": [int(pat.slash_count[0, h]) for *_, pat, _ in per_doc]}
              for h in range(hq)]
-    sweep_rows = [{"recall_target": r, "recall_stream": recall[2 * i].mean().item(),
-                   "recall_document": recall[2 * i + 1].mean().item(),
-                   "sparsity_stream": sparsity[2 * i].mean().item(), "sparsity_document": sparsity[2 * i + 1].mean().item()}
+    sweep_rows = [{"recall_target": r, "recall_stream": recall[3 * i].mean().item(),
+                   "recall_document": recall[3 * i + 1].mean().item(),
+                   "recall_document_probes": recall[3 * i + 2].mean().item(),
+                   "sparsity_stream": sparsity[3 * i].mean().item(), "sparsity_document": sparsity[3 * i + 1].mean().item(),
+                   "sparsity_document_probes": sparsity[3 * i + 2].mean().item()}
                   for i, r in enumerate(targets)]
     top = sweep_rows[0]
     return {"dense": False, "recall_target": cfg.recall, "heads": heads,
-            **{key + "_mean": top[key] for key in ("recall_stream", "recall_document", "sparsity_stream",
-                                                   "sparsity_document")},
+            **{key + "_mean": top[key] for key in ("recall_stream", "recall_document", "recall_document_probes",
+                                                   "sparsity_stream", "sparsity_document",
+                                                   "sparsity_document_probes")},
             "recall_mean": top["recall_stream"], "sparsity_mean": top["sparsity_stream"],   # the library's estimator
             "sweep": sweep_rows,
             "estimator_s": None, "dense_attention_s": None, "sparse_reference_s": None, "est_time_ratio": None}
@@ -760,8 +774,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             layer.update(layer=li, layer_number=layer_number)
             report["layers"].append(layer)
             print(f"layer {li} (layer_number {layer_number}): recall stream {layer['recall_stream_mean']:.4f} "
-                  f"document {layer['recall_document_mean']:.4f}  sparsity stream {layer['sparsity_stream_mean']:.3f} "
-                  f"document {layer['sparsity_document_mean']:.3f}", flush=True)
+                  f"document {layer['recall_document_mean']:.4f} document probes "
+                  f"{layer['recall_document_probes_mean']:.4f}  sparsity stream {layer['sparsity_stream_mean']:.3f} "
+                  f"document {layer['sparsity_document_mean']:.3f} document probes "
+                  f"{layer['sparsity_document_probes_mean']:.3f}", flush=True)
             continue
         group_pattern = estimate_vertical_slash(q, k, layout=one, config=lcfg, softmax_scale=scale)
         for rows, t in zip(saved_rows, (group_pattern.slash, group_pattern.vertical)):
@@ -815,7 +831,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                        if l["recall_mean"] < l["recall_target"]],
     }
     if documents is not None:       # means over layers (a dense layer counts as exact, nothing skipped)
-        keys = ("recall_stream", "recall_document", "sparsity_stream", "sparsity_document")
+        keys = ("recall_stream", "recall_document", "recall_document_probes", "sparsity_stream", "sparsity_document",
+                "sparsity_document_probes")
         for key in keys:
             exact = 0.0 if key.startswith("sparsity") else 1.0
             report["summary"][key + "_mean"] = sum(l.get(key + "_mean", exact) for l in layers) / len(layers)

@@ -205,7 +205,8 @@ def test_pattern_recall_config_policy_errors(tmp_path):
 
 def test_packed_mode_compares_stream_and_document_probes(tmp_path):
     """--packed: one stream of several documents (forward with the documents' PackedSeqParams, positions
-    restarting per document), recall of the library's per-stream estimate and of per-document estimates,
+    restarting per document), recall of the library's per-stream estimate, of per-document estimates and of
+    the library's estimate with per-document probes,
     each in [0, 1] with their sparsities, also at the --sweep-recall targets (recall 1.0 with caps over every
     line keeps all the mass of both)."""
     prefix, tok = make_tiny_dataset(tmp_path / "data")
@@ -218,16 +219,19 @@ def test_packed_mode_compares_stream_and_document_probes(tmp_path):
     many = json.loads((tmp_path / "many.json").read_text())
     assert many["packed"]["documents_per_stream"][0] >= 3 and many["recall_rows"] == 512
     for h in many["layers"][0]["heads"]:
-        for key in ("recall_stream", "recall_document", "probe_recall_stream"):
+        for key in ("recall_stream", "recall_document", "recall_document_probes", "probe_recall_stream"):
             assert 0.0 < h[key] <= 1.0 + 1e-12, (key, h)
-        assert 0.0 <= h["sparsity_stream"] < 1.0 and 0.0 <= h["sparsity_document"] < 1.0
+        for key in ("sparsity_stream", "sparsity_document", "sparsity_document_probes"):
+            assert 0.0 <= h[key] < 1.0, (key, h)
         assert len(h["vertical_document"]) == many["packed"]["documents_per_stream"][0]
     s = many["summary"]
-    assert {"recall_stream_mean", "recall_document_mean", "sparsity_stream_mean", "sparsity_document_mean"} <= set(s)
+    assert {"recall_stream_mean", "recall_document_mean", "recall_document_probes_mean", "sparsity_stream_mean",
+            "sparsity_document_mean", "sparsity_document_probes_mean"} <= set(s)
     assert [r["recall_target"] for r in s["sweep"]] == [0.9, 0.5, 1.0]
     assert s["sweep"][0]["recall_stream"] == s["recall_stream_mean"]
     full = s["sweep"][2]
-    assert full["recall_stream"] == pytest.approx(1.0, abs=1e-12) and full["recall_document"] == pytest.approx(1.0, abs=1e-12)
+    for key in ("recall_stream", "recall_document", "recall_document_probes"):
+        assert full[key] == pytest.approx(1.0, abs=1e-12), key
 
 
 def test_packed_recall_is_scored_under_the_document_mask():
