@@ -1,7 +1,7 @@
 """Fused estimator kernels on a GPU (marker ``gpu``; skipped without CUDA) against the fp64 torch scores.
 
 Check: tests/workers/gpu_estimator_check.py. Cases: 8K, 64K and 128K at CP=1 and a simulated CP=2
-striped at 8K (Qwen2.5-3B shape: q ``[1, S, 16, 128]``, k ``[1, S, 2, 128]``, bf16 structured inputs,
+striped at 8K, packed documents at 128K (CP=1) and 8K (simulated CP=2) (Qwen2.5-3B shape: q ``[1, S, 16, 128]``, k ``[1, S, 2, 128]``, bf16 structured inputs,
 ``configs/e2e_sparse.yaml``). The Triton probe LSE, column sums and block-diagonal sums must be
 within 1e-5 of the fp64 torch path (``col``/``slash``: max error relative to the largest value;
 ``lse``: absolute, scaled by ``max(1, max|lse|)``), with no NaN. Whether the two implementations
@@ -18,8 +18,8 @@ GPU_SEQS = (8192, 65536, 131072)
 
 
 def _id(case):
-    S, layout = case
-    return f"S{S}-cp{layout.cp_size}-{layout.kind}"
+    S, layout, packed = case
+    return f"S{S}-cp{layout.cp_size}-{layout.kind}" + ("-packed" if packed else "")
 
 
 def assert_scores_ok(row: dict) -> None:
@@ -40,10 +40,10 @@ def _record_selection(row, record_property):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ge.cases(list(GPU_SEQS)), ids=_id)
 def test_estimator_scores_on_gpu(case, record_property):
-    S, layout = case
+    S, layout, packed = case
     args = ge.parse_args([])                     # the defaults: cuda, bf16, 16/2 heads, head_dim 128
     try:
-        row = ge.check_len(S, args, torch.device("cuda"), None, layout)
+        row = ge.check_len(S, args, torch.device("cuda"), None, layout, packed)
     finally:
         torch.cuda.empty_cache()
     _record_selection(row, record_property)
@@ -60,9 +60,9 @@ def _cpu_params():
 @requires_interpreter
 @pytest.mark.parametrize("case", list(_cpu_params()))
 def test_estimator_check_on_cpu_interpreter(case, record_property):
-    S, layout = case
+    S, layout, packed = case
     args = ge.parse_args(["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
     assert args.dtype == "fp32"                  # bf16 tl.dot is wrong in the interpreter
-    row = ge.check_len(S, args, torch.device("cpu"), None, layout)
+    row = ge.check_len(S, args, torch.device("cpu"), None, layout, packed)
     _record_selection(row, record_property)
     assert_scores_ok(row)

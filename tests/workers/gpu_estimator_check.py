@@ -18,7 +18,8 @@ Per sequence length, Qwen2.5-3B attention shape by default (q ``[1, S, 16, 128]`
   ``estimate_vertical_slash`` for each impl.
 
 Plus a simulated CP=2 striped case (kernels on each rank's keys, (m, z) merged like the
-all-reduce) at the first length. Prints one line per case and a final ``RESULT`` line.
+all-reduce) at the first length, and packed documents (lengths :data:`DOC_LENGTHS`, the probes'
+key bounds) at the last length (CP=1) and the first (simulated CP=2). Prints one line per case and a final ``RESULT`` line.
 """
 
 import argparse
@@ -43,17 +44,34 @@ def _err(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def fused_scores(q, k, layout, L, bs, scale):
-    """Triton (lse, col [global positions], slash) over ``layout``'s ranks, merged like the all-reduce."""
+#: document lengths of the packed cases, cycled over the stream (the last one cut at its end)
+DOC_LENGTHS = (3071, 1199, 4096, 517, 2363, 129, 8000)
+
+
+def packed_documents(S, dev):
+    """A stream of ``S`` tokens packed with documents of :data:`DOC_LENGTHS` (an eighth of them below 8K)."""
+    from megatron_mtraining.layout import PackedDocuments
+
+    cu, i, div = [0], 0, 1 if S >= 8192 else 8
+    while cu[-1] < S:
+        cu.append(min(S, cu[-1] + max(1, DOC_LENGTHS[i % len(DOC_LENGTHS)] // div)))
+        i += 1
+    return PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, device=dev)
+
+
+def fused_scores(q, k, layout, L, bs, scale, docs=None):
+    """Triton (lse, col [global positions], slash) over ``layout``'s ranks, merged like the all-reduce;
+    ``docs``: packed documents (the probes' key bounds) or ``None``."""
     from megatron_mtraining.patterns.triton.estimator import probe_block_range, probe_column_sums, probe_softmax_stats
 
     b, S, hq, _ = q.shape
     probe = q[:, S - L:]
+    bounds = None if docs is None else (docs.lo[:, S - L:], docs.hi[:, S - L:])
     parts = []
     for r in range(layout.cp_size):
         k_loc = layout.shard(k, r, dim=1)
         k_pos = layout.positions(r, S, device=q.device)
-        m, z = probe_softmax_stats(probe, k_loc, k_pos, S, scale)
+        m, z = probe_softmax_stats(probe, k_loc, k_pos, S, scale, bounds=bounds)
         parts.append((k_loc, k_pos, m, z))
     gm = torch.stack([p[2] for p in parts]).amax(0)
     safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
@@ -63,41 +81,49 @@ def fused_scores(q, k, layout, L, bs, scale):
     col = torch.zeros(b, hq, S, dtype=torch.float64, device=q.device)
     slash = torch.zeros(b, hq, S // bs, dtype=torch.float64, device=q.device)
     for k_loc, k_pos, _, _ in parts:
-        colu = probe_column_sums(probe, k_loc, k_pos, S, lse, scale, bs).double()
+        colu = probe_column_sums(probe, k_loc, k_pos, S, lse, scale, bs, bounds=bounds).double()
         col[:, :, k_pos] = colu.sum(2)
         for i in range(nu):
             slash.index_add_(-1, (u0 + i - k_pos // bs).clamp(min=0), colu[:, :, i])
     return lse, col, slash
 
 
-def torch_scores(q, k, L, bs, scale):
+def torch_scores(q, k, L, bs, scale, docs=None):
     """fp64 torch (lse, col, slash) of the estimator's own oracle path, CP=1."""
     b, S, hq, _ = q.shape
     k_pos = torch.arange(S, device=q.device)
     q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L))) for u in range((S - L) // bs, S // bs)]
-    col, slash = est._torch_scores(q[:, S - L:], k, k_pos, q_blocks, S, bs, scale, None, 1)
+    bounds = None if docs is None else (docs.lo[:, S - L:], docs.hi[:, S - L:])
+    col, slash = est._torch_scores(q[:, S - L:], k, k_pos, q_blocks, S, bs, scale, None, 1, bounds=bounds)
     # lse: fp64 logsumexp per head (the torch path keeps its own lse internal)
     rep = hq // k.shape[2]
     lse = torch.empty(b, hq, L, dtype=torch.float64, device=q.device)
+    if docs is None:
+        hidden = k_pos[None, None, :] > torch.arange(S - L, S, device=q.device)[None, :, None]
+    else:
+        hidden = (k_pos[None, None, :] < bounds[0][..., None]) | (k_pos[None, None, :] > bounds[1][..., None])
     for h in range(hq):
         s = torch.einsum("bqd,bkd->bqk", q[:, S - L:, h].double(), k[:, :, h // rep].double()) * scale
-        s.masked_fill_(k_pos[None, None, :] > torch.arange(S - L, S, device=q.device)[None, :, None], float("-inf"))
+        s.masked_fill_(hidden, float("-inf"))
         lse[:, h] = torch.logsumexp(s, -1)
     return lse, col, slash
 
 
-def check_len(S, args, dev, timeit, layout) -> dict:
+def check_len(S, args, dev, timeit, layout, packed: bool = False) -> dict:
     """Scores (and at CP=1 the selected pattern) of length ``S`` on ``layout``; ``args`` from
-    :func:`build_parser`; ``timeit`` ``None`` skips the timings. ``row["scores_ok"]`` is the check."""
+    :func:`build_parser`; ``timeit`` ``None`` skips the timings; ``packed``: the stream packed with
+    documents (:func:`packed_documents`; the probes score only their own documents). ``row["scores_ok"]``
+    is the check."""
     q, k, _ = structured_qkv(S, args.heads, args.kv_heads, args.head_dim, dev, seed=S)
+    docs = packed_documents(S, dev) if packed else None
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     q, k = q.to(dt), k.to(dt)
     cfg = est.VerticalSlashConfig(**({} if args.config is None else _config_kwargs(args.config)))
     L, bs = cfg.last_q, cfg.block_size
     scale = 1.0 / math.sqrt(args.head_dim)
-    lse, col, slash = fused_scores(q, k, layout, L, bs, scale)
-    lse_r, col_r, slash_r = torch_scores(q, k, L, bs, scale)
-    row = {"seq": S, "cp": layout.cp_size, "layout": layout.kind, "dtype": args.dtype,
+    lse, col, slash = fused_scores(q, k, layout, L, bs, scale, docs)
+    lse_r, col_r, slash_r = torch_scores(q, k, L, bs, scale, docs)
+    row = {"seq": S, "cp": layout.cp_size, "layout": layout.kind, "dtype": args.dtype, "packed": packed,
            "lse_abs_err": float((lse - lse_r).abs().max()), "col_err": _err(col, col_r),
            "slash_err": _err(slash, slash_r), "nan": bool(torch.isnan(col).any() or torch.isnan(slash).any()),
            "lse_ref_absmax": float(lse_r.abs().max())}
@@ -105,12 +131,14 @@ def check_len(S, args, dev, timeit, layout) -> dict:
                         and row["lse_abs_err"] <= TOL * max(1.0, row["lse_ref_absmax"]))
     if layout.cp_size == 1:
         one = Layout("striped", 1, 64)
-        pt = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="triton")
-        pr = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="torch")
+        pt = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="triton",
+                                         documents=docs)
+        pr = est.estimate_vertical_slash(q, k, layout=one, config=cfg, softmax_scale=scale, impl="torch",
+                                         documents=docs)
         row["pattern_equal"] = bool(pt.same_selection(pr))
         row["slash_lines_differing"] = int((pt.slash_mask() != pr.slash_mask()).sum())
         row["vertical_lines_differing"] = int((pt.vertical_mask() != pr.vertical_mask()).sum())
-        if timeit is None:
+        if timeit is None or packed:
             return row
         from megatron_mtraining.patterns.triton.estimator import probe_column_sums, probe_softmax_stats
 
@@ -137,8 +165,11 @@ def _config_kwargs(path):
 
 
 def cases(seqs):
-    """``(S, layout)`` per check: every length at CP=1, and a simulated CP=2 striped at the first."""
-    return [(s, Layout("striped", 1, 64)) for s in seqs] + [(seqs[0], Layout("striped", 2, 64))]
+    """``(S, layout, packed)`` per check: every length at CP=1, a simulated CP=2 striped at the first;
+    packed documents at the last length (CP=1) and at the first (simulated CP=2)."""
+    return [(s, Layout("striped", 1, 64), False) for s in seqs] + [(seqs[0], Layout("striped", 2, 64), False),
+                                                                  (seqs[-1], Layout("striped", 1, 64), True),
+                                                                  (seqs[0], Layout("striped", 2, 64), True)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,9 +202,9 @@ def main(argv=None) -> int:
     timeit = _timer(dev)
     seqs = [int(x) for x in args.seqs.split(",")]
     rows, ok = [], True
-    for S, layout in cases(seqs):
+    for S, layout, packed in cases(seqs):
         try:
-            r = check_len(S, args, dev, timeit, layout)
+            r = check_len(S, args, dev, timeit, layout, packed)
         except Exception as e:  # noqa: BLE001 - report and go on
             r = {"seq": S, "cp": layout.cp_size, "error": f"{type(e).__name__}: {e}", "scores_ok": False}
         ok &= bool(r.get("scores_ok"))
