@@ -291,17 +291,24 @@ def start_process_group(backend: str = "gloo"):
 
 
 def finish_process_group() -> None:
-    """End a worker: barrier on the default group, then ``destroy_process_group``.
+    """End a worker: barrier on the default group, flush stdout/stderr, then leave the process with
+    ``os._exit(0)``.
 
     Without the barrier a fast rank can tear down its gloo pairs (and exit) while a slow rank is
-    still finishing its last collective or printing, and the slow rank then aborts (SIGABRT)
-    on the closed connection. Call it once, at the very end of every torchrun worker.
+    still finishing its last collective or printing, and the slow rank then aborts (SIGABRT) on the
+    closed connection. After the barrier no collective is pending, so the group's teardown is
+    skipped: ``destroy_process_group`` and the interpreter's exit-time destructors of the gloo
+    groups (several per worker with megatron's hierarchical groups) have aborted a rank with
+    ``terminate called without an active exception`` after every check had passed. The OS closes
+    the sockets. Call it once, as the very last statement of every torchrun worker (exit code 0).
     """
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
