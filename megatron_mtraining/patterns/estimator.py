@@ -540,6 +540,13 @@ def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tenso
 def _document_probe_positions(documents, last_q: int) -> list:
     """Per stream, the ascending stream positions of the last ``last_q`` real tokens of every document
     (all of a shorter document's) -- host lists from the offsets, no device read."""
+    return [[t for _, _, probes in docs for t in probes] for docs in _document_probe_spans(documents, last_q)]
+
+
+def _document_probe_spans(documents, last_q: int) -> list:
+    """Per stream, ``(s0, s1, probes)`` of each non-empty document in stream order: its real tokens
+    ``s0:s1`` (stream positions) and ``probes``, the positions of its last ``last_q`` real tokens
+    (host arithmetic on the offsets)."""
     S = documents.seq_len
     cu, pad = documents.cu_seqlens, documents.cu_seqlens_padded
     out = [[] for _ in range(documents.batch_size)]
@@ -547,7 +554,7 @@ def _document_probe_positions(documents, last_q: int) -> list:
         n = cu[i + 1] - cu[i]
         if n > 0:
             row, s0 = pad[i] // S, pad[i] % S
-            out[row].extend(range(s0 + max(0, n - last_q), s0 + n))
+            out[row].append((s0, s0 + n, range(s0 + max(0, n - last_q), s0 + n)))
     return out
 
 
@@ -573,33 +580,55 @@ def _gather_rows(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq
 def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int,
                            scale: float, share_kv_group: bool, documents):
     """Steps 1-3 with per-document probes (``VerticalSlashConfig.probes="document"``), fp64 torch:
-    ``(col [b, h, S_local], slash [b, h, S/bs] all-reduced, k_pos [S_local], n_real [b])``. Each stream
-    is scored on its own (its probes sit at other positions than another stream's)."""
-    b = q.shape[0]
-    k_pos = layout.positions(rank, S, device=q.device)
-    cols, slashes, n_real = [], [], []
-    for i, pos in enumerate(_document_probe_positions(documents, L)):
+    ``(col [b, h, S_local], slash [b, h, S/bs] all-reduced, k_pos [S_local], n_real [b])``.
+
+    Each stream is scored on its own (its probes sit at other positions than another stream's), and
+    each document's probes only against this rank's keys of that document (``positions`` ascend, so
+    they are one local run, found on the host): the work is the documents' probes times their own
+    lengths, not times the stream. One ``lse`` merge across the CP group per stream."""
+    b, _, hq, _ = q.shape
+    dev, f64 = q.device, torch.float64
+    k_pos = layout.positions(rank, S, device=dev)
+    host_pos = layout.positions(rank, S)
+    col = torch.zeros((b, hq, k.shape[1]), dtype=f64, device=dev)
+    slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
+    n_real = []
+    for i, docs in enumerate(_document_probe_spans(documents, L)):
+        pos = [t for _, _, probes in docs for t in probes]
         n_real.append(len(pos))
-        if not pos:                        # a stream of padding only: no probe, zero scores
-            pos = [S - 1]
+        if not pos:                        # a stream of padding only (known on every rank): zero scores
+            continue
         probe = _gather_rows(q[i], layout, group, rank, cp, S, pos)[None]            # [1, P, hq, d]
-        pos_t = torch.tensor(pos, device=q.device)
+        pos_t = torch.tensor(pos, device=dev)
         lo, hi = documents.lo[i:i + 1, pos_t], documents.hi[i:i + 1, pos_t]
-        if not n_real[-1]:
-            hi = torch.full_like(hi, -1)
-        q_blocks, r0 = [], 0
-        for r in range(1, len(pos) + 1):   # runs of probes in one global query block
-            if r == len(pos) or pos[r] // bs != pos[r0] // bs:
-                q_blocks.append((pos[r0] // bs, r0, r))
-                r0 = r
-        col, slash = _torch_scores(probe, k[i:i + 1], k_pos, q_blocks, S, bs, scale, group, cp, bounds=(lo, hi))
-        cols.append(col)
-        slashes.append(slash)
-    col, slash = torch.cat(cols), torch.cat(slashes)
+        parts, m, z, r = [], [], [], 0
+        for s0, s1, probes in docs:
+            r0, r = r, r + len(probes)
+            a, e = (int(x) for x in torch.searchsorted(host_pos, torch.tensor([s0, s1])))
+            rows = slice(r0, r)
+            if a == e:                     # none of the document's keys on this rank
+                m.append(torch.full((1, hq, r - r0), float("-inf"), dtype=f64, device=dev))
+                z.append(torch.zeros((1, hq, r - r0), dtype=f64, device=dev))
+                continue
+            spans, logits = _torch_logits(probe[:, rows], k[i:i + 1, a:e], k_pos[a:e], S, bs, scale,
+                                          bounds=(lo[:, rows], hi[:, rows]))
+            dm, dz = _torch_stats(spans, logits, (1, hq, r - r0), dev)
+            m.append(dm)
+            z.append(dz)
+            q_blocks, u0 = [], 0
+            for u in range(1, len(probes) + 1):   # runs of the document's probes in one global query block
+                if u == len(probes) or probes[u] // bs != probes[u0] // bs:
+                    q_blocks.append((probes[u0] // bs, u0, u))
+                    u0 = u
+            parts.append((rows, a, e, spans, logits, q_blocks))
+        lse = _global_lse(torch.cat(m, -1), torch.cat(z, -1), group, cp)               # [1, hq, P]
+        for rows, a, e, spans, logits, q_blocks in parts:
+            _torch_lines(spans, logits, lse[..., rows], k_pos[a:e], q_blocks, col[i:i + 1, :, a:e],
+                         slash[i:i + 1], bs)
     if share_kv_group:
         col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")
-    return col, slash, k_pos, torch.tensor(n_real, dtype=torch.float64, device=q.device)
+    return col, slash, k_pos, torch.tensor(n_real, dtype=torch.float64, device=dev)
 
 
 def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
@@ -697,13 +726,14 @@ def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tenso
     return gsafe + torch.log(torch.where(gz > 0, gz, 1.0))
 
 
-def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int, bounds=None):
-    """fp64 torch scores (oracle path, chunked over keys): ``col [b, hq, S_local]`` and this rank's
-    ``slash [b, hq, S/bs]`` (before its all_reduce). ``bounds``: packed documents' key bounds
-    ``(lo, hi)`` ``[b, L]`` of the probes (key ``t`` visible iff ``lo <= t <= hi``), or ``None``."""
+def _torch_logits(probe, k, k_pos, S: int, bs: int, scale: float, bounds=None):
+    """``(spans, logits)`` of the fp64 torch score path: ``logits(j0, j1)`` is ``[b, hq, L, j1 - j0]``
+    scaled logits of the probes against keys ``j0:j1`` (``-inf`` where invisible: causal for the
+    stream's last ``L`` queries, or outside ``bounds = (lo, hi)`` ``[b, L]``); ``spans`` chunk the keys so
+    that one block stays under ``_LOGIT_BUDGET`` elements (cached when there is one chunk)."""
     b, L, hq, d = probe.shape
     sl, hkv = k.shape[1], k.shape[2]
-    rep, nb, dev, f64 = hq // hkv, S // bs, probe.device, torch.float64
+    rep, dev, f64 = hq // hkv, probe.device, torch.float64
     pq = probe.to(f64).view(b, L, hkv, rep, d)
     p_pos = torch.arange(S - L, S, device=dev)
     chunk = max(bs, (_LOGIT_BUDGET // max(1, b * hq * L)) // bs * bs)
@@ -723,29 +753,50 @@ def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, grou
             cache[(j0, j1)] = s
         return s
 
-    # --- exact softmax rows of the probes across the CP group: max, then rescaled sums
-    m = torch.full((b, hq, L), float("-inf"), dtype=f64, device=dev)
-    z = torch.zeros((b, hq, L), dtype=f64, device=dev)
+    return spans, logits
+
+
+def _torch_stats(spans, logits, shape, dev):
+    """Local ``(m, z)`` ``[b, hq, L]`` fp64 of the probe rows over the keys of ``spans`` (row max, rescaled sum)."""
+    m = torch.full(shape, float("-inf"), dtype=torch.float64, device=dev)
+    z = torch.zeros(shape, dtype=torch.float64, device=dev)
     for j0, j1 in spans:
         s = logits(j0, j1)
         new_m = torch.maximum(m, s.amax(-1))
         safe = torch.where(torch.isneginf(new_m), torch.zeros_like(new_m), new_m)
         z = z * torch.exp(m - safe) + torch.exp(s - safe[..., None]).sum(-1)
         m = new_m
-    lse = _global_lse(m, z, group, cp)
+    return m, z
 
-    # --- line scores: token-level columns (local), block-level diagonals (global after all_reduce)
-    col = torch.zeros((b, hq, sl), dtype=f64, device=dev)
-    slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
+
+def _torch_lines(spans, logits, lse, k_pos, q_blocks, col, slash, bs: int) -> None:
+    """Adds the line scores of the probes to ``col [b, hq, keys]`` (per key of ``spans``) and ``slash
+    [b, hq, S/bs]`` (per block diagonal; ``q_blocks``: ``(u, r0, r1)`` probe rows ``r0:r1`` in global
+    query block ``u``), given the probes' global ``lse``."""
     for j0, j1 in spans:
         p = torch.exp(logits(j0, j1) - lse[..., None])                  # [b, hq, L, c]
-        col[..., j0:j1] = p.sum(-2)
+        col[..., j0:j1] += p.sum(-2)
         k_blk = k_pos[j0:j1] // bs
         for u, r0, r1 in q_blocks:
             pu = p[:, :, r0:r1].sum(-2)                                  # [b, hq, c]
             # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
             slash.index_add_(-1, (u - k_blk).clamp(min=0), pu)
-    cache.clear()
+
+
+def _torch_scores(probe, k, k_pos, q_blocks, S: int, bs: int, scale: float, group, cp: int, bounds=None):
+    """fp64 torch scores (oracle path, chunked over keys): ``col [b, hq, S_local]`` and this rank's
+    ``slash [b, hq, S/bs]`` (before its all_reduce). ``bounds``: packed documents' key bounds
+    ``(lo, hi)`` ``[b, L]`` of the probes (key ``t`` visible iff ``lo <= t <= hi``), or ``None``."""
+    b, L, hq, _ = probe.shape
+    dev = probe.device
+    spans, logits = _torch_logits(probe, k, k_pos, S, bs, scale, bounds)
+    # --- exact softmax rows of the probes across the CP group: max, then rescaled sums
+    m, z = _torch_stats(spans, logits, (b, hq, L), dev)
+    lse = _global_lse(m, z, group, cp)
+    # --- line scores: token-level columns (local), block-level diagonals (global after all_reduce)
+    col = torch.zeros((b, hq, k.shape[1]), dtype=torch.float64, device=dev)
+    slash = torch.zeros((b, hq, S // bs), dtype=torch.float64, device=dev)
+    _torch_lines(spans, logits, lse, k_pos, q_blocks, col, slash, bs)
     return col, slash
 
 
