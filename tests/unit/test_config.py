@@ -33,11 +33,19 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "long_context_r095.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r098.yaml": ("striped", "vertical_slash", 0.98, 64),
     "fa4_128k.yaml": ("striped", "vertical_slash", 0.9, 128),
+    "packed_documents_r090.yaml": ("striped", "vertical_slash", 0.9, 64),
 }
 
 
 def test_expected_configs_are_shipped():
     assert sorted(p.name for p in CONFIGS) == sorted(EXPECTED)
+
+
+def test_only_the_packed_config_probes_every_document():
+    probes = {p.name: load_mtraining_config(p).vertical_slash.probes for p in CONFIGS
+              if load_mtraining_config(p).sparse}
+    assert {n for n, v in probes.items() if v == "document"} == {"packed_documents_r090.yaml"}
+    assert set(probes.values()) == {"stream", "document"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
