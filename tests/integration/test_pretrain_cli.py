@@ -299,3 +299,27 @@ def test_packed_documents_sparse_cp2_matches_cp1(tiny, tmp_path):
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
     plain, _ = _train(tiny, tmp_path, "unpacked_sparse_cp1", 1, **{"--mtraining-config": "configs/demo_sparse.yaml"})
     assert abs(plain[0]["lm_loss"] - a[0]["lm_loss"]) > 1e-4 or abs(plain[0]["grad_norm"] - a[0]["grad_norm"]) > 1e-4
+
+
+@pytest.mark.slow
+def test_packed_documents_per_document_probes_cp2_matches_cp1(tiny, tmp_path):
+    """``vertical_slash.probes: document`` from a YAML config through the trainer: every document's last
+    queries probe the pattern (their rows gathered across the CP group), CP=2 trains exactly like CP=1,
+    and the run differs from the same config with the stream's probes (small floors and caps, so that
+    the pattern is not the whole of each short document)."""
+    def config(probes):
+        path = tmp_path / f"probes_{probes}.yaml"
+        path.write_text("implementation: striped\ngranularity: 32\npattern: vertical_slash\nvertical_slash:\n"
+                        "  recall: 0.5\n  last_q: 16\n  block_size: 32\n  sink_tokens: 2\n  local_blocks: 1\n"
+                        f"  max_vertical: 8\n  max_slash: 2\n  probes: {probes}\n")
+        return {"--reset-position-ids": None, "--reset-attention-mask": None, "--mtraining-config": str(path)}
+
+    a, _ = _train(tiny, tmp_path, "packed_docprobes_cp1", 1, **config("document"))
+    b, _ = _train(tiny, tmp_path, "packed_docprobes_cp2", 2, **config("document"))
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+    stream, _ = _train(tiny, tmp_path, "packed_stream_cp1", 1, **config("stream"))
+    assert any(abs(s["lm_loss"] - x["lm_loss"]) > 1e-6 or abs(s["grad_norm"] - x["grad_norm"]) > 1e-6
+               for s, x in zip(stream, a)), (stream, a)
