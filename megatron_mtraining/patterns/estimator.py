@@ -577,6 +577,12 @@ def _gather_rows(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq
     return out
 
 
+def _query_block_runs(p0: int, p1: int, bs: int) -> list:
+    """``(u, r0, r1)`` for probes at the consecutive global positions ``p0 .. p1 - 1``: the probe rows
+    ``r0:r1`` (relative to ``p0``) that lie in global query block ``u``, for every block they touch."""
+    return [(u, max(0, u * bs - p0), min(p1 - p0, (u + 1) * bs - p0)) for u in range(p0 // bs, (p1 - 1) // bs + 1)]
+
+
 def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int,
                            scale: float, share_kv_group: bool, documents):
     """Steps 1-3 with per-document probes (``VerticalSlashConfig.probes="document"``), fp64 torch:
@@ -601,7 +607,7 @@ def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: i
         probe = _gather_rows(q[i], layout, group, rank, cp, S, pos)[None]            # [1, P, hq, d]
         pos_t = torch.tensor(pos, device=dev)
         lo, hi = documents.lo[i:i + 1, pos_t], documents.hi[i:i + 1, pos_t]
-        parts, m, z, r = [], [], [], 0
+        parts, m, z, r, cached = [], [], [], 0, 0
         for s0, s1, probes in docs:
             r0, r = r, r + len(probes)
             a, e = (int(x) for x in torch.searchsorted(host_pos, torch.tensor([s0, s1])))
@@ -610,17 +616,16 @@ def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: i
                 m.append(torch.full((1, hq, r - r0), float("-inf"), dtype=f64, device=dev))
                 z.append(torch.zeros((1, hq, r - r0), dtype=f64, device=dev))
                 continue
+            # the logits are kept for the line scores while all documents' together fit the budget
+            size = hq * (r - r0) * (e - a)
+            keep = cached + size <= _LOGIT_BUDGET
+            cached += size if keep else 0
             spans, logits = _torch_logits(probe[:, rows], k[i:i + 1, a:e], k_pos[a:e], S, bs, scale,
-                                          bounds=(lo[:, rows], hi[:, rows]))
+                                          bounds=(lo[:, rows], hi[:, rows]), cache=keep)
             dm, dz = _torch_stats(spans, logits, (1, hq, r - r0), dev)
             m.append(dm)
             z.append(dz)
-            q_blocks, u0 = [], 0
-            for u in range(1, len(probes) + 1):   # runs of the document's probes in one global query block
-                if u == len(probes) or probes[u] // bs != probes[u0] // bs:
-                    q_blocks.append((probes[u0] // bs, u0, u))
-                    u0 = u
-            parts.append((rows, a, e, spans, logits, q_blocks))
+            parts.append((rows, a, e, spans, logits, _query_block_runs(probes.start, probes.stop, bs)))
         lse = _global_lse(torch.cat(m, -1), torch.cat(z, -1), group, cp)               # [1, hq, P]
         for rows, a, e, spans, logits, q_blocks in parts:
             _torch_lines(spans, logits, lse[..., rows], k_pos[a:e], q_blocks, col[i:i + 1, :, a:e],
@@ -726,11 +731,11 @@ def _global_lse(m: torch.Tensor, z: torch.Tensor, group, cp: int) -> torch.Tenso
     return gsafe + torch.log(torch.where(gz > 0, gz, 1.0))
 
 
-def _torch_logits(probe, k, k_pos, S: int, bs: int, scale: float, bounds=None):
+def _torch_logits(probe, k, k_pos, S: int, bs: int, scale: float, bounds=None, cache: bool = True):
     """``(spans, logits)`` of the fp64 torch score path: ``logits(j0, j1)`` is ``[b, hq, L, j1 - j0]``
     scaled logits of the probes against keys ``j0:j1`` (``-inf`` where invisible: causal for the
     stream's last ``L`` queries, or outside ``bounds = (lo, hi)`` ``[b, L]``); ``spans`` chunk the keys so
-    that one block stays under ``_LOGIT_BUDGET`` elements (cached when there is one chunk)."""
+    that one block stays under ``_LOGIT_BUDGET`` elements (cached when there is one chunk and ``cache``)."""
     b, L, hq, d = probe.shape
     sl, hkv = k.shape[1], k.shape[2]
     rep, dev, f64 = hq // hkv, probe.device, torch.float64
@@ -738,19 +743,19 @@ def _torch_logits(probe, k, k_pos, S: int, bs: int, scale: float, bounds=None):
     p_pos = torch.arange(S - L, S, device=dev)
     chunk = max(bs, (_LOGIT_BUDGET // max(1, b * hq * L)) // bs * bs)
     spans = [(j, min(sl, j + chunk)) for j in range(0, sl, chunk)]
-    cache = {}
+    keep = {} if cache and len(spans) == 1 else None
 
     def logits(j0: int, j1: int) -> torch.Tensor:
-        if (j0, j1) in cache:
-            return cache[(j0, j1)]
+        if keep and (j0, j1) in keep:
+            return keep[(j0, j1)]
         s = torch.einsum("bqgrd,bkgd->bgrqk", pq, k[:, j0:j1].to(f64)).reshape(b, hq, L, j1 - j0) * scale
         if bounds is None:
             s.masked_fill_(k_pos[None, j0:j1] > p_pos[:, None], float("-inf"))
         else:
             t = k_pos[None, None, j0:j1]
             s.masked_fill_(((t < bounds[0][..., None]) | (t > bounds[1][..., None]))[:, None], float("-inf"))
-        if len(spans) == 1:
-            cache[(j0, j1)] = s
+        if keep is not None:
+            keep[(j0, j1)] = s
         return s
 
     return spans, logits
@@ -912,9 +917,7 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
     dev, f64 = q.device, torch.float64
     k_pos = layout.positions(rank, S, device=dev)                       # ascending
     probe = _gather_probe_queries(q, layout, group, rank, cp, S, L)      # [b, L, hq, d]
-    # probe rows of global query block u are the contiguous range [max(0, u*bs - (S-L)), (u+1)*bs - (S-L))
-    q_blocks = [(u, max(0, u * bs - (S - L)), min(L, (u + 1) * bs - (S - L)))
-                for u in range((S - L) // bs, nb)]
+    q_blocks = _query_block_runs(S - L, S, bs)
 
     bounds = None if documents is None else (documents.lo[:, S - L:], documents.hi[:, S - L:])
     if fused:

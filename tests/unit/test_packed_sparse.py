@@ -378,6 +378,26 @@ def test_per_document_probe_scores_match_explicit_oracle():
     assert rel_err(s_col, r_col) > 0.5
 
 
+@pytest.mark.parametrize("budget", [64 * 4 * 12, 4 * 12 * 64 * 3])
+def test_per_document_probe_scores_within_a_small_logit_budget(monkeypatch, budget):
+    """Under a logit budget smaller than all documents' logits together (the first: one 64-key chunk of
+    one document's probes; the second: some documents cached, the rest recomputed), the scores are the
+    same as with everything cached."""
+    from megatron_mtraining.patterns import estimator as est
+
+    S, hq, hkv, L = 128, 4, 2, 12
+    q, k, _, _ = _inputs(S, hq, hkv, torch.float64, seed=3, b=2)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 30, 90, 91, 130, 190]), S, batch_size=2,
+                                           cu_seqlens_padded=torch.tensor([0, 10, 40, 120, 128, 180, 256]))
+    lay = Layout("striped", 1, BS)
+    args = (q, k, lay, None, 0, 1, S, BS, L, S // BS, 0.25, False, docs)
+    full = est._document_probe_scores(*args)
+    monkeypatch.setattr(est, "_LOGIT_BUDGET", budget)
+    small = est._document_probe_scores(*args)
+    for a, b in zip(full, small):
+        assert torch.equal(a, b)
+
+
 def test_per_document_probes_select_lines_in_every_document():
     """With per-document probes the columns of documents other than the last carry scores (beyond their
     sinks) and the masses are fractions of all probes; the stream's probes leave those documents at the floors."""
