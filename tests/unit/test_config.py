@@ -42,8 +42,8 @@ def test_expected_configs_are_shipped():
 
 
 def test_only_the_packed_config_probes_every_document():
-    probes = {p.name: load_mtraining_config(p).vertical_slash.probes for p in CONFIGS
-              if load_mtraining_config(p).sparse}
+    configs = {p.name: load_mtraining_config(p) for p in CONFIGS}
+    probes = {n: c.vertical_slash.probes for n, c in configs.items() if c.sparse}
     assert {n for n, v in probes.items() if v == "document"} == {"packed_documents_r090.yaml"}
     assert set(probes.values()) == {"stream", "document"}
 
