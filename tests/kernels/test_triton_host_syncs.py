@@ -100,11 +100,11 @@ def test_static_plans_without_host_reads(b, s, hq, hkv, heads, causal, determini
     assert bool(plan._col) == (deterministic or not launch.DEFAULT_CONFIG.col_atomic_fast)
     assert not plan_for(idx).static           # the default on the CPU (and for indices without bounds)
     data = _plans(idx, q, k, False, deterministic)
-    # the inverted block index: the same offsets, the same entries (the static list is padded)
-    (off_s, ent_s, *shape_s), = plan._kv.values()
-    (off_d, ent_d, *shape_d), = data._kv.values()
+    # the inverted block index: the same offsets and unmasked parts, the same entries (the static list is padded)
+    (off_s, mid_s, ent_s, *shape_s), = plan._kv.values()
+    (off_d, mid_d, ent_d, *shape_d), = data._kv.values()
     n = int(off_d[-1])
-    assert shape_s == shape_d and torch.equal(off_s, off_d) and ent_s.numel() >= n
+    assert shape_s == shape_d and torch.equal(off_s, off_d) and torch.equal(mid_s, mid_d) and ent_s.numel() >= n
     assert torch.equal(ent_s[:n], ent_d[:n])
     if plan._col:
         (cs,) = plan._col.values()

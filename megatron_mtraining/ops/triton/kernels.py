@@ -23,7 +23,8 @@ Document mask (``DOC``, orthogonal to the mode; the sparse steps of packed docum
 ``StepIndices.has_documents``): every masked tile and column chunk is also masked by per-query key
 bounds, ``DocLo[b, row] <= KPos[key] <= DocHi[b, row]`` (int32, batch stride ``s_dlb``, 0 when the
 bounds are shared by the batch); a padding query has ``lo > hi`` and sees nothing. The caller's
-splits count only slots every row of the tile sees whole; the dK/dV kernels mask every entry.
+splits count only slots every row of the tile sees whole; the dK/dV kernels mask only the entries
+of slots past the split (their inverted index lists those last).
 Blocks are visited in two loops: slots ``[0, split)`` need no mask (the caller guarantees it),
 slots ``[split, count)`` are masked. Vertical columns are visited the same way (``COL_SPLIT``): whole
 64-column chunks among the first ``column_split`` slots (columns every row of the tile sees) run
@@ -402,7 +403,7 @@ def _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, MASKED: tl.const
 @triton.jit
 def _sparse_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV,
-    KvOffsets, KvEntries, QPos, KPos, DocLo, DocHi,
+    KvOffsets, KvMids, KvEntries, QPos, KPos, DocLo, DocHi,
     scale_log2, sm_scale,
     s_qb, s_qs, s_qh,
     s_kb, s_ks, s_kh,
@@ -420,8 +421,9 @@ def _sparse_bwd_dkdv_kernel(
 
     Visits, in the fixed order of ``KvEntries``, every (query head of the group, query tile) that
     lists this key block, so the sum over GQA heads happens in registers: no atomics, bitwise
-    deterministic. Overwrites DK/DV rows of the block (blocks with no entry get zeros).
-    With DQ_ATOMIC the tile's dQ is also added to DQ with fp32 atomics (fast mode)."""
+    deterministic. The entries ``[offset, mid)`` are slots their tiles run unmasked (``slot <
+    split``), ``[mid, end)`` the masked ones. Overwrites DK/DV rows of the block (blocks with no entry
+    get zeros). With DQ_ATOMIC the tile's dQ is also added to DQ with fp32 atomics (fast mode)."""
     pid = tl.program_id(0)
     bz = tl.program_id(1)
     g = pid % num_kv_heads
@@ -440,7 +442,11 @@ def _sparse_bwd_dkdv_kernel(
     off_ptr = KvOffsets + bz * s_ofb + g * s_ofg + kb
     start = tl.load(off_ptr)
     end = tl.load(off_ptr + 1)
-    for e in range(start, end):
+    if MASK_MODE == 0 and not DOC:
+        mid = end
+    else:
+        mid = tl.load(KvMids + bz * s_ofb + g * s_ofg + kb)
+    for e in range(start, mid):          # tiles that see the whole block: no mask
         ent = tl.load(KvEntries + e)
         r = ent // num_q_blocks
         qb = ent - r * num_q_blocks
@@ -448,10 +454,23 @@ def _sparse_bwd_dkdv_kernel(
         offs_m = qb * BLOCK_M + offs_r
         q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
                                               s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
-        if MASK_MODE == 0 and not DOC:
-            pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
-        else:
-            if DOC:     # every entry: the inverted index does not know which tiles see the block whole
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
+        dv += _dot(pT.to(do.dtype), do, FP32)
+        dk += _dot(dsT.to(q.dtype), q, FP32)
+        if DQ_ATOMIC:
+            dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
+            tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
+                          sem="relaxed")
+    if MASK_MODE != 0 or DOC:
+        for e in range(mid, end):
+            ent = tl.load(KvEntries + e)
+            r = ent // num_q_blocks
+            qb = ent - r * num_q_blocks
+            h = g * rep + r
+            offs_m = qb * BLOCK_M + offs_r
+            q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                                  s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
+            if DOC:
                 d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
                 d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
                 inside = (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
@@ -469,12 +488,12 @@ def _sparse_bwd_dkdv_kernel(
                 if DOC:
                     valid = valid & inside
             pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
-        dv += _dot(pT.to(do.dtype), do, FP32)
-        dk += _dot(dsT.to(q.dtype), q, FP32)
-        if DQ_ATOMIC:
-            dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
-            tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
-                          sem="relaxed")
+            dv += _dot(pT.to(do.dtype), do, FP32)
+            dk += _dot(dsT.to(q.dtype), q, FP32)
+            if DQ_ATOMIC:
+                dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
+                tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
+                              sem="relaxed")
 
     dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
     tl.store(DK + dst, dk * sm_scale)

@@ -314,7 +314,12 @@ def _csr_offsets(counts: torch.Tensor) -> torch.Tensor:
 
 
 def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
-    """Inverted block index: CSR over (batch', kv head', key block) of entries ``r * nqb + qb``."""
+    """Inverted block index: CSR over (batch', kv head', key block) of entries ``r * nqb + qb``.
+
+    Returns ``(offsets, mids, entries, B', G')``: the entries of segment ``s`` are
+    ``entries[offsets[s]:offsets[s + 1]]``, those of slots the tile runs unmasked (``slot < split``)
+    first, up to ``mids[s]`` (the dK/dV kernel skips their mask), then the masked ones, each part in
+    ascending ``r * nqb + qb`` (a fixed order: bitwise deterministic sums)."""
     key = ("kv", nkb, hq, hkv)
     if key in plan._kv:
         return plan._kv[key]
@@ -324,62 +329,70 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     dev = bi.device
     slot = torch.arange(max_nb, device=dev)
     valid = slot < bc[..., None]
+    unmasked = slot < plan.block_split[..., None]
     if plan.static:
-        res = plan._kv[key] = _kv_csr_static(bi, valid, nkb, hq, hkv)
+        res = plan._kv[key] = _kv_csr_static(bi, valid, nkb, hq, hkv, unmasked=unmasked)
         return res
     bb, hh, qq, ss = valid.nonzero(as_tuple=True)
     kb = bi[bb, hh, qq, ss].long()
+    masked = (~unmasked[bb, hh, qq, ss]).long()
     if H_ == 1 or _grouped(H_, hq, hkv):    # one row shared by all heads / by a group: one entry per head of it
         G_ = 1 if H_ == 1 else hkv
         r = torch.arange(rep, device=dev).repeat_interleave(bb.numel())
         g = (torch.zeros_like(hh) if H_ == 1 else hh).repeat(rep)
-        bb, qq, kb = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep)
+        bb, qq, kb, masked = bb.repeat(rep), qq.repeat(rep), kb.repeat(rep), masked.repeat(rep)
     else:
         G_ = hkv
         g, r = hh // rep, hh % rep
     seg = (bb * G_ + g) * nkb + kb
     val = r * nqb + qq
-    order = torch.sort(seg * (rep * nqb) + val, stable=True).indices
+    order = torch.sort((seg * 2 + masked) * (rep * nqb) + val, stable=True).indices
     entries = val[order].to(torch.int32).contiguous()
-    offsets = _csr_offsets(_segment_counts(seg, B_ * G_ * nkb))
+    nseg = B_ * G_ * nkb
+    offsets = _csr_offsets(_segment_counts(seg, nseg))
+    mids = (offsets[:-1] + _segment_counts(torch.where(masked.bool(), nseg, seg), nseg)).to(torch.int32)
     if entries.numel() == 0:
         entries = torch.zeros(1, dtype=torch.int32, device=dev)
-    res = (offsets, entries, B_, G_)
+    res = (offsets, mids, entries, B_, G_)
     plan._kv[key] = res
     return res
 
 
-def _kv_csr_static(bi: torch.Tensor, valid: torch.Tensor, nkb: int, hq: int, hkv: int):
+def _kv_csr_static(bi: torch.Tensor, valid: torch.Tensor, nkb: int, hq: int, hkv: int,
+                   unmasked: Optional[torch.Tensor] = None):
     """:func:`_kv_csr` at sizes known on the host: every slot of the block index (padding included)
     gets an entry; padding slots take a sentinel segment past the last one, so the stable sort puts
     them after every real entry and the offsets (a scatter-add of ones, then a cumsum) never reach
     them. The real entries and the offsets are those of the data-dependent plan; ``entries`` is
-    longer (the kernel reads only ``[offsets[s], offsets[s + 1])``)."""
+    longer (the kernel reads only ``[offsets[s], offsets[s + 1])``). ``unmasked``: the slots that
+    run without a mask (``None``: every entry is masked)."""
     B_, H_, nqb, max_nb = bi.shape
     rep = hq // hkv
     dev = bi.device
     ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
     bb, hh, qq = ar(B_)[:, None, None, None], ar(H_)[None, :, None, None], ar(nqb)[None, None, :, None]
     kb = bi.long()
+    masked = torch.ones_like(kb) if unmasked is None else (~unmasked).long()
     if H_ == 1 or _grouped(H_, hq, hkv):    # one entry per head of the group: a leading dim r
         G_ = 1 if H_ == 1 else hkv
         r = ar(rep)[:, None, None, None, None]
         g = torch.zeros_like(hh) if H_ == 1 else hh
-        valid = valid[None]
+        valid, masked = valid[None], masked[None]
     else:
         G_ = hkv
         g, r = hh // rep, hh % rep
     nseg = B_ * G_ * nkb
     seg = torch.where(valid, (bb * G_ + g) * nkb + kb, nseg)          # padding: sentinel segment nseg
     val = r * nqb + qq
-    shape = torch.broadcast_shapes(seg.shape, val.shape)
-    seg, val = seg.expand(shape).reshape(-1), val.expand(shape).reshape(-1)
-    order = torch.sort(seg * (rep * nqb) + val, stable=True).indices
+    shape = torch.broadcast_shapes(seg.shape, val.shape, masked.shape)
+    seg, val, masked = (t.expand(shape).reshape(-1) for t in (seg, val, masked))
+    order = torch.sort((seg * 2 + masked) * (rep * nqb) + val, stable=True).indices
     entries = val[order].to(torch.int32).contiguous()
     offsets = _csr_offsets(_segment_counts(seg, nseg))
+    mids = (offsets[:-1] + _segment_counts(torch.where(masked.bool(), nseg, seg), nseg)).to(torch.int32)
     if entries.numel() == 0:
         entries = torch.zeros(1, dtype=torch.int32, device=dev)
-    return offsets, entries, B_, G_
+    return offsets, mids, entries, B_, G_
 
 
 def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
@@ -743,12 +756,12 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     kv_src = plan.kv_source
     if dq_atomic and kv_src is not plan:
         raise ValueError("dq_atomic_fast needs a plan with 64-row tiles")
-    offsets, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
+    offsets, mids, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
     qp = plan.q_pos if plan.q_pos is not None else offsets
     kp = plan.k_pos if plan.k_pos is not None else offsets
     dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
     _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
-        q, k, v, dout, lse, delta, dq, dk, dv, offsets, entries, qp, kp, dlo, dhi,
+        q, k, v, dout, lse, delta, dq, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
         scale_log2, softmax_scale, *common,
         (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0, s_dlb,
         hkv, nqb, rep,
