@@ -583,15 +583,86 @@ def _query_block_runs(p0: int, p1: int, bs: int) -> list:
     return [(u, max(0, u * bs - p0), min(p1 - p0, (u + 1) * bs - p0)) for u in range(p0 // bs, (p1 - 1) // bs + 1)]
 
 
+def _document_probe_tables(docs: list, host_pos: torch.Tensor, bs: int, block_m: int, block_n: int):
+    """Host tables of the fused per-document score kernels for one stream (no device read).
+
+    ``docs``: the stream's ``(s0, s1, probes)`` (:func:`_document_probe_spans`); ``host_pos``: this
+    rank's ascending key positions (CPU). Returns ``(key_range [ceil(P / block_m), 2], groups [G, 2],
+    group_u [G], tile_groups [ceil(S_local / block_n), 2], max_groups)`` int64 CPU tensors (and an
+    int): the local key range ``[a, e)`` that each block of probe rows sees (from its first
+    document's first local key to its last document's end), the probe row range and global query
+    block of every group (one document's probes inside one query block, in row order), and the
+    groups ``[g0, g1)`` of the documents that a tile of local keys meets (by position)."""
+    n = [len(probes) for _, _, probes in docs]
+    P, sl = sum(n), host_pos.numel()
+    s0 = torch.tensor([d[0] for d in docs], dtype=torch.int64)
+    s1 = torch.tensor([d[1] for d in docs], dtype=torch.int64)
+    a, e = torch.searchsorted(host_pos, s0), torch.searchsorted(host_pos, s1)
+    row_doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(n))
+    first = torch.arange(0, P, block_m)
+    key_range = torch.stack([a[row_doc[first]], e[row_doc[torch.clamp(first + block_m, max=P) - 1]]], -1)
+    groups, group_u, gstart, r = [], [], [0], 0
+    for _, _, probes in docs:
+        for u, r0, r1 in _query_block_runs(probes.start, probes.stop, bs):
+            groups.append((r + r0, r + r1))
+            group_u.append(u)
+        r += len(probes)
+        gstart.append(len(groups))
+    gstart = torch.tensor(gstart, dtype=torch.int64)
+    t0 = torch.arange(0, sl, block_n)
+    pf, pl = host_pos[t0], host_pos[torch.clamp(t0 + block_n, max=sl) - 1]
+    j_lo = torch.searchsorted(s1, pf, right=True)          # first document ending after the tile's first key
+    j_hi = torch.searchsorted(s0, pl, right=True)          # documents starting at or before its last key
+    meets = j_lo < j_hi
+    g0 = torch.where(meets, gstart[j_lo.clamp(max=len(docs))], 0)
+    g1 = torch.where(meets, gstart[j_hi], 0)
+    tile_groups = torch.stack([g0, g1], -1)
+    max_groups = int((g1 - g0).max()) if sl else 0
+    return (key_range, torch.tensor(groups, dtype=torch.int64).view(-1, 2), torch.tensor(group_u, dtype=torch.int64),
+            tile_groups, max_groups)
+
+
+def _fused_document_lines(probe, k, k_pos, lo, hi, lse, tables, scale: float, bs: int, col, slash) -> None:
+    """Pass 2 of the fused per-document scores for one stream: adds the probes' line scores to ``col
+    [hq, S_local]`` and ``slash [hq, S/bs]`` (fp64), launching groups of slots so that the fp32
+    per-slot column sums stay within ``_LOGIT_BUDGET`` elements."""
+    from .triton.estimator import document_probe_column_sums, tile_sizes
+
+    _, groups, group_u, tile_groups, max_groups = tables
+    hq, sl = col.shape
+    if max_groups == 0 or sl == 0:
+        return
+    dev = col.device
+    block_n = tile_sizes(probe.dtype)[1]
+    tg = tile_groups.to(dev)
+    u_of = group_u.to(dev)
+    key_tile = torch.arange(sl, device=dev) // block_n
+    k_blk = k_pos // bs
+    chunk = max(1, min(max_groups, _LOGIT_BUDGET // max(1, hq * sl)))
+    for slot0 in range(0, max_groups, chunk):
+        nslot = min(chunk, max_groups - slot0)
+        colu = document_probe_column_sums(probe, k, k_pos, lo, hi, lse, groups, tile_groups, slot0, nslot, scale)
+        colu = colu.to(torch.float64)                                         # [hq, nslot, sl]
+        col += colu.sum(1)
+        gi = tg[key_tile, 0][None, :] + slot0 + torch.arange(nslot, device=dev)[:, None]   # [nslot, sl]
+        real = gi < tg[key_tile, 1][None, :]
+        u = u_of[gi.clamp(max=max(0, u_of.numel() - 1))]
+        # slots past a tile's groups and future keys (u < k_blk) carry exactly zero; the index stays valid
+        diag = torch.where(real, u - k_blk[None, :], 0).clamp(min=0)
+        slash.index_add_(-1, diag.reshape(-1), colu.reshape(hq, -1))
+
+
 def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int,
-                           scale: float, share_kv_group: bool, documents):
-    """Steps 1-3 with per-document probes (``VerticalSlashConfig.probes="document"``), fp64 torch:
+                           scale: float, share_kv_group: bool, documents, fused: bool = False):
+    """Steps 1-3 with per-document probes (``VerticalSlashConfig.probes="document"``):
     ``(col [b, h, S_local], slash [b, h, S/bs] all-reduced, k_pos [S_local], n_real [b])``.
 
     Each stream is scored on its own (its probes sit at other positions than another stream's), and
     each document's probes only against this rank's keys of that document (``positions`` ascend, so
     they are one local run, found on the host): the work is the documents' probes times their own
-    lengths, not times the stream. One ``lse`` merge across the CP group per stream."""
+    lengths, not times the stream. One ``lse`` merge across the CP group per stream. ``fused``: the
+    Triton kernels :func:`~megatron_mtraining.patterns.triton.estimator.document_probe_stats` and
+    ``document_probe_column_sums`` (fp32 scores, host-built tables); else fp64 torch per document."""
     b, _, hq, _ = q.shape
     dev, f64 = q.device, torch.float64
     k_pos = layout.positions(rank, S, device=dev)
@@ -607,6 +678,14 @@ def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: i
         probe = _gather_rows(q[i], layout, group, rank, cp, S, pos)[None]            # [1, P, hq, d]
         pos_t = torch.tensor(pos, device=dev)
         lo, hi = documents.lo[i:i + 1, pos_t], documents.hi[i:i + 1, pos_t]
+        if fused:
+            from .triton.estimator import document_probe_stats, tile_sizes
+
+            tables = _document_probe_tables(docs, host_pos, bs, *tile_sizes(q.dtype))
+            m, z = document_probe_stats(probe[0], k[i], k_pos, lo[0], hi[0], tables[0], scale)
+            lse = _global_lse(m[None], z[None], group, cp)[0]                           # [hq, P]
+            _fused_document_lines(probe[0], k[i], k_pos, lo[0], hi[0], lse, tables, scale, bs, col[i], slash[i])
+            continue
         parts, m, z, r, cached = [], [], [], 0, 0
         for s0, s1, probes in docs:
             r0, r = r, r + len(probes)
@@ -897,7 +976,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
     with record_function(REGION_ESTIMATOR_SCORES):
         if per_document:
             col, slash, k_pos, n_real = _document_probe_scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale,
-                                                               config.share_pattern == "kv_group", documents)
+                                                               config.share_pattern == "kv_group", documents,
+                                                               fused=fused)
         else:
             col, slash, k_pos = _scores(q, k, layout, group, rank, cp, S, bs, L, nb, scale, fused,
                                         share_kv_group=config.share_pattern == "kv_group", documents=documents)

@@ -59,3 +59,27 @@ def pattern_document_attention(q, k, v, dout, pattern, docs, scale):
     out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
     out.backward(dout.to(torch.float64))
     return out.detach(), qd.grad, kd.grad, vd.grad, m
+
+
+def document_probe_oracle(q, k, docs, L, bs, scale, hkv):
+    """fp64 ``(col [b, hq, S], slash [b, hq, S/bs], n_real [b])`` of per-document probes from an explicit
+    mask: the last ``L`` real tokens of every document, each row's softmax over causal same-document keys."""
+    b, S, hq, _ = q.shape
+    ids = torch.where(docs.hi >= 0, docs.doc_start, torch.full_like(docs.doc_start, -1))
+    col = torch.zeros(b, hq, S, dtype=torch.float64)
+    slash = torch.zeros(b, hq, S // bs, dtype=torch.float64)
+    n_real = []
+    kk = k.double().repeat_interleave(hq // hkv, 2)
+    for i in range(b):
+        probes = [p for p in range(S) if ids[i, p] >= 0 and
+                  sum(1 for t in range(p + 1, S) if ids[i, t] == ids[i, p]) < L]
+        n_real.append(len(probes))
+        for p in probes:
+            vis = torch.tensor([t <= p and ids[i, t] == ids[i, p] for t in range(S)])
+            s = torch.einsum("hd,thd->ht", q[i, p].double(), kk[i]) * scale
+            prob = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
+            col[i] += prob
+            for t in range(S):
+                if vis[t]:
+                    slash[i, :, p // bs - t // bs] += prob[:, t]
+    return col, slash, torch.tensor(n_real, dtype=torch.float64)

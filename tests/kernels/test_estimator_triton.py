@@ -9,8 +9,11 @@ and two query blocks (aligned and not), probe rows padded and split over several
 striped (granularity 64 and 16), zigzag and contiguous layouts at cp 1 and simulated cp 2 (the
 kernels run on each rank's local keys); packed documents (per-row key bounds against an oracle with
 an explicit document mask: several documents among the probes, padding, two streams, probes that
-are all padding, whole key tiles skipped). ``estimate_vertical_slash(impl="triton")`` selects the
-same lines as ``impl="torch"``, with and without documents; a shifted ``k_pos`` (negative control) is caught; ranks / rows
+are all padding, whole key tiles skipped); per-document probes (``probes="document"``: the
+per-document kernels over simulated ranks against an explicit fp64 oracle, several documents in one
+key tile, probes straddling query blocks, padding; a key range one tile short is caught; launches of
+one slot each give the same scores). ``estimate_vertical_slash(impl="triton")`` selects the
+same lines as ``impl="torch"``, with and without documents and with per-document probes; a shifted ``k_pos`` (negative control) is caught; ranks / rows
 without visible keys give exact zeros, no NaN; bad ``impl`` values raise.
 
 The interpreter must be chosen before triton is imported (same mechanism as
@@ -278,6 +281,126 @@ def test_estimator_triton_selects_the_torch_pattern_with_documents():
         assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
         assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
         assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
+
+
+# ------------------------------------------------------------------------------ per-document probes
+DOC_PROBE_CASES = [
+    # b, S, hq, hkv, d, L, bs, dtype, layout, cu_seqlens, cu_seqlens_padded
+    # short documents (several in one key tile: tiles meet several groups), padding; 16-row blocks (fp32)
+    (2, 256, 4, 2, 32, 12, 32, torch.float32, Layout("striped", 1, 64), [0, 5, 30, 90, 91, 130, 190, 230, 330],
+     [0, 10, 40, 120, 128, 180, 256, 300, 480]),
+    # a long document whose probes straddle two query blocks, fp16 (64-row blocks), simulated cp 2 striped by 16
+    (1, 512, 4, 1, 32, 40, 32, torch.float16, Layout("striped", 2, 16), [0, 7, 300, 333, 512], None),
+    # zigzag cp 2, MHA, documents shorter than last_q and longer than a row block (L = 20 > 16 rows)
+    (1, 256, 2, 2, 32, 20, 64, torch.float32, Layout("zigzag", 2), [0, 3, 70, 71, 200, 256], None),
+]
+
+
+def _doc_probe_case(b, S, hq, hkv, d, dtype, cu, cu_pad, seed):
+    from megatron_mtraining.layout import PackedDocuments
+
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, batch_size=b,
+                                           cu_seqlens_padded=None if cu_pad is None else torch.tensor(cu_pad))
+    q, k = _inputs(b, S, hq, hkv, d, dtype, seed=seed)
+    return docs, q, k
+
+
+@pytest.mark.parametrize("b,S,hq,hkv,d,L,bs,dtype,layout,cu,cu_pad", DOC_PROBE_CASES)
+def test_document_probe_kernels_match_fp64_oracle(b, S, hq, hkv, d, L, bs, dtype, layout, cu, cu_pad):
+    from tests.helpers.packed_ref import document_probe_oracle
+    from tests.workers.gpu_estimator_check import fused_document_scores
+
+    docs, q, k = _doc_probe_case(b, S, hq, hkv, d, dtype, cu, cu_pad, seed=S + L)
+    scale = d ** -0.5
+    col_r, slash_r, _ = document_probe_oracle(q, k, docs, L, bs, scale, hkv)
+    _, col, slash = fused_document_scores(q, k, docs, layout, L, bs, scale)
+    errs = {"col": max_rel(col, col_r), "slash": max_rel(slash, slash_r)}
+    assert all(e <= TOL for e in errs.values()), errs
+    # keys of other documents, padding and the future are exact zeros, not merely small
+    assert torch.equal(col == 0, col_r == 0) and torch.equal(slash == 0, slash_r == 0)
+
+
+def test_document_probe_key_range_one_tile_short_is_caught():
+    """Negative control: a row block's key range that starts one key tile late drops the keys of its
+    documents there (the stats and the column sums change)."""
+    from megatron_mtraining.patterns import estimator as est
+    from tests.helpers.packed_ref import document_probe_oracle
+
+    E = _ops()
+    b, S, hq, hkv, d, L, bs = 1, 256, 2, 1, 32, 16, 32
+    docs, q, k = _doc_probe_case(b, S, hq, hkv, d, torch.float32, [0, 150, 256], None, seed=5)
+    scale = d ** -0.5
+    col_r, _, _ = document_probe_oracle(q, k, docs, L, bs, scale, hkv)
+    spans = est._document_probe_spans(docs, L)[0]
+    pos = torch.tensor([t for _, _, p in spans for t in p])
+    probe, lo, hi, k_pos = q[0, pos], docs.lo[0, pos], docs.hi[0, pos], torch.arange(S)
+    tables = est._document_probe_tables(spans, k_pos, bs, *E.tile_sizes(q.dtype))
+
+    def col_of(key_range):
+        m, z = E.document_probe_stats(probe, k[0], k_pos, lo, hi, key_range, scale)
+        lse = m + torch.log(z)
+        col = torch.zeros(hq, S, dtype=F64)
+        est._fused_document_lines(probe, k[0], k_pos, lo, hi, lse, tables, scale, bs, col,
+                                  torch.zeros(hq, S // bs, dtype=F64))
+        return col[None]
+
+    assert max_rel(col_of(tables[0]), col_r) <= TOL
+    short = tables[0].clone()
+    short[:, 0] += E.tile_sizes(q.dtype)[1]
+    assert max_rel(col_of(short), col_r) > 1e-2
+
+
+def test_document_probe_lines_in_groups_of_one_slot(monkeypatch):
+    """Under a budget of one slot per launch (tiles meeting several groups take several launches) the
+    scores equal the one-launch scores to fp64 rounding of the same fp32 sums."""
+    from megatron_mtraining.patterns import estimator as est
+    from tests.workers.gpu_estimator_check import fused_document_scores
+
+    b, S, hq, hkv, d, L, bs, dtype, layout, cu, cu_pad = DOC_PROBE_CASES[0]
+    docs, q, k = _doc_probe_case(b, S, hq, hkv, d, dtype, cu, cu_pad, seed=2)
+    E = _ops()
+    spans = est._document_probe_spans(docs, L)[0]
+    assert est._document_probe_tables(spans, torch.arange(S), bs, *E.tile_sizes(dtype))[4] >= 3
+    _, col, slash = fused_document_scores(q, k, docs, layout, L, bs, d ** -0.5)
+    monkeypatch.setattr(est, "_LOGIT_BUDGET", 1)
+    _, col1, slash1 = fused_document_scores(q, k, docs, layout, L, bs, d ** -0.5)
+    assert max_rel(col1, col) <= 1e-12 and max_rel(slash1, slash) <= 1e-12
+
+
+def test_estimator_triton_selects_the_torch_pattern_with_document_probes():
+    from megatron_mtraining.layout import PackedDocuments
+
+    q, k, _ = make_qkv(2, 512, 4, 2, 32, seed=6, dtype=torch.float32)
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 37, 300, 470, 512, 700, 1000]), 512, batch_size=2)
+    for cfg in (dict(recall=0.9, sink_tokens=4, last_q=48, probes="document"),
+                dict(recall=0.9, sink_tokens=8, share_pattern="kv_group", probes="document")):
+        config = VerticalSlashConfig(**cfg)
+        one = Layout("striped", 1, 64)
+        got = estimate_vertical_slash(q, k, layout=one, config=config, impl="triton", documents=docs)
+        ref = estimate_vertical_slash(q, k, layout=one, config=config, impl="torch", documents=docs)
+        assert got.same_selection(ref)
+        assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
+        assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
+        assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
+
+
+def test_document_probe_kernel_input_errors():
+    E = _ops()
+    q, k = _inputs(1, 128, 2, 1, 32, torch.float32, seed=0)
+    probe, kk, kp = q[0, :20], k[0], torch.arange(128)
+    lo, hi = torch.zeros(20, dtype=torch.long), torch.full((20,), 127)
+    with pytest.raises(ValueError, match=r"probe_q \[P, hq, d\]"):
+        E.document_probe_stats(q[:, :20], k, kp, lo, hi, torch.zeros(2, 2), 0.1)
+    with pytest.raises(ValueError, match="lo and hi"):
+        E.document_probe_stats(probe, kk, kp, lo[:5], hi, torch.zeros(2, 2), 0.1)
+    with pytest.raises(ValueError, match="key_range"):
+        E.document_probe_stats(probe, kk, kp, lo, hi, torch.zeros(3, 2), 0.1)
+    with pytest.raises(ValueError, match="tile_groups"):
+        E.document_probe_column_sums(probe, kk, kp, lo, hi, torch.zeros(2, 20), torch.zeros(1, 2),
+                                     torch.zeros(1, 2), 0, 1, 0.1)
+    with pytest.raises(ValueError, match="lse"):
+        E.document_probe_column_sums(probe, kk, kp, lo, hi, torch.zeros(2, 19), torch.zeros(1, 2),
+                                     torch.zeros(4, 2), 0, 1, 0.1)
 
 
 def test_probe_block_range():

@@ -1,7 +1,8 @@
 """Fused estimator kernels on a GPU (marker ``gpu``; skipped without CUDA) against the fp64 torch scores.
 
 Check: tests/workers/gpu_estimator_check.py. Cases: 8K, 64K and 128K at CP=1 and a simulated CP=2
-striped at 8K, packed documents at 128K (CP=1) and 8K (simulated CP=2) (Qwen2.5-3B shape: q ``[1, S, 16, 128]``, k ``[1, S, 2, 128]``, bf16 structured inputs,
+striped at 8K, packed documents at 128K (CP=1) and 8K (simulated CP=2), with the stream's probes and with
+every document's (the per-document kernels against the fp64 torch per-document path) (Qwen2.5-3B shape: q ``[1, S, 16, 128]``, k ``[1, S, 2, 128]``, bf16 structured inputs,
 ``configs/e2e_sparse.yaml``). The Triton probe LSE, column sums and block-diagonal sums must be
 within 1e-5 of the fp64 torch path (``col``/``slash``: max error relative to the largest value;
 ``lse``: absolute, scaled by ``max(1, max|lse|)``), with no NaN. Whether the two implementations
@@ -19,7 +20,8 @@ GPU_SEQS = (8192, 65536, 131072)
 
 def _id(case):
     S, layout, packed = case
-    return f"S{S}-cp{layout.cp_size}-{layout.kind}" + ("-packed" if packed else "")
+    suffix = {True: "-packed", "document": "-packed-docprobes"}.get(packed, "")
+    return f"S{S}-cp{layout.cp_size}-{layout.kind}{suffix}"
 
 
 def assert_scores_ok(row: dict) -> None:

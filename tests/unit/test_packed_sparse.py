@@ -19,7 +19,7 @@ from megatron_mtraining.ops.sparse_reference import SparseStepKernel
 from megatron_mtraining.patterns.convert import convert_pattern, restrict_to_documents
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from megatron_mtraining.ring.sparse import sparse_ring_attention
-from tests.helpers.packed_ref import pattern_document_attention, rel_err
+from tests.helpers.packed_ref import document_probe_oracle, pattern_document_attention, rel_err
 from tests.helpers.ring_sim import simulate_dense_ring
 
 BS = 16
@@ -333,30 +333,6 @@ def test_restriction_in_chunks_equals_one_pass(monkeypatch, cp):
 
 
 # ------------------------------------------------------------------------------ per-document probes
-def _document_probe_oracle(q, k, docs, L, bs, scale, hkv):
-    """fp64 ``(col [b, hq, S], slash [b, hq, S/bs], n_real [b])`` of per-document probes from an explicit
-    mask: the last ``L`` real tokens of every document, each row's softmax over causal same-document keys."""
-    b, S, hq, _ = q.shape
-    ids = torch.where(docs.hi >= 0, docs.doc_start, torch.full_like(docs.doc_start, -1))
-    col = torch.zeros(b, hq, S, dtype=torch.float64)
-    slash = torch.zeros(b, hq, S // bs, dtype=torch.float64)
-    n_real = []
-    kk = k.double().repeat_interleave(hq // hkv, 2)
-    for i in range(b):
-        probes = [p for p in range(S) if ids[i, p] >= 0 and
-                  sum(1 for t in range(p + 1, S) if ids[i, t] == ids[i, p]) < L]
-        n_real.append(len(probes))
-        for p in probes:
-            vis = torch.tensor([t <= p and ids[i, t] == ids[i, p] for t in range(S)])
-            s = torch.einsum("hd,thd->ht", q[i, p].double(), kk[i]) * scale
-            prob = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
-            col[i] += prob
-            for t in range(S):
-                if vis[t]:
-                    slash[i, :, p // bs - t // bs] += prob[:, t]
-    return col, slash, torch.tensor(n_real, dtype=torch.float64)
-
-
 def test_per_document_probe_scores_match_explicit_oracle():
     from megatron_mtraining.patterns.estimator import _document_probe_scores
 
@@ -366,7 +342,7 @@ def test_per_document_probe_scores_match_explicit_oracle():
                                            cu_seqlens_padded=torch.tensor([0, 10, 40, 120, 128, 180, 256]))
     lay = Layout("striped", 1, BS)
     col, slash, k_pos, n_real = _document_probe_scores(q, k, lay, None, 0, 1, S, BS, L, S // BS, 0.25, False, docs)
-    r_col, r_slash, r_n = _document_probe_oracle(q, k, docs, L, BS, 0.25, hkv)
+    r_col, r_slash, r_n = document_probe_oracle(q, k, docs, L, BS, 0.25, hkv)
     assert torch.equal(n_real, r_n) and torch.equal(k_pos, torch.arange(S))
     assert rel_err(col, r_col) <= 1e-12 and rel_err(slash, r_slash) <= 1e-12
     # every document's probes carry mass 1 per row: the scores hold the whole probe mass

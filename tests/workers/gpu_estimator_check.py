@@ -19,7 +19,9 @@ Per sequence length, Qwen2.5-3B attention shape by default (q ``[1, S, 16, 128]`
 
 Plus a simulated CP=2 striped case (kernels on each rank's keys, (m, z) merged like the
 all-reduce) at the first length, and packed documents (lengths :data:`DOC_LENGTHS`, the probes'
-key bounds) at the last length (CP=1) and the first (simulated CP=2). Prints one line per case and a final ``RESULT`` line.
+key bounds) at the last length (CP=1) and the first (simulated CP=2), with the stream's probes and
+with every document's probes (``probes="document"``: the per-document kernels against the fp64
+torch per-document path). Prints one line per case and a final ``RESULT`` line.
 """
 
 import argparse
@@ -88,6 +90,62 @@ def fused_scores(q, k, layout, L, bs, scale, docs=None):
     return lse, col, slash
 
 
+def fused_document_scores(q, k, docs, layout, L, bs, scale):
+    """Per-document probes (``probes="document"``) on the Triton kernels over ``layout``'s ranks, merged
+    like the all-reduce: ``(lse [list per stream of [hq, P]], col [b, hq, S] global positions, slash)``."""
+    from megatron_mtraining.patterns.triton.estimator import document_probe_stats, tile_sizes
+
+    b, S, hq, _ = q.shape
+    dev = q.device
+    col = torch.zeros(b, hq, S, dtype=torch.float64, device=dev)
+    slash = torch.zeros(b, hq, S // bs, dtype=torch.float64, device=dev)
+    lses = []
+    for i, spans in enumerate(est._document_probe_spans(docs, L)):
+        pos = torch.tensor([t for _, _, probes in spans for t in probes], dtype=torch.long, device=dev)
+        if pos.numel() == 0:
+            lses.append(None)
+            continue
+        probe, lo, hi = q[i, pos], docs.lo[i, pos], docs.hi[i, pos]
+        parts = []
+        for r in range(layout.cp_size):
+            k_loc = layout.shard(k, r, dim=1)[i]
+            host_pos = layout.positions(r, S)
+            tables = est._document_probe_tables(spans, host_pos, bs, *tile_sizes(q.dtype))
+            k_pos = host_pos.to(dev)
+            m, z = document_probe_stats(probe, k_loc, k_pos, lo, hi, tables[0], scale)
+            parts.append((k_loc, k_pos, tables, m, z))
+        gm = torch.stack([p[3] for p in parts]).amax(0)
+        safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
+        gz = sum(p[4] * torch.exp(p[3] - safe) for p in parts)
+        lse = safe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+        lses.append(lse)
+        for k_loc, k_pos, tables, _, _ in parts:
+            c = torch.zeros(hq, k_loc.shape[0], dtype=torch.float64, device=dev)
+            est._fused_document_lines(probe, k_loc, k_pos, lo, hi, lse, tables, scale, bs, c, slash[i])
+            col[i][:, k_pos] = c
+    return lses, col, slash
+
+
+def torch_document_scores(q, k, docs, L, bs, scale):
+    """fp64 torch (lse per stream, col, slash) of per-document probes, CP=1: the estimator's own
+    per-document path for the scores, a logsumexp over each document's keys for the lse."""
+    b, S, hq, _ = q.shape
+    one = Layout("striped", 1, 64)
+    col, slash, _, _ = est._document_probe_scores(q, k, one, None, 0, 1, S, bs, L, S // bs, scale, False, docs)
+    rep = hq // k.shape[2]
+    lses = []
+    for i, spans in enumerate(est._document_probe_spans(docs, L)):
+        rows = []
+        for s0, s1, probes in spans:
+            p = torch.arange(probes.start, probes.stop, device=q.device)
+            kk = k[i, s0:s1].double().repeat_interleave(rep, 1)                      # [n, hq, d]
+            s = torch.einsum("phd,nhd->hpn", q[i, p].double(), kk) * scale
+            s.masked_fill_(torch.arange(s0, s1, device=q.device)[None, None, :] > p[None, :, None], float("-inf"))
+            rows.append(torch.logsumexp(s, -1))
+        lses.append(torch.cat(rows, -1) if rows else None)
+    return lses, col, slash
+
+
 def torch_scores(q, k, L, bs, scale, docs=None):
     """fp64 torch (lse, col, slash) of the estimator's own oracle path, CP=1."""
     b, S, hq, _ = q.shape
@@ -112,8 +170,8 @@ def torch_scores(q, k, L, bs, scale, docs=None):
 def check_len(S, args, dev, timeit, layout, packed: bool = False) -> dict:
     """Scores (and at CP=1 the selected pattern) of length ``S`` on ``layout``; ``args`` from
     :func:`build_parser`; ``timeit`` ``None`` skips the timings; ``packed``: the stream packed with
-    documents (:func:`packed_documents`; the probes score only their own documents). ``row["scores_ok"]``
-    is the check."""
+    documents (:func:`packed_documents`; the probes score only their own documents), ``"document"``: the
+    same with every document's probes (:func:`fused_document_scores`). ``row["scores_ok"]`` is the check."""
     q, k, _ = structured_qkv(S, args.heads, args.kv_heads, args.head_dim, dev, seed=S)
     docs = packed_documents(S, dev) if packed else None
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -121,8 +179,16 @@ def check_len(S, args, dev, timeit, layout, packed: bool = False) -> dict:
     cfg = est.VerticalSlashConfig(**({} if args.config is None else _config_kwargs(args.config)))
     L, bs = cfg.last_q, cfg.block_size
     scale = 1.0 / math.sqrt(args.head_dim)
-    lse, col, slash = fused_scores(q, k, layout, L, bs, scale, docs)
-    lse_r, col_r, slash_r = torch_scores(q, k, L, bs, scale, docs)
+    if packed == "document":
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, probes="document")
+        lses, col, slash = fused_document_scores(q, k, docs, layout, L, bs, scale)
+        lses_r, col_r, slash_r = torch_document_scores(q, k, docs, L, bs, scale)
+        lse, lse_r = torch.cat([x.flatten() for x in lses]), torch.cat([x.flatten() for x in lses_r])
+    else:
+        lse, col, slash = fused_scores(q, k, layout, L, bs, scale, docs)
+        lse_r, col_r, slash_r = torch_scores(q, k, L, bs, scale, docs)
     row = {"seq": S, "cp": layout.cp_size, "layout": layout.kind, "dtype": args.dtype, "packed": packed,
            "lse_abs_err": float((lse - lse_r).abs().max()), "col_err": _err(col, col_r),
            "slash_err": _err(slash, slash_r), "nan": bool(torch.isnan(col).any() or torch.isnan(slash).any()),
@@ -166,10 +232,11 @@ def _config_kwargs(path):
 
 def cases(seqs):
     """``(S, layout, packed)`` per check: every length at CP=1, a simulated CP=2 striped at the first;
-    packed documents at the last length (CP=1) and at the first (simulated CP=2)."""
-    return [(s, Layout("striped", 1, 64), False) for s in seqs] + [(seqs[0], Layout("striped", 2, 64), False),
-                                                                  (seqs[-1], Layout("striped", 1, 64), True),
-                                                                  (seqs[0], Layout("striped", 2, 64), True)]
+    packed documents (``packed=True``: the stream's probes; ``"document"``: every document's) at the
+    last length (CP=1) and at the first (simulated CP=2)."""
+    packed = [(seqs[-1], Layout("striped", 1, 64), p) for p in (True, "document")] + \
+        [(seqs[0], Layout("striped", 2, 64), p) for p in (True, "document")]
+    return [(s, Layout("striped", 1, 64), False) for s in seqs] + [(seqs[0], Layout("striped", 2, 64), False)] + packed
 
 
 def build_parser() -> argparse.ArgumentParser:

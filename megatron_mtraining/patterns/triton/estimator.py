@@ -23,6 +23,22 @@ no TF32) with fp32 accumulation; softmax arithmetic in fp32 (base-2 exponentials
 kernels, natural-log units at the interface); the per-tile partials of pass 1 are merged in fp64.
 Fully masked rows / keys give exact zeros (``m = -inf``, ``z = 0``, ``p = 0``), never NaN.
 
+Per-document probes (``VerticalSlashConfig.probes="document"``, one stream at a time): the probe rows
+are every document's last queries, ``P`` rows at arbitrary positions with their documents' key bounds.
+Each row sees only its own document, so the two passes take small host-built tables instead of
+scanning every key for every row::
+
+    m, z = document_probe_stats(probe_q, k, k_pos, lo, hi, key_range, softmax_scale)      # pass 1
+    colu = document_probe_column_sums(probe_q, k, k_pos, lo, hi, lse, groups, tile_groups,
+                                      slot0, nslot, softmax_scale)                          # pass 2
+
+Pass 1 is query-parallel: one program per (block of rows, query head) runs an online max / sum over
+the local key tiles ``key_range`` names for its rows (their documents' local keys), so it writes
+``(m, z)`` directly. Pass 2 is key-parallel like :func:`probe_column_sums`: a *group* is a run of
+probe rows of one document inside one global query block, and a key tile visits only the groups of
+the documents it meets (``tile_groups``), writing one per-key sum per visited group (``slot``). The
+work is the documents' probes times their own local keys, not all probes times the stream.
+
 Imported lazily (never at package import): ``triton.jit`` decides at decoration time whether the
 kernels run compiled or in the CPU interpreter (``TRITON_INTERPRET=1``).
 """
@@ -35,7 +51,8 @@ import triton.language as tl
 
 
 __all__ = ["BLOCK_N", "MAX_BLOCK_M", "BLOCK_N_FP32", "MAX_BLOCK_M_FP32", "NUM_WARPS", "tile_sizes",
-           "probe_softmax_stats", "probe_column_sums", "probe_block_range"]
+           "probe_softmax_stats", "probe_column_sums", "probe_block_range",
+           "document_probe_stats", "document_probe_column_sums"]
 
 BLOCK_N = 64        # local keys per program (one K tile, read once per pass); bf16/fp16 inputs
 MAX_BLOCK_M = 64    # probe rows per tl.dot (L is processed in chunks of at most this many rows)
@@ -168,6 +185,70 @@ def _probe_colsum_kernel(
                     p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
                     acc += tl.sum(p, 0)
                 tl.store(ColU + bi * s_cb + h * s_ch + u * s_cu + offs_n, acc, mask=n_ok)
+
+
+@triton.jit
+def _doc_stats_kernel(
+    Q, K, KPos, Lo, Hi, KeyRange, M, Z,
+    scale_log2, P, SL,
+    s_ql, s_qh, s_ks, s_kh, s_mh,
+    REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // REP
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < P
+    a = tl.load(KeyRange + 2 * rb)
+    e = tl.load(KeyRange + 2 * rb + 1)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    z = tl.zeros([BLOCK_M], tl.float32)
+    for tile in range(a // BLOCK_N, tl.cdiv(e, BLOCK_N)):      # empty when a == e
+        kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, 0, g, tile, SL, 0, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
+        s, vis = _probe_logits(Q, Lo, Hi, 0, h, rows, r_ok, kt, kpos, n_ok, 0, scale_log2, 0, s_ql, s_qh, 0,
+                               D, BLOCK_D, FP32, True)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        z = z * tl.math.exp2(m - m_use) + tl.sum(tl.math.exp2(s - m_use[:, None]), 1)
+        m = m_new
+    tl.store(M + h * s_mh + rows, m * LN2, mask=r_ok)             # natural-log units; -inf stays -inf
+    tl.store(Z + h * s_mh + rows, z, mask=r_ok)
+
+
+@triton.jit
+def _doc_colsum_kernel(
+    Q, K, KPos, Lo, Hi, Lse2, Groups, TileGroups, ColU,
+    scale_log2, P, SL, SLOT0, NSLOT,
+    s_ql, s_qh, s_ks, s_kh, s_lh, s_ch, s_cs,
+    REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    g_lo = tl.load(TileGroups + 2 * tile) + SLOT0
+    g_hi = tl.load(TileGroups + 2 * tile + 1)
+    kt, kpos, offs_n, n_ok = _load_k_tile(K, KPos, 0, g, tile, SL, 0, s_ks, s_kh, D, BLOCK_D, BLOCK_N)
+    for r in range(REP):
+        h = g * REP + r
+        for j in range(NSLOT):
+            gi = g_lo + j
+            r_lo = 0
+            r_hi = 0
+            if gi < g_hi:                   # a slot past the tile's groups stays zero
+                r_lo = tl.load(Groups + 2 * gi)
+                r_hi = tl.load(Groups + 2 * gi + 1)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for r0 in range(r_lo, r_hi, BLOCK_M):
+                rows = r0 + tl.arange(0, BLOCK_M)
+                r_ok = rows < r_hi
+                s, vis = _probe_logits(Q, Lo, Hi, 0, h, rows, r_ok, kt, kpos, n_ok, 0, scale_log2,
+                                       0, s_ql, s_qh, 0, D, BLOCK_D, FP32, True)
+                lse2 = tl.load(Lse2 + h * s_lh + rows, mask=r_ok, other=float("-inf"))
+                ok = vis & (lse2 > float("-inf"))[:, None]
+                p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
+                acc += tl.sum(p, 0)
+            tl.store(ColU + h * s_ch + j * s_cs + offs_n, acc, mask=n_ok)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -321,4 +402,116 @@ def probe_column_sums(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tenso
         lse2.stride(0), lse2.stride(1),
         colu.stride(0), colu.stride(1), colu.stride(2),
         HAS_BOUNDS=lo is not None, **meta)
+    return colu
+
+
+def _check_document(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+    if probe_q.dim() != 3 or k.dim() != 3 or probe_q.shape[2] != k.shape[2]:
+        raise ValueError(f"probe_q [P, hq, d] and k [s_local, hkv, d] of one stream expected, got "
+                         f"{tuple(probe_q.shape)}, {tuple(k.shape)}")
+    _check(probe_q[None], k[None], k_pos, max(1, probe_q.shape[0]))
+    if tuple(lo.shape) != (probe_q.shape[0],) or tuple(hi.shape) != (probe_q.shape[0],):
+        raise ValueError(f"lo and hi must be [P] = [{probe_q.shape[0]}], got {tuple(lo.shape)}, {tuple(hi.shape)}")
+
+
+def _document_prep(probe_q, k, k_pos, lo, hi):
+    _check_document(probe_q, k, k_pos, lo, hi)
+    q = probe_q if probe_q.stride(-1) == 1 else probe_q.contiguous()
+    kk = k if k.stride(-1) == 1 else k.contiguous()
+    dev = q.device
+    i32 = lambda t: t.to(device=dev, dtype=torch.int32).contiguous()  # noqa: E731
+    P, hq, d = q.shape
+    max_m, block_n = tile_sizes(q.dtype)
+    meta = dict(REP=hq // kk.shape[1], D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=max_m,
+                BLOCK_N=block_n, FP32=q.dtype == torch.float32, num_warps=NUM_WARPS)
+    return q, kk, i32(k_pos), i32(lo), i32(hi), meta
+
+
+def document_probe_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: torch.Tensor,
+                         hi: torch.Tensor, key_range: torch.Tensor, softmax_scale: float
+                         ) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Local softmax statistics of per-document probe rows over this rank's keys (pass 1, one stream).
+
+    Args:
+        probe_q: ``[P, hq, d]`` the probe queries (bf16/fp16/fp32, CUDA, or CPU under
+            ``TRITON_INTERPRET=1``), rows in stream order.
+        k: ``[s_local, hkv, d]`` this rank's keys of the stream, same dtype and device.
+        k_pos: ``[s_local]`` ascending integer global positions of the local keys.
+        lo, hi: ``[P]`` integer key bounds of the rows: key ``t`` is visible to row ``r`` iff
+            ``lo[r] <= t <= hi[r]`` (``hi < lo``: no key).
+        key_range: ``[ceil(P / BLOCK_M), 2]`` integer local key index range ``[a, e)`` per block of
+            ``BLOCK_M = tile_sizes(dtype)[0]`` rows; it must hold every local key the block's rows see
+            (keys outside it are not read).
+        softmax_scale: logit scale.
+
+    Returns:
+        ``(m, z)``, both ``[hq, P]`` fp64: the row max of the scaled logits over the visible local keys
+        (``-inf`` where none) and ``z = sum exp(s - m)`` (0 where none).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    q, kk, kp, lo, hi, meta = _document_prep(probe_q, k, k_pos, lo, hi)
+    P, hq, _ = q.shape
+    nrb = triton.cdiv(P, meta["BLOCK_M"])
+    if tuple(key_range.shape) != (nrb, 2):
+        raise ValueError(f"key_range must be [ceil(P / {meta['BLOCK_M']}), 2] = [{nrb}, 2], "
+                         f"got {tuple(key_range.shape)}")
+    kr = key_range.to(device=q.device, dtype=torch.int32).contiguous()
+    m = torch.empty((hq, P), dtype=torch.float32, device=q.device)
+    z = torch.empty_like(m)
+    if P:
+        _doc_stats_kernel[(nrb, hq)](
+            q, kk, kp, lo, hi, kr, m, z,
+            float(softmax_scale) * LOG2E, P, kk.shape[0],
+            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), m.stride(0), **meta)
+    return m.double(), z.double()
+
+
+def document_probe_column_sums(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, lo: torch.Tensor,
+                               hi: torch.Tensor, lse: torch.Tensor, groups: torch.Tensor, tile_groups: torch.Tensor,
+                               slot0: int, nslot: int, softmax_scale: float) -> torch.Tensor:
+    """Per-document probe probabilities summed per local key, one sum per visited row group (pass 2).
+
+    Args:
+        probe_q, k, k_pos, lo, hi, softmax_scale: as in :func:`document_probe_stats`.
+        lse: ``[hq, P]`` the rows' global log-sum-exp (any float dtype; used in fp32; ``-inf`` rows
+            contribute zero).
+        groups: ``[G, 2]`` integer probe row ranges ``[r0, r1)``, in row order (a group: the rows of
+            one document in one global query block).
+        tile_groups: ``[ceil(s_local / BLOCK_N), 2]`` integer group range ``[g0, g1)`` of each tile of
+            ``BLOCK_N = tile_sizes(dtype)[1]`` local keys: the groups whose rows can see a key of it.
+        slot0, nslot: this launch writes the groups ``g0 + slot0 .. g0 + slot0 + nslot - 1`` of every
+            tile (those past ``g1`` as zeros), so that a caller bounds the output's memory.
+
+    Returns:
+        ``colu [hq, nslot, s_local]`` fp32: ``colu[h, j, t] = sum_r exp(s[r, t] - lse[r])`` over the
+        rows of group ``g0(tile(t)) + slot0 + j``; invisible keys give exactly 0.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    q, kk, kp, lo, hi, meta = _document_prep(probe_q, k, k_pos, lo, hi)
+    P, hq, _ = q.shape
+    sl = kk.shape[0]
+    nt = triton.cdiv(sl, meta["BLOCK_N"])
+    if tuple(lse.shape) != (hq, P):
+        raise ValueError(f"lse must be [hq, P] = {[hq, P]}, got {tuple(lse.shape)}")
+    if groups.dim() != 2 or groups.shape[1] != 2 or tuple(tile_groups.shape) != (nt, 2):
+        raise ValueError(f"groups must be [G, 2] and tile_groups [ceil(s_local / {meta['BLOCK_N']}), 2] = [{nt}, 2], "
+                         f"got {tuple(groups.shape)}, {tuple(tile_groups.shape)}")
+    if slot0 < 0 or nslot < 1:
+        raise ValueError(f"need slot0 >= 0 and nslot >= 1, got {slot0}, {nslot}")
+    lse2 = (lse.to(device=q.device, dtype=torch.float64) * LOG2E).float().contiguous()
+    grp = groups.to(device=q.device, dtype=torch.int32).contiguous()
+    if grp.numel() == 0:
+        grp = torch.zeros((1, 2), dtype=torch.int32, device=q.device)
+    tg = tile_groups.to(device=q.device, dtype=torch.int32).contiguous()
+    colu = torch.empty((hq, nslot, sl), dtype=torch.float32, device=q.device)
+    if sl:
+        _doc_colsum_kernel[(nt, kk.shape[1])](
+            q, kk, kp, lo, hi, lse2, grp, tg, colu,
+            float(softmax_scale) * LOG2E, P, sl, int(slot0), int(nslot),
+            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), lse2.stride(0), colu.stride(0), colu.stride(1),
+            **meta)
     return colu
