@@ -142,8 +142,10 @@ class VerticalSlashConfig:
             document; ``"document"``: the last ``last_q`` real queries of *every* document, each
             scoring its own document, all feeding one selection (one slash set and one column
             ranking per stream and head; the recall target applies to the mass of all probes).
-            ``"document"`` scores in fp64 torch (the fused Triton score kernels take the stream's
-            probes only).
+            With ``impl="triton"`` both are scored by fused Triton kernels (``"document"``: the
+            per-document kernels, whose work is each document's probes times its own keys); the
+            probes of ``"document"`` grow with the number of documents (``last_q`` per document,
+            gathered across the CP group), those of ``"stream"`` do not.
 
     Raises:
         ValueError: naming the offending field.
@@ -558,19 +560,33 @@ def _document_probe_spans(documents, last_q: int) -> list:
     return out
 
 
-def _gather_rows(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int, positions: list):
-    """``[len(positions), hq, d]``: the queries of one stream ``q [s_local, hq, d]`` at the global
-    ``positions`` on every rank (each rank copies the rows it holds, zeros elsewhere, one all_reduce SUM:
-    every row has one owner, so the sum is that row exactly)."""
-    mine, slots = [], []
-    for i, t in enumerate(positions):
-        o, loc = layout.global_to_local(t, seq_len)
-        if int(o) == rank:
-            mine.append(int(loc))
-            slots.append(i)
-    out = q.new_zeros((len(positions), *q.shape[1:]))
-    if mine:
-        out[torch.tensor(slots, device=q.device)] = q[torch.tensor(mine, device=q.device)]
+def _to_device(dev: torch.device, *host: torch.Tensor) -> list:
+    """The integer CPU tensors ``host`` on ``dev`` as int64 views of one copy: pinned and asynchronous
+    on CUDA (the host does not wait for the stream), a plain copy elsewhere."""
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host]) if host else torch.zeros(0, dtype=torch.int64)
+    flat = flat.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else flat.to(dev)
+    out, o = [], 0
+    for t in host:
+        out.append(flat[o:o + t.numel()].view(t.shape))
+        o += t.numel()
+    return out
+
+
+def _row_owners(layout: Layout, rank: int, seq_len: int, positions: torch.Tensor):
+    """``(slots, locs)`` int64 CPU: the rows of ``positions`` (global, CPU) that ``rank`` holds, and
+    their local indices (vectorised host arithmetic)."""
+    owner, loc = layout.global_to_local(positions, seq_len)
+    mine = torch.as_tensor(owner) == rank
+    return mine.nonzero()[:, 0], torch.as_tensor(loc)[mine]
+
+
+def _gather_rows(q: torch.Tensor, group, cp: int, slots: torch.Tensor, locs: torch.Tensor, n: int):
+    """``[n, hq, d]``: rows of one stream's queries ``q [s_local, hq, d]`` gathered on every rank: each
+    rank copies the rows it holds (``q[locs]`` into rows ``slots``, device tensors), zeros elsewhere,
+    then one all_reduce SUM (every row has one owner, so the sum is that row exactly)."""
+    out = q.new_zeros((n, *q.shape[1:]))
+    if slots.numel():
+        out.index_copy_(0, slots, q.index_select(0, locs))
     if cp > 1:
         with comm_context("vertical-slash estimator: all_reduce of the per-document probe queries", group):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
@@ -634,8 +650,7 @@ def _fused_document_lines(probe, k, k_pos, lo, hi, lse, tables, scale: float, bs
         return
     dev = col.device
     block_n = tile_sizes(probe.dtype)[1]
-    tg = tile_groups.to(dev)
-    u_of = group_u.to(dev)
+    tg, u_of = tile_groups.to(dev), group_u.to(dev)
     key_tile = torch.arange(sl, device=dev) // block_n
     k_blk = k_pos // bs
     chunk = max(1, min(max_groups, _LOGIT_BUDGET // max(1, hq * sl)))
@@ -675,13 +690,19 @@ def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: i
         n_real.append(len(pos))
         if not pos:                        # a stream of padding only (known on every rank): zero scores
             continue
-        probe = _gather_rows(q[i], layout, group, rank, cp, S, pos)[None]            # [1, P, hq, d]
-        pos_t = torch.tensor(pos, device=dev)
-        lo, hi = documents.lo[i:i + 1, pos_t], documents.hi[i:i + 1, pos_t]
+        pos_h = torch.tensor(pos, dtype=torch.int64)
+        host = [pos_h, *_row_owners(layout, rank, S, pos_h)]
         if fused:
             from .triton.estimator import document_probe_stats, tile_sizes
 
             tables = _document_probe_tables(docs, host_pos, bs, *tile_sizes(q.dtype))
+            host += tables[:4]
+        on_dev = _to_device(dev, *host)                  # one asynchronous copy of the stream's index tables
+        pos_t, slots, locs = on_dev[:3]
+        probe = _gather_rows(q[i], group, cp, slots, locs, len(pos))[None]          # [1, P, hq, d]
+        lo, hi = documents.lo[i:i + 1, pos_t], documents.hi[i:i + 1, pos_t]
+        if fused:
+            tables = (*on_dev[3:], tables[4])
             m, z = document_probe_stats(probe[0], k[i], k_pos, lo[0], hi[0], tables[0], scale)
             lse = _global_lse(m[None], z[None], group, cp)[0]                           # [hq, P]
             _fused_document_lines(probe[0], k[i], k_pos, lo[0], hi[0], lse, tables, scale, bs, col[i], slash[i])
@@ -712,7 +733,7 @@ def _document_probe_scores(q, k, layout: Layout, group, rank: int, cp: int, S: i
     if share_kv_group:
         col, slash = _group_mean(col, k.shape[2]), _group_mean(slash, k.shape[2])
     slash = _all_reduce(slash, dist.ReduceOp.SUM, group, cp, "the slash scores")
-    return col, slash, k_pos, torch.tensor(n_real, dtype=torch.float64, device=dev)
+    return col, slash, k_pos, _to_device(dev, torch.tensor(n_real, dtype=torch.int64))[0].to(f64)
 
 
 def _gather_probe_queries(q: torch.Tensor, layout: Layout, group, rank: int, cp: int, seq_len: int,
