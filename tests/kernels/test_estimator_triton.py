@@ -267,13 +267,14 @@ def test_document_bounds_shifted_by_one_are_caught():
     assert col[0, :, 149].abs().min() > 0 and max_rel(col, col_r) > 1e-2
 
 
-def test_estimator_triton_selects_the_torch_pattern_with_documents():
+@pytest.mark.parametrize("probes", ["stream", "document"])
+def test_estimator_triton_selects_the_torch_pattern_with_documents(probes):
     from megatron_mtraining.layout import PackedDocuments
 
     q, k, _ = make_qkv(2, 512, 4, 2, 32, seed=4, dtype=torch.float32)
     docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 37, 300, 470, 512, 700, 1000]), 512, batch_size=2)
     for cfg in (dict(recall=0.9, sink_tokens=4, last_q=100), dict(recall=0.9, sink_tokens=8, share_pattern="kv_group")):
-        config = VerticalSlashConfig(**cfg)
+        config = VerticalSlashConfig(**cfg, probes=probes)
         one = Layout("striped", 1, 64)
         got = estimate_vertical_slash(q, k, layout=one, config=config, impl="triton", documents=docs)
         ref = estimate_vertical_slash(q, k, layout=one, config=config, impl="torch", documents=docs)
@@ -281,19 +282,6 @@ def test_estimator_triton_selects_the_torch_pattern_with_documents():
         assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
         assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
         assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
-
-
-# ------------------------------------------------------------------------------ per-document probes
-DOC_PROBE_CASES = [
-    # b, S, hq, hkv, d, L, bs, dtype, layout, cu_seqlens, cu_seqlens_padded
-    # short documents (several in one key tile: tiles meet several groups), padding; 16-row blocks (fp32)
-    (2, 256, 4, 2, 32, 12, 32, torch.float32, Layout("striped", 1, 64), [0, 5, 30, 90, 91, 130, 190, 230, 330],
-     [0, 10, 40, 120, 128, 180, 256, 300, 480]),
-    # a long document whose probes straddle two query blocks, fp16 (64-row blocks), simulated cp 2 striped by 16
-    (1, 512, 4, 1, 32, 40, 32, torch.float16, Layout("striped", 2, 16), [0, 7, 300, 333, 512], None),
-    # zigzag cp 2, MHA, documents shorter than last_q and longer than a row block (L = 20 > 16 rows)
-    (1, 256, 2, 2, 32, 20, 64, torch.float32, Layout("zigzag", 2), [0, 3, 70, 71, 200, 256], None),
-]
 
 
 def _doc_probe_case(b, S, hq, hkv, d, dtype, cu, cu_pad, seed):
@@ -365,23 +353,6 @@ def test_document_probe_lines_in_groups_of_one_slot(monkeypatch):
     monkeypatch.setattr(est, "_LOGIT_BUDGET", 1)
     _, col1, slash1 = fused_document_scores(q, k, docs, layout, L, bs, d ** -0.5)
     assert max_rel(col1, col) <= 1e-12 and max_rel(slash1, slash) <= 1e-12
-
-
-def test_estimator_triton_selects_the_torch_pattern_with_document_probes():
-    from megatron_mtraining.layout import PackedDocuments
-
-    q, k, _ = make_qkv(2, 512, 4, 2, 32, seed=6, dtype=torch.float32)
-    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 37, 300, 470, 512, 700, 1000]), 512, batch_size=2)
-    for cfg in (dict(recall=0.9, sink_tokens=4, last_q=48, probes="document"),
-                dict(recall=0.9, sink_tokens=8, share_pattern="kv_group", probes="document")):
-        config = VerticalSlashConfig(**cfg)
-        one = Layout("striped", 1, 64)
-        got = estimate_vertical_slash(q, k, layout=one, config=config, impl="triton", documents=docs)
-        ref = estimate_vertical_slash(q, k, layout=one, config=config, impl="torch", documents=docs)
-        assert got.same_selection(ref)
-        assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
-        assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
-        assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
 
 
 def test_document_probe_kernel_input_errors():

@@ -401,6 +401,51 @@ def _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, MASKED: tl.const
 
 
 @triton.jit
+def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ, KvEntries, QPos,
+                DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_dqb, s_dqs, s_dqh,
+                s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                MASKED: tl.constexpr, MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
+                DOC: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One entry ``e`` of the inverted index (a query tile of one head that lists this key block):
+    adds its share to ``dk``, ``dv`` (and with DQ_ATOMIC its dQ to DQ); ``MASKED``: by the mode's
+    mask and, with DOC, the document bounds. Returns ``(dk, dv)``."""
+    ent = tl.load(KvEntries + e)
+    r = ent // num_q_blocks
+    qb = ent - r * num_q_blocks
+    h = g * rep + r
+    offs_m = qb * BLOCK_M + offs_r
+    q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
+    if MASKED:
+        if DOC:
+            d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+            d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
+            inside = (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
+        if MASK_MODE == 0:
+            valid = inside
+        else:
+            if MASK_MODE == 1:
+                valid = offs_n[:, None] <= offs_m[None, :]
+            else:
+                q_pos = tl.load(QPos + offs_m)
+                valid = k_pos[:, None] <= q_pos[None, :]
+                if MASK_MODE == 3:
+                    q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
+                    valid = valid & (k_pos[:, None] >= q_lo[None, :])
+            if DOC:
+                valid = valid & inside
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
+    else:
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
+    dv += _dot(pT.to(do.dtype), do, FP32)
+    dk += _dot(dsT.to(q.dtype), q, FP32)
+    if DQ_ATOMIC:
+        dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
+        tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
 def _sparse_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV,
     KvOffsets, KvMids, KvEntries, QPos, KPos, DocLo, DocHi,
@@ -436,6 +481,8 @@ def _sparse_bwd_dkdv_kernel(
     v = tl.load(V + bz * s_vb + g * s_vh + offs_n[:, None] * s_vs + offs_d[None, :])
     if MASK_MODE >= 2 or DOC:
         k_pos = tl.load(KPos + offs_n)
+    else:
+        k_pos = offs_n                   # unused
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
@@ -447,53 +494,16 @@ def _sparse_bwd_dkdv_kernel(
     else:
         mid = tl.load(KvMids + bz * s_ofb + g * s_ofg + kb)
     for e in range(start, mid):          # tiles that see the whole block: no mask
-        ent = tl.load(KvEntries + e)
-        r = ent // num_q_blocks
-        qb = ent - r * num_q_blocks
-        h = g * rep + r
-        offs_m = qb * BLOCK_M + offs_r
-        q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
-                                              s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
-        dv += _dot(pT.to(do.dtype), do, FP32)
-        dk += _dot(dsT.to(q.dtype), q, FP32)
-        if DQ_ATOMIC:
-            dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
-            tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
-                          sem="relaxed")
+        dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
+                             KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
+                             s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                             False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
     if MASK_MODE != 0 or DOC:
         for e in range(mid, end):
-            ent = tl.load(KvEntries + e)
-            r = ent // num_q_blocks
-            qb = ent - r * num_q_blocks
-            h = g * rep + r
-            offs_m = qb * BLOCK_M + offs_r
-            q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
-                                                  s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
-            if DOC:
-                d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
-                d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
-                inside = (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
-            if MASK_MODE == 0:
-                valid = inside
-            else:
-                if MASK_MODE == 1:
-                    valid = offs_n[:, None] <= offs_m[None, :]
-                else:
-                    q_pos = tl.load(QPos + offs_m)
-                    valid = k_pos[:, None] <= q_pos[None, :]
-                    if MASK_MODE == 3:
-                        q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
-                        valid = valid & (k_pos[:, None] >= q_lo[None, :])
-                if DOC:
-                    valid = valid & inside
-            pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
-            dv += _dot(pT.to(do.dtype), do, FP32)
-            dk += _dot(dsT.to(q.dtype), q, FP32)
-            if DQ_ATOMIC:
-                dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
-                tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
-                              sem="relaxed")
+            dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
+                                 KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
+                                 s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                                 True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
 
     dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
     tl.store(DK + dst, dk * sm_scale)
