@@ -284,6 +284,19 @@ def test_estimator_triton_selects_the_torch_pattern_with_documents(probes):
         assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
 
 
+# ------------------------------------------------------------------------------ per-document probes
+DOC_PROBE_CASES = [
+    # b, S, hq, hkv, d, L, bs, dtype, layout, cu_seqlens, cu_seqlens_padded
+    # short documents (several in one key tile: tiles meet several groups), padding; 16-row blocks (fp32)
+    (2, 256, 4, 2, 32, 12, 32, torch.float32, Layout("striped", 1, 64), [0, 5, 30, 90, 91, 130, 190, 230, 330],
+     [0, 10, 40, 120, 128, 180, 256, 300, 480]),
+    # a long document whose probes straddle two query blocks, fp16 (64-row blocks), simulated cp 2 striped by 16
+    (1, 512, 4, 1, 32, 40, 32, torch.float16, Layout("striped", 2, 16), [0, 7, 300, 333, 512], None),
+    # zigzag cp 2, MHA, documents shorter than last_q and longer than a row block (L = 20 > 16 rows)
+    (1, 256, 2, 2, 32, 20, 64, torch.float32, Layout("zigzag", 2), [0, 3, 70, 71, 200, 256], None),
+]
+
+
 def _doc_probe_case(b, S, hq, hkv, d, dtype, cu, cu_pad, seed):
     from megatron_mtraining.layout import PackedDocuments
 

@@ -5,7 +5,8 @@
 The Triton interpreter (tests/kernels/test_estimator_triton.py) checks the numbers but not that the kernels
 compile: this runs the real compiler (TTIR -> PTX -> cubin with the ptxas shipped in the triton
 wheel) for bf16/fp16/fp32 inputs, head_dim 64/128/80 (padded to 128) and the launcher's tile
-sizes (probe-row chunks of the maximum and of 16), causal and with document bounds, and prints the cubin's register / stack use
+sizes (probe-row chunks of the maximum and of 16), causal and with document bounds, the per-document
+probe kernels, and prints the cubin's register / stack use
 (stack > 0 means register spills) when cuobjdump is there. Must run without ``TRITON_INTERPRET``.
 """
 
@@ -27,13 +28,15 @@ from megatron_mtraining.patterns.triton import estimator as E  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTRS = {E._probe_stats_kernel: ("Q", "K", "KPos", "MPart", "ZPart"),
-        E._probe_colsum_kernel: ("Q", "K", "KPos", "Lse2", "ColU")}
+        E._probe_colsum_kernel: ("Q", "K", "KPos", "Lse2", "ColU"),
+        E._doc_stats_kernel: ("Q", "K", "KPos", "M", "Z"),                 # per-document probes (always bounded)
+        E._doc_colsum_kernel: ("Q", "K", "KPos", "Lse2", "ColU")}
+INT_PTRS = ("Lo", "Hi", "Span", "KeyRange", "Groups", "TileGroups")
 
 
 def signature(fn, dt: str, consts: dict) -> dict:
     q, k, kpos, o1, o2 = PTRS[fn]
-    ptr = {q: "*" + dt, k: "*" + dt, kpos: "*i32", o1: "*fp32", o2: "*fp32",
-           "Lo": "*i32", "Hi": "*i32", "Span": "*i32"}
+    ptr = {q: "*" + dt, k: "*" + dt, kpos: "*i32", o1: "*fp32", o2: "*fp32", **{n: "*i32" for n in INT_PTRS}}
     return {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "scale_log2" else "i32")
             for n in fn.arg_names}
 
@@ -61,8 +64,11 @@ def main() -> int:
                                   HAS_BOUNDS=bounds)
                     name = f"{dt} d={d} BLOCK_M={bm} bounds={int(bounds)}"
                     for fn in PTRS:
+                        if "HAS_BOUNDS" not in fn.arg_names and (not bounds or bm != max_m):
+                            continue         # the per-document kernels: bounded, the launcher's row block only
+                        cst = {n: v for n, v in consts.items() if n in fn.arg_names}
                         try:
-                            k = triton.compile(ASTSource(fn, signature(fn, dt, consts), consts), target=TARGET,
+                            k = triton.compile(ASTSource(fn, signature(fn, dt, cst), cst), target=TARGET,
                                                options={"num_warps": E.NUM_WARPS})
                             print(f"{name} {fn.__name__}: ok {resources(k.asm['cubin'])}")
                         except Exception as e:  # noqa: BLE001 - report every failing variant
