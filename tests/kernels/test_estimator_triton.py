@@ -294,6 +294,9 @@ DOC_PROBE_CASES = [
     (1, 512, 4, 1, 32, 40, 32, torch.float16, Layout("striped", 2, 16), [0, 7, 300, 333, 512], None),
     # zigzag cp 2, MHA, documents shorter than last_q and longer than a row block (L = 20 > 16 rows)
     (1, 256, 2, 2, 32, 20, 64, torch.float32, Layout("zigzag", 2), [0, 3, 70, 71, 200, 256], None),
+    # contiguous cp 2, two streams, each ending in padding; rank 0 holds none of the last document's keys
+    (2, 256, 4, 2, 32, 16, 32, torch.float32, Layout("contiguous", 2), [0, 100, 110, 300, 350],
+     [0, 100, 256, 446, 512]),
 ]
 
 

@@ -330,6 +330,8 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     slot = torch.arange(max_nb, device=dev)
     valid = slot < bc[..., None]
     unmasked = slot < plan.block_split[..., None]
+    if unmasked.shape[0] != B_:      # one index for the batch, splits per entry (its document bounds):
+        unmasked = unmasked.all(0, keepdim=True)      # unmasked only where every entry sees the block whole
     if plan.static:
         res = plan._kv[key] = _kv_csr_static(bi, valid, nkb, hq, hkv, unmasked=unmasked)
         return res

@@ -410,6 +410,8 @@ def _check_document(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
         raise ValueError(f"probe_q [P, hq, d] and k [s_local, hkv, d] of one stream expected, got "
                          f"{tuple(probe_q.shape)}, {tuple(k.shape)}")
     _check(probe_q[None], k[None], k_pos, max(1, probe_q.shape[0]))
+    if probe_q.numel() >= 2 ** 31 or k.numel() >= 2 ** 31:
+        raise ValueError("probe_q or k of 2**31 or more elements is not supported (int32 offsets)")
     if tuple(lo.shape) != (probe_q.shape[0],) or tuple(hi.shape) != (probe_q.shape[0],):
         raise ValueError(f"lo and hi must be [P] = [{probe_q.shape[0]}], got {tuple(lo.shape)}, {tuple(hi.shape)}")
 
@@ -460,11 +462,10 @@ def document_probe_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Te
     kr = key_range.to(device=q.device, dtype=torch.int32).contiguous()
     m = torch.empty((hq, P), dtype=torch.float32, device=q.device)
     z = torch.empty_like(m)
-    if P:
-        _doc_stats_kernel[(nrb, hq)](
-            q, kk, kp, lo, hi, kr, m, z,
-            float(softmax_scale) * LOG2E, P, kk.shape[0],
-            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), m.stride(0), **meta)
+    _doc_stats_kernel[(nrb, hq)](
+        q, kk, kp, lo, hi, kr, m, z,
+        float(softmax_scale) * LOG2E, P, kk.shape[0],
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), m.stride(0), **meta)
     return m.double(), z.double()
 
 
