@@ -563,7 +563,7 @@ def _document_probe_spans(documents, last_q: int) -> list:
 def _to_device(dev: torch.device, *host: torch.Tensor) -> list:
     """The integer CPU tensors ``host`` on ``dev`` as int64 views of one copy: pinned and asynchronous
     on CUDA (the host does not wait for the stream), a plain copy elsewhere."""
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host]) if host else torch.zeros(0, dtype=torch.int64)
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host])
     flat = flat.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else flat.to(dev)
     out, o = [], 0
     for t in host:

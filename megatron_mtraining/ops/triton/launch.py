@@ -346,18 +346,22 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     else:
         G_ = hkv
         g, r = hh // rep, hh % rep
-    seg = (bb * G_ + g) * nkb + kb
-    val = r * nqb + qq
-    order = torch.sort((seg * 2 + masked) * (rep * nqb) + val, stable=True).indices
+    res = plan._kv[key] = (*_csr_entries((bb * G_ + g) * nkb + kb, r * nqb + qq, masked, B_ * G_ * nkb, rep * nqb),
+                           B_, G_)
+    return res
+
+
+def _csr_entries(seg: torch.Tensor, val: torch.Tensor, masked: torch.Tensor, nseg: int, span: int):
+    """``(offsets, mids, entries)`` of the inverted index from flat per-entry ``seg`` (segment; ``nseg``:
+    a padding sentinel past the last one), ``val`` (``< span``) and ``masked`` (0/1): entries sorted by
+    segment, unmasked first, then by value; ``mids[s]`` ends segment ``s``'s unmasked part."""
+    order = torch.sort((seg * 2 + masked) * span + val, stable=True).indices
     entries = val[order].to(torch.int32).contiguous()
-    nseg = B_ * G_ * nkb
     offsets = _csr_offsets(_segment_counts(seg, nseg))
     mids = (offsets[:-1] + _segment_counts(torch.where(masked.bool(), nseg, seg), nseg)).to(torch.int32)
     if entries.numel() == 0:
-        entries = torch.zeros(1, dtype=torch.int32, device=dev)
-    res = (offsets, mids, entries, B_, G_)
-    plan._kv[key] = res
-    return res
+        entries = torch.zeros(1, dtype=torch.int32, device=seg.device)
+    return offsets, mids, entries
 
 
 def _kv_csr_static(bi: torch.Tensor, valid: torch.Tensor, nkb: int, hq: int, hkv: int,
@@ -388,13 +392,7 @@ def _kv_csr_static(bi: torch.Tensor, valid: torch.Tensor, nkb: int, hq: int, hkv
     val = r * nqb + qq
     shape = torch.broadcast_shapes(seg.shape, val.shape, masked.shape)
     seg, val, masked = (t.expand(shape).reshape(-1) for t in (seg, val, masked))
-    order = torch.sort((seg * 2 + masked) * (rep * nqb) + val, stable=True).indices
-    entries = val[order].to(torch.int32).contiguous()
-    offsets = _csr_offsets(_segment_counts(seg, nseg))
-    mids = (offsets[:-1] + _segment_counts(torch.where(masked.bool(), nseg, seg), nseg)).to(torch.int32)
-    if entries.numel() == 0:
-        entries = torch.zeros(1, dtype=torch.int32, device=dev)
-    return offsets, mids, entries, B_, G_
+    return (*_csr_entries(seg, val, masked, nseg, rep * nqb), B_, G_)
 
 
 def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):

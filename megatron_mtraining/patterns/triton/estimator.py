@@ -117,6 +117,26 @@ def _tile_visible(KPos, Span, bi, tile, SL, BLOCK_N: tl.constexpr, HAS_BOUNDS: t
 
 
 @triton.jit
+def _rows_column_sums(Q, Lo, Hi, Lse2, bi, h, r_lo, r_hi, kt, kpos, n_ok, p0, scale_log2,
+                      s_qb, s_ql, s_qh, s_bb, s_lb, s_lh,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      FP32: tl.constexpr, HAS_BOUNDS: tl.constexpr):
+    """``[BLOCK_N]`` fp32: ``sum_r exp(s[r, key] - lse[r])`` over probe rows ``r_lo .. r_hi - 1`` of head
+    ``h`` for the loaded key tile, in chunks of ``BLOCK_M`` rows (invisible keys and ``-inf`` rows add 0)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        r_ok = rows < r_hi
+        s, vis = _probe_logits(Q, Lo, Hi, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2,
+                               s_qb, s_ql, s_qh, s_bb, D, BLOCK_D, FP32, HAS_BOUNDS)
+        lse2 = tl.load(Lse2 + bi * s_lb + h * s_lh + rows, mask=r_ok, other=float("-inf"))
+        ok = vis & (lse2 > float("-inf"))[:, None]
+        p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
+        acc += tl.sum(p, 0)
+    return acc
+
+
+@triton.jit
 def _probe_stats_kernel(
     Q, K, KPos, Lo, Hi, Span, MPart, ZPart,
     scale_log2, L, SL, p0, HKV,
@@ -174,16 +194,9 @@ def _probe_colsum_kernel(
                 # probe rows of global query block U0 + u: [max(0, (U0+u)*BS - p0), min(L, (U0+u+1)*BS - p0))
                 r_lo = tl.maximum((U0 + u) * BS - p0, 0)
                 r_hi = tl.minimum((U0 + u + 1) * BS - p0, L)
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for r0 in range(r_lo, r_hi, BLOCK_M):
-                    rows = r0 + tl.arange(0, BLOCK_M)
-                    r_ok = rows < r_hi
-                    s, vis = _probe_logits(Q, Lo, Hi, bi, h, rows, r_ok, kt, kpos, n_ok, p0, scale_log2,
-                                           s_qb, s_ql, s_qh, s_bb, D, BLOCK_D, FP32, HAS_BOUNDS)
-                    lse2 = tl.load(Lse2 + bi * s_lb + h * s_lh + rows, mask=r_ok, other=float("-inf"))
-                    ok = vis & (lse2 > float("-inf"))[:, None]
-                    p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
-                    acc += tl.sum(p, 0)
+                acc = _rows_column_sums(Q, Lo, Hi, Lse2, bi, h, r_lo, r_hi, kt, kpos, n_ok, p0, scale_log2,
+                                        s_qb, s_ql, s_qh, s_bb, s_lb, s_lh,
+                                        D, BLOCK_D, BLOCK_M, BLOCK_N, FP32, HAS_BOUNDS)
                 tl.store(ColU + bi * s_cb + h * s_ch + u * s_cu + offs_n, acc, mask=n_ok)
 
 
@@ -238,16 +251,8 @@ def _doc_colsum_kernel(
             if gi < g_hi:                   # a slot past the tile's groups stays zero
                 r_lo = tl.load(Groups + 2 * gi)
                 r_hi = tl.load(Groups + 2 * gi + 1)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for r0 in range(r_lo, r_hi, BLOCK_M):
-                rows = r0 + tl.arange(0, BLOCK_M)
-                r_ok = rows < r_hi
-                s, vis = _probe_logits(Q, Lo, Hi, 0, h, rows, r_ok, kt, kpos, n_ok, 0, scale_log2,
-                                       0, s_ql, s_qh, 0, D, BLOCK_D, FP32, True)
-                lse2 = tl.load(Lse2 + h * s_lh + rows, mask=r_ok, other=float("-inf"))
-                ok = vis & (lse2 > float("-inf"))[:, None]
-                p = tl.math.exp2(tl.where(ok, s - tl.where(ok, lse2[:, None], 0.0), float("-inf")))
-                acc += tl.sum(p, 0)
+            acc = _rows_column_sums(Q, Lo, Hi, Lse2, 0, h, r_lo, r_hi, kt, kpos, n_ok, 0, scale_log2,
+                                    0, s_ql, s_qh, 0, 0, s_lh, D, BLOCK_D, BLOCK_M, BLOCK_N, FP32, True)
             tl.store(ColU + h * s_ch + j * s_cs + offs_n, acc, mask=n_ok)
 
 
