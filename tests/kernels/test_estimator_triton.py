@@ -40,6 +40,7 @@ from megatron_mtraining.layout import Layout  # noqa: E402
 from megatron_mtraining.patterns.estimator import (  # noqa: E402
     VerticalSlashConfig, estimate_vertical_slash, resolve_impl,
 )
+from tests.workers.gpu_estimator_check import merge_lse  # noqa: E402
 from tests.workers.vs_data import make_qkv  # noqa: E402
 
 F64 = torch.float64
@@ -116,10 +117,7 @@ def simulated_scores(q, k, layout, L, bs, scale, shift_kpos=0, bounds=None):
         m, z = E.probe_softmax_stats(probe, k_loc, k_pos, S, scale, bounds=bounds)
         assert m.dtype == F64 and z.dtype == F64 and m.shape == (b, hq, L)
         ranks.append((k_loc, k_pos, m, z))
-    gm = torch.stack([x[2] for x in ranks]).amax(0)
-    safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-    gz = sum(x[3] * torch.exp(x[2] - safe) for x in ranks)
-    lse = safe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+    lse = merge_lse([x[2] for x in ranks], [x[3] for x in ranks])
     col = torch.zeros(b, hq, S, dtype=F64)
     slash = torch.zeros(b, hq, S // bs, dtype=F64)
     u0, nu = E.probe_block_range(S, L, bs)

@@ -333,14 +333,19 @@ def test_restriction_in_chunks_equals_one_pass(monkeypatch, cp):
 
 
 # ------------------------------------------------------------------------------ per-document probes
-def test_per_document_probe_scores_match_explicit_oracle():
-    from megatron_mtraining.patterns.estimator import _document_probe_scores
-
+def _two_probe_streams():
+    """``(S, hq, hkv, L, q, k, docs, layout)``: two fp64 streams of padded documents of 1 to 60 tokens."""
     S, hq, hkv, L = 128, 4, 2, 12
     q, k, _, _ = _inputs(S, hq, hkv, torch.float64, seed=3, b=2)
     docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 30, 90, 91, 130, 190]), S, batch_size=2,
                                            cu_seqlens_padded=torch.tensor([0, 10, 40, 120, 128, 180, 256]))
-    lay = Layout("striped", 1, BS)
+    return S, hq, hkv, L, q, k, docs, Layout("striped", 1, BS)
+
+
+def test_per_document_probe_scores_match_explicit_oracle():
+    from megatron_mtraining.patterns.estimator import _document_probe_scores
+
+    S, hq, hkv, L, q, k, docs, lay = _two_probe_streams()
     col, slash, k_pos, n_real = _document_probe_scores(q, k, lay, None, 0, 1, S, BS, L, S // BS, 0.25, False, docs)
     r_col, r_slash, r_n = document_probe_oracle(q, k, docs, L, BS, 0.25, hkv)
     assert torch.equal(n_real, r_n) and torch.equal(k_pos, torch.arange(S))
@@ -361,11 +366,7 @@ def test_per_document_probe_scores_within_a_small_logit_budget(monkeypatch, budg
     same as with everything cached."""
     from megatron_mtraining.patterns import estimator as est
 
-    S, hq, hkv, L = 128, 4, 2, 12
-    q, k, _, _ = _inputs(S, hq, hkv, torch.float64, seed=3, b=2)
-    docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 5, 30, 90, 91, 130, 190]), S, batch_size=2,
-                                           cu_seqlens_padded=torch.tensor([0, 10, 40, 120, 128, 180, 256]))
-    lay = Layout("striped", 1, BS)
+    S, hq, hkv, L, q, k, docs, lay = _two_probe_streams()
     args = (q, k, lay, None, 0, 1, S, BS, L, S // BS, 0.25, False, docs)
     full = est._document_probe_scores(*args)
     monkeypatch.setattr(est, "_LOGIT_BUDGET", budget)

@@ -61,6 +61,15 @@ def packed_documents(S, dev):
     return PackedDocuments.from_cu_seqlens(torch.tensor(cu), S, device=dev)
 
 
+def merge_lse(ms, zs):
+    """The probes' lse from every rank's local ``(m, z)``, merged like the estimator's all-reduces (MAX, then
+    the rescaled SUM)."""
+    gm = torch.stack(list(ms)).amax(0)
+    safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
+    gz = sum(z * torch.exp(m - safe) for m, z in zip(ms, zs))
+    return safe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+
+
 def fused_scores(q, k, layout, L, bs, scale, docs=None):
     """Triton (lse, col [global positions], slash) over ``layout``'s ranks, merged like the all-reduce;
     ``docs``: packed documents (the probes' key bounds) or ``None``."""
@@ -75,10 +84,7 @@ def fused_scores(q, k, layout, L, bs, scale, docs=None):
         k_pos = layout.positions(r, S, device=q.device)
         m, z = probe_softmax_stats(probe, k_loc, k_pos, S, scale, bounds=bounds)
         parts.append((k_loc, k_pos, m, z))
-    gm = torch.stack([p[2] for p in parts]).amax(0)
-    safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-    gz = sum(p[3] * torch.exp(p[2] - safe) for p in parts)
-    lse = safe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+    lse = merge_lse([p[2] for p in parts], [p[3] for p in parts])
     u0, nu = probe_block_range(S, L, bs)
     col = torch.zeros(b, hq, S, dtype=torch.float64, device=q.device)
     slash = torch.zeros(b, hq, S // bs, dtype=torch.float64, device=q.device)
@@ -114,10 +120,7 @@ def fused_document_scores(q, k, docs, layout, L, bs, scale):
             k_pos = host_pos.to(dev)
             m, z = document_probe_stats(probe, k_loc, k_pos, lo, hi, tables[0], scale)
             parts.append((k_loc, k_pos, tables, m, z))
-        gm = torch.stack([p[3] for p in parts]).amax(0)
-        safe = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-        gz = sum(p[4] * torch.exp(p[3] - safe) for p in parts)
-        lse = safe + torch.log(torch.where(gz > 0, gz, torch.ones_like(gz)))
+        lse = merge_lse([p[3] for p in parts], [p[4] for p in parts])
         lses.append(lse)
         for k_loc, k_pos, tables, _, _ in parts:
             c = torch.zeros(hq, k_loc.shape[0], dtype=torch.float64, device=dev)
