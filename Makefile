@@ -20,14 +20,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
 
-# Every CPU test (CI's command); tests marked gpu skip without CUDA.
-test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+# Test processes run side by side (pytest-xdist); default: one per core, at most 4.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+# pytest exits 5 when a selection holds no test (e.g. PYTEST_ARGS="-k ..." that misses one phase)
+OK5 := || [ $$? -eq 5 ]
 
-# The quick subset (a few minutes on 2 cores): single-process library logic and the Megatron /
+# Every CPU test (CI's command); tests marked gpu skip without CUDA. The tests that compare wall
+# times (marker serial) run alone after the parallel run.
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(XDIST) -m "not serial" $(PYTEST_ARGS) $(OK5)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m serial $(PYTEST_ARGS) $(OK5)
+
+# The quick subset (under 3 minutes on 2 cores): single-process library logic and the Megatron /
 # trainer integration, without the tests marked slow; no Triton interpreter, no multi-rank runs.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "(unit or integration) and not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(XDIST) -m "(unit or integration) and not slow" $(PYTEST_ARGS)
 
 # On a CUDA machine: the GPU kernel checks and the NCCL ring checks (the latter need 2 or 4 GPUs).
 test-gpu: setup

@@ -17,6 +17,7 @@ Markers (registered in pyproject.toml, ``--strict-markers``):
   test lives in, so a layer can be selected with ``-m``.
 """
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,27 @@ def gpu_skip_reason(count: int, available: int, has_cuda: bool) -> str | None:
     return None
 
 
+def _shared_state_group(item) -> str | None:
+    """The xdist group of a test that shares state with the other tests of its module: the module's
+    path if the module reads its results from shared launches (``shared_torchrun``) or the test uses
+    a module- or session-scoped fixture of this suite; else ``None`` (the test may run on any worker)."""
+    module = getattr(item, "module", None)
+    path = item.nodeid.split("::")[0]
+    if module is not None and hasattr(module, "shared_torchrun"):
+        return path
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        if any(d.scope != "function" and d.baseid for d in defs):
+            return path
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        group = _shared_state_group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
         try:
             layer = Path(item.path).resolve().relative_to(_TESTS_DIR).parts[0]
         except ValueError:
@@ -64,3 +84,32 @@ def pytest_collection_modifyitems(config, items):
             reason = gpu_skip_reason(count, _N_CUDA, _HAS_CUDA)
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# ------------------------------------------------------------------ per-test timing report
+# With MTRAINING_TEST_REPORT=FILE, the session writes one JSON object to FILE at its end:
+# {"tests": [{"nodeid", "outcome", "duration_s" (setup + call + teardown), "markers"}]}.
+# tools/time_tests.py turns it into the record docs/results/tests.json. Under pytest-xdist the
+# workers' reports reach the controller, which alone writes the file.
+_REPORT: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("MTRAINING_TEST_REPORT"):
+        return
+    nodeid = re.sub(r"@[^\]@]*$", "", report.nodeid)     # pytest-xdist --dist loadgroup appends @group
+    row = _REPORT.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "duration_s": 0.0,
+                                              "markers": sorted(k for k in report.keywords
+                                                                if k in LAYERS or k in ("slow", "gpu", "network"))})
+    row["duration_s"] += report.duration
+    if report.outcome == "failed" or (report.outcome == "skipped" and row["outcome"] == "passed"):
+        row["outcome"] = report.outcome
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("MTRAINING_TEST_REPORT")
+    if not path or hasattr(session.config, "workerinput"):
+        return
+    import json
+
+    Path(path).write_text(json.dumps({"tests": list(_REPORT.values())}, indent=0))

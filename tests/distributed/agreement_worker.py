@@ -2,12 +2,14 @@
 
 Usage (from tests/distributed/test_agreement.py)::
 
-    torchrun --nproc-per-node N tests/distributed/agreement_worker.py SCENARIO
+    torchrun --nproc-per-node N tests/distributed/agreement_worker.py SCENARIO [SCENARIO ...]
 
-Every rank calls the entry point inside ``try``/``except ValueError`` and then, like a caller that
-catches the error and carries on, gathers the outcomes and reaches the final barrier. Rank 0 prints
-``RESULT [{"rank": r, "error": <the error or null>, ...}, ...]``. A rank left in the
-check's collective while another moved on is a hang (the test's timeout).
+The scenarios run one after the other in the same process group. For each, every rank calls the
+entry point inside ``try``/``except ValueError`` and then, like a caller that catches the error and
+carries on, gathers the outcomes and goes on to the next scenario (so a rank that an error left in a
+collective also breaks the scenarios after it). Rank 0 prints
+``RESULT SCENARIO [{"rank": r, "error": <the error or null>, ...}, ...]`` per scenario. A rank left in
+the check's collective while another moved on is a hang (the test's timeout).
 
 Scenarios:
     gqa_one_rank            rank 1 passes kv heads that do not divide its query heads (flat ring)
@@ -133,15 +135,16 @@ def run(scenario: str) -> dict:
 
 def main(argv: list[str]) -> int:
     start_process_group("gloo")
-    res = {"rank": dist.get_rank(), "error": None}
-    try:
-        res.update(run(argv[0]))
-    except ValueError as e:
-        res["error"] = str(e)
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, res)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(rows), flush=True)
+    for scenario in argv:
+        res = {"rank": dist.get_rank(), "error": None}
+        try:
+            res.update(run(scenario))
+        except ValueError as e:
+            res["error"] = str(e)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, res)
+        if dist.get_rank() == 0:
+            print(f"RESULT {scenario} " + json.dumps(rows), flush=True)
     finish_process_group()
     return 0
 

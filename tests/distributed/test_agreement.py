@@ -1,6 +1,7 @@
 """Invalid or inconsistent CP inputs are one error on every rank, never a hang or a wrong answer.
 
-Runs tests/distributed/agreement_worker.py under torchrun (gloo, CPU) with a timeout: an input that
+Runs tests/distributed/agreement_worker.py under torchrun (gloo, CPU) with a timeout, one launch for
+the 2-rank and one for the 4-rank scenarios (each in turn in one process group): an input that
 is invalid on one rank only (heads, length, layout cp), a ``softmax_scale`` that differs between
 ranks, and hierarchical inner/outer groups given the wrong way round must make every rank raise
 the same ``ValueError``; the CP plan checks once per shape signature.
@@ -8,22 +9,25 @@ the same ``ValueError``; the CP plan checks once per shape signature.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.helpers.dist import run_torchrun
+from tests.helpers.dist import result_rows, shared_torchrun
 
 WORKER = "tests/distributed/agreement_worker.py"
+SCENARIOS = {
+    2: ["gqa_one_rank", "length_one_rank", "layout_cp_one_rank", "scale_one_rank", "sparse_scale_one_rank",
+        "plan_once", "plan_gqa_one_rank", "layer_policy_one_rank"],
+    4: ["hier_swapped", "hier_swapped_sparse", "hier_gqa_one_rank", "hier_ok"],
+}
 
 
-def _run(scenario: str, nproc: int, timeout: float = 120) -> list[dict]:
-    res = run_torchrun(WORKER, [scenario], nproc=nproc, timeout=timeout)
+def _run(scenario: str, nproc: int, timeout: float = 300) -> list[dict]:
+    res = shared_torchrun(WORKER, SCENARIOS[nproc], nproc=nproc, timeout=timeout)
     assert not res.timed_out, "ranks hung instead of raising:\n" + res.tail()
     assert res.returncode == 0, res.tail()
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    lines = result_rows(res, scenario)
     assert len(lines) == 1, res.tail()
-    rows = sorted(json.loads(lines[0][len("RESULT "):]), key=lambda r: r["rank"])
+    rows = sorted(lines[0], key=lambda r: r["rank"])
     assert len(rows) == nproc, res.tail()
     return rows
 
@@ -53,22 +57,22 @@ def test_softmax_scale_mismatch_is_an_error(scenario):
 
 def test_hierarchical_groups_swapped_is_an_error():
     """Dense hierarchical ring, 2 x 2, inner and outer groups swapped: before, relative error ~1."""
-    _same_error_everywhere(_run("hier_swapped", 4, timeout=180), "are the inner and outer groups swapped?")
+    _same_error_everywhere(_run("hier_swapped", 4), "are the inner and outer groups swapped?")
 
 
 def test_hierarchical_groups_swapped_is_an_error_sparse():
-    _same_error_everywhere(_run("hier_swapped_sparse", 4, timeout=180), "are the inner and outer groups swapped?")
+    _same_error_everywhere(_run("hier_swapped_sparse", 4), "are the inner and outer groups swapped?")
 
 
 def test_hierarchical_invalid_on_one_rank_fails_on_every_rank():
-    rows = _run("hier_gqa_one_rank", 4, timeout=180)
+    rows = _run("hier_gqa_one_rank", 4)
     errors = [r["error"] for r in rows]
     assert all(e is not None and "GQA needs" in e for e in errors), errors
 
 
 def test_hierarchical_correct_groups_match_flat_ring():
     """Positive control of the numbering check: Megatron's numbering runs and equals the flat ring."""
-    rows = _run("hier_ok", 4, timeout=180)
+    rows = _run("hier_ok", 4)
     assert all(r["error"] is None for r in rows), rows
     assert max(r["vs_flat"] for r in rows) < 1e-12, rows
 

@@ -15,6 +15,7 @@ thread pools thrash), the repository root on ``PYTHONPATH`` (so workers can
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["REPO_ROOT", "RunResult", "RankResult", "free_port", "worker_env", "run_torchrun", "run_ranks", "run_python",
-           "run_reaped", "finish_process_group", "one_rank_megatron"]
+__all__ = ["REPO_ROOT", "RunResult", "RankResult", "free_port", "worker_env", "run_torchrun", "shared_torchrun",
+           "result_rows", "run_ranks", "run_python", "run_reaped", "finish_process_group", "one_rank_megatron"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,6 +135,39 @@ def run_torchrun(
             break
     assert res is not None
     return res
+
+
+_SHARED: dict = {}
+
+
+def shared_torchrun(script: str | os.PathLike, args: Sequence[str] = (), *, nproc: int = 2,
+                    timeout: float = 300.0, env: Optional[Mapping[str, str]] = None) -> RunResult:
+    """:func:`run_torchrun`, launched once per ``(script, args, nproc, env)`` in this pytest process.
+
+    For workers that run many checks in one process group: every test that needs a check of the
+    launch reads its result from the same run (a failed or timed-out launch is reported by every
+    test that uses it, never re-run). Each process group start costs seconds of imports per rank;
+    one launch for a module's checks instead of one per test is most of a multi-rank module's time.
+    """
+    key = (str(script), tuple(map(str, args)), nproc, tuple(sorted((env or {}).items())))
+    if key not in _SHARED:
+        _SHARED[key] = run_torchrun(script, args, nproc=nproc, timeout=timeout, env=env)
+    return _SHARED[key]
+
+
+def result_rows(res: RunResult, tag: Optional[str] = None) -> list:
+    """The JSON payloads of a worker's ``RESULT [tag] {json}`` lines (only those of ``tag`` if given)."""
+    rows = []
+    for line in res.stdout.splitlines():
+        if not line.startswith("RESULT "):
+            continue
+        body = line[len("RESULT "):]
+        if tag is not None:
+            head, _, body = body.partition(" ")
+            if head != tag:
+                continue
+        rows.append(json.loads(body))
+    return rows
 
 
 @dataclass

@@ -5,7 +5,8 @@ Used by tests/integration/test_megatron_adapter.py to check that CP=2/4 with MTr
 ``--reset-position-ids --reset-attention-mask --eod-mask-loss`` (position ids and loss mask from
 megatron-core's GPTDataset rule; ``--attn local`` gets megatron-core's dense document mask).
 Rank 0 writes ``--out`` (a torch file) with the global loss, the unsharded per-token losses,
-the CP/DP-reduced gradients and the gradient norm.
+the CP/DP-reduced gradients and the gradient norm. ``--cases JSON`` (a list of such argument lists)
+runs several cases in turn in one process group (megatron-core's parallel state is rebuilt for each).
 
 The loss is the exact global token mean ``sum(loss * mask) / N`` with ``N`` the loss-mask count
 all-reduced over the DP x CP group (as in megatron_mtraining.training.step); gradients are reduced by
@@ -44,6 +45,24 @@ def text_like_tokens(batch: int, seq: int, vocab: int, seed: int = 0) -> torch.T
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--cases":
+        import json
+
+        cases = json.loads(sys.argv[2])
+    else:
+        cases = [sys.argv[1:]]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    for argv in cases:
+        run_case(argv)
+        ps.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_case(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attn", choices=["mtraining", "local"], default="mtraining",
                     help="local = megatron's stock DotProductAttention (CP=1 only)")
@@ -59,12 +78,10 @@ def main() -> None:
     ap.add_argument("--ref-weights", default=None)
     ap.add_argument("--save-weights", default=None)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
     rank = dist.get_rank()
-    torch.set_num_threads(1)
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -200,9 +217,9 @@ def main() -> None:
             "loss_tok": loss_tok_global, "grads": grads, "grad_norm": grad_norm, "cp": cp,
             "q": qk["q"], "k": qk["k"],
         }, args.out)
-        print(f"WORKER_DONE cp={cp} loss={(stats[0] / stats[1]).item():.8f} grad_norm={grad_norm:.8f}", flush=True)
+        print(f"WORKER_DONE cp={cp} loss={(stats[0] / stats[1]).item():.8f} grad_norm={grad_norm:.8f} "
+              f"out={args.out}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

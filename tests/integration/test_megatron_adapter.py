@@ -461,20 +461,63 @@ def test_cpu_patches_idempotent_and_scoped():
 
 
 # --------------------------------------------------------------- multi-rank CP equivalence (torchrun)
-def _run_worker(tmp, name, nproc, *args):
-    out = tmp / f"{name}.pt"
-    res = run_torchrun(WORKER, ["--out", out, *args], nproc=nproc, timeout=240)
-    assert res.returncode == 0 and "WORKER_DONE" in res.stdout, res.tail()
-    return torch.load(out)
+# Every worker run of this module, by name: (ranks, arguments). One torchrun launch per rank count
+# runs all of its cases in turn (gpt_cp_worker.py --cases); the one-rank launch comes first, since
+# "ref" and "abs_ref" write the weights that the others load. "{tmp}" is the module's folder.
+_W, _WABS = ["--ref-weights", "{tmp}/weights.pt"], ["--ref-weights", "{tmp}/weights_abs.pt"]
+_ABS = ["--position-embedding-type", "learned_absolute"]
+_UNEVEN = ["--mask", "uneven"]
+RUNS = {
+    "ref": (1, ["--attn", "local", "--save-weights", "{tmp}/weights.pt"]),
+    "abs_ref": (1, ["--attn", "local", "--save-weights", "{tmp}/weights_abs.pt", *_ABS]),
+    "cp1": (1, ["--granularity", "64", *_W]),
+    "packed_stock": (1, ["--attn", "local", "--packed", *_W]),
+    "packed_cp1": (1, ["--packed", *_W]),
+    "uneven_ref": (1, ["--attn", "local", *_UNEVEN, *_W]),
+    "cp2": (2, ["--granularity", "64", *_W]),
+    "neg_rope": (2, ["--rope-layout", "zigzag", *_W]),
+    "packed_cp2_striped": (2, ["--packed", "--layout", "striped", "--granularity", "64", *_W]),
+    "packed_cp2_zigzag": (2, ["--packed", "--layout", "zigzag", "--granularity", "64", *_W]),
+    "packed_nomask": (2, ["--packed", "--packed-no-mask", *_W]),
+    "abs_cp2": (2, [*_WABS, *_ABS]),
+    "uneven_cp2": (2, [*_UNEVEN, *_W]),
+    "cp4": (4, ["--granularity", "16", *_W]),
+    "packed_cp4_striped": (4, ["--packed", "--layout", "striped", "--granularity", "16", *_W]),
+    "uneven_cp4": (4, [*_UNEVEN, *_W]),
+}
+_LAUNCHED: dict = {}
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    """CP=1 with megatron's stock DotProductAttention: weights + results for every comparison."""
-    tmp = tmp_path_factory.mktemp("cp_ref")
-    weights = tmp / "weights.pt"
-    res = _run_worker(tmp, "ref", 1, "--attn", "local", "--save-weights", weights)
-    return tmp, weights, res
+def runs(tmp_path_factory):
+    """``runs(name)``: the result file of the worker run ``name`` of :data:`RUNS` (launching its rank
+    count's cases on first use; a failed launch fails every test that needs it)."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("cp_runs")
+
+    def launch(nproc):
+        if nproc not in _LAUNCHED:
+            if nproc != 1:
+                launch(1)
+            cases = [["--out", f"{tmp}/{name}.pt", *(a.format(tmp=tmp) for a in args)]
+                     for name, (n, args) in RUNS.items() if n == nproc]
+            _LAUNCHED[nproc] = run_torchrun(WORKER, ["--cases", json.dumps(cases)], nproc=nproc, timeout=600)
+        return _LAUNCHED[nproc]
+
+    def get(name):
+        res = launch(RUNS[name][0])
+        assert res.returncode == 0 and f"out={tmp}/{name}.pt" in res.stdout, res.tail()
+        return torch.load(tmp / f"{name}.pt")
+
+    yield get
+    _LAUNCHED.clear()
+
+
+@pytest.fixture(scope="module")
+def ref(runs):
+    """CP=1 with megatron's stock DotProductAttention: results for every comparison."""
+    return runs("ref")
 
 
 def _compare(got, want, tol=1e-5):
@@ -494,45 +537,38 @@ def _compare(got, want, tol=1e-5):
 @needs_ring
 @pytest.mark.slow
 @pytest.mark.parametrize("cp,granularity", [(1, 64), (2, 64), (4, 16)])
-def test_gpt_cp_matches_cp1(ref, cp, granularity):
-    tmp, weights, want = ref
-    got = _run_worker(tmp, f"cp{cp}", cp, "--granularity", granularity, "--ref-weights", weights)
-    dev, ok = _compare(got, want)
+def test_gpt_cp_matches_cp1(runs, ref, cp, granularity):
+    got = runs(f"cp{cp}")
+    dev, ok = _compare(got, ref)
     assert all(ok.values()), dev
 
 
 @needs_ring
 @pytest.mark.slow
-def test_negative_control_zigzag_rope_with_striped_split_mismatches(ref):
+def test_negative_control_zigzag_rope_with_striped_split_mismatches(runs, ref):
     """Megatron's stock RoPE slicing (zigzag rows) with our striped batch split must be caught."""
-    tmp, weights, want = ref
-    got = _run_worker(tmp, "neg_rope", 2, "--rope-layout", "zigzag", "--ref-weights", weights)
-    dev, ok = _compare(got, want)
+    dev, ok = _compare(runs("neg_rope"), ref)
     assert not ok["loss_tok"] and not ok["grads"] and not ok["q"] and not ok["k"], dev
     # (the mean loss alone is too insensitive to RoPE errors in a random-init model; not asserted)
 
 
 @pytest.fixture(scope="module")
-def packed_ref(ref):
+def packed_ref(runs):
     """Packed documents (EOD resets): CP=1 stock DotProductAttention with megatron-core's dense document
     mask (an independent reference; its RoPE uses global positions) and CP=1 MTrainingAttention."""
-    tmp, weights, _ = ref
-    stock = _run_worker(tmp, "packed_stock", 1, "--attn", "local", "--packed", "--ref-weights", weights)
-    cp1 = _run_worker(tmp, "packed_cp1", 1, "--packed", "--ref-weights", weights)
-    return tmp, weights, stock, cp1
+    return runs("packed_stock"), runs("packed_cp1")
 
 
 @needs_ring
 @pytest.mark.slow
 @pytest.mark.parametrize("cp,layout,granularity", [(1, "striped", 64), (2, "striped", 64), (4, "striped", 16),
                                                    (2, "zigzag", 64)])
-def test_packed_gpt_cp_matches_cp1(packed_ref, cp, layout, granularity):
+def test_packed_gpt_cp_matches_cp1(runs, packed_ref, cp, layout, granularity):
     """--reset-position-ids --reset-attention-mask --eod-mask-loss: CP=2/4 loss, grad norm, per-token losses,
     every gradient and the post-RoPE q/k (angles restart per document) equal CP=1; loss and gradients equal
     megatron-core's own dense document mask at CP=1 (whose RoPE angles are global, so q/k are not compared)."""
-    tmp, weights, stock, cp1 = packed_ref
-    got = cp1 if cp == 1 else _run_worker(tmp, f"packed_cp{cp}_{layout}", cp, "--packed", "--layout", layout,
-                                          "--granularity", granularity, "--ref-weights", weights)
+    stock, cp1 = packed_ref
+    got = cp1 if cp == 1 else runs(f"packed_cp{cp}_{layout}")
     dev, ok = _compare(got, cp1)
     assert all(ok.values()), dev
     dev, ok = _compare(got, stock)
@@ -541,34 +577,25 @@ def test_packed_gpt_cp_matches_cp1(packed_ref, cp, layout, granularity):
 
 @needs_ring
 @pytest.mark.slow
-def test_negative_control_packed_without_document_mask_mismatches(packed_ref):
-    tmp, weights, _, cp1 = packed_ref
-    got = _run_worker(tmp, "packed_nomask", 2, "--packed", "--packed-no-mask", "--ref-weights", weights)
-    dev, ok = _compare(got, cp1)
+def test_negative_control_packed_without_document_mask_mismatches(runs, packed_ref):
+    dev, ok = _compare(runs("packed_nomask"), packed_ref[1])
     assert not ok["loss_tok"] and not ok["grads"], dev
 
 
 @needs_ring
 @pytest.mark.slow
-def test_learned_absolute_positions_cp2_matches_cp1(ref):
+def test_learned_absolute_positions_cp2_matches_cp1(runs):
     """Without RoPE the positions come from the sharded ``position_ids`` of the batch."""
-    tmp, _, _ = ref
-    weights = tmp / "weights_abs.pt"
-    args = ("--position-embedding-type", "learned_absolute")
-    want = _run_worker(tmp, "abs_ref", 1, "--attn", "local", "--save-weights", weights, *args)
-    got = _run_worker(tmp, "abs_cp2", 2, "--ref-weights", weights, *args)
-    dev, ok = _compare(got, want)
+    dev, ok = _compare(runs("abs_cp2"), runs("abs_ref"))
     assert all(ok.values()), dev
 
 
 @needs_ring
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-def test_uneven_loss_mask_cp_matches_cp1(ref, cp):
+def test_uneven_loss_mask_cp_matches_cp1(runs, cp):
     """~90% of CP rank 1's tokens are loss-masked: the exact global token mean must still hold."""
-    tmp, weights, _ = ref
-    want = _run_worker(tmp, "uneven_ref", 1, "--attn", "local", "--mask", "uneven", "--ref-weights", weights)
-    got = _run_worker(tmp, f"uneven_cp{cp}", cp, "--mask", "uneven", "--ref-weights", weights)
+    want, got = runs("uneven_ref"), runs(f"uneven_cp{cp}")
     dev, ok = _compare(got, want)
     assert all(ok.values()), dev
     # sensitivity: the mean of per-rank means (Megatron without per-token loss) is visibly different

@@ -67,7 +67,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--kernels", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--kernels", nargs="+", default=["torch"], choices=["torch", "triton"],
+                    help="kernels to check, each in turn in this process group")
     args = ap.parse_args()
     from tests.helpers.dist import finish_process_group, start_process_group
 
@@ -79,8 +80,9 @@ def main():
     for hq, hkv in ((4, 2), (6, 2)):
         prob = Problem(args.seq, 2, hq, hkv, args.head_dim, 21 + hq, cfg)
         config = {"cp": world, "hq": hq, "hkv": hkv, "seq": args.seq}
-        for columns in ("in_ring", "out_of_ring"):
-            check(prob, layout, group, args.kernels, columns, config)
+        for kernels in args.kernels:
+            for columns in ("in_ring", "out_of_ring"):
+                check(prob, layout, group, kernels, columns, config)
     finish_process_group()
 
 

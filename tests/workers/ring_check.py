@@ -72,11 +72,34 @@ def main():
                     help="with --hier (dense): the kernels of the flat and the hierarchical ring (select_backend)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                     help="nccl: the ring runs on cuda:LOCAL_RANK (the reference stays on the CPU)")
+    ap.add_argument("--cases", default=None,
+                    help="JSON list of {\"name\": ..., option: value}: run each case in turn in this process group "
+                         "(options as above, e.g. \"hier\": [2, 2]); its RESULT lines are tagged with the name")
     args = ap.parse_args()
 
     from tests.helpers.dist import start_process_group
 
     args.device = start_process_group(args.backend)
+    args.tag = None
+    if args.cases is None:
+        run(args)
+    else:
+        from megatron.core import parallel_state as ps
+
+        for case in json.loads(args.cases):
+            over = {k.replace("-", "_"): v for k, v in case.items() if k != "name"}
+            unknown = set(over) - set(vars(args))
+            if unknown:
+                raise SystemExit(f"unknown case options {sorted(unknown)}")
+            run(argparse.Namespace(**{**vars(args), **over, "cases": None, "tag": case["name"]}))
+            ps.destroy_model_parallel()
+    from tests.helpers.dist import finish_process_group
+
+    finish_process_group()
+
+
+def run(args):
+    """One check (or the whole ``--matrix``) on the groups ``args`` asks for."""
     world = dist.get_world_size()
     args.hier_groups = None
     if args.hier:
@@ -94,9 +117,6 @@ def main():
             cfg = argparse.Namespace(**{**vars(args), "layout": lay, "granularity": gran, "heads": h,
                                         "kv_heads": hkv, "batch": bsz, "head_dim": hd, "dtype": dt})
             check(cfg, group)
-    from tests.helpers.dist import finish_process_group
-
-    finish_process_group()
 
 
 def megatron_cp_group(tp, dp):
@@ -121,6 +141,10 @@ def megatron_hierarchical_groups(tp, sizes):
     inner, outer = ps.get_hierarchical_context_parallel_groups()
     assert ps.get_context_parallel_rank() == dist.get_rank(outer) * inner_size + dist.get_rank(inner)
     return ps.get_context_parallel_group(), (inner, outer)
+
+
+def _result_prefix(args) -> str:
+    return f"RESULT {args.tag} " if getattr(args, "tag", None) else "RESULT "
 
 
 def check(args, group):
@@ -187,7 +211,7 @@ def check(args, group):
         errs = [None] * dist.get_world_size()
         dist.all_gather_object(errs, msg)
         if dist.get_rank() == 0:
-            print("RESULT " + json.dumps({"error": errs}), flush=True)
+            print(_result_prefix(args) + json.dumps({"error": errs}), flush=True)
         return
     out.backward(dl.detach())
     res = {
@@ -211,7 +235,7 @@ def check(args, group):
             worst["vs_flat"] = max(r["vs_flat"] for r in allres)
         worst["config"] = {k: getattr(args, k) for k in ("layout", "granularity", "seq", "batch", "heads",
                                                           "kv_heads", "head_dim", "dtype", "wrong_layout")}
-        print("RESULT " + json.dumps(worst), flush=True)
+        print(_result_prefix(args) + json.dumps(worst), flush=True)
 
 
 if __name__ == "__main__":
