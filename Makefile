@@ -39,7 +39,7 @@ test-fast: setup
 
 # On a CUDA machine: the GPU kernel checks and the NCCL ring checks (the latter need 2 or 4 GPUs).
 test-gpu: setup
-	$(BIN)/python -m pytest tests -m gpu $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m gpu $(XDIST) $(PYTEST_ARGS)
 
 demo: setup
 	PYTHON=$(BIN)/python bash examples/run_demo.sh

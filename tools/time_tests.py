@@ -29,9 +29,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatron_mtraining.bench.record import environment, write_json  # noqa: E402
+from megatron_mtraining.bench.record import environment, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "results" / "tests.json"

@@ -10,6 +10,11 @@ Usable by any test::
 Every run gets a free TCP port, ``OMP_NUM_THREADS=1`` (2-core CI machines: 4 ranks with default
 thread pools thrash), the repository root on ``PYTHONPATH`` (so workers can
 ``import tests.helpers...`` and ``megatron_mtraining``), and a hard timeout.
+
+On a CPU machine the processes are forked from :mod:`tests.helpers.forkserver` (torch and
+megatron-core already imported) instead of started from scratch; ``run_torchrun`` then starts the
+ranks itself with torchrun's environment and its rule that one failed rank stops the others.
+``MTRAINING_TEST_FORKSERVER=0`` starts every process from scratch (and torchrun for real).
 """
 
 from __future__ import annotations
@@ -93,6 +98,84 @@ def _run(cmd: list[str], timeout: float, env: Mapping[str, str], cwd: Path) -> R
         return RunResult(cmd, None, out or "", err or "", timed_out=True)
 
 
+def _forked(env: Mapping[str, str]):
+    from tests.helpers.forkserver import server_for
+
+    return server_for(env, str(REPO_ROOT))
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _run_forked(server, script, args, timeout: float, env: Mapping[str, str], cwd: Path) -> RunResult:
+    """``python script *args`` forked from the fork server; its session is killed once it exits."""
+    from tests.helpers.forkserver import ForkedProcess
+
+    cmd = [sys.executable, str(script), *map(str, args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        p = ForkedProcess(server, script, args, env, cwd, os.path.join(tmp, "out"), os.path.join(tmp, "err"))
+        try:
+            rc: Optional[int] = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        p.kill_group()
+        p.wait()
+        return RunResult(cmd, rc, _read(os.path.join(tmp, "out")), _read(os.path.join(tmp, "err")),
+                         timed_out=rc is None)
+
+
+def _rank_env(env: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The variables torchrun (one node) gives rank ``rank`` of ``nproc``."""
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none"}
+
+
+def _torchrun_forked(server, script, args, nproc: int, timeout: float, env: Mapping[str, str],
+                     cwd: Path) -> RunResult:
+    """torchrun's job without its agent process: ``nproc`` ranks forked from the fork server; as soon
+    as one rank fails the others get SIGTERM (SIGKILL 5 s later) and the result's return code is 1.
+    ``stdout``/``stderr`` hold every rank's output, in rank order."""
+    from tests.helpers.forkserver import ForkedProcess
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(script),
+           *map(str, args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ForkedProcess(server, script, args, _rank_env(env, r, nproc, port), cwd,
+                               os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
+        deadline = time.monotonic() + timeout
+        failed = None
+        while time.monotonic() < deadline:
+            rcs = [p.poll() for p in procs]
+            failed = next((r for r, rc in enumerate(rcs) if rc not in (None, 0)), None)
+            if failed is not None or all(rc == 0 for rc in rcs):
+                break
+            time.sleep(0.05)
+        timed_out = failed is None and any(p.poll() is None for p in procs)
+        if failed is not None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill_group(signal.SIGTERM)
+            stop = time.monotonic() + 5.0
+            while time.monotonic() < stop and any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+        for p in procs:
+            p.kill_group()
+            p.wait()
+        out = "".join(_read(os.path.join(tmp, f"{r}.out")) for r in range(nproc))
+        err = "".join(_read(os.path.join(tmp, f"{r}.err")) for r in range(nproc))
+    if failed is not None:
+        err += (f"\n[forked torchrun] rank {failed} failed with exit code {procs[failed].returncode}; "
+                f"exit codes {[p.returncode for p in procs]}\n")
+    rc = None if timed_out else (1 if failed is not None else 0)
+    return RunResult(cmd, rc, out, err, timed_out=timed_out)
+
+
 def run_torchrun(
     script: str | os.PathLike,
     args: Sequence[str] = (),
@@ -121,8 +204,14 @@ def run_torchrun(
     cwd = Path(cwd) if cwd is not None else REPO_ROOT
     target = ["-m", str(script)] if module else [str(script)]
     full_env = worker_env(env)
+    server = None if module else _forked(full_env)
     res: Optional[RunResult] = None
     for _attempt in range(2):
+        if server is not None:
+            res = _torchrun_forked(server, script, args, nproc, timeout, full_env, cwd)
+            if res.returncode == 0 or "Address already in use" not in res.output:
+                break
+            continue
         port = free_port()
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
@@ -214,6 +303,7 @@ def run_ranks(
     cwd = Path(cwd) if cwd is not None else REPO_ROOT
     wait_for = list(range(nproc)) if wait_for is None else list(wait_for)
     results: list[RankResult] = []
+    server = _forked(worker_env(env))
     for _attempt in range(2):
         port = free_port()
         with tempfile.TemporaryDirectory() as tmp:
@@ -222,8 +312,13 @@ def run_ranks(
                 out, err = open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+")
                 e = worker_env({**(env or {}), "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
                                 "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=out, stderr=err,
-                                              text=True, env=e, cwd=str(cwd), start_new_session=True))
+                if server is not None:
+                    from tests.helpers.forkserver import ForkedProcess
+
+                    procs.append(ForkedProcess(server, script, args, e, cwd, out.name, err.name))
+                else:
+                    procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=out,
+                                                  stderr=err, text=True, env=e, cwd=str(cwd), start_new_session=True))
                 files.append((out, err))
             ends: dict[int, float] = {}
             deadline = time.monotonic() + timeout
@@ -263,8 +358,12 @@ def run_python(
 ) -> RunResult:
     """Run ``python script *args`` (single process, same environment rules as :func:`run_torchrun`)."""
     cwd = Path(cwd) if cwd is not None else REPO_ROOT
+    full_env = worker_env(env)
+    server = _forked(full_env)
+    if server is not None:
+        return _run_forked(server, script, args, timeout, full_env, cwd)
     cmd = [sys.executable, str(script), *map(str, args)]
-    return _run(cmd, timeout, worker_env(env), cwd)
+    return _run(cmd, timeout, full_env, cwd)
 
 
 def run_reaped(
@@ -282,15 +381,19 @@ def run_reaped(
     the checkpoint writer's multiprocessing manager) running, and they would hold a pipe open.
     ``returncode`` is ``-9`` for a SIGKILLed plain ``python`` run.
     """
-    import tempfile
-
+    full_env = worker_env(env)
+    server = _forked(full_env)
+    if server is not None:
+        if nproc is None:
+            return _run_forked(server, script, args, timeout, full_env, REPO_ROOT)
+        return _torchrun_forked(server, script, args, nproc, timeout, full_env, REPO_ROOT)
     if nproc is None:
         cmd = [sys.executable, str(script), *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
     with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
-        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=worker_env(env), cwd=str(REPO_ROOT),
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=full_env, cwd=str(REPO_ROOT),
                              start_new_session=True)
         try:
             rc: Optional[int] = p.wait(timeout=timeout)

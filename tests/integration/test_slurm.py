@@ -299,7 +299,8 @@ def test_multinode_sbatch_cpu_mode_two_nodes(slurm, jobs):
 
 
 # --------------------------------------------------------------------- preemption, requeue, resume
-RESUME_ITERS = 40     # 8 micro-batches per iteration: a few seconds of training, long enough to signal
+RESUME_ITERS = 20     # 8 micro-batches per iteration: a few seconds of training, long enough to signal
+HALF = RESUME_ITERS // 2      # where the first job of the singleton chain stops (--exit-interval)
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -313,10 +314,10 @@ def _state(env, jid: str) -> str:
 
 @pytest.fixture(scope="module")
 def resume_jobs(slurm, dataset, tmp_path_factory):
-    """Three runs of the same training (40 iterations, CP=2, 2 ranks) under one OUTPUT_DIR:
+    """Three runs of the same training (RESUME_ITERS iterations, CP=2, 2 ranks) under one OUTPUT_DIR:
     ``ref`` uninterrupted; ``sig`` gets SIGUSR1 (the test sends it) and requeues itself;
     ``chain`` = two jobs of the same name, the second with --dependency=singleton, the first
-    stopping at iteration 20 (--exit-interval 20)."""
+    stopping at iteration HALF (--exit-interval HALF)."""
     d = tmp_path_factory.mktemp("resume")
     out = d / "out"
     common = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--oversubscribe", "--time=10"]
@@ -332,9 +333,9 @@ def resume_jobs(slurm, dataset, tmp_path_factory):
     jobs = {"ref": _submit(slurm, [*common, "--job-name=ref"], script, env("ref"), d),
             "sig": _submit(slurm, [*common, "--job-name=sig"], script, env("sig"), d),
             "chain1": _submit(slurm, [*common, "--job-name=chain"], script,
-                              env("chain", AUTO_REQUEUE="0", EXTRA_ARGS="--exit-interval 20"), d)}
+                              env("chain", AUTO_REQUEUE="0", EXTRA_ARGS=f"--exit-interval {HALF}"), d)}
     jobs["chain2"] = _submit(slurm, [*common, "--job-name=chain", "--dependency=singleton"], script,
-                             env("chain", AUTO_REQUEUE="0", EXTRA_ARGS="--exit-interval 20"), d)
+                             env("chain", AUTO_REQUEUE="0", EXTRA_ARGS=f"--exit-interval {HALF}"), d)
     yield jobs, d, out
     subprocess.run(["scancel", *jobs.values()], env=slurm, capture_output=True, timeout=30)
 
@@ -389,15 +390,15 @@ def test_signal_saves_exits_0_and_the_requeued_job_resumes_the_same_curve(slurm,
 
 @pytest.mark.slow
 def test_a_new_job_of_the_same_name_resumes_the_run(slurm, resume_jobs):
-    """--dependency=singleton chain: job 2 (a new job id) resumes job 1's checkpoint of iteration 20
+    """--dependency=singleton chain: job 2 (a new job id) resumes job 1's checkpoint of iteration HALF
     from OUTPUT_DIR/<job name> and the two halves are the uninterrupted curve."""
     jobs, d, out = resume_jobs
     log1 = _wait(slurm, jobs["chain1"], d)
-    assert "exiting after iteration 20 (--exit-interval 20)" in log1
-    assert f"stopped at iteration 20 of {RESUME_ITERS}: submit again with the same RUN_NAME" in log1
+    assert f"exiting after iteration {HALF} (--exit-interval {HALF})" in log1
+    assert f"stopped at iteration {HALF} of {RESUME_ITERS}: submit again with the same RUN_NAME" in log1
     log2 = _wait(slurm, jobs["chain2"], d)
-    assert f"latest_checkpointed_iteration.txt: 20); --load {out}/chain/checkpoints" in log2, log2[:3000]
-    assert f"loaded checkpoint {out}/chain/checkpoints/iter_0000020 (iteration 20)" in log2
+    assert f"latest_checkpointed_iteration.txt: {HALF}); --load {out}/chain/checkpoints" in log2, log2[:3000]
+    assert f"loaded checkpoint {out}/chain/checkpoints/iter_{HALF:07d} (iteration {HALF})" in log2
     assert f"done: {out}/chain (iteration {RESUME_ITERS})" in log2
     _wait(slurm, jobs["ref"], d)
     _same_curve(_metrics(d / "chain.jsonl"), _metrics(d / "ref.jsonl"))

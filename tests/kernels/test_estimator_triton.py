@@ -450,7 +450,7 @@ def test_estimator_impl_errors(monkeypatch):
 
 def test_kernels_compile_for_sm90():
     """The interpreter does not compile: the real Triton compiler builds both kernels for sm_90
-    (bf16/fp16/fp32, head_dim 64/128/80) in a subprocess without TRITON_INTERPRET, no GPU needed;
+    (bf16 and fp32 at head_dim 64/128/80, fp16 at 128) in a subprocess without TRITON_INTERPRET, no GPU needed;
     the 16-bit variants do not spill registers."""
     import importlib.util
 
