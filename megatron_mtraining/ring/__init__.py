@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, profiled, \
-    record_function
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, \
+    first_order_only, profiled, record_function
 from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
@@ -219,6 +219,7 @@ class RingAttentionFunc(torch.autograd.Function):
 
     @staticmethod
     @profiled(REGION_ATTENTION_BWD)
+    @first_order_only("ring attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         comm = ctx.comm

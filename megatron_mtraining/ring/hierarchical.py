@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, profiled
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, first_order_only, \
+    profiled
 from ..distributed import (RingComm, check_hierarchical_consistent, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
@@ -113,6 +114,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
 
     @staticmethod
     @profiled(REGION_ATTENTION_BWD)
+    @first_order_only("hierarchical ring attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         kernel, inner, outer, overlap = ctx.kernel, ctx.inner, ctx.outer, ctx.overlap

@@ -18,7 +18,8 @@ Scenarios:
     hier_swapped            4 ranks, 2 x 2 dense hierarchical ring with inner and outer groups swapped
     hier_swapped_sparse     the same for the sparse ring given the CP group
     hier_gqa_one_rank       dense hierarchical ring, rank 3 passes bad heads
-    hier_ok                 4 ranks, correct groups: runs and matches the flat ring
+    hier_ok                 4 ranks, correct groups: runs and matches the flat ring; a second backward
+                            through the flat and the hierarchical ring raises on every rank
     plan_once               the CP plan's check communicates once per shape signature (2 ranks)
     plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
     layer_policy_one_rank   rank 1's config keeps another layer dense (per-layer policy); the check
@@ -52,6 +53,24 @@ def _groups_2x2(swapped: bool):
     r = dist.get_rank()
     inner, outer = consecutive[r // 2], strided[r % 2]
     return (outer, inner) if swapped else (inner, outer)
+
+
+def _double_backward_errors(q, k, v, lay, world, inner, outer) -> list:
+    """The error of a second backward through the flat and the hierarchical ring (``None``: no error)."""
+    from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+
+    errors = []
+    for attend in (lambda q, k, v: ring_attention(q, k, v, layout=lay, group=world),
+                   lambda q, k, v: hierarchical_ring_attention(q, k, v, layout=lay, inner_group=inner,
+                                                               outer_group=outer)):
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        (dq,) = torch.autograd.grad(attend(qg, kg, vg), qg, torch.ones_like(qg), create_graph=True)
+        try:
+            torch.autograd.grad(dq, kg, torch.ones_like(dq))
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
 
 
 def run(scenario: str) -> dict:
@@ -88,6 +107,8 @@ def run(scenario: str) -> dict:
         out = hierarchical_ring_attention(q, k, v, layout=lay, inner_group=inner, outer_group=outer)
         flat = ring_attention(q, k, v, layout=lay, group=world)
         extra["vs_flat"] = float((out - flat).abs().max() / flat.abs().max())
+        if scenario == "hier_ok":
+            extra["double_backward"] = _double_backward_errors(q, k, v, lay, world, inner, outer)
     elif scenario == "hier_swapped_sparse":
         from megatron_mtraining.patterns.estimator import VerticalSlashConfig
         from megatron_mtraining.ring.sparse import sparse_ring_attention

@@ -71,6 +71,9 @@ def test_hierarchical_correct_groups_match_flat_ring():
     rows = _run("hier_ok", 4, timeout=180)
     assert all(r["error"] is None for r in rows), rows
     assert max(r["vs_flat"] for r in rows) < 1e-12, rows
+    # second-order gradients are an error on every rank (flat and hierarchical ring, CP=4), not a wrong number
+    for r in rows:
+        assert len(r["double_backward"]) == 2 and all(e and "double backward" in e for e in r["double_backward"]), r
 
 
 def test_plan_checks_once_per_shape_signature():
