@@ -280,13 +280,14 @@ class CPPlan:
         key = (id(self), tuple(q.shape))
         if documents is None or key not in documents._agreed:
             from megatron_mtraining.distributed import check_consistent_across_ranks
+            from megatron_mtraining.layout.documents import documents_agreement_key
             from megatron_mtraining.ring import documents_error
 
             if error is None:
                 error = documents_error(documents, q, self.layout, self.cp_size)
             if self.cp_size > 1:
                 check_consistent_across_ranks(self.cp_group, what, error=error,
-                                              documents=documents.agreement_key() if documents else (0,) * 5)
+                                              documents=documents_agreement_key(documents))
             elif error is not None:
                 raise ValueError(f"{what}: {error}")
             documents._agreed.add(key)

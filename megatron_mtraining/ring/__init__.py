@@ -29,6 +29,7 @@ from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, defa
 from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
+from ..layout.documents import documents_agreement_key
 from ..ops.backends import KernelBackend, select_backend
 from ..ops.base import DeltaFunction
 from ..ops.merge import merge_attention
@@ -290,7 +291,7 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
         error = hierarchical_numbering_error(*hierarchical_groups, group=group)
     if error is None:
         error = documents_error(documents, q, layout, cp, fields.get("causal", True))
-    fields["documents"] = documents.agreement_key() if documents is not None else (0, 0, 0, 0, 0)
+    fields["documents"] = documents_agreement_key(documents)
     if across_ranks and cp > 1:
         check_consistent_across_ranks(group, what, error=error, q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                                       dtype=q.dtype, layout=LAYOUT_KINDS.index(layout.kind),

@@ -40,6 +40,7 @@ from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, defa
 from ..distributed import (RingComm, check_hierarchical_consistent, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
+from ..layout.documents import documents_agreement_key
 from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
@@ -214,7 +215,7 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                       q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
                                       layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
                                       sizes=(n_in, n_out), causal=bool(causal), softmax_scale=scale,
-                                      documents=documents.agreement_key() if documents is not None else (0,) * 5)
+                                      documents=documents_agreement_key(documents))
     elif (error := (ring_input_error(q, k, v, layout, n_in * n_out)
                     or documents_error(documents, q, layout, n_in * n_out, causal))) is not None:
         raise ValueError(error)

@@ -20,7 +20,9 @@ Scenarios:
     hier_gqa_one_rank       dense hierarchical ring, rank 3 passes bad heads
     hier_ok                 4 ranks, correct groups: runs and matches the flat ring; a second backward
                             through the flat and the hierarchical ring raises on every rank
-    plan_once               the CP plan's check communicates once per shape signature (2 ranks)
+    plan_once               the CP plan's check communicates once per shape signature (2 ranks); then
+                            ranks with different document offsets of equal weighted checksum are an
+                            error on every rank (ring_attention and the plan's document check)
     plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
     layer_policy_one_rank   rank 1's config keeps another layer dense (per-layer policy); the check
                             runs from the view of layer 2, which is sparse on both ranks
@@ -71,6 +73,32 @@ def _double_backward_errors(q, k, v, lay, world, inner, outer) -> list:
         except RuntimeError as e:
             errors.append(str(e))
     return errors
+
+
+def _colliding_documents_errors(plan) -> list:
+    """Rank 0 packs [0,10,256,300,512], rank 1 [0,13,254,300,512] (the same weighted checksum mod
+    1000003): the error of ring_attention and of the plan's document check (``None``: accepted)."""
+    from megatron_mtraining.layout import PackedDocuments
+
+    cu = [0, 10, 256, 300, 512] if dist.get_rank() == 0 else [0, 13, 254, 300, 512]
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), seq_len=512)
+    lay = Layout("striped", dist.get_world_size(), 16)
+    q, k, v = _qkv(s_local=256)
+    errors = []
+    for attend in (lambda: ring_attention(q, k, v, layout=lay, group=dist.group.WORLD, documents=docs),
+                   lambda: resolve_plan(lay).check_documents(docs, q)):
+        try:
+            attend()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def resolve_plan(lay):
+    from megatron_mtraining.plan import resolve
+
+    return resolve({"granularity": lay.granularity}, cp_group=dist.group.WORLD, seq_len=512)
 
 
 def run(scenario: str) -> dict:
@@ -140,6 +168,8 @@ def run(scenario: str) -> dict:
         finally:
             dist.all_gather = real
         extra["collectives"] = len(calls)
+        if scenario == "plan_once":
+            extra["documents_differ"] = _colliding_documents_errors(plan)
     elif scenario == "layer_policy_one_rank":
         from megatron_mtraining.plan import resolve
 

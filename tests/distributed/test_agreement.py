@@ -80,6 +80,12 @@ def test_plan_checks_once_per_shape_signature():
     rows = _run("plan_once", 2)
     assert all(r["error"] is None for r in rows), rows
     assert [r["collectives"] for r in rows] == [2, 2], rows     # two signatures, five calls
+    # documents whose offsets differ between ranks (a collision of the former weighted checksum) are an
+    # error on every rank, at both front doors (ring_attention, the plan's document check)
+    for i in range(2):
+        errors = [r["documents_differ"][i] for r in rows]
+        assert all(e and "ranks of the CP group disagree" in e and "documents=" in e for e in errors), errors
+        assert len(set(errors)) == 1, errors
 
 
 def test_plan_check_input_invalid_on_one_rank_fails_on_every_rank():
