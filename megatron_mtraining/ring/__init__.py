@@ -30,14 +30,14 @@ from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, 
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
 from ..layout.documents import documents_agreement_key
-from ..ops.backends import KernelBackend, select_backend
+from ..ops.backends import KernelBackend, select_backend, triton_unsupported
 from ..ops.base import DeltaFunction
 from ..ops.merge import merge_attention
 from ..ops.reference import DenseStepKernel, attention_delta_torch
 
 __all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "ring_input_error",
            "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward", "end_backward", "packed_documents",
-           "documents_error", "dense_step_kernel"]
+           "documents_error", "dense_step_kernel", "backend_input_error"]
 
 
 def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, where: str = ""):
@@ -138,11 +138,38 @@ def end_backward(ctx) -> None:
 
 def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,
                 sparse: bool = False, packed: bool = False) -> KernelBackend:
-    """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``."""
+    """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``.
+
+    Raises:
+        ValueError: a given ``backend`` whose kernels cannot run ``q`` (:func:`backend_input_error`),
+            e.g. an explicit ``"triton"`` built without ``seq_len_local`` and a local length that is
+            not a multiple of 64.
+    """
     if backend is not None:
+        error = backend_input_error(backend, q)
+        if error is not None:
+            raise ValueError(error)
         return backend
     return select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1],
                           cp_size=cp_size, sparse=sparse, packed=packed)
+
+
+def backend_input_error(backend: KernelBackend, q: torch.Tensor) -> Optional[str]:
+    """Why ``backend`` (chosen before these inputs were known) cannot run ``q`` ([b, s_local, h, d]), or ``None``.
+
+    A backend whose ring steps run Triton (``"triton"``, ``"fa4"``) needs the Triton limits of
+    :func:`~megatron_mtraining.ops.backends.triton_unsupported` for ``q`` itself: its device, dtype,
+    head_dim and local length (a multiple of 64). ``select_backend(..., seq_len_local=...)`` checks the
+    length at selection; without it, this check names the rule instead of a reshape error inside the
+    kernels. The inputs' shapes and dtypes are compared across ranks first, so every rank gives the
+    same verdict."""
+    if backend.name not in ("triton", "fa4"):
+        return None
+    why = triton_unsupported(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1])
+    if not why:
+        return None
+    return (f"kernel_backend={backend.name!r} cannot run these inputs: " + "; ".join(why)
+            + " (use kernel_backend='auto' or 'torch', or inputs within these limits)")
 
 
 def packed_documents(documents):
