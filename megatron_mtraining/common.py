@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -21,7 +22,8 @@ from torch.profiler import record_function
 __all__ = ["acc_dtype", "default_softmax_scale", "TRITON_DTYPES", "triton_importable", "triton_runs_on",
            "record_function", "REGIONS", "REGION_ESTIMATOR_SCORES", "REGION_ESTIMATOR_SELECTION", "REGION_CONVERT",
            "REGION_PLAN", "REGION_ATTENTION_FWD", "REGION_ATTENTION_BWD", "REGION_COPIES", "REGION_LM_HEAD_LOSS",
-           "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled", "first_order_only", "DOUBLE_BACKWARD_RULE"]
+           "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled", "first_order_only", "DOUBLE_BACKWARD_RULE",
+           "softmax_scale_error", "check_softmax_scale", "resolve_softmax_scale"]
 
 # profiler ranges (record_function names) of one training iteration
 REGION_INPUT_CHECK = "mtraining.input_check"                  # cross-rank input check (once per signature)
@@ -120,6 +122,36 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def default_softmax_scale(head_dim: int) -> float:
     """The default attention logit scale ``1 / sqrt(head_dim)``."""
     return 1.0 / math.sqrt(head_dim)
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` as a float, ``1/sqrt(head_dim)`` for ``None``.
+
+    Raises:
+        TypeError: not a number (a bool included). A NaN or infinite value is returned as it is:
+            the entry points report it through :func:`softmax_scale_error` as part of every rank's
+            verdict (so that every rank raises the same error)."""
+    if softmax_scale is None:
+        return default_softmax_scale(head_dim)
+    if isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, numbers.Real) or (
+            isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1)):
+        raise TypeError(f"softmax_scale must be a number or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def softmax_scale_error(softmax_scale) -> "str | None":
+    """Why the (resolved) ``softmax_scale`` cannot scale attention logits, or ``None``: a NaN or
+    infinite scale turns every output into NaN."""
+    if softmax_scale is not None and not math.isfinite(float(softmax_scale)):
+        return f"softmax_scale must be a finite number (or None for 1/sqrt(head_dim)), got {float(softmax_scale)}"
+    return None
+
+
+def check_softmax_scale(softmax_scale, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` and the rule of :func:`softmax_scale_error`."""
+    error = softmax_scale_error(softmax_scale)
+    if error is not None:
+        raise ValueError(f"{what}: {error}")
 
 
 @functools.lru_cache(maxsize=None)

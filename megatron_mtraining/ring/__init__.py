@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, \
-    first_order_only, profiled, record_function
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, \
+    first_order_only, profiled, record_function, resolve_softmax_scale, softmax_scale_error
 from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
@@ -310,7 +310,8 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
         ValueError: q/k/v not ``[b, s_local, h, d]`` with matching batch, length and head_dim, k/v
             shapes differ, heads not GQA-compatible, dtypes differ or are not floating point,
             ``layout.cp_size`` not the group size, a global length the layout cannot split,
-            hierarchical groups out of Megatron's numbering, or ranks that disagree.
+            hierarchical groups out of Megatron's numbering, a NaN or infinite ``softmax_scale``, or ranks
+            that disagree.
     """
     cp = group_size(group)
     error = ring_input_error(q, k, v, layout, cp)
@@ -318,6 +319,8 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
         error = hierarchical_numbering_error(*hierarchical_groups, group=group)
     if error is None:
         error = documents_error(documents, q, layout, cp, fields.get("causal", True))
+    if error is None:
+        error = softmax_scale_error(fields.get("softmax_scale"))
     fields["documents"] = documents_agreement_key(documents)
     if across_ranks and cp > 1:
         check_consistent_across_ranks(group, what, error=error, q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
@@ -365,10 +368,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
     Raises:
         ValueError: shapes/dtypes inconsistent locally or across ranks, ``layout.cp_size`` not the
             group size, a global length ``s_local * cp_size`` the layout cannot split, documents that
-            do not match the inputs or differ across ranks, or documents with a backend that has no
-            document masks.
+            do not match the inputs or differ across ranks, documents with a backend that has no
+            document masks, or a NaN or infinite ``softmax_scale`` (on any rank).
+        TypeError: a ``softmax_scale`` that is not a number.
     """
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     documents = packed_documents(documents)
     cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal),
                            softmax_scale=scale, documents=documents)

@@ -22,7 +22,8 @@ Scenarios:
                             through the flat and the hierarchical ring raises on every rank
     plan_once               the CP plan's check communicates once per shape signature (2 ranks); then
                             ranks with different document offsets of equal weighted checksum are an
-                            error on every rank (ring_attention and the plan's document check)
+                            error on every rank (ring_attention and the plan's document check), and
+                            so is softmax_scale=nan on rank 1
     plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
     layer_policy_one_rank   rank 1's config keeps another layer dense (per-layer policy); the check
                             runs from the view of layer 2, which is sparse on both ranks
@@ -93,6 +94,17 @@ def _colliding_documents_errors(plan) -> list:
         except ValueError as e:
             errors.append(str(e))
     return errors
+
+
+def _nan_scale_error():
+    """Rank 1 passes softmax_scale=nan to ring_attention: the error (``None``: accepted)."""
+    q, k, v = _qkv()
+    try:
+        ring_attention(q, k, v, layout=Layout("striped", dist.get_world_size(), 16), group=dist.group.WORLD,
+                       softmax_scale=float("nan") if dist.get_rank() == 1 else 0.25)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def resolve_plan(lay):
@@ -170,6 +182,7 @@ def run(scenario: str) -> dict:
         extra["collectives"] = len(calls)
         if scenario == "plan_once":
             extra["documents_differ"] = _colliding_documents_errors(plan)
+            extra["nan_scale"] = _nan_scale_error()
     elif scenario == "layer_policy_one_rank":
         from megatron_mtraining.plan import resolve
 

@@ -86,6 +86,9 @@ def test_plan_checks_once_per_shape_signature():
         errors = [r["documents_differ"][i] for r in rows]
         assert all(e and "ranks of the CP group disagree" in e and "documents=" in e for e in errors), errors
         assert len(set(errors)) == 1, errors
+    # a NaN softmax_scale on one rank: the same error naming the rule on every rank
+    errors = [r["nan_scale"] for r in rows]
+    assert len(set(errors)) == 1 and "invalid input on group rank 1: softmax_scale must be a finite number" in errors[0]
 
 
 def test_plan_check_input_invalid_on_one_rank_fails_on_every_rank():
