@@ -122,9 +122,45 @@ def test_documented_fields_rejects_a_table_with_an_extra_key():
 
 # ----------------------------------------------------------------------------- results page
 def test_results_page_is_generated_from_the_records():
+    """``--check``: the page is what the records give, and every table number of a record with raw files
+    is found in (or recomputed from) those files (``unverified_numbers``)."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "build_results_page.py"), "--check"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _records():
+    from tools import build_results_page as page
+
+    return page, {r["id"]: r for r in page.load_records()}
+
+
+def test_a_number_that_is_not_in_the_raw_files_is_reported():
+    # negative control: one changed cell of a checked record is found
+    import copy
+
+    page, records = _records()
+    rec = copy.deepcopy(records["dense_fa4"])
+    row = rec["tables"][0]["rows"][0]
+    j = next(i for i, c in enumerate(row) if isinstance(c, float))
+    row[j] = round(row[j] * 1.37 + 0.123, 3)
+    assert page.unverified_numbers(rec) == [f"{rec['tables'][0]['title']} / {rec['tables'][0]['columns'][j]}: {row[j]}"]
+
+
+def test_records_without_raw_files_are_marked_and_kept_out_of_the_headlines(tmp_path):
+    page, records = _records()
+    unchecked = sorted(rid for rid, r in records.items() if not r["raw_files"])
+    assert unchecked == ["end_to_end", "imbalance_gpu"]
+    assert all(records[rid]["reproducible"] is False for rid in unchecked)
+    readme = (ROOT / "README.md").read_text()
+    assert "2.31×" not in readme and "2.2–2.7× faster than zigzag" not in readme
+    assert "Not reproducible from this repository" in (ROOT / "docs" / "results.md").read_text()
+    # negative control: a record without raw files that does not say so is refused
+    bad = dict(records["end_to_end"])
+    del bad["reproducible"]
+    (tmp_path / "40_x.json").write_text(__import__("json").dumps(bad))
+    with pytest.raises(ValueError, match="reproducible"):
+        page.load_records(tmp_path)
 
 
 # ----------------------------------------------------------------------------- wording
