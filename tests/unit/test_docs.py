@@ -275,3 +275,68 @@ def test_dangling_reference_is_found(tmp_path):
     f = tmp_path / "README.md"
     f.write_text("see docs/a.md and docs/gone.md, [a](docs/a.md#x), [b](docs/b.md), [w](https://x.org/y)\n")
     assert find_dangling_references([f], root=tmp_path) == ["README.md:1: docs/gone.md", "README.md:1: docs/b.md"]
+
+
+# ----------------------------------------------------------------------------- repository paths
+_TOP_DIRS = ("megatron_mtraining", "tools", "configs", "examples", "patches", "tests", "docs")
+_PACKAGE_DIRS = ("layout", "patterns", "ops", "ring", "megatron", "training", "bench", "distributed", "data")
+_REPO_PATH = re.compile(r"(?<![\w/.$~<-])((?:%s)/[\w./-]*[\w-])(.?)" % "|".join(_TOP_DIRS + _PACKAGE_DIRS))
+_CONFIG_ARG = re.compile(r"(?:--mtraining-config[ =]|\bCONFIG=)([\w.-][\w./-]*\.ya?ml)\b")
+_USER_DOCS = ("README.md", "tests/README.md", "docs/*.md")
+
+
+def find_missing_repo_paths(paths, root: Path = ROOT) -> list[str]:
+    """``file:line: path`` for every repository path named in the text that does not exist.
+
+    A path is one that starts with a top-level folder of the repository (``tools/...``,
+    ``configs/...``) or, for ``.py`` files, with a package folder (``ops/...`` is
+    ``megatron_mtraining/ops/...``). It exists if it is a file or folder, or the start of the names of
+    some (an output prefix such as ``--out docs/results/raw/x``). A path followed by ``<`` or ``*``
+    is a pattern: something must match it."""
+    hits = []
+    for p in paths:
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            for m in _REPO_PATH.finditer(line):
+                path, after = m.group(1).rstrip("."), m.group(2)
+                first = path.split("/")[0]
+                if first in _PACKAGE_DIRS:
+                    if not path.endswith(".py"):
+                        continue           # e.g. Megatron-LM's own megatron/core, or user data/ folders
+                    base = root / "megatron_mtraining"
+                else:
+                    base = root
+                target = base / path
+                parent, stem = target.parent, target.name
+                found = target.exists() or (parent.is_dir() and any(c.name.startswith(stem) for c in parent.iterdir()))
+                if not found and after not in ("<", "*"):
+                    hits.append(f"{p.relative_to(root)}:{i}: {path}")
+                elif not found:
+                    hits.append(f"{p.relative_to(root)}:{i}: {path}{after}... (matches nothing)")
+            for m in _CONFIG_ARG.finditer(line):      # a config file given to a command: relative to the root
+                if "/" not in m.group(1) and not (root / m.group(1)).exists():
+                    hits.append(f"{p.relative_to(root)}:{i}: {m.group(1)}")
+    return hits
+
+
+def test_repository_paths_named_in_the_docs_exist():
+    files = [f for pattern in _USER_DOCS for f in sorted(ROOT.glob(pattern))]
+    assert len(files) >= 5
+    hits = find_missing_repo_paths(files)
+    assert not hits, "paths named in the documentation that are not in the repository:\n" + "\n".join(hits)
+
+
+def test_missing_repository_path_is_found(tmp_path):
+    # negative control: the design page's former reference and a config that is not in the repository
+    (tmp_path / "megatron_mtraining" / "patterns" / "triton").mkdir(parents=True)
+    (tmp_path / "megatron_mtraining" / "patterns" / "triton" / "estimator.py").write_text("")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "a.yaml").write_text("")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "x.py").write_text("")
+    f = tmp_path / "x.md"
+    f.write_text("`ops/triton/estimator.py` and `patterns/triton/estimator.py`\n"
+                 "configs/a.yaml, configs/r098_docprobes.yaml, configs/a*.yaml, the checkout's megatron/core\n"
+                 "python tools/x.py --mtraining-config r098_docprobes.yaml --mtraining-config /tmp/x.yaml\n")
+    assert find_missing_repo_paths([f], root=tmp_path) == ["x.md:1: ops/triton/estimator.py",
+                                                           "x.md:2: configs/r098_docprobes.yaml",
+                                                           "x.md:3: r098_docprobes.yaml"]
