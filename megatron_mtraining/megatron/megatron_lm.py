@@ -164,7 +164,10 @@ def mtraining_argument_error(args: Any) -> Optional[str]:
     instead of a traceback at model building. Values Megatron-LM derives later are taken the way
     it derives them: ``--encoder-seq-length`` / ``--encoder-num-layers`` for a missing
     ``--seq-length`` / ``--num-layers``; without any sequence length the check is left to model
-    building (it runs again there)."""
+    building (it runs again there). So is a command line whose values Megatron-LM replaces after
+    parsing (``--yaml-cfg``, ``--use-checkpoint-args``)."""
+    if getattr(args, "yaml_cfg", None) or getattr(args, "use_checkpoint_args", False):
+        return None
     ns = argparse.Namespace(**vars(args))
     if getattr(ns, "seq_length", None) is None:
         ns.seq_length = getattr(ns, "encoder_seq_length", None)
