@@ -175,6 +175,8 @@ HISTORY_PATTERNS = [
     (r"\bGPU[- ]minutes?\b", "GPU-time accounting"),
     (r"\bdevice_bundle\b", "development-machine work-around"),
     (r"\bcarry \[", "file-moving step"),
+    (r"\bthis commit\b|\blater commits\b|\buncommitted\b", "lab-notebook commit reference"),
+    (r"\blibrary of (?:commit )?[0-9a-f]{7}\b|\bcopied here unchanged\b", "lab-notebook wording"),
 ]
 _WORDING = re.compile("|".join(f"(?:{p})" for p, _ in HISTORY_PATTERNS), re.IGNORECASE)
 _TEXT_SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".patch", ""}
@@ -220,6 +222,8 @@ def test_no_development_history_wording():
     "measured in session" + " 5 on the H200", "see call" + " 9's log", "fixes issue" + " #18", "as in issue" + " 11",
     "used 26.3 device" + "-minutes", "7.4 GPU" + " minutes", "the device" + " tool kind", "one work" + " period",
     "carry [data/x] first", "examples/long_context/device_bundle.sh pack",
+    "dense, this" + " commit", "with the library of" + " cb2eb13", "its outputs were copied here" + " unchanged",
+    "with the changes un" + "committed", "removed in later" + " commits",
 ])
 def test_wording_patterns_catch_history(tmp_path, line):
     # negative controls: each kind of wording is found
@@ -231,6 +235,7 @@ def test_wording_patterns_catch_history(tmp_path, line):
 @pytest.mark.parametrize("line", [
     "calls the kernel 3 times", "the session's process group", "#!/usr/bin/env bash", "color #fff",
     "a ring of 8 GPUs", "issue a warning", "Megatron-LM PR #7513", "the most device time", "GPU memory", "`recall: 0.9`",
+    "the library measured is that of commit 32ee7b4", "committed as", "the MTraining library",
 ])
 def test_wording_patterns_allow_product_text(tmp_path, line):
     f = tmp_path / "x.md"
