@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -21,7 +22,8 @@ from torch.profiler import record_function
 __all__ = ["acc_dtype", "default_softmax_scale", "TRITON_DTYPES", "triton_importable", "triton_runs_on",
            "record_function", "REGIONS", "REGION_ESTIMATOR_SCORES", "REGION_ESTIMATOR_SELECTION", "REGION_CONVERT",
            "REGION_PLAN", "REGION_ATTENTION_FWD", "REGION_ATTENTION_BWD", "REGION_COPIES", "REGION_LM_HEAD_LOSS",
-           "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled"]
+           "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled", "first_order_only", "DOUBLE_BACKWARD_RULE",
+           "softmax_scale_error", "check_softmax_scale", "resolve_softmax_scale"]
 
 # profiler ranges (record_function names) of one training iteration
 REGION_INPUT_CHECK = "mtraining.input_check"                  # cross-rank input check (once per signature)
@@ -52,6 +54,66 @@ def profiled(name: str):
     return deco
 
 
+DOUBLE_BACKWARD_RULE = (
+    "double backward (the gradient of a gradient, e.g. torch.autograd.grad(..., create_graph=True) followed by "
+    "another backward through its result) is not supported: the attention backward kernels compute first-order "
+    "gradients only and are not differentiable themselves; for higher-order gradients use an attention whose "
+    "backward is differentiable (e.g. torch's math SDPA)")
+
+
+class _DoubleBackwardError(torch.autograd.Function):
+    """Passes gradients through unchanged; differentiating them raises ``RuntimeError(message)``.
+
+    ``forward(ctx, message, n_anchors, *anchors_then_grads)``: the anchors (tensors of the graph the
+    gradients came from, e.g. the saved q/k/v) only connect the outputs to that graph, so that a
+    second backward towards q, k or v reaches this node (and its error) instead of reporting an
+    unused input."""
+
+    @staticmethod
+    def forward(ctx, message, n_anchors, *tensors):
+        ctx.message = message
+        return tuple(t.detach() for t in tensors[n_anchors:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+def first_order_only(what: str):
+    """Decorator of an autograd ``backward``: the gradients it returns cannot be differentiated again.
+
+    The backward runs under ``torch.no_grad()`` (as without ``create_graph``), so first-order
+    gradients are the same with ``create_graph=True``; when grad mode is on (``create_graph=True``),
+    the returned tensors come out of a node that raises ``RuntimeError`` naming ``what`` and
+    :data:`DOUBLE_BACKWARD_RULE` if a second backward reaches it (rather than a silently wrong second
+    derivative, which differentiating the kernels' internals would give). Like PyTorch's
+    ``once_differentiable``, connected to the inputs' graph and with a message that names the rule.
+    """
+    message = f"{what}: {DOUBLE_BACKWARD_RULE}"
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(ctx, *args):
+            with torch.no_grad():
+                grads = fn(ctx, *args)
+            if not torch.is_grad_enabled():
+                return grads
+            single = not isinstance(grads, tuple)
+            grads = (grads,) if single else grads
+            slots = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+            anchors = [t for t in tuple(args) + tuple(ctx.saved_tensors)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not slots or not anchors:
+                return grads[0] if single else grads
+            guarded = _DoubleBackwardError.apply(message, len(anchors), *anchors, *(grads[i] for i in slots))
+            out = list(grads)
+            for i, g in zip(slots, guarded):
+                out[i] = g
+            return out[0] if single else tuple(out)
+        return wrapper
+    return deco
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for inputs of ``dtype``: fp64 stays fp64, everything else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -60,6 +122,36 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def default_softmax_scale(head_dim: int) -> float:
     """The default attention logit scale ``1 / sqrt(head_dim)``."""
     return 1.0 / math.sqrt(head_dim)
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` as a float, ``1/sqrt(head_dim)`` for ``None``.
+
+    Raises:
+        TypeError: not a number (a bool included). A NaN or infinite value is returned as it is:
+            the entry points report it through :func:`softmax_scale_error` as part of every rank's
+            verdict (so that every rank raises the same error)."""
+    if softmax_scale is None:
+        return default_softmax_scale(head_dim)
+    if isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, numbers.Real) or (
+            isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1)):
+        raise TypeError(f"softmax_scale must be a number or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def softmax_scale_error(softmax_scale) -> "str | None":
+    """Why the (resolved) ``softmax_scale`` cannot scale attention logits, or ``None``: a NaN or
+    infinite scale turns every output into NaN."""
+    if softmax_scale is not None and not math.isfinite(float(softmax_scale)):
+        return f"softmax_scale must be a finite number (or None for 1/sqrt(head_dim)), got {float(softmax_scale)}"
+    return None
+
+
+def check_softmax_scale(softmax_scale, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` and the rule of :func:`softmax_scale_error`."""
+    error = softmax_scale_error(softmax_scale)
+    if error is not None:
+        raise ValueError(f"{what}: {error}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,7 +46,8 @@ from megatron_mtraining.distributed import group_rank, group_size
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 
-__all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "packing_from_args",
+__all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "kernel_backend_problem",
+           "packing_from_args",
            "sparse_packed_problem"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
@@ -280,13 +281,14 @@ class CPPlan:
         key = (id(self), tuple(q.shape))
         if documents is None or key not in documents._agreed:
             from megatron_mtraining.distributed import check_consistent_across_ranks
+            from megatron_mtraining.layout.documents import documents_agreement_key
             from megatron_mtraining.ring import documents_error
 
             if error is None:
                 error = documents_error(documents, q, self.layout, self.cp_size)
             if self.cp_size > 1:
                 check_consistent_across_ranks(self.cp_group, what, error=error,
-                                              documents=documents.agreement_key() if documents else (0,) * 5)
+                                              documents=documents_agreement_key(documents))
             elif error is not None:
                 raise ValueError(f"{what}: {error}")
             documents._agreed.add(key)
@@ -449,4 +451,44 @@ def config_from_args(args: Any) -> MTrainingConfig:
                          num_layers=getattr(args, "num_layers", None))
     if getattr(args, "reset_attention_mask", False) and sparse_packed_problem(cfg):
         raise ValueError("--reset-attention-mask: " + sparse_packed_problem(cfg))
+    problem = kernel_backend_problem(args, cfg)
+    if problem is not None:
+        raise ValueError(problem)
     return cfg
+
+
+def kernel_backend_problem(args: Any, cfg: MTrainingConfig, cuda: Optional[bool] = None) -> Optional[str]:
+    """Why the config's ``kernel_backend`` cannot run this command line's attention, or ``None``.
+
+    The run's device is CUDA when ``torch.cuda.is_available()`` (``cuda`` overrides it), else the
+    CPU; dtype from ``--bf16`` / ``--fp16`` (else fp32), head_dim from ``--kv-channels`` or
+    ``--hidden-size / --num-attention-heads``, the local length ``--seq-length / CP``, the CP size,
+    the pattern and ``--reset-attention-mask``:
+    :func:`~megatron_mtraining.ops.backends.kernel_backend_error`, the rules the kernels' selection
+    applies at the first forward. ``auto`` and ``torch`` run everywhere."""
+    if cfg.kernel_backend in ("auto", "torch"):
+        return None
+    import torch
+
+    from megatron_mtraining.ops.backends import kernel_backend_error
+
+    def get(name: str) -> Any:
+        return getattr(args, name, None)
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    heads, hidden = get("num_attention_heads"), get("hidden_size")
+    head_dim = get("kv_channels") or (hidden // heads if hidden and heads else None)
+    if head_dim is None:
+        return None
+    cp = int(get("context_parallel_size") or 1)
+    seq = get("seq_length")
+    dtype = torch.bfloat16 if get("bf16") else torch.float16 if get("fp16") else torch.float32
+    device = "cuda" if cuda else "cpu"
+    error = kernel_backend_error(cfg.kernel_backend, device=device, dtype=dtype, head_dim=int(head_dim),
+                                 seq_len_local=None if seq is None else int(seq) // cp, cp_size=cp,
+                                 sparse=cfg.sparse, packed=bool(get("reset_attention_mask")))
+    if error is None:
+        return None
+    src = get("mtraining_config") or "the mtraining config"
+    return f"--mtraining-config {src}: 'kernel_backend' {cfg.kernel_backend!r} on this {device} run: {error}"

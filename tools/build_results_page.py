@@ -13,7 +13,13 @@ Each record is one measured result set (a JSON object) with these keys:
 * ``commands`` (list of shell command lines), ``comparison`` (str: what was measured in the same run
   as the reference), ``setup`` (str);
 * ``raw_files`` (list of repository paths of the run's own output files; every one must exist) and
-  optionally ``raw_note`` (str, where no raw file is kept);
+  optionally ``raw_note`` (str, where no raw file is kept); a record without raw files must say
+  ``"reproducible": false`` (its numbers cannot be checked against this repository, and the page
+  says so);
+* ``derived`` (optional): list of ``{"table", "columns", "how", "rows_matching"?}``: table columns
+  (of the rows with a text cell containing ``rows_matching``, default every row) computed from the
+  raw files in a way the number check below does not recompute (e.g. means over layer groups),
+  with the rule; printed under the table;
 * ``summary`` (list of str, optional), ``images`` (list of ``[caption, path relative to docs/]``,
   optional);
 * ``tables``: list of ``{"title", "columns", "rows", "notes"?}``; a cell is a number, a string or
@@ -26,12 +32,22 @@ Usage::
 
 Errors: a record that lacks a required key, a table row whose length differs from its columns, or a
 raw file or image that does not exist raises ``ValueError`` naming the record and the key.
+
+Number check (:func:`unverified_numbers`, part of ``--check``): every number in a table of a record
+with raw files must be found in those files at its printed precision (a JSON value or a number in
+the text), possibly in another unit (x1000, /1000, x100, bytes -> GiB) or as ``1 - value``; or be
+recomputed from them: the mean or median of a column of a JSON-lines file (all lines, or all but
+the first), tokens per second from those, or a ratio, product, difference or percent change of two
+other numbers of the same table row; or sit in a column the record declares ``derived``.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -66,6 +82,13 @@ def load_records(results_dir: Path = RESULTS_DIR) -> list[dict]:
                 raise ValueError(f"{name}: 'raw_files' entry {raw!r} does not exist")
         if not rec["raw_files"] and not rec.get("raw_note"):
             raise ValueError(f"{name}: no 'raw_files', so 'raw_note' must say why")
+        if not rec["raw_files"] and rec.get("reproducible", True):
+            raise ValueError(f"{name}: no 'raw_files', so the record must say \"reproducible\": false")
+        titles = {t["title"]: t["columns"] for t in rec["tables"]}
+        for d in rec.get("derived", []):
+            if d.get("table") not in titles or not set(d.get("columns", [])) <= set(titles[d["table"]]) \
+                    or not d.get("how"):
+                raise ValueError(f"{name}: 'derived' entry {d!r} must name a table, its columns and 'how'")
         for _, img in rec.get("images", []):
             if not (ROOT / "docs" / img).is_file():
                 raise ValueError(f"{name}: 'images' entry {img!r} does not exist under docs/")
@@ -79,6 +102,125 @@ def load_records(results_dir: Path = RESULTS_DIR) -> list[dict]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate 'id' in {results_dir}: {sorted(ids)}")
     return sorted(records, key=lambda r: (r["order"], r["id"]))
+
+
+# ----------------------------------------------------------------------------- number check
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_UNITS = (1.0, 1e3, 1e-3, 100.0, 1.0 / 2 ** 30)
+
+
+def _json_numbers(obj, out: list) -> None:
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, (int, float)):
+        out.append(float(obj))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _json_numbers(v, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _json_numbers(v, out)
+
+
+def _jsonl_aggregates(lines: list) -> list:
+    """Means and medians of every numeric key of JSON-lines rows (all rows; all but the first), and
+    ``tokens`` divided by the time aggregates."""
+    out = []
+    keys = {k for r in lines if isinstance(r, dict) for k, v in r.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key in keys:
+        vals = [float(r[key]) for r in lines if isinstance(r, dict) and isinstance(r.get(key), (int, float))]
+        for part in (vals, vals[1:]):
+            if part:
+                agg = (statistics.mean(part), statistics.median(part))
+                out += agg
+                if "time" in key:
+                    toks = [float(r["tokens"]) for r in lines if isinstance(r, dict) and "tokens" in r]
+                    if toks:
+                        out += [toks[0] / a for a in agg if a]
+    return out
+
+
+def raw_numbers(path: Path) -> list:
+    """Every number of a raw file: JSON values (and JSON-lines aggregates) and numbers in its text."""
+    if path.suffix in (".png", ".npz", ".pt"):
+        return []
+    text = path.read_text(errors="replace")
+    vals: list = []
+    if path.suffix == ".json":
+        try:
+            _json_numbers(json.loads(text), vals)
+            return vals
+        except ValueError:
+            pass
+    elif path.suffix == ".jsonl":
+        rows = []
+        for line in text.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        _json_numbers(rows, vals)
+        return vals + _jsonl_aggregates(rows)
+    for m in _NUMBER.finditer(text):
+        try:
+            vals.append(float(m.group().replace(",", "")))
+        except ValueError:
+            pass
+    return vals
+
+
+def _tolerance(x) -> float:
+    """Half a unit in the last printed digit of ``x`` (as the record stores it)."""
+    text = repr(x)
+    if "e" in text or "E" in text:
+        return abs(x) * 5e-4
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return 0.5 * 10 ** (-decimals) * 1.0001 + 1e-12
+
+
+def _near(sorted_vals: list, x: float, tol: float) -> bool:
+    i = bisect.bisect_left(sorted_vals, x - tol)
+    return i < len(sorted_vals) and sorted_vals[i] <= x + tol
+
+
+def _from_row(row: list, j: int, tol: float) -> bool:
+    """Cell ``j`` is a ratio, product, difference or percent change of two other numbers of the row."""
+    x = row[j]
+    nums = [c for i, c in enumerate(row) if i != j and isinstance(c, (int, float)) and not isinstance(c, bool)]
+    for a in nums:
+        for b in nums:
+            if a is b:
+                continue
+            cands = [a * b, a - b]
+            if b:
+                cands += [a / b, (a / b - 1) * 100, (a - b) / b * 100]
+            if any(abs(c - x) <= tol for c in cands):
+                return True
+    return False
+
+
+def unverified_numbers(rec: dict, root: Path = ROOT) -> list[str]:
+    """``"table / column: value"`` for every table number of ``rec`` that its raw files do not give
+    (see the module docstring); empty for a record without raw files (it is marked not reproducible)."""
+    if not rec["raw_files"]:
+        return []
+    vals: set = set()
+    for raw in rec["raw_files"]:
+        vals.update(raw_numbers(root / raw))
+    cands = sorted({v * u for v in vals for u in _UNITS} | {1.0 - v for v in vals})
+    missing = []
+    for t in rec["tables"]:
+        for row in t["rows"]:
+            exempt = {c for d in rec.get("derived", []) if d["table"] == t["title"]
+                      and any(isinstance(c, str) and d.get("rows_matching", "") in c for c in row) for c in d["columns"]}
+            for j, x in enumerate(row):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or t["columns"][j] in exempt:
+                    continue
+                tol = _tolerance(x)
+                if not (_near(cands, float(x), tol) or _from_row(row, j, tol)):
+                    missing.append(f"{t['title']} / {t['columns'][j]}: {x}")
+    return missing
 
 
 def _cell(x) -> str:
@@ -119,9 +261,16 @@ def render(records: list[dict]) -> str:
             lines.append("* **Raw files:** " + ", ".join(f"`{p}`" for p in r["raw_files"]))
         else:
             lines.append(f"* **Raw files:** none kept. {r['raw_note']}")
+        if not r.get("reproducible", True):
+            lines.append("* **Not reproducible from this repository:** no raw output of the run is kept, so "
+                         "these numbers cannot be checked against it; they are not quoted elsewhere in "
+                         "the documentation.")
         lines += ["", "```bash"] + r["commands"] + ["```", ""]
         for t in r["tables"]:
             lines += _table(t)
+            for d in r.get("derived", []):
+                if d["table"] == t["title"]:
+                    lines += [f"Computed from the raw files: {', '.join(d['columns'])}: {d['how']}", ""]
         for caption, img in r.get("images", []):
             lines += [f"![{caption}]({img})", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -132,8 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="do not write; exit 1 if docs/results.md differs from what the records give")
     args = ap.parse_args(argv)
-    page = render(load_records())
+    records = load_records()
+    page = render(records)
     if args.check:
+        problems = [f"{r['id']}: {m}" for r in records for m in unverified_numbers(r)]
+        if problems:
+            print("numbers not found in (or recomputed from) the records' raw files:\n  " + "\n  ".join(problems),
+                  file=sys.stderr)
+            return 1
         current = PAGE.read_text() if PAGE.is_file() else ""
         if current != page:
             print(f"{PAGE.relative_to(ROOT)} is stale: run python tools/build_results_page.py", file=sys.stderr)

@@ -27,6 +27,7 @@ behaviour; the fault tests, ``tests/distributed/test_ring_faults.py``, run on gl
 from __future__ import annotations
 
 import datetime
+import hashlib
 import struct
 from contextlib import contextmanager
 from typing import Iterable, Optional, Sequence
@@ -352,9 +353,7 @@ def _encode(value) -> list:
         return [5, 1, struct.unpack("<q", struct.pack("<d", value))[0]] + [0] * 6
     vals = [int(x) for x in value]
     if len(vals) > 7:                      # keep the length; compare the first 6 values and a digest of the rest
-        h = 0
-        for x in vals[6:]:
-            h = (h * 1_000_003 + x) % (1 << 61)
+        h = struct.unpack("<q", hashlib.blake2b(struct.pack(f"<{len(vals) - 6}q", *vals[6:]), digest_size=8).digest())[0]
         return [4, len(vals)] + vals[:6] + [h]
     return [4, len(vals)] + vals + [0] * (7 - len(vals))
 

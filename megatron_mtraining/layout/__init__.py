@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,6 +43,8 @@ class Layout:
         granularity: striped chunk size in tokens (>= 1); ignored by the other kinds.
 
     Raises:
+        TypeError: ``cp_size`` or ``granularity`` not an integer (a float such as ``64.0``, or a bool:
+            ``True`` is an ``int`` in Python, so it is refused explicitly).
         ValueError: unknown kind, ``cp_size < 1`` or ``granularity < 1``.
     """
 
@@ -52,9 +55,14 @@ class Layout:
     def __post_init__(self):
         if self.kind not in LAYOUT_KINDS:
             raise ValueError(f"layout kind must be one of {LAYOUT_KINDS}, got {self.kind!r}")
-        if int(self.cp_size) < 1:
+        for name in ("cp_size", "granularity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Layout {name} must be an int, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, int(value))     # numpy / other integral types -> int
+        if self.cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
-        if int(self.granularity) < 1:
+        if self.granularity < 1:
             raise ValueError(f"granularity must be >= 1, got {self.granularity}")
 
     # ------------------------------------------------------------------ chunk structure

@@ -37,12 +37,27 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-__all__ = ["PackedDocuments", "cu_seqlens_from_eod"]
+__all__ = ["PackedDocuments", "cu_seqlens_from_eod", "NO_DOCUMENTS_KEY", "documents_agreement_key"]
+
+NO_DOCUMENTS_KEY = (0,) * 7   # PackedDocuments.agreement_key() of "no documents" (no real stream has batch 0)
+
+
+def _offsets_digest(offsets: tuple) -> tuple[int, int]:
+    """BLAKE2b-128 of the offsets as little-endian int64, as two signed int64."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(offsets)}q", *offsets), digest_size=16).digest()
+    return struct.unpack("<qq", digest)
+
+
+def documents_agreement_key(documents) -> tuple:
+    """``documents.agreement_key()``, or :data:`NO_DOCUMENTS_KEY` for ``None``."""
+    return NO_DOCUMENTS_KEY if documents is None else documents.agreement_key()
 
 
 def _as_offsets(name: str, t, device) -> torch.Tensor:
@@ -199,8 +214,9 @@ class PackedDocuments:
         return r if layout is None else self._local(r, layout, rank)
 
     def agreement_key(self) -> tuple:
-        """Small integers every CP rank must agree on (documents, their offsets' checksums)."""
-        w = range(1, len(self.cu_seqlens) + 1)
+        """Seven integers every CP rank must agree on: batch size, stream length, number of offsets,
+        and a 128-bit BLAKE2b digest (two int64 each) of ``cu_seqlens`` and of ``cu_seqlens_padded``
+        (their int64 bytes), so ranks with different offsets disagree (a weighted checksum let
+        different offsets pass as equal). ``NO_DOCUMENTS_KEY`` stands for no documents."""
         return (self.batch_size, self.seq_len, len(self.cu_seqlens),
-                sum(a * b for a, b in zip(self.cu_seqlens, w)) % 1000003,
-                sum(a * b for a, b in zip(self.cu_seqlens_padded, w)) % 1000003)
+                *_offsets_digest(self.cu_seqlens), *_offsets_digest(self.cu_seqlens_padded))

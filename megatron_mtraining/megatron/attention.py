@@ -25,7 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mtraining.common import REGION_COPIES, record_function
+from megatron_mtraining.common import REGION_COPIES, check_softmax_scale, record_function, resolve_softmax_scale
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
 from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
 from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
@@ -156,6 +156,8 @@ class MTrainingAttention(MegatronModule):
                 f"MTrainingAttention does not support attention dropout (got attention_dropout={p}); "
                 "set TransformerConfig.attention_dropout=0.0 (--attention-dropout 0.0)"
             )
+        if softmax_scale is not None:      # a NaN or infinite scale gives NaN outputs: refused when the layer is built
+            check_softmax_scale(resolve_softmax_scale(softmax_scale, 1), "MTrainingAttention")
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type
         self.plan = plan_for_model(mtraining_config, pg_collection).for_layer(

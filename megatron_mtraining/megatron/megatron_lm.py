@@ -7,6 +7,10 @@ The patches (one per Megatron-LM line, see :mod:`megatron_mtraining.megatron.com
 
 * ``--mtraining-config FILE``: :func:`mtraining_config_file` (the YAML file is loaded while the
   command line is parsed, so a bad file is an argparse error naming the key);
+* right after parsing (the patch wraps the parser's ``parse_known_args``): :func:`mtraining_argument_error`,
+  so that every rule below is an argparse error naming the flag before Megatron-LM initialises
+  (``--mtraining-config`` without ``--cp-attention mtraining`` is one too, checked by the patch
+  without importing this package);
 * ``get_batch``: :func:`get_batch_on_this_cp_rank_mtraining` instead of Megatron's zigzag
   ``get_batch_on_this_cp_rank``;
 * model building: lines 0.16 to 0.18 in ``gpt_builders.gpt_builder``: :func:`mtraining_layer_spec`
@@ -47,6 +51,7 @@ __all__ = [
     "mtraining_layer_spec",
     "mtraining_model_config",
     "mtraining_args_provider",
+    "mtraining_argument_error",
     "mtraining_enabled",
     "mtraining_config_from_args",
     "mtraining_layout",
@@ -147,6 +152,34 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
                              f"CP groups: pass --hierarchical-context-parallel-sizes {inner} {outer}")
         _CONFIGS[key] = cfg
     return cfg
+
+
+def mtraining_argument_error(args: Any) -> Optional[str]:
+    """The rules of :func:`mtraining_config_from_args` for a command line just parsed (before
+    Megatron-LM's ``validate_args`` fills in derived values), as the error text, or ``None``.
+
+    The patches call it from the parser (lines 0.16 to 0.19 alike), so a flag the backend cannot
+    serve (attention dropout, a dataloader attention mask, the reset flags, ...), a config that does
+    not fit the run, or a ``kernel_backend`` the device cannot run is an argparse error at start-up
+    instead of a traceback at model building. Values Megatron-LM derives later are taken the way
+    it derives them: ``--encoder-seq-length`` / ``--encoder-num-layers`` for a missing
+    ``--seq-length`` / ``--num-layers``; without any sequence length the check is left to model
+    building (it runs again there). So is a command line whose values Megatron-LM replaces after
+    parsing (``--yaml-cfg``, ``--use-checkpoint-args``)."""
+    if getattr(args, "yaml_cfg", None) or getattr(args, "use_checkpoint_args", False):
+        return None
+    ns = argparse.Namespace(**vars(args))
+    if getattr(ns, "seq_length", None) is None:
+        ns.seq_length = getattr(ns, "encoder_seq_length", None)
+    if getattr(ns, "num_layers", None) is None:
+        ns.num_layers = getattr(ns, "encoder_num_layers", None)
+    if ns.seq_length is None:
+        return None
+    try:
+        mtraining_config_from_args(ns)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def mtraining_plan(args: Any) -> Any:

@@ -56,7 +56,7 @@ from .reference import DenseStepKernel, attention_delta_torch
 from .sparse_reference import SparseStepKernel
 
 __all__ = ["KERNEL_BACKENDS", "TRITON_HEAD_DIMS", "TRITON_BLOCK", "KernelBackend", "select_backend",
-           "triton_unsupported"]
+           "triton_unsupported", "kernel_backend_error"]
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa", "fa4")
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -262,3 +262,28 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         name=steps if name != "sdpa" else "sdpa", dense_step=dense_step, sparse_step=sparse_step, delta=delta,
         dense_cp1=dense_cp1, estimator_impl="triton" if pattern_kernels else "torch",
         convert_impl="triton" if pattern_kernels and cp_size == 1 else "torch", deterministic=bool(deterministic))
+
+
+def kernel_backend_error(name: str, *, device, dtype: torch.dtype, head_dim: int, seq_len_local: Optional[int],
+                         cp_size: int, sparse: bool, packed: bool = False) -> Optional[str]:
+    """What :func:`select_backend` would refuse for a run's shape, before the run starts, or ``None``.
+
+    The same rules (device, dtype, head_dim, local length, CP size, sparse pattern, packed
+    documents) without running anything: FA4 is checked for availability only (its one-time
+    self-check runs at the first forward and falls back to Triton with a warning, never an error).
+    The command-line front doors call it with the run's device (CUDA when available, else the CPU),
+    so that e.g. ``kernel_backend: triton`` on a CPU run is an argument error, not a traceback at
+    the first forward."""
+    device = torch.device(device)
+    if name == "fa4":
+        problem = _fa4_problem(device, dtype, head_dim, None)
+        if problem is not None:
+            return (f"kernel_backend='fa4' cannot run these inputs: {problem} "
+                    "(use kernel_backend='auto', 'triton' or 'torch')")
+    try:
+        select_backend(name, device=device, dtype=dtype, head_dim=head_dim, seq_len_local=seq_len_local,
+                       cp_size=cp_size, sparse=sparse, packed=packed,
+                       fa4_available=True if name in ("fa4", "auto") else None)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -102,8 +102,8 @@ import torch.distributed as dist
 from ..distributed import comm_context, group_rank, group_size
 from ..layout import Layout
 from .indices import packed_index_lists
-from ..common import (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, TRITON_DTYPES, default_softmax_scale,
-                      record_function, triton_runs_on)
+from ..common import (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, TRITON_DTYPES, check_softmax_scale,
+                      record_function, resolve_softmax_scale, triton_runs_on)
 
 __all__ = ["PROBES", "SHARE_PATTERNS", "VerticalSlashConfig", "VerticalSlashPattern", "estimate_vertical_slash",
            "floor_first_sort", "priority_order", "resolve_impl"]
@@ -989,7 +989,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
                          f"tokens but q has batch {b} and sequence length {S}")
     fused = resolve_impl(impl, q, k) == "triton"
     nb = S // bs
-    scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, d)
+    check_softmax_scale(scale, "estimate_vertical_slash")
 
     static = q.is_cuda if static_widths is None else bool(static_widths)
     per_document = documents is not None and config.probes == "document"

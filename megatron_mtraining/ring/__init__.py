@@ -24,19 +24,20 @@ from typing import Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, profiled, \
-    record_function
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, \
+    first_order_only, profiled, record_function, resolve_softmax_scale, softmax_scale_error
 from ..distributed import (RingComm, check_consistent_across_ranks, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
-from ..ops.backends import KernelBackend, select_backend
+from ..layout.documents import documents_agreement_key
+from ..ops.backends import KernelBackend, select_backend, triton_unsupported
 from ..ops.base import DeltaFunction
 from ..ops.merge import merge_attention
 from ..ops.reference import DenseStepKernel, attention_delta_torch
 
 __all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "ring_input_error",
            "FLOAT_DTYPES", "backend_for", "last_dim_contiguous", "begin_backward", "end_backward", "packed_documents",
-           "documents_error", "dense_step_kernel"]
+           "documents_error", "dense_step_kernel", "backend_input_error"]
 
 
 def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, where: str = ""):
@@ -137,11 +138,38 @@ def end_backward(ctx) -> None:
 
 def backend_for(q: torch.Tensor, cp_size: int, backend: Optional[KernelBackend] = None,
                 sparse: bool = False, packed: bool = False) -> KernelBackend:
-    """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``."""
+    """``backend``, or :func:`~megatron_mtraining.ops.backends.select_backend` ``("auto")`` for inputs like ``q``.
+
+    Raises:
+        ValueError: a given ``backend`` whose kernels cannot run ``q`` (:func:`backend_input_error`),
+            e.g. an explicit ``"triton"`` built without ``seq_len_local`` and a local length that is
+            not a multiple of 64.
+    """
     if backend is not None:
+        error = backend_input_error(backend, q)
+        if error is not None:
+            raise ValueError(error)
         return backend
     return select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1],
                           cp_size=cp_size, sparse=sparse, packed=packed)
+
+
+def backend_input_error(backend: KernelBackend, q: torch.Tensor) -> Optional[str]:
+    """Why ``backend`` (chosen before these inputs were known) cannot run ``q`` ([b, s_local, h, d]), or ``None``.
+
+    A backend whose ring steps run Triton (``"triton"``, ``"fa4"``) needs the Triton limits of
+    :func:`~megatron_mtraining.ops.backends.triton_unsupported` for ``q`` itself: its device, dtype,
+    head_dim and local length (a multiple of 64). ``select_backend(..., seq_len_local=...)`` checks the
+    length at selection; without it, this check names the rule instead of a reshape error inside the
+    kernels. The inputs' shapes and dtypes are compared across ranks first, so every rank gives the
+    same verdict."""
+    if backend.name not in ("triton", "fa4"):
+        return None
+    why = triton_unsupported(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1])
+    if not why:
+        return None
+    return (f"kernel_backend={backend.name!r} cannot run these inputs: " + "; ".join(why)
+            + " (use kernel_backend='auto' or 'torch', or inputs within these limits)")
 
 
 def packed_documents(documents):
@@ -219,6 +247,7 @@ class RingAttentionFunc(torch.autograd.Function):
 
     @staticmethod
     @profiled(REGION_ATTENTION_BWD)
+    @first_order_only("ring attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         comm = ctx.comm
@@ -281,7 +310,8 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
         ValueError: q/k/v not ``[b, s_local, h, d]`` with matching batch, length and head_dim, k/v
             shapes differ, heads not GQA-compatible, dtypes differ or are not floating point,
             ``layout.cp_size`` not the group size, a global length the layout cannot split,
-            hierarchical groups out of Megatron's numbering, or ranks that disagree.
+            hierarchical groups out of Megatron's numbering, a NaN or infinite ``softmax_scale``, or ranks
+            that disagree.
     """
     cp = group_size(group)
     error = ring_input_error(q, k, v, layout, cp)
@@ -289,7 +319,9 @@ def check_ring_inputs(q, k, v, layout: Layout, group, what: str, across_ranks: b
         error = hierarchical_numbering_error(*hierarchical_groups, group=group)
     if error is None:
         error = documents_error(documents, q, layout, cp, fields.get("causal", True))
-    fields["documents"] = documents.agreement_key() if documents is not None else (0, 0, 0, 0, 0)
+    if error is None:
+        error = softmax_scale_error(fields.get("softmax_scale"))
+    fields["documents"] = documents_agreement_key(documents)
     if across_ranks and cp > 1:
         check_consistent_across_ranks(group, what, error=error, q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                                       dtype=q.dtype, layout=LAYOUT_KINDS.index(layout.kind),
@@ -336,10 +368,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
     Raises:
         ValueError: shapes/dtypes inconsistent locally or across ranks, ``layout.cp_size`` not the
             group size, a global length ``s_local * cp_size`` the layout cannot split, documents that
-            do not match the inputs or differ across ranks, or documents with a backend that has no
-            document masks.
+            do not match the inputs or differ across ranks, documents with a backend that has no
+            document masks, or a NaN or infinite ``softmax_scale`` (on any rank).
+        TypeError: a ``softmax_scale`` that is not a number.
     """
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     documents = packed_documents(documents)
     cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal),
                            softmax_scale=scale, documents=documents)

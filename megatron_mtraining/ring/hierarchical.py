@@ -35,10 +35,12 @@ from typing import Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, default_softmax_scale, profiled
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, first_order_only, \
+    profiled, resolve_softmax_scale, softmax_scale_error
 from ..distributed import (RingComm, check_hierarchical_consistent, group_rank, group_size,
                            hierarchical_numbering_error)
 from ..layout import LAYOUT_KINDS, Layout
+from ..layout.documents import documents_agreement_key
 from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
@@ -113,6 +115,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
 
     @staticmethod
     @profiled(REGION_ATTENTION_BWD)
+    @first_order_only("hierarchical ring attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         kernel, inner, outer, overlap = ctx.kernel, ctx.inner, ctx.outer, ctx.overlap
@@ -199,7 +202,7 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          f"outer={n_out}; with one level of size 1 use the flat ring_attention instead")
     cp_rank = group_rank(outer_group) * n_in + group_rank(inner_group)
     seq_len = q.shape[1] * layout.cp_size
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     documents = packed_documents(documents)
     if documents is not None and kernel is not None:
         raise ValueError("hierarchical_ring_attention: packed documents run on the dense ring only (not with a "
@@ -207,14 +210,16 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if check_inputs:
         error = (ring_input_error(q, k, v, layout, n_in * n_out)
                  or hierarchical_numbering_error(inner_group, outer_group)
-                 or documents_error(documents, q, layout, n_in * n_out, causal))
+                 or documents_error(documents, q, layout, n_in * n_out, causal)
+                 or softmax_scale_error(scale))
         check_hierarchical_consistent(inner_group, outer_group, "hierarchical_ring_attention", error,
                                       q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype,
                                       layout=LAYOUT_KINDS.index(layout.kind), granularity=layout.granularity,
                                       sizes=(n_in, n_out), causal=bool(causal), softmax_scale=scale,
-                                      documents=documents.agreement_key() if documents is not None else (0,) * 5)
+                                      documents=documents_agreement_key(documents))
     elif (error := (ring_input_error(q, k, v, layout, n_in * n_out)
-                    or documents_error(documents, q, layout, n_in * n_out, causal))) is not None:
+                    or documents_error(documents, q, layout, n_in * n_out, causal)
+                    or softmax_scale_error(scale))) is not None:
         raise ValueError(error)
     backend = backend_for(q, layout.cp_size, backend, sparse=kernel is not None, packed=documents is not None)
     q, k, v = last_dim_contiguous(q, k, v)

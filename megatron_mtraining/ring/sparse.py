@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..common import REGION_PLAN, default_softmax_scale, record_function
+from ..common import REGION_PLAN, record_function, resolve_softmax_scale
 from ..distributed import comm_context, group_rank, wait_all
 from ..layout import Layout
 from ..ops.backends import KernelBackend
@@ -278,8 +278,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
 
     Raises:
         ValueError: inconsistent shapes/dtypes (locally or across ranks), ``layout.cp_size`` not the
-            group size, a layout that splits sparse blocks, an unknown ``columns`` schedule, or a
-            backend without sparse kernels (``"sdpa"``).
+            group size, a layout that splits sparse blocks, an unknown ``columns`` schedule, a
+            backend without sparse kernels (``"sdpa"``), or a NaN or infinite ``softmax_scale``.
         NotImplementedError: packed documents with ``columns="out_of_ring"`` or with the FA4 sparse
             step kernels (no document mask).
     """
@@ -289,7 +289,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                                   "out-of-ring column phase has no document mask)")
     if columns not in COLUMN_SCHEDULES:
         raise ValueError(f"columns must be one of {COLUMN_SCHEDULES}, got {columns!r}")
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     cp = check_ring_inputs(q, k, v, layout, group, "sparse_ring_attention", check_inputs,
                            hierarchical_groups=hierarchical_groups, softmax_scale=scale, documents=documents,
                            **sparse_agreement_fields(config, columns))

@@ -20,8 +20,12 @@ Scenarios:
     hier_swapped            4 ranks, 2 x 2 dense hierarchical ring with inner and outer groups swapped
     hier_swapped_sparse     the same for the sparse ring given the CP group
     hier_gqa_one_rank       dense hierarchical ring, rank 3 passes bad heads
-    hier_ok                 4 ranks, correct groups: runs and matches the flat ring
-    plan_once               the CP plan's check communicates once per shape signature (2 ranks)
+    hier_ok                 4 ranks, correct groups: runs and matches the flat ring; a second backward
+                            through the flat and the hierarchical ring raises on every rank
+    plan_once               the CP plan's check communicates once per shape signature (2 ranks); then
+                            ranks with different document offsets of equal weighted checksum are an
+                            error on every rank (ring_attention and the plan's document check), and
+                            so is softmax_scale=nan on rank 1
     plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
     layer_policy_one_rank   rank 1's config keeps another layer dense (per-layer policy); the check
                             runs from the view of layer 2, which is sparse on both ranks
@@ -54,6 +58,61 @@ def _groups_2x2(swapped: bool):
     r = dist.get_rank()
     inner, outer = consecutive[r // 2], strided[r % 2]
     return (outer, inner) if swapped else (inner, outer)
+
+
+def _double_backward_errors(q, k, v, lay, world, inner, outer) -> list:
+    """The error of a second backward through the flat and the hierarchical ring (``None``: no error)."""
+    from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+
+    errors = []
+    for attend in (lambda q, k, v: ring_attention(q, k, v, layout=lay, group=world),
+                   lambda q, k, v: hierarchical_ring_attention(q, k, v, layout=lay, inner_group=inner,
+                                                               outer_group=outer)):
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        (dq,) = torch.autograd.grad(attend(qg, kg, vg), qg, torch.ones_like(qg), create_graph=True)
+        try:
+            torch.autograd.grad(dq, kg, torch.ones_like(dq))
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _colliding_documents_errors(plan) -> list:
+    """Rank 0 packs [0,10,256,300,512], rank 1 [0,13,254,300,512] (the same weighted checksum mod
+    1000003): the error of ring_attention and of the plan's document check (``None``: accepted)."""
+    from megatron_mtraining.layout import PackedDocuments
+
+    cu = [0, 10, 256, 300, 512] if dist.get_rank() == 0 else [0, 13, 254, 300, 512]
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), seq_len=512)
+    lay = Layout("striped", dist.get_world_size(), 16)
+    q, k, v = _qkv(s_local=256)
+    errors = []
+    for attend in (lambda: ring_attention(q, k, v, layout=lay, group=dist.group.WORLD, documents=docs),
+                   lambda: resolve_plan(lay).check_documents(docs, q)):
+        try:
+            attend()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _nan_scale_error():
+    """Rank 1 passes softmax_scale=nan to ring_attention: the error (``None``: accepted)."""
+    q, k, v = _qkv()
+    try:
+        ring_attention(q, k, v, layout=Layout("striped", dist.get_world_size(), 16), group=dist.group.WORLD,
+                       softmax_scale=float("nan") if dist.get_rank() == 1 else 0.25)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def resolve_plan(lay):
+    from megatron_mtraining.plan import resolve
+
+    return resolve({"granularity": lay.granularity}, cp_group=dist.group.WORLD, seq_len=512)
 
 
 def run(scenario: str) -> dict:
@@ -90,6 +149,8 @@ def run(scenario: str) -> dict:
         out = hierarchical_ring_attention(q, k, v, layout=lay, inner_group=inner, outer_group=outer)
         flat = ring_attention(q, k, v, layout=lay, group=world)
         extra["vs_flat"] = float((out - flat).abs().max() / flat.abs().max())
+        if scenario == "hier_ok":
+            extra["double_backward"] = _double_backward_errors(q, k, v, lay, world, inner, outer)
     elif scenario == "hier_swapped_sparse":
         from megatron_mtraining.patterns.estimator import VerticalSlashConfig
         from megatron_mtraining.ring.sparse import sparse_ring_attention
@@ -121,6 +182,9 @@ def run(scenario: str) -> dict:
         finally:
             dist.all_gather = real
         extra["collectives"] = len(calls)
+        if scenario == "plan_once":
+            extra["documents_differ"] = _colliding_documents_errors(plan)
+            extra["nan_scale"] = _nan_scale_error()
     elif scenario == "layer_policy_one_rank":
         from megatron_mtraining.plan import resolve
 

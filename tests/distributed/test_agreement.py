@@ -75,12 +75,24 @@ def test_hierarchical_correct_groups_match_flat_ring():
     rows = _run("hier_ok", 4)
     assert all(r["error"] is None for r in rows), rows
     assert max(r["vs_flat"] for r in rows) < 1e-12, rows
+    # second-order gradients are an error on every rank (flat and hierarchical ring, CP=4), not a wrong number
+    for r in rows:
+        assert len(r["double_backward"]) == 2 and all(e and "double backward" in e for e in r["double_backward"]), r
 
 
 def test_plan_checks_once_per_shape_signature():
     rows = _run("plan_once", 2)
     assert all(r["error"] is None for r in rows), rows
     assert [r["collectives"] for r in rows] == [2, 2], rows     # two signatures, five calls
+    # documents whose offsets differ between ranks (a collision of the former weighted checksum) are an
+    # error on every rank, at both front doors (ring_attention, the plan's document check)
+    for i in range(2):
+        errors = [r["documents_differ"][i] for r in rows]
+        assert all(e and "ranks of the CP group disagree" in e and "documents=" in e for e in errors), errors
+        assert len(set(errors)) == 1, errors
+    # a NaN softmax_scale on one rank: the same error naming the rule on every rank
+    errors = [r["nan_scale"] for r in rows]
+    assert len(set(errors)) == 1 and "invalid input on group rank 1: softmax_scale must be a finite number" in errors[0]
 
 
 def test_plan_check_input_invalid_on_one_rank_fails_on_every_rank():

@@ -140,6 +140,12 @@ class TestMTrainingAttentionErrors:
         with pytest.raises(NotImplementedError, match="--reset-attention-mask"):
             _attn()(q, k, v, m[None, None])
 
+    @pytest.mark.parametrize("scale", [math.nan, math.inf])
+    def test_non_finite_softmax_scale_raises_when_built(self, scale):
+        # before: accepted, and the forward returned NaN
+        with pytest.raises(ValueError, match="MTrainingAttention: softmax_scale must be a finite number"):
+            _attn(softmax_scale=scale)
+
     def test_integer_inputs_raise(self):
         q, k, v = _qkv()
         with pytest.raises(ValueError, match="floating-point"):

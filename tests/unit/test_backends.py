@@ -132,3 +132,25 @@ def test_sdpa_backend_at_cp1_matches_the_reference_and_refuses_the_sparse_ring()
     assert (out - ref).abs().max() < 1e-12
     with pytest.raises(ValueError, match="kernel_backend='sdpa' has no sparse kernels"):
         sparse_ring_attention(q, k, v, layout=Layout("striped", 1, 64), backend=b)
+
+
+def test_explicit_triton_built_without_the_length_names_the_rule_at_the_ring():
+    """A Triton backend selected without ``seq_len_local`` and given 200 local tokens: the ring entry
+    points name the 64-token rule (before: ``RuntimeError: shape '[3, 64]' is invalid`` from the kernels)."""
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    from megatron_mtraining.ring import backend_input_error
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+    b = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=16, triton_available=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 200, h, 16, generator=g) for h in (2, 1, 1))
+    lay = Layout("striped", 1, 8)
+    rule = "local sequence length 200 is not supported \\(supported: multiples of 64\\)"
+    with pytest.raises(ValueError, match=rule):
+        ring_attention(q, k, v, layout=lay, backend=b)
+    with pytest.raises(ValueError, match=rule):
+        sparse_ring_attention(q, k, v, layout=lay, backend=b,
+                              config=VerticalSlashConfig(block_size=8, last_q=8, sink_tokens=8))
+    # negative controls: a multiple of 64 passes the length rule; the torch backend takes any length
+    assert "local sequence length" not in (backend_input_error(b, q[:, :128]) or "")
+    assert backend_input_error(select_backend("torch", device="cpu", dtype=torch.float32, head_dim=16), q) is None

@@ -122,9 +122,45 @@ def test_documented_fields_rejects_a_table_with_an_extra_key():
 
 # ----------------------------------------------------------------------------- results page
 def test_results_page_is_generated_from_the_records():
+    """``--check``: the page is what the records give, and every table number of a record with raw files
+    is found in (or recomputed from) those files (``unverified_numbers``)."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "build_results_page.py"), "--check"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _records():
+    from tools import build_results_page as page
+
+    return page, {r["id"]: r for r in page.load_records()}
+
+
+def test_a_number_that_is_not_in_the_raw_files_is_reported():
+    # negative control: one changed cell of a checked record is found
+    import copy
+
+    page, records = _records()
+    rec = copy.deepcopy(records["dense_fa4"])
+    row = rec["tables"][0]["rows"][0]
+    j = next(i for i, c in enumerate(row) if isinstance(c, float))
+    row[j] = round(row[j] * 1.37 + 0.123, 3)
+    assert page.unverified_numbers(rec) == [f"{rec['tables'][0]['title']} / {rec['tables'][0]['columns'][j]}: {row[j]}"]
+
+
+def test_records_without_raw_files_are_marked_and_kept_out_of_the_headlines(tmp_path):
+    page, records = _records()
+    unchecked = sorted(rid for rid, r in records.items() if not r["raw_files"])
+    assert unchecked == ["end_to_end", "imbalance_gpu"]
+    assert all(records[rid]["reproducible"] is False for rid in unchecked)
+    readme = (ROOT / "README.md").read_text()
+    assert "2.31×" not in readme and "2.2–2.7× faster than zigzag" not in readme
+    assert "Not reproducible from this repository" in (ROOT / "docs" / "results.md").read_text()
+    # negative control: a record without raw files that does not say so is refused
+    bad = dict(records["end_to_end"])
+    del bad["reproducible"]
+    (tmp_path / "40_x.json").write_text(__import__("json").dumps(bad))
+    with pytest.raises(ValueError, match="reproducible"):
+        page.load_records(tmp_path)
 
 
 # ----------------------------------------------------------------------------- wording
@@ -139,6 +175,8 @@ HISTORY_PATTERNS = [
     (r"\bGPU[- ]minutes?\b", "GPU-time accounting"),
     (r"\bdevice_bundle\b", "development-machine work-around"),
     (r"\bcarry \[", "file-moving step"),
+    (r"\bthis commit\b|\blater commits\b|\buncommitted\b", "lab-notebook commit reference"),
+    (r"\blibrary of (?:commit )?[0-9a-f]{7}\b|\bcopied here unchanged\b", "lab-notebook wording"),
 ]
 _WORDING = re.compile("|".join(f"(?:{p})" for p, _ in HISTORY_PATTERNS), re.IGNORECASE)
 _TEXT_SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".patch", ""}
@@ -184,6 +222,8 @@ def test_no_development_history_wording():
     "measured in session" + " 5 on the H200", "see call" + " 9's log", "fixes issue" + " #18", "as in issue" + " 11",
     "used 26.3 device" + "-minutes", "7.4 GPU" + " minutes", "the device" + " tool kind", "one work" + " period",
     "carry [data/x] first", "examples/long_context/device_bundle.sh pack",
+    "dense, this" + " commit", "with the library of" + " cb2eb13", "its outputs were copied here" + " unchanged",
+    "with the changes un" + "committed", "removed in later" + " commits",
 ])
 def test_wording_patterns_catch_history(tmp_path, line):
     # negative controls: each kind of wording is found
@@ -195,6 +235,7 @@ def test_wording_patterns_catch_history(tmp_path, line):
 @pytest.mark.parametrize("line", [
     "calls the kernel 3 times", "the session's process group", "#!/usr/bin/env bash", "color #fff",
     "a ring of 8 GPUs", "issue a warning", "Megatron-LM PR #7513", "the most device time", "GPU memory", "`recall: 0.9`",
+    "the library measured is that of commit 32ee7b4", "committed as", "the MTraining library",
 ])
 def test_wording_patterns_allow_product_text(tmp_path, line):
     f = tmp_path / "x.md"
@@ -239,3 +280,79 @@ def test_dangling_reference_is_found(tmp_path):
     f = tmp_path / "README.md"
     f.write_text("see docs/a.md and docs/gone.md, [a](docs/a.md#x), [b](docs/b.md), [w](https://x.org/y)\n")
     assert find_dangling_references([f], root=tmp_path) == ["README.md:1: docs/gone.md", "README.md:1: docs/b.md"]
+
+
+# ----------------------------------------------------------------------------- repository paths
+_TOP_DIRS = ("megatron_mtraining", "tools", "configs", "examples", "patches", "tests", "docs")
+_PACKAGE_DIRS = ("layout", "patterns", "ops", "ring", "megatron", "training", "bench", "distributed", "data")
+_REPO_PATH = re.compile(r"(?<![\w/.$~<-])((?:%s)/[\w./-]*[\w-])(.?)" % "|".join(_TOP_DIRS + _PACKAGE_DIRS))
+_CONFIG_ARG = re.compile(r"(?:--mtraining-config[ =]|\bCONFIG=)([\w.-][\w./-]*\.ya?ml)\b")
+_USER_DOCS = ("README.md", "tests/README.md", "docs/*.md")
+
+
+def find_missing_repo_paths(paths, root: Path = ROOT) -> list[str]:
+    """``file:line: path`` for every repository path named in the text that does not exist.
+
+    A path is one that starts with a top-level folder of the repository (``tools/...``,
+    ``configs/...``) or, for ``.py`` files, with a package folder (``ops/...`` is
+    ``megatron_mtraining/ops/...``). It exists if it is a file or folder, or the start of the names of
+    some (an output prefix such as ``--out docs/results/raw/x``). A path followed by ``<`` or ``*``
+    is a pattern: something must match it."""
+    hits = []
+    for p in paths:
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            for m in _REPO_PATH.finditer(line):
+                path, after = m.group(1).rstrip("."), m.group(2)
+                first = path.split("/")[0]
+                if first in _PACKAGE_DIRS:
+                    if not path.endswith(".py"):
+                        continue           # e.g. Megatron-LM's own megatron/core, or user data/ folders
+                    base = root / "megatron_mtraining"
+                else:
+                    base = root
+                target = base / path
+                parent, stem = target.parent, target.name
+                found = target.exists() or (parent.is_dir() and any(c.name.startswith(stem) for c in parent.iterdir()))
+                if not found and after not in ("<", "*"):
+                    hits.append(f"{p.relative_to(root)}:{i}: {path}")
+                elif not found:
+                    hits.append(f"{p.relative_to(root)}:{i}: {path}{after}... (matches nothing)")
+            for m in _CONFIG_ARG.finditer(line):      # a config file given to a command: relative to the root
+                if "/" not in m.group(1) and not (root / m.group(1)).exists():
+                    hits.append(f"{p.relative_to(root)}:{i}: {m.group(1)}")
+    return hits
+
+
+def test_repository_paths_named_in_the_docs_exist():
+    files = [f for pattern in _USER_DOCS for f in sorted(ROOT.glob(pattern))]
+    assert len(files) >= 5
+    hits = find_missing_repo_paths(files)
+    assert not hits, "paths named in the documentation that are not in the repository:\n" + "\n".join(hits)
+
+
+def test_missing_repository_path_is_found(tmp_path):
+    # negative control: the design page's former reference and a config that is not in the repository
+    (tmp_path / "megatron_mtraining" / "patterns" / "triton").mkdir(parents=True)
+    (tmp_path / "megatron_mtraining" / "patterns" / "triton" / "estimator.py").write_text("")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "a.yaml").write_text("")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "x.py").write_text("")
+    f = tmp_path / "x.md"
+    f.write_text("`ops/triton/estimator.py` and `patterns/triton/estimator.py`\n"
+                 "configs/a.yaml, configs/r098_docprobes.yaml, configs/a*.yaml, the checkout's megatron/core\n"
+                 "python tools/x.py --mtraining-config r098_docprobes.yaml --mtraining-config /tmp/x.yaml\n")
+    assert find_missing_repo_paths([f], root=tmp_path) == ["x.md:1: ops/triton/estimator.py",
+                                                           "x.md:2: configs/r098_docprobes.yaml",
+                                                           "x.md:3: r098_docprobes.yaml"]
+
+
+def test_support_matrix_cells_are_short():
+    """The README's support matrix stays a matrix: details and numbers live in the user guide and the
+    results page, which its cells link to (a cell had grown to 1,430 characters)."""
+    text = (ROOT / "README.md").read_text()
+    matrix = text[text.index("## Support matrix"):text.index("Not supported")]
+    rows = [ln for ln in matrix.splitlines() if ln.startswith("| ") and not ln.startswith("| |")]
+    assert len(rows) >= 10
+    long = [ln.split("|")[1].strip() for ln in rows if max(len(c) for c in ln.split("|")) > 400]
+    assert not long, f"support matrix cells over 400 characters: {long}"

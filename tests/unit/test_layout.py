@@ -86,3 +86,21 @@ def test_bad_constructor_arguments():
         Layout("striped", 2, 0)
     with pytest.raises(ValueError, match="parts"):
         Layout("striped", 2, 1).unshard([torch.zeros(1, 2)], 1)
+
+
+@pytest.mark.parametrize("args, name", [(("striped", 2, 64.0), "granularity"), (("zigzag", True), "cp_size"),
+                                        (("striped", 2.0), "cp_size"), (("striped", 2, True), "granularity"),
+                                        (("striped", "2"), "cp_size")])
+def test_sizes_that_are_not_ints_are_refused(args, name):
+    """Floats and bools (an int subclass) are refused when the layout is built (before: accepted, then a
+    TypeError deep in a later call), as the YAML config already refuses them."""
+    with pytest.raises(TypeError, match=f"Layout {name} must be an int"):
+        Layout(*args)
+
+
+def test_integral_sizes_are_accepted_as_int():
+    # negative control: numpy and python ints are fine and compare equal
+    import numpy as np
+
+    lay = Layout("striped", np.int64(2), np.int32(64))
+    assert lay == Layout("striped", 2, 64) and type(lay.cp_size) is int and type(lay.granularity) is int

@@ -223,3 +223,20 @@ def test_positions_per_local_token_equal_the_unsharded_ones(layout):
     assert torch.equal(docs.positions(Layout("striped", 1, 64), 0), whole)
     for r in range(layout.cp_size):
         assert torch.equal(docs.positions(layout, r), layout.shard(whole, r, dim=1))
+
+
+def test_agreement_key_tells_offsets_apart():
+    """Different offsets give different keys; before, a weighted checksum mod 1000003 made these two equal."""
+    a = PackedDocuments.from_cu_seqlens(torch.tensor([0, 10, 256, 300, 512]), seq_len=512)
+    b = PackedDocuments.from_cu_seqlens(torch.tensor([0, 13, 254, 300, 512]), seq_len=512)
+    weighted = lambda cu: sum(x * w for x, w in zip(cu, range(1, len(cu) + 1))) % 1000003
+    assert weighted(a.cu_seqlens) == weighted(b.cu_seqlens)       # the collision the key must not have
+    assert a.agreement_key() != b.agreement_key()
+    # padded offsets count too; equal documents give equal keys (negative control)
+    c = PackedDocuments.from_cu_seqlens(torch.tensor([0, 10, 250, 294, 506]), seq_len=512,
+                                        cu_seqlens_padded=torch.tensor([0, 16, 256, 300, 512]))
+    c2 = PackedDocuments.from_cu_seqlens(torch.tensor([0, 10, 250, 294, 506]), seq_len=512,
+                                         cu_seqlens_padded=torch.tensor([0, 10, 256, 300, 512]))
+    assert c.cu_seqlens == c2.cu_seqlens and c.agreement_key() != c2.agreement_key()
+    assert a.agreement_key() == PackedDocuments.from_cu_seqlens([0, 10, 256, 300, 512], seq_len=512).agreement_key()
+    assert len(a.agreement_key()) <= 7    # one field slot of the cross-rank check holds at most 7 integers

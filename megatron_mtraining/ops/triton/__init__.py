@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...common import REGION_PLAN, acc_dtype, record_function, triton_runs_on
+from ...common import REGION_PLAN, acc_dtype, first_order_only, record_function, triton_runs_on
 from ...patterns.convert import refine_indices
 from ...patterns.indices import StepIndices
 from ..sparse_reference import SparseStepKernel
@@ -188,6 +188,7 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.scale, ctx.det = causal, scale, det
 
 
+@first_order_only("sparse attention (torch.ops.mtraining.sparse_attn_fwd)")
 def _backward(ctx, dout, dlse):
     q, k, v, bc, bi, cc, ci, out, lse = ctx.saved_tensors[:9]
     docs = ctx.saved_tensors[9:12] if ctx.has_docs else (None, None, None)
