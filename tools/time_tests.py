@@ -93,6 +93,9 @@ def main(argv=None) -> int:
                     help="record an earlier run from its pytest --junitxml file instead of running")
     ap.add_argument("--wall-s", type=float, default=None, help="with --from-junit: that run's wall time in seconds")
     ap.add_argument("--note", default=None, help="free text stored with the run (machine load, ...)")
+    ap.add_argument("--commit", default=None, help="with --from-junit: the commit that run tested")
+    ap.add_argument("--marker-counts", default=None,
+                    help="with --from-junit: 'marker=N,...' from `pytest --collect-only -m MARKER` of that commit")
     args = ap.parse_args(argv)
 
     if args.from_junit is not None:
@@ -113,6 +116,10 @@ def main(argv=None) -> int:
         command = args.command
     run = {"label": args.label, "command": command, "wall_s": round(wall, 1), "returncode": rc,
            "meta": environment(argv=sys.argv[1:], tool="time_tests"), **summarize(rows)}
+    if args.commit:
+        run["meta"]["git_commit"], run["meta"]["git_dirty"] = args.commit, None
+    if args.marker_counts:
+        run["markers"] = {k: int(v) for k, v in (kv.split("=") for kv in args.marker_counts.split(","))}
     if args.note:
         run["note"] = args.note
     add_run(args.out, run)
