@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
 
-# Test processes run side by side (pytest-xdist); default: one per core, at most 4.
+# Test processes run side by side (pytest-xdist); default: one per core, at most 4. Each test file
+# runs in one process (--dist loadfile): a module's tests share its launches and fixtures.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 # pytest exits 5 when a selection holds no test (e.g. PYTEST_ARGS="-k ..." that misses one phase)
 OK5 := || [ $$? -eq 5 ]
 

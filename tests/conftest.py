@@ -17,7 +17,6 @@ Markers (registered in pyproject.toml, ``--strict-markers``):
   test lives in, so a layer can be selected with ``-m``.
 """
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -51,27 +50,8 @@ def gpu_skip_reason(count: int, available: int, has_cuda: bool) -> str | None:
     return None
 
 
-def _shared_state_group(item) -> str | None:
-    """The xdist group of a test that shares state with the other tests of its module: the module's
-    path if the module reads its results from shared launches (``shared_torchrun``) or the test uses
-    a module- or session-scoped fixture of this suite; else ``None`` (the test may run on any worker)."""
-    module = getattr(item, "module", None)
-    path = item.nodeid.split("::")[0]
-    if module is not None and hasattr(module, "shared_torchrun"):
-        return path
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
-        if any(d.scope != "function" and d.baseid for d in defs):
-            return path
-    return None
-
-
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = _shared_state_group(item)
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
         try:
             layer = Path(item.path).resolve().relative_to(_TESTS_DIR).parts[0]
         except ValueError:
@@ -97,8 +77,7 @@ _REPORT: dict = {}
 def pytest_runtest_logreport(report):
     if not os.environ.get("MTRAINING_TEST_REPORT"):
         return
-    nodeid = re.sub(r"@[^\]@]*$", "", report.nodeid)     # pytest-xdist --dist loadgroup appends @group
-    row = _REPORT.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "duration_s": 0.0,
+    row = _REPORT.setdefault(report.nodeid, {"nodeid": report.nodeid, "outcome": "passed", "duration_s": 0.0,
                                               "markers": sorted(k for k in report.keywords
                                                                 if k in LAYERS or k in ("slow", "gpu", "network"))})
     row["duration_s"] += report.duration
