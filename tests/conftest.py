@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ------------------------------------------------------------------ per-test timing report
-# With MTRAINING_TEST_REPORT=FILE, the session writes one JSON object to FILE at its end:
+# With MTRAINING_TEST_REPORT=FILE, the session adds its tests to FILE at its end (one JSON object):
 # {"tests": [{"nodeid", "outcome", "duration_s" (setup + call + teardown), "markers"}]}.
 # tools/time_tests.py turns it into the record docs/results/tests.json. Under pytest-xdist the
 # workers' reports reach the controller, which alone writes the file.
@@ -79,7 +79,7 @@ def pytest_runtest_logreport(report):
         return
     row = _REPORT.setdefault(report.nodeid, {"nodeid": report.nodeid, "outcome": "passed", "duration_s": 0.0,
                                               "markers": sorted(k for k in report.keywords
-                                                                if k in LAYERS or k in ("slow", "gpu", "network"))})
+                                                                if k in LAYERS or k in ("slow", "serial", "gpu", "network"))})
     row["duration_s"] += report.duration
     if report.outcome == "failed" or (report.outcome == "skipped" and row["outcome"] == "passed"):
         row["outcome"] = report.outcome
@@ -91,4 +91,6 @@ def pytest_sessionfinish(session):
         return
     import json
 
-    Path(path).write_text(json.dumps({"tests": list(_REPORT.values())}, indent=0))
+    rows = {r["nodeid"]: r for r in (json.loads(Path(path).read_text())["tests"] if Path(path).is_file() else [])}
+    rows.update(_REPORT)                          # one file for the sessions of one command (make test runs two)
+    Path(path).write_text(json.dumps({"tests": list(rows.values())}, indent=0))
