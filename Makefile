@@ -28,10 +28,10 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile
 OK5 := || [ $$? -eq 5 ]
 
 # Every CPU test (CI's command); tests marked gpu skip without CUDA. The tests that compare wall
-# times (marker serial) run alone after the parallel run.
+# times (marker serial) run alone first, then the rest side by side.
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(XDIST) -m "not serial" $(PYTEST_ARGS) $(OK5)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m serial $(PYTEST_ARGS) $(OK5)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests $(XDIST) -m "not serial" $(PYTEST_ARGS) $(OK5)
 
 # The quick subset (under 3 minutes on 2 cores): single-process library logic and the Megatron /
 # trainer integration, without the tests marked slow; no Triton interpreter, no multi-rank runs.
