@@ -17,11 +17,10 @@ test_hierarchical.py: out, dQ, dK, dV separately, relative to the largest refere
 * Hierarchical ring (ring_check.py ``--hier``) on 4 GPUs: dense and sparse, vs fp64 and vs the flat ring.
 """
 import itertools
-import json
 
 import pytest
 
-from tests.helpers.dist import run_torchrun
+from tests.helpers.dist import result_rows, shared_torchrun
 
 RING = "tests/workers/ring_check.py"
 SPARSE = "tests/workers/sparse_ring_check.py"
@@ -34,19 +33,12 @@ MATRIX = [dict(layout=lay, granularity=gran, heads=h, kv_heads=hkv, batch=bsz, h
               [("striped", 1), ("striped", 16), ("striped", 64), ("zigzag", 64)], [(4, 4), (4, 1)], [1, 2],
               [64, 128], ["float64", "float32"])]
 
-_LAUNCHES = {}
-
-
 def _rows(script, args, nproc, timeout=LAUNCH_TIMEOUT):
-    """One torchrun launch per (script, args, nproc), shared by the tests that read it; a failed
-    launch is cached too (reported by every test that needs it, never re-run)."""
-    key = (script, tuple(map(str, args)), nproc)
-    if key not in _LAUNCHES:
-        res = run_torchrun(script, ["--backend", "nccl", *args], nproc=nproc, timeout=timeout)
-        rows = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-        _LAUNCHES[key] = (res.returncode == 0 and bool(rows), rows, res.tail())
-    ok, rows, tail = _LAUNCHES[key]
-    assert ok, tail
+    """One torchrun launch per (script, args, nproc), shared by the tests that read it
+    (``shared_torchrun``: a failed launch is reported by every test that needs it, never re-run)."""
+    res = shared_torchrun(script, ["--backend", "nccl", *args], nproc=nproc, timeout=timeout)
+    rows = result_rows(res)
+    assert res.returncode == 0 and rows, res.tail()
     return rows
 
 

@@ -10,29 +10,21 @@ and zigzag x GQA group 1 and 4, batch 2 (different pattern per sample), S = 512:
 * negative controls (own step without its causal mask; shifted block index) must fail;
 * cp=4 also runs on two strided CP sub-groups [0, 2] / [1, 3] with different data.
 """
-import json
-
 import pytest
 
-from tests.helpers.dist import run_torchrun
+from tests.helpers.dist import result_rows, shared_torchrun
 
 WORKER = "tests/workers/sparse_ring_check.py"
 TOL = 1e-5
 
 
-_LAUNCHES = {}
-
-
 def _launch(cp):
-    """One torchrun launch per cp size, shared by the tests below; a failed launch is cached too
-    (reported by every test that needs it, never re-run)."""
-    if cp not in _LAUNCHES:
-        args = ["--seq", "512"] + (["--subgroups"] if cp == 4 else [])
-        res = run_torchrun(WORKER, args, nproc=cp, timeout=240)
-        rows = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-        _LAUNCHES[cp] = (res.returncode == 0 and bool(rows), rows, res.tail())
-    ok, rows, tail = _LAUNCHES[cp]
-    assert ok, tail
+    """One torchrun launch per cp size, shared by the tests below (``shared_torchrun``: a failed
+    launch is reported by every test that needs it, never re-run)."""
+    args = ["--seq", "512"] + (["--subgroups"] if cp == 4 else [])
+    res = shared_torchrun(WORKER, args, nproc=cp, timeout=240)
+    rows = result_rows(res)
+    assert res.returncode == 0 and rows, res.tail()
     return cp, rows
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from tests.helpers.forkserver import ForkedProcess, server_for
+
 __all__ = ["REPO_ROOT", "RunResult", "RankResult", "free_port", "worker_env", "run_torchrun", "shared_torchrun",
            "result_rows", "run_ranks", "run_python", "run_reaped", "finish_process_group", "one_rank_megatron"]
 
@@ -99,8 +101,6 @@ def _run(cmd: list[str], timeout: float, env: Mapping[str, str], cwd: Path) -> R
 
 
 def _forked(env: Mapping[str, str]):
-    from tests.helpers.forkserver import server_for
-
     return server_for(env, str(REPO_ROOT))
 
 
@@ -111,8 +111,6 @@ def _read(path: str) -> str:
 
 def _run_forked(server, script, args, timeout: float, env: Mapping[str, str], cwd: Path) -> RunResult:
     """``python script *args`` forked from the fork server; its session is killed once it exits."""
-    from tests.helpers.forkserver import ForkedProcess
-
     cmd = [sys.executable, str(script), *map(str, args)]
     with tempfile.TemporaryDirectory() as tmp:
         p = ForkedProcess(server, script, args, env, cwd, os.path.join(tmp, "out"), os.path.join(tmp, "err"))
@@ -126,13 +124,16 @@ def _run_forked(server, script, args, timeout: float, env: Mapping[str, str], cw
                          timed_out=rc is None)
 
 
-def _rank_env(env: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
-    """The variables torchrun (one node) gives rank ``rank`` of ``nproc``."""
-    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default",
-            "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "none"}
+def _rank_env(env: Mapping[str, str], rank: int, nproc: int, port: int, torchrun: bool = False) -> dict[str, str]:
+    """Rank ``rank`` of ``nproc`` on one node: ``env://`` variables, plus (``torchrun``) the rest of
+    what torchrun gives its workers."""
+    out = {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    if torchrun:
+        out.update({"GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default",
+                    "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"})
+    return out
 
 
 def _torchrun_forked(server, script, args, nproc: int, timeout: float, env: Mapping[str, str],
@@ -140,13 +141,11 @@ def _torchrun_forked(server, script, args, nproc: int, timeout: float, env: Mapp
     """torchrun's job without its agent process: ``nproc`` ranks forked from the fork server; as soon
     as one rank fails the others get SIGTERM (SIGKILL 5 s later) and the result's return code is 1.
     ``stdout``/``stderr`` hold every rank's output, in rank order."""
-    from tests.helpers.forkserver import ForkedProcess
-
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(script),
            *map(str, args)]
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ForkedProcess(server, script, args, _rank_env(env, r, nproc, port), cwd,
+        procs = [ForkedProcess(server, script, args, _rank_env(env, r, nproc, port, torchrun=True), cwd,
                                os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
         deadline = time.monotonic() + timeout
         failed = None
@@ -310,11 +309,8 @@ def run_ranks(
             procs, files = [], []
             for r in range(nproc):
                 out, err = open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+")
-                e = worker_env({**(env or {}), "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
-                                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                e = _rank_env(worker_env(env), r, nproc, port)
                 if server is not None:
-                    from tests.helpers.forkserver import ForkedProcess
-
                     procs.append(ForkedProcess(server, script, args, e, cwd, out.name, err.name))
                 else:
                     procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=out,
