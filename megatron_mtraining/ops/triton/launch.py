@@ -31,6 +31,7 @@ import torch
 
 BLOCK = 64          # query tile rows = key block width (the StepIndices block size)
 BLOCK_C = 64        # vertical columns gathered per tile
+_SPREAD = 64        # sentinel slots that padding entries of the plans' scatters are spread over
 
 
 def _kernels():
@@ -110,10 +111,13 @@ class SparsePlan:
 
 
 def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmasked: torch.Tensor) -> torch.Tensor:
-    """Number of leading valid slots whose block satisfies ``unmasked`` (robust to any order)."""
-    slot = torch.arange(block_index.shape[-1], device=block_index.device)
-    ok = unmasked & (slot < block_count[..., None])
-    return torch.cumprod(ok.to(torch.int32), dim=-1).sum(-1).to(torch.int32)
+    """Number of leading valid slots whose block satisfies ``unmasked`` (robust to any order): the
+    first slot that fails, found by one reduction (``argmax`` returns the first maximum)."""
+    n = block_index.shape[-1]
+    slot = torch.arange(n, device=block_index.device)
+    bad = ~(unmasked & (slot < block_count[..., None]))
+    bad = torch.cat([bad, bad.new_ones((*bad.shape[:-1], 1))], -1)      # a failing slot n: the split is at most n
+    return bad.to(torch.uint8).argmax(-1).to(torch.int32)
 
 
 def _tile_bounds(doc_lo: torch.Tensor, doc_hi: torch.Tensor):
@@ -298,19 +302,16 @@ def _heads(plan: SparsePlan, hq: int, hkv: int, cfg: "KernelConfig", max_rows: O
 
 
 # ----------------------------------------------------------------------------- backward plans
-def _segment_counts(seg: torch.Tensor, nseg: int) -> torch.Tensor:
-    """Entries per segment ``0 .. nseg - 1`` (int64 ``[nseg]``); ``seg == nseg`` (a sentinel for
-    padding entries) is counted apart and dropped. A scatter-add into a buffer of host-known size:
-    no device read (``torch.bincount`` reads the maximum back)."""
-    counts = torch.zeros(nseg + 1, dtype=torch.int64, device=seg.device)
-    return counts.scatter_add_(0, seg, torch.ones_like(seg))[:nseg]
-
-
-def _csr_offsets(counts: torch.Tensor) -> torch.Tensor:
-    """CSR offsets (int32 ``[n + 1]``, starting at 0) of per-segment ``counts`` ``[n]``."""
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    return offsets
+def _sorted_csr(keys: torch.Tensor, nseg: int, span: int):
+    """``(offsets int32 [nseg + 1], mids int32 [nseg])`` of entries sorted by ``keys = (seg * 2 + masked) *
+    span + val`` (ascending; ``0 <= val < span``; ``seg == nseg``: padding, after every real entry):
+    segment ``s`` spans ``[offsets[s], offsets[s + 1])`` and its unmasked part ends at ``mids[s]``. Binary
+    searches of the segment starts in the sorted keys: no device read and no atomics (a scatter-add of
+    counts serialises on the padding sentinel)."""
+    starts = torch.arange(nseg + 1, device=keys.device, dtype=torch.int64) * (2 * span)
+    offsets = torch.searchsorted(keys, starts).to(torch.int32)
+    mids = torch.searchsorted(keys, starts[:-1] + span).to(torch.int32)
+    return offsets, mids
 
 
 def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
@@ -355,10 +356,9 @@ def _csr_entries(seg: torch.Tensor, val: torch.Tensor, masked: torch.Tensor, nse
     """``(offsets, mids, entries)`` of the inverted index from flat per-entry ``seg`` (segment; ``nseg``:
     a padding sentinel past the last one), ``val`` (``< span``) and ``masked`` (0/1): entries sorted by
     segment, unmasked first, then by value; ``mids[s]`` ends segment ``s``'s unmasked part."""
-    order = torch.sort((seg * 2 + masked) * span + val, stable=True).indices
+    keys, order = torch.sort((seg * 2 + masked) * span + val, stable=True)
     entries = val[order].to(torch.int32).contiguous()
-    offsets = _csr_offsets(_segment_counts(seg, nseg))
-    mids = (offsets[:-1] + _segment_counts(torch.where(masked.bool(), nseg, seg), nseg)).to(torch.int32)
+    offsets, mids = _sorted_csr(keys, nseg, span)
     if entries.numel() == 0:
         entries = torch.zeros(1, dtype=torch.int32, device=seg.device)
     return offsets, mids, entries
@@ -412,10 +412,12 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     dev = ci.device
     slot = torch.arange(max_nc, device=dev)
     valid = slot < cc[..., None]
-    cidx = torch.where(valid, ci.long(), torch.full_like(ci, sk, dtype=torch.long))
-    present = torch.zeros(B_, H_, sk + 1, dtype=torch.int32, device=dev)
+    # padding slots write to SPREAD sentinels past sk (one shared sentinel serialises the scatters)
+    cidx = torch.where(valid, ci.long(), sk + slot % _SPREAD)
+    width = sk + _SPREAD
+    present = torch.zeros(B_, H_, width, dtype=torch.int32, device=dev)
     present.scatter_(2, cidx.view(B_, H_, -1), 1)
-    present[..., sk] = 0
+    present[..., sk:] = 0
     rank = torch.cumsum(present, -1, dtype=torch.int32) - 1                    # slot of column p in U
     ucount = present.sum(-1, dtype=torch.int32)                               # [B', H']
     if plan.static:     # a host bound of the union width (chunks past a row's union have no entries)
@@ -424,16 +426,16 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         umax = max(int(ucount.max()), 1)
     upad = BLOCK_C * math.ceil(umax / BLOCK_C)
     nchunks = upad // BLOCK_C
-    col_u = torch.zeros(B_, H_, upad + 1, dtype=torch.int32, device=dev)
-    pos = torch.arange(sk + 1, device=dev, dtype=torch.int32).expand(B_, H_, sk + 1)
-    dst = torch.where(present.bool(), rank.long(), torch.full_like(rank, upad, dtype=torch.long))
-    col_u.scatter_(2, dst, pos)                       # non-present positions all land on slot upad (dropped)
+    col_u = torch.zeros(B_, H_, upad + _SPREAD, dtype=torch.int32, device=dev)
+    pos = torch.arange(width, device=dev, dtype=torch.int32)
+    dst = torch.where(present.bool(), rank.long(), upad + (pos % _SPREAD).long())
+    col_u.scatter_(2, dst, pos.expand(B_, H_, width))   # non-present positions land past slot upad (dropped)
     col_u = col_u[..., :upad].contiguous()
     slots = rank.gather(2, cidx.view(B_, H_, -1)).view(B_, H_, nqb, max_nc).long()
-    chunk = torch.where(valid, slots // BLOCK_C, torch.full_like(slots, nchunks))
+    chunk = torch.where(valid, slots // BLOCK_C, nchunks + slot % _SPREAD)
     bit = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(slots), slots % BLOCK_C),
                       torch.zeros_like(slots))
-    bits = torch.zeros(B_, H_, nqb, nchunks + 1, dtype=torch.int64, device=dev)
+    bits = torch.zeros(B_, H_, nqb, nchunks + _SPREAD, dtype=torch.int64, device=dev)
     bits.scatter_add_(3, chunk, bit)                  # distinct powers of two: the sum is the OR
     bits = bits[..., :nchunks]
     # split the query tiles so that there are enough programs to fill the GPU
@@ -453,11 +455,10 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     if plan.mask_mode == 1:                           # ... and left of the tile's first row
         full &= col_u[bb, hh, c * BLOCK_C + BLOCK_C - 1] < qq * BLOCK
     seg = ((bb * H_ + hh) * nchunks + c) * nsplit + qq // qbps
-    order = torch.sort((seg * 2 + (~full).long()) * nqb + qq, stable=True).indices
+    keys, order = torch.sort((seg * 2 + (~full).long()) * nqb + qq, stable=True)
     entries_qb = qq[order].to(torch.int32).contiguous()
     entries_bits = ebits[order].contiguous()
-    offsets = _csr_offsets(_segment_counts(seg, nseg))
-    mid = (offsets[:-1] + _segment_counts(seg[full], nseg)).to(torch.int32)
+    offsets, mid = _sorted_csr(keys, nseg, nqb)
     if entries_qb.numel() == 0:
         entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
         entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -486,11 +487,10 @@ def _col_entries_static(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tenso
     seg = torch.where(listed, ((bb * H_ + hh) * nchunks + c) * nsplit + qq // qbps, nseg).reshape(-1)
     qqf = qq.expand(bits.shape).reshape(-1)
     fullf = full.reshape(-1)
-    order = torch.sort((seg * 2 + (~fullf).long()) * nqb + qqf, stable=True).indices
+    keys, order = torch.sort((seg * 2 + (~fullf).long()) * nqb + qqf, stable=True)
     entries_qb = qqf[order].to(torch.int32).contiguous()
     entries_bits = bits.reshape(-1)[order].contiguous()
-    offsets = _csr_offsets(_segment_counts(seg, nseg))
-    mid = (offsets[:-1] + _segment_counts(torch.where(fullf & listed.reshape(-1), seg, nseg), nseg)).to(torch.int32)
+    offsets, mid = _sorted_csr(keys, nseg, nqb)
     if entries_qb.numel() == 0:
         entries_qb = torch.zeros(1, dtype=torch.int32, device=dev)
         entries_bits = torch.zeros(1, dtype=torch.int64, device=dev)

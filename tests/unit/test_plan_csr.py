@@ -1,0 +1,54 @@
+"""The Triton backward plans' index helpers against plain Python loops (CPU, no Triton needed):
+the CSR offsets and unmasked ends of the inverted indices (binary searches in the sorted keys) and
+the leading unmasked split of a tile's slots."""
+from __future__ import annotations
+
+import torch
+
+from megatron_mtraining.ops.triton.launch import _csr_entries, _leading_split
+
+
+def _csr_reference(seg, val, masked, nseg):
+    offsets, mids, entries = [0], [], []
+    for s in range(nseg):
+        rows = [(int(m), int(v)) for g, v, m in zip(seg.tolist(), val.tolist(), masked.tolist()) if g == s]
+        rows.sort()
+        entries += [v for _, v in rows]
+        mids.append(offsets[-1] + sum(1 for m, _ in rows if m == 0))
+        offsets.append(offsets[-1] + len(rows))
+    return offsets, mids, entries
+
+
+def test_csr_entries_match_a_loop():
+    g = torch.Generator().manual_seed(0)
+    nseg, span, n = 7, 13, 200
+    seg = torch.randint(0, nseg + 1, (n,), generator=g)          # nseg: padding entries
+    val = torch.randint(0, span, (n,), generator=g)
+    masked = torch.randint(0, 2, (n,), generator=g)
+    offsets, mids, entries = _csr_entries(seg, val, masked, nseg, span)
+    ref_off, ref_mid, ref_ent = _csr_reference(seg, val, masked, nseg)
+    assert offsets.dtype == mids.dtype == entries.dtype == torch.int32
+    assert offsets.tolist() == ref_off and mids.tolist() == ref_mid
+    assert entries[:ref_off[-1]].tolist() == ref_ent
+    # negative control: the unmasked ends depend on the flags
+    assert _csr_reference(seg, val, 1 - masked, nseg)[1] != ref_mid
+
+
+def test_csr_entries_empty_segments_and_no_entries():
+    offsets, mids, entries = _csr_entries(torch.full((5,), 3), torch.arange(5), torch.zeros(5, dtype=torch.long), 3, 5)
+    assert offsets.tolist() == [0, 0, 0, 0] and mids.tolist() == [0, 0, 0]
+    assert entries.numel() >= 1
+
+
+def test_leading_split_matches_a_loop():
+    g = torch.Generator().manual_seed(1)
+    bi = torch.randint(0, 9, (2, 3, 5, 6), generator=g)
+    bc = torch.randint(0, 7, (2, 3, 5), generator=g)
+    ok = torch.rand(2, 3, 5, 6, generator=g) < 0.8
+    got = _leading_split(bi, bc, ok)
+    assert got.dtype == torch.int32
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in bc.shape)).tolist():
+        want = 0
+        while want < min(int(bc[tuple(idx)]), 6) and bool(ok[tuple(idx)][want]):
+            want += 1
+        assert int(got[tuple(idx)]) == want, idx
