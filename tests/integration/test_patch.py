@@ -16,7 +16,10 @@ patched) or ``MEGATRON_LM_ARCHIVE`` to a ``git archive`` tarball of one: ``tools
 reports OK or APPLIED; then the patched ``pretrain_gpt.py``/``gpt_builders.py`` (from a temporary
 copy: the checkout is not modified) run on CPU with the checkout's own ``megatron.core``: the
 default ``te`` path imports nothing of this package, and CP=2 (striped and zigzag configs) gives
-the CP=1 per-token losses and gradients. Line 0.19's ``megatron.training`` uses
+the CP=1 per-token losses and gradients, also with packed documents (EOD resets, dense and
+vertical-slash; from line 0.19 on the data set's THD ``cu_seqlens``), where the same data with the
+documents dropped differs (negative control). Megatron-LM ``main`` (line 0.20) is found by its
+``megatron/core/package_info.py`` and runs with its own megatron-core 0.20. Line 0.19's ``megatron.training`` uses
 ``typing.override`` (Python 3.12); on 3.11 the worker stands in a no-op for it. The same run on
 Python >= 3.12 with megatron-core 0.19 installed is marked ``gpu`` (for the GPU machine).
 """
