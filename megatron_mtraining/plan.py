@@ -417,8 +417,6 @@ def front_door_problems(args: Any) -> list[str]:
         problems.append("--hybrid-context-parallel is not supported")
     if get("sft", False):
         problems.append("--sft is not supported (packed THD sequences)")
-    if get("dataloader_inter_document_masking", False):
-        problems.append("--dataloader-inter-document-masking is not supported (packed THD sequences)")
     if get("use_legacy_models", False):
         problems.append("--use-legacy-models is not supported")
     return problems
@@ -449,8 +447,9 @@ def config_from_args(args: Any) -> MTrainingConfig:
                          seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
                          cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None),
                          num_layers=getattr(args, "num_layers", None))
-    if getattr(args, "reset_attention_mask", False) and sparse_packed_problem(cfg):
-        raise ValueError("--reset-attention-mask: " + sparse_packed_problem(cfg))
+    for flag in ("reset_attention_mask", "dataloader_inter_document_masking"):  # document masks
+        if getattr(args, flag, False) and sparse_packed_problem(cfg):
+            raise ValueError(f"--{flag.replace('_', '-')}: " + sparse_packed_problem(cfg))
     problem = kernel_backend_problem(args, cfg)
     if problem is not None:
         raise ValueError(problem)
@@ -487,7 +486,8 @@ def kernel_backend_problem(args: Any, cfg: MTrainingConfig, cuda: Optional[bool]
     device = "cuda" if cuda else "cpu"
     error = kernel_backend_error(cfg.kernel_backend, device=device, dtype=dtype, head_dim=int(head_dim),
                                  seq_len_local=None if seq is None else int(seq) // cp, cp_size=cp,
-                                 sparse=cfg.sparse, packed=bool(get("reset_attention_mask")))
+                                 sparse=cfg.sparse,
+                                 packed=bool(get("reset_attention_mask") or get("dataloader_inter_document_masking")))
     if error is None:
         return None
     src = get("mtraining_config") or "the mtraining config"

@@ -7,8 +7,10 @@
 #   core_v0.16.x -> patches/megatron-lm-core_v0.16.patch, core_v0.17.x -> ..._v0.17.patch, and so on
 #   for every patches/megatron-lm-core_v<line>.patch (its "Tested tags:" line lists the tags it was
 #   checked on).
-# Another tag (or no tag, e.g. a main checkout) is an error listing the supported tags (exit 1);
-# pass PATCH to try a patch on such a checkout anyway.
+# A checkout whose tag has no patch (or no tag) is matched by megatron/core/package_info.py instead:
+# Megatron-LM main (megatron-core 0.20 in its tree, no 0.20 tag; `git describe` names an old tag)
+# -> patches/megatron-lm-core_v0.20.patch (tested tags: main). Anything else is an error listing the
+# supported tags (exit 1); pass PATCH to try a patch on such a checkout anyway.
 #
 # Runs `git apply --check` (read-only: nothing in the checkout changes) and reports one of
 #   OK       the patch applies cleanly            -> apply it with: git -C DIR apply PATCH   (exit 0)
@@ -49,6 +51,16 @@ fi
 if [ -z "$PATCH" ]; then
   line=$(printf '%s' "$desc" | sed -n 's/^core_v\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')
   PATCH="$PATCHES/megatron-lm-core_v${line}.patch"
+  info="$DIR/megatron/core/package_info.py"
+  if { [ -z "$line" ] || [ ! -f "$PATCH" ]; } && [ -f "$info" ]; then
+    tree=$(sed -n 's/^MAJOR *= *\([0-9][0-9]*\).*/\1/p' "$info").$(sed -n 's/^MINOR *= *\([0-9][0-9]*\).*/\1/p' "$info")
+    if [ -f "$PATCHES/megatron-lm-core_v${tree}.patch" ] && grep -q '^Tested tags: main$' "$PATCHES/megatron-lm-core_v${tree}.patch"; then
+      echo "note: megatron-core $tree in the tree (megatron/core/package_info.py): Megatron-LM main"
+      line=$tree
+      desc=""
+      PATCH="$PATCHES/megatron-lm-core_v${line}.patch"
+    fi
+  fi
   if [ -z "$line" ] || [ ! -f "$PATCH" ]; then
     echo "FAIL: Megatron-LM ${desc:-(no tag)} is not supported; supported tags: $(supported_tags)"
     echo "  (check out one of them, or pass a patch as the second argument to try it on this checkout)"

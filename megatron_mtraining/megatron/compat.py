@@ -4,8 +4,13 @@
   ``pyproject.toml``); :func:`check_megatron_core_version` refuses other versions with an error
   naming the range. The ``core_attention`` contract (``CoreAttentionBuilder`` keywords, the forward
   signature), ``RotaryEmbedding`` and the GPT layer specs used here are the same across the range.
+* megatron-core 0.20 of Megatron-LM main (:data:`MEGATRON_CORE_MAIN`): there is no 0.20 release on
+  the package index yet, so the installed range stops below it; ``megatron.core`` imported from a
+  Megatron-LM checkout (its ``pretrain_gpt.py`` next to the ``megatron`` package) may be 0.20.
 * Megatron-LM: one patch per release line (:data:`MEGATRON_LM_LINES`,
-  ``patches/megatron-lm-core_v<line>.patch``). Lines 0.16 to 0.18 build the model in
+  ``patches/megatron-lm-core_v<line>.patch``); line ``0.20`` is Megatron-LM main, found by the
+  checkout's ``megatron/core/package_info.py`` (:func:`megatron_lm_tree_line`), since main carries no
+  0.20 tag. Lines 0.16 to 0.18 build the model in
   ``gpt_builders.gpt_builder``; from 0.19 on ``pretrain_gpt.py`` builds it from a
   ``GPTModelConfig`` (``megatron.training.models.gpt``), which
   :func:`gpt_model_config_with_mtraining` adapts.
@@ -17,17 +22,20 @@ from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = [
     "MEGATRON_CORE_MIN",
     "MEGATRON_CORE_BELOW",
+    "MEGATRON_CORE_MAIN",
     "MEGATRON_LM_LINES",
     "check_megatron_core_version",
     "gpt_model_config_with_mtraining",
     "megatron_core_version",
     "megatron_lm_line",
     "megatron_lm_patch_name",
+    "megatron_lm_tree_line",
     "parse_version",
 ]
 
@@ -36,12 +44,17 @@ MEGATRON_CORE_MIN = (0, 16, 1)
 #: First unsupported megatron-core release (exclusive upper bound).
 MEGATRON_CORE_BELOW = (0, 20, 0)
 
-#: Megatron-LM release line -> the tags its patch was checked against (``git apply --check``).
+#: megatron-core of Megatron-LM main (MAJOR, MINOR): accepted only from a Megatron-LM checkout.
+MEGATRON_CORE_MAIN = (0, 20)
+
+#: Megatron-LM release line -> the tags its patch was checked against (``git apply --check``);
+#: ``"main"``: Megatron-LM's main branch (megatron-core 0.20.0 in its tree, no tag yet).
 MEGATRON_LM_LINES: dict[str, tuple[str, ...]] = {
     "0.16": ("core_v0.16.0", "core_v0.16.1"),
     "0.17": ("core_v0.17.0", "core_v0.17.1"),
     "0.18": ("core_v0.18.0", "core_v0.18.2"),
     "0.19": ("core_v0.19.0",),
+    "0.20": ("main",),
 }
 
 
@@ -68,18 +81,29 @@ def megatron_core_version() -> tuple[int, int, int]:
     return parse_version(package_info.__version__)
 
 
+def _imported_from_megatron_lm_checkout() -> bool:
+    """``megatron.core`` is imported from a Megatron-LM checkout (``pretrain_gpt.py`` beside ``megatron/``)."""
+    import megatron.core
+
+    return (Path(megatron.core.__file__).resolve().parents[2] / "pretrain_gpt.py").is_file()
+
+
 def check_megatron_core_version(version: Optional[str] = None) -> tuple[int, int, int]:
-    """Return the megatron-core version (``version``, default the imported one) if supported.
+    """Return the megatron-core version (``version``, default the imported one) if supported:
+    ``>=0.16.1,<0.20``, or the imported 0.20 of a Megatron-LM main checkout (:data:`MEGATRON_CORE_MAIN`).
 
     Raises:
-        RuntimeError: outside ``>=0.16.1,<0.20`` (the message names the range).
+        RuntimeError: outside that range (the message names the range).
     """
     v = parse_version(version) if version is not None else megatron_core_version()
-    if not (MEGATRON_CORE_MIN <= v < MEGATRON_CORE_BELOW):
-        raise RuntimeError(
-            f"megatron-core {_fmt(v)} is not supported by megatron_mtraining: it needs "
-            f"megatron-core>={_fmt(MEGATRON_CORE_MIN)},<{_fmt(MEGATRON_CORE_BELOW)}")
-    return v
+    if MEGATRON_CORE_MIN <= v < MEGATRON_CORE_BELOW:
+        return v
+    if version is None and v[:2] == MEGATRON_CORE_MAIN and _imported_from_megatron_lm_checkout():
+        return v
+    raise RuntimeError(
+        f"megatron-core {_fmt(v)} is not supported by megatron_mtraining: it needs "
+        f"megatron-core>={_fmt(MEGATRON_CORE_MIN)},<{_fmt(MEGATRON_CORE_BELOW)} (or the "
+        f"{_fmt(MEGATRON_CORE_MAIN + (0,))} of a Megatron-LM main checkout, imported from that checkout)")
 
 
 def megatron_lm_patch_name(line: str) -> str:
@@ -102,6 +126,19 @@ def megatron_lm_line(tag: str) -> str:
     if not m or f"{m.group(1)}.{m.group(2)}" not in MEGATRON_LM_LINES:
         raise ValueError(f"Megatron-LM {tag or '(no tag)'} is not supported; supported tags: {supported}")
     return f"{m.group(1)}.{m.group(2)}"
+
+
+def megatron_lm_tree_line(checkout: Any) -> Optional[str]:
+    """The line of a Megatron-LM checkout from its ``megatron/core/package_info.py`` (``MAJOR.MINOR``),
+    when it has a patch (``"0.20"`` for main), else ``None`` (no such file, or no patch)."""
+    info = Path(checkout) / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        return None
+    text = info.read_text()
+    major = re.search(r"^MAJOR\s*=\s*(\d+)", text, flags=re.M)
+    minor = re.search(r"^MINOR\s*=\s*(\d+)", text, flags=re.M)
+    line = f"{major.group(1)}.{minor.group(1)}" if major and minor else None
+    return line if line in MEGATRON_LM_LINES else None
 
 
 def gpt_model_config_with_mtraining(

@@ -20,14 +20,19 @@ The patches (one per Megatron-LM line, see :mod:`megatron_mtraining.megatron.com
 
 On the default ``te`` path the patched files do not import this package.
 
-``--reset-attention-mask`` and ``--reset-position-ids`` are refused on this path: the patches'
-``get_batch`` does not hand documents to the model (packed documents run with
-``examples/pretrain_gpt.py`` and the Python API).
+Packed documents (the run's :class:`~megatron_mtraining.plan.DocumentPacking`, :func:`mtraining_packing`):
+``--reset-attention-mask`` (documents end at the tokenizer's EOD token), ``--reset-position-ids``
+(RoPE follows the batch's ``position_ids``), ``--eod-mask-loss`` (Megatron-LM's data set masks the
+loss) and, from line 0.19 on, ``--dataloader-inter-document-masking`` (the data loader's THD offsets
+``cu_seqlens``). :func:`get_batch_on_this_cp_rank_mtraining` reads the documents of the whole
+micro-batch before the split and hands them on as ``packed_seq_params`` (``qkv_format="sbhd"``):
+lines 0.16 and 0.17 return them from ``get_batch``; from 0.18 on ``get_batch`` returns the offsets
+(``cu_seqlens``), ``forward_step`` builds its THD ``PackedSeqParams`` from them and
+:func:`mtraining_packed_seq_params` turns that into the ``sbhd`` form the layout split needs.
 
 :func:`mtraining_config_from_args` applies the front-door rules shared with
 ``examples/pretrain_gpt.py`` (:func:`megatron_mtraining.plan.config_from_args`): the Megatron-LM
-arguments the backend cannot serve (attention dropout, ``--reset-attention-mask`` and
-``--reset-position-ids``, a dataloader attention mask, MTP, MLA, yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
+arguments the backend cannot serve (attention dropout, a dataloader attention mask, MTP, MLA, yarn/mrope, hybrid CP, SFT packing) and the config against the run (sequence length, CP size,
 hierarchical sizes); each error names the flag or config key. :func:`mtraining_plan` resolves the
 run's :class:`~megatron_mtraining.plan.CPPlan` once. :func:`add_mtraining_args` /
 :func:`mtraining_args_provider` define the same two flags for other Megatron-LM style scripts.
@@ -55,6 +60,8 @@ __all__ = [
     "mtraining_enabled",
     "mtraining_config_from_args",
     "mtraining_layout",
+    "mtraining_packed_seq_params",
+    "mtraining_packing",
     "mtraining_plan",
 ]
 
@@ -111,7 +118,7 @@ def mtraining_enabled(args: Any) -> bool:
 
 
 _CONFIGS: dict[tuple, MTrainingConfig] = {}
-_PLANS: dict[MTrainingConfig, Any] = {}
+_PLANS: dict[tuple, Any] = {}
 
 
 def mtraining_config_from_args(args: Any) -> MTrainingConfig:
@@ -119,7 +126,7 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
 
     The rules are :func:`megatron_mtraining.plan.config_from_args`, the same as for
     ``examples/pretrain_gpt.py``: unsupported Megatron-LM flags (attention dropout,
-    ``--reset-attention-mask`` / ``--reset-position-ids`` on this path, a dataloader mask, MTP, MLA, ...), the config
+    a dataloader mask, MTP, MLA, ...), the config
     against the run (sequence length, CP size), and the hierarchical rule (no config plus
     ``--hierarchical-context-parallel-sizes`` selects the dense hierarchical ring; a flat config
     with them is an error). Megatron-LM builds its hierarchical CP groups from the flag only, so a
@@ -133,12 +140,13 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     problems = front_door_problems(args)
     if problems:
         raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
-    for flag in ("reset_attention_mask", "reset_position_ids"):
-        if getattr(args, flag, False):
-            # the patches' get_batch does not hand the documents to the model: refuse, never drop them
-            raise ValueError(f"--cp-attention mtraining: --{flag.replace('_', '-')} is not supported through the "
-                             "Megatron-LM patch (its get_batch does not pass the documents to the model); packed "
-                             "documents run with examples/pretrain_gpt.py or the Python API")
+    documents = [f for f in ("reset_attention_mask", "reset_position_ids", "dataloader_inter_document_masking")
+                 if getattr(args, f, False)]
+    if documents and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        # the middle pipeline stages' get_batch returns no batch: their layers would not see the documents
+        raise ValueError(f"--cp-attention mtraining: --{documents[0].replace('_', '-')} (packed documents) with "
+                         "--pipeline-model-parallel-size > 1 is not supported through the Megatron-LM patch (the "
+                         "middle stages' get_batch returns no batch, so their attention would not see the documents)")
     path = getattr(args, "mtraining_config", None)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
@@ -193,16 +201,48 @@ def mtraining_plan(args: Any) -> Any:
     from megatron_mtraining.megatron.attention import get_cp_group, plan_for_model
 
     cfg = mtraining_config_from_args(args)
+    packing = mtraining_packing(args)
+    key = (cfg, None if packing is None else (packing.reset_attention_mask, packing.reset_position_ids,
+                                              packing.eod_token))
     group = get_cp_group()
-    plan = _PLANS.get(cfg)
+    plan = _PLANS.get(key)
     if plan is None or plan.cp_group is not group:
-        plan = plan_for_model(cfg)
-        _PLANS[cfg] = plan
+        plan = plan_for_model(cfg, packing=packing)
+        _PLANS[key] = plan
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if plan.cp_size != cp:
         raise ValueError(f"--context-parallel-size {cp} but the CP group has {plan.cp_size} ranks (call "
                          "mtraining_plan after initialize_model_parallel)")
     return plan
+
+
+def mtraining_packing(args: Any) -> Any:
+    """The run's :class:`~megatron_mtraining.plan.DocumentPacking` (``None``: no packed documents).
+
+    ``--reset-attention-mask``: documents end at the EOD token of Megatron-LM's tokenizer
+    (``megatron.training.get_tokenizer().eod``; Megatron-LM builds the tokenizer before the model).
+    ``--reset-position-ids`` and ``--dataloader-inter-document-masking`` (whose data set restarts
+    ``position_ids`` at every document): RoPE follows the batch's ``position_ids``.
+
+    Raises:
+        ValueError: ``--reset-attention-mask`` before Megatron-LM's tokenizer is built.
+    """
+    from megatron_mtraining.plan import DocumentPacking
+
+    ram = bool(getattr(args, "reset_attention_mask", False))
+    rpi = bool(getattr(args, "reset_position_ids", False) or getattr(args, "dataloader_inter_document_masking", False))
+    if not (ram or rpi):
+        return None
+    eod = None
+    if ram:
+        try:
+            from megatron.training.global_vars import get_tokenizer
+
+            eod = int(get_tokenizer().eod)
+        except (ImportError, AssertionError, AttributeError, NotImplementedError) as e:
+            raise ValueError("--reset-attention-mask with --cp-attention mtraining needs Megatron-LM's tokenizer (its "
+                             f"EOD token ends each document), built before the model: {type(e).__name__}: {e}") from None
+    return DocumentPacking(reset_attention_mask=ram, reset_position_ids=rpi, eod_token=eod)
 
 
 def mtraining_layout(args: Any) -> Layout:
@@ -216,12 +256,67 @@ def get_batch_on_this_cp_rank_mtraining(batch: Any, args: Any) -> dict:
     :func:`mtraining_plan`. ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]`` ->
     ``[b, s // cp]``; other keys pass through.
 
-    Raises:
-        ValueError: as :func:`mtraining_plan`, or an ``attention_mask`` in the batch.
-    """
-    from megatron_mtraining.megatron.batch import get_batch_on_this_cp_rank_striped
+    Packed documents, read from the whole micro-batch before the split (the same on every CP rank):
+    the data loader's THD offsets (``batch["cu_seqlens"]``, ``[1, n]`` over the micro-batch's streams;
+    Megatron-LM 0.19 flattens ``b`` streams into ``[1, b * s]``, which become ``[b, s]`` again here),
+    else with ``--reset-attention-mask`` the EOD tokens. The result has ``packed_seq_params``
+    (``qkv_format="sbhd"``) and, for batches with a ``cu_seqlens`` key (Megatron-LM >= 0.18, whose
+    ``forward_step`` builds the ``PackedSeqParams``), ``cu_seqlens`` ``[1, n]``, ``cu_seqlens_padded``
+    and ``max_seqlen`` of those documents (``None`` without documents); see
+    :func:`mtraining_packed_seq_params`.
 
-    return get_batch_on_this_cp_rank_striped(batch, mtraining_plan(args))
+    Raises:
+        ValueError: as :func:`mtraining_plan`, an ``attention_mask`` in the batch, or offsets that do
+            not describe the batch.
+    """
+    import torch
+
+    from megatron_mtraining.megatron.batch import SEQ_KEYS, get_batch_on_this_cp_rank_striped
+    from megatron_mtraining.megatron.packed import packed_seq_params_from_cu_seqlens
+
+    plan = mtraining_plan(args)
+    batch = dict(batch)
+    cu = batch.get("cu_seqlens")
+    if cu is not None:       # the data loader's documents (THD offsets over the whole micro-batch)
+        seq = int(args.seq_length)
+        tokens = batch.get("tokens")
+        total = tokens.numel() if tokens is not None else int(cu.reshape(-1)[-1])
+        if total % seq:
+            raise ValueError(f"cu_seqlens: the micro-batch holds {total} tokens, not a multiple of --seq-length {seq}")
+        streams = total // seq
+        for key in SEQ_KEYS:  # Megatron-LM 0.19 flattens [b, s] to [1, b * s] for THD: one stream per sample again
+            if batch.get(key) is not None:
+                batch[key] = batch[key].reshape(streams, seq)
+        batch["packed_seq_params"] = packed_seq_params_from_cu_seqlens(cu, seq, streams,
+                                                                       batch.get("cu_seqlens_padded"))
+    out = get_batch_on_this_cp_rank_striped(batch, plan)
+    if "cu_seqlens" in batch:  # Megatron-LM >= 0.18: forward_step builds PackedSeqParams from these
+        params = out.get("packed_seq_params")
+        pad = None if params is None else params.cu_seqlens_q_padded
+        out["cu_seqlens"] = None if params is None else params.cu_seqlens_q.unsqueeze(0)
+        out["cu_seqlens_padded"] = None if pad is None else pad.unsqueeze(0)
+        out["max_seqlen"] = None if params is None else torch.tensor([params.max_seqlen_q], dtype=torch.int32,
+                                                                      device=params.cu_seqlens_q.device)
+    return out
+
+
+def mtraining_packed_seq_params(packed_seq_params: Any, tokens: Any, args: Any) -> Any:
+    """Megatron-LM >= 0.18's ``forward_step``: the ``PackedSeqParams`` it built (``qkv_format="thd"``)
+    from the offsets of :func:`get_batch_on_this_cp_rank_mtraining` as MTraining's ``sbhd`` form:
+    the same offsets over the micro-batch's ``tokens.shape[0]`` streams of ``--seq-length`` tokens,
+    split by the run's layout (Megatron-Core's THD path would split each document in zigzag halves).
+    ``None`` stays ``None``.
+
+    Raises:
+        ValueError: the offsets do not describe the micro-batch.
+    """
+    if packed_seq_params is None:
+        return None
+    from megatron_mtraining.megatron.packed import packed_seq_params_from_cu_seqlens
+
+    pad = packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params_from_cu_seqlens(packed_seq_params.cu_seqlens_q, int(args.seq_length),
+                                             int(tokens.shape[0]) if tokens is not None else 1, pad)
 
 
 def mtraining_layer_spec(spec: Any, args: Any) -> Any:

@@ -26,7 +26,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_mtraining.layout import PackedDocuments, cu_seqlens_from_eod
 
-__all__ = ["PACKED_FORMATS", "documents_from_packed_seq_params", "packed_seq_params_from_eod"]
+__all__ = ["PACKED_FORMATS", "documents_from_packed_seq_params", "packed_seq_params_from_cu_seqlens",
+           "packed_seq_params_from_eod"]
 
 PACKED_FORMATS = ("sbhd", "thd")
 
@@ -81,6 +82,25 @@ def packed_seq_params_from_eod(tokens: torch.Tensor, eod_token: int) -> PackedSe
     cu = cu_seqlens_from_eod(tokens, eod_token)
     params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
     setattr(params, _CACHE_ATTR, PackedDocuments.from_cu_seqlens(cu, s, batch_size=b))
+    return params
+
+
+def packed_seq_params_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch_size: int,
+                                      cu_seqlens_padded: Optional[torch.Tensor] = None) -> PackedSeqParams:
+    """``PackedSeqParams`` (``qkv_format="sbhd"``) of whole-batch document offsets: ``cu_seqlens``
+    (and ``cu_seqlens_padded``) 1-D over ``batch_size`` streams of ``seq_len`` tokens concatenated,
+    e.g. the THD offsets of Megatron-LM's data loader, with its documents attached.
+
+    Raises:
+        ValueError: as :meth:`~megatron_mtraining.layout.PackedDocuments.from_cu_seqlens` (offsets
+            that do not describe the batch, a document crossing a stream boundary).
+    """
+    cu = cu_seqlens.reshape(-1).to(torch.int32)
+    pad = None if cu_seqlens_padded is None else cu_seqlens_padded.reshape(-1).to(torch.int32)
+    docs = PackedDocuments.from_cu_seqlens(cu, seq_len, batch_size=batch_size, cu_seqlens_padded=pad)
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=pad,
+                             cu_seqlens_kv_padded=pad, max_seqlen_q=int(seq_len), max_seqlen_kv=int(seq_len))
+    setattr(params, _CACHE_ATTR, docs)
     return params
 
 

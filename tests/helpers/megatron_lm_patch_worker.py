@@ -41,14 +41,15 @@ if sys.version_info < (3, 12):
     typing.override = getattr(typing, "override", lambda f: f)
 
 
-def main(argv: list[str]) -> int:
-    import torch
-    import torch.distributed as dist
+S = 512
+EOD = 127  # Megatron-LM's NullTokenizer with --vocab-size 127: the EOD id is the vocabulary size
+#: document lengths of the packed cases (the last one padded to the sequence); every boundary lands
+#: inside a 64-token block or on its edge, some documents span both CP ranks' blocks
+DOC_LENGTHS = (100, 37, 1, 170, 64, 90)
 
-    te_path = "--check-te-path" in argv
-    argv = [a for a in argv if a != "--check-te-path"]
-    S = 512
-    sys.argv = [
+
+def _argv(case_flags: list[str], te_path: bool) -> list[str]:
+    return [
         "pretrain_gpt.py",
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
@@ -61,36 +62,86 @@ def main(argv: list[str]) -> int:
         "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion",
         "--no-persist-layer-norm", "--no-rope-fusion", "--no-create-attention-mask-in-dataloader",
         *([] if te_path else ["--cp-attention", "mtraining"]), "--distributed-backend", "gloo",
-        *argv,
+        *case_flags,
     ]
-    from megatron.core import parallel_state as ps
-    from megatron.training import arguments as mlm_arguments
-    from megatron.training.arguments import parse_args, validate_args
 
-    # CPU: validate_args asks the GPU architecture when TP or CP > 1 (then requires
-    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the test sets); answer "Hopper" (9).
-    mlm_arguments.get_device_arch_version = lambda: 9
+
+def _parse(case_flags: list[str], te_path: bool = False):
+    """Megatron-LM's own parse_args + validate_args with the patch's extra_args_provider."""
+    from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_args
 
-    import gpt_builders  # patched Megatron-LM files, from PYTHONPATH
     import pretrain_gpt
 
+    sys.argv = _argv(case_flags, te_path)
     args = parse_args(pretrain_gpt.add_cp_attention_args)  # the patch's flags
     validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     args.padded_vocab_size = 128
     set_args(args)
+    return args
 
-    dist.init_process_group("gloo")
-    if te_path:
-        return _check_te_path(args, gpt_builders, pretrain_gpt, S)
 
-    from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches, cpu_seed, cuda_requests_on_cpu
+def _sample(kind: str, args, batch_size: int, seed: int = 7) -> dict:
+    """A micro-batch as Megatron-LM's GPTDataset gives it.
+
+    plain: random tokens without EOD. docs: documents of DOC_LENGTHS, each ending with the EOD token;
+    loss mask and position ids from Megatron-Core's own ``_get_ltor_masks_and_position_ids`` with the
+    run's --reset-position-ids / --reset-attention-mask / --eod-mask-loss (as GPTDataset). thd: the
+    same documents, no EOD resets, plus the ``cu_seqlens`` / ``max_seqlen`` that GPTDataset adds with
+    --dataloader-inter-document-masking (offsets padded to S + 1 entries, position ids restarted at
+    every document)."""
+    import torch
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for r in range(batch_size):
+        seq = torch.randint(0, EOD, (S + 1,), generator=g)
+        if kind != "plain":
+            lengths = DOC_LENGTHS if r % 2 == 0 else DOC_LENGTHS[::-1]
+            ends = torch.tensor(lengths).cumsum(0) - 1
+            seq[ends[ends < S + 1]] = EOD
+        rows.append(seq)
+    seq = torch.stack(rows)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    loss_masks, positions = [], []
+    for r in range(batch_size):
+        _, lm, pos = _get_ltor_masks_and_position_ids(tokens[r], EOD, args.reset_position_ids,
+                                                      args.reset_attention_mask, args.eod_mask_loss, False)
+        loss_masks.append(lm)
+        positions.append(pos)
+    sample = {"tokens": tokens, "labels": labels, "loss_mask": torch.stack(loss_masks),
+              "position_ids": torch.stack(positions)}
+    if kind == "thd":
+        cus, maxes = [], []
+        for r in range(batch_size):
+            lengths = list(DOC_LENGTHS if r % 2 == 0 else DOC_LENGTHS[::-1])
+            lengths[-1] = S - sum(lengths[:-1])
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+            padded = torch.full((S + 1,), S, dtype=torch.int32)
+            padded[: cu.numel()] = cu
+            cus.append(padded)
+            maxes.append(max(lengths))
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                sample["position_ids"][r, a:b] = torch.arange(b - a)
+        sample["cu_seqlens"] = torch.stack(cus)
+        sample["max_seqlen"] = torch.tensor(maxes, dtype=torch.int32)
+    return sample
+
+
+def _run_case(case: dict, ps, gpt_builders, pretrain_gpt) -> None:
+    """One case: parse its command line, build the model as the patch does, run the patched
+    forward_step (get_batch, the documents, the model) and backward; rank 0 saves the result."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mtraining.megatron.cpu_compat import cpu_seed, cuda_requests_on_cpu
     from megatron_mtraining.megatron.megatron_lm import mtraining_layout
 
-    apply_cpu_patches()
+    args = _parse(["--context-parallel-size", os.environ.get("WORLD_SIZE", "1"), "--mtraining-config", case["config"],
+                   *case.get("flags", [])])
     cp = args.context_parallel_size
-    ps.initialize_model_parallel(1, 1, context_parallel_size=cp,
-                                 hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
+    assert cp == ps.get_context_parallel_world_size(), (cp, ps.get_context_parallel_world_size())
     cpu_seed(1234)
     torch.manual_seed(1234)
     model, _ = _build(args, gpt_builders, pretrain_gpt)
@@ -98,26 +149,29 @@ def main(argv: list[str]) -> int:
     assert kinds == ["MTrainingAttention"], kinds
     assert type(model.rotary_pos_emb).__name__ == "LayoutRotaryEmbedding", type(model.rotary_pos_emb)
 
-    g = torch.Generator().manual_seed(7)
-    seq = torch.randint(0, 127, (1, S + 1), generator=g)
-    sample = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(1, S),
-              "position_ids": torch.arange(S).unsqueeze(0)}
-    with cuda_requests_on_cpu():  # Megatron-LM's get_batch_on_this_tp_rank calls .cuda()
-        got_batch = pretrain_gpt.get_batch(iter([sample]))
-    if len(got_batch) == len(BATCH_KEYS):  # 0.18, 0.19: the values of BATCH_KEYS, in its order
-        named = dict(zip(BATCH_KEYS, got_batch))
-        tokens, labels, loss_mask, position_ids = (named[k] for k in ("tokens", "labels", "loss_mask", "position_ids"))
-        attention_mask, psp = named["attention_mask"], named["cu_seqlens"]
-    else:
-        tokens, labels, loss_mask, attention_mask, position_ids, psp = got_batch
+    kind = case.get("data", "plain")
+    sample = _sample(kind, args, args.micro_batch_size)
     layout = mtraining_layout(args)
     rank = ps.get_context_parallel_rank()
-    assert attention_mask is None and psp is None
-    for name, got in (("tokens", tokens), ("labels", labels), ("position_ids", position_ids)):
+    with cuda_requests_on_cpu():  # Megatron-LM's get_batch_on_this_tp_rank calls .cuda()
+        got_batch = pretrain_gpt.get_batch(iter([dict(sample)]))
+    if len(got_batch) == len(BATCH_KEYS):  # 0.18 on: the values of BATCH_KEYS, in its order
+        named = dict(zip(BATCH_KEYS, got_batch))
+        attention_mask, has_docs = named["attention_mask"], named["cu_seqlens"] is not None
+    else:
+        named = dict(zip(["tokens", "labels", "loss_mask", "attention_mask", "position_ids", "psp"], got_batch))
+        attention_mask, has_docs = named["attention_mask"], named["psp"] is not None
+    assert attention_mask is None
+    documents = args.reset_attention_mask or getattr(args, "dataloader_inter_document_masking", False)
+    assert has_docs == bool(documents), (has_docs, documents)
+    for name in ("tokens", "labels", "position_ids", "loss_mask"):
         want = layout.shard(sample[name], rank, dim=1) if cp > 1 else sample[name]
-        assert torch.equal(got, want), name
+        assert torch.equal(named[name], want.to(named[name].dtype)), name
 
-    losses = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)  # [1, S/cp]
+    # the patched forward_step: get_batch again (a fresh iterator), the documents, the model
+    with cuda_requests_on_cpu():
+        losses, _ = pretrain_gpt.forward_step(iter([dict(sample)]), model)  # [b, S/cp]
+    loss_mask = named["loss_mask"]
     loss = (losses.float() * loss_mask).sum()
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
@@ -129,12 +183,48 @@ def main(argv: list[str]) -> int:
         dist.all_gather(shards, per_token, group=group)
         per_token = layout.unshard(shards, dim=1)  # global token order
     if dist.get_rank() == 0:
-        out = os.environ.get("MTRAINING_RESULT_FILE")
-        if out:
-            torch.save({"per_token_loss": per_token, "grads": grads.detach()}, out)
-        print("RESULT " + json.dumps({"cp": cp, "layout": layout.kind, "loss": per_token.mean().item(),
+        out = os.path.join(os.environ["MTRAINING_RESULT_DIR"], case["name"] + ".pt")
+        torch.save({"per_token_loss": per_token, "grads": grads.detach(),
+                    "loss_mask": sample["loss_mask"].float()}, out)
+        print("RESULT " + json.dumps({"case": case["name"], "cp": cp, "layout": layout.kind,
+                                      "loss": per_token.mean().item(),
                                       "grad_sq": float(grads.double().pow(2).sum())}), flush=True)
     dist.barrier()
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    te_path = "--check-te-path" in argv
+    from megatron.core import parallel_state as ps
+    from megatron.training import arguments as mlm_arguments
+    from megatron.training import global_vars
+
+    # CPU: validate_args asks the GPU architecture when TP or CP > 1 (then requires
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the test sets); answer "Hopper" (9).
+    mlm_arguments.get_device_arch_version = lambda: 9
+
+    import gpt_builders  # patched Megatron-LM files, from PYTHONPATH
+    import pretrain_gpt
+
+    if te_path:
+        args = _parse([], te_path=True)
+        dist.init_process_group("gloo")
+        return _check_te_path(args, gpt_builders, pretrain_gpt, S)
+
+    cases = json.loads(argv[argv.index("--cases") + 1])
+    cp = int(os.environ.get("WORLD_SIZE", "1"))
+    args = _parse(["--context-parallel-size", str(cp)])
+    global_vars._build_tokenizer(args)  # as initialize_megatron: the EOD token of --reset-attention-mask
+    global_vars._set_timers(args)       # forward_step's timers
+    dist.init_process_group("gloo")
+
+    from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches
+
+    apply_cpu_patches()
+    ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+    for case in cases:
+        _run_case(case, ps, gpt_builders, pretrain_gpt)
     dist.destroy_process_group()
     return 0
 

@@ -16,7 +16,10 @@ patched) or ``MEGATRON_LM_ARCHIVE`` to a ``git archive`` tarball of one: ``tools
 reports OK or APPLIED; then the patched ``pretrain_gpt.py``/``gpt_builders.py`` (from a temporary
 copy: the checkout is not modified) run on CPU with the checkout's own ``megatron.core``: the
 default ``te`` path imports nothing of this package, and CP=2 (striped and zigzag configs) gives
-the CP=1 per-token losses and gradients. Line 0.19's ``megatron.training`` uses
+the CP=1 per-token losses and gradients, also with packed documents (EOD resets, dense and
+vertical-slash; from line 0.19 on the data set's THD ``cu_seqlens``), where the same data with the
+documents dropped differs (negative control). Megatron-LM ``main`` (line 0.20) is found by its
+``megatron/core/package_info.py`` and runs with its own megatron-core 0.20. Line 0.19's ``megatron.training`` uses
 ``typing.override`` (Python 3.12); on 3.11 the worker stands in a no-op for it. The same run on
 Python >= 3.12 with megatron-core 0.19 installed is marked ``gpu`` (for the GPU machine).
 """
@@ -31,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,9 +50,10 @@ PATCHES = {line: ROOT / "patches" / compat.megatron_lm_patch_name(line) for line
 MADE_AGAINST = {"0.16": ("core_v0.16.1", "55ac7082517c3878ae653c07c09c534b8aed49f6"),
                 "0.17": ("core_v0.17.1", "266f1c97dca477ca8b92c16087506da2000b0b84"),
                 "0.18": ("core_v0.18.2", "571370c829ca768fe37244f4e2e7f28d8accc4ab"),
-                "0.19": ("core_v0.19.0", "5be9626709af2722333bf54797c954c09edeada3")}
+                "0.19": ("core_v0.19.0", "5be9626709af2722333bf54797c954c09edeada3"),
+                "0.20": ("main", "d98e8a64ddf34856e74b24714e3bedb2f5a39553")}
 EXPECTED_FILES = {"0.16": {"pretrain_gpt.py", "gpt_builders.py"}, "0.17": {"pretrain_gpt.py", "gpt_builders.py"},
-                  "0.18": {"pretrain_gpt.py", "gpt_builders.py"}, "0.19": {"pretrain_gpt.py"}}
+                  "0.18": {"pretrain_gpt.py", "gpt_builders.py"}, "0.19": {"pretrain_gpt.py"}, "0.20": {"pretrain_gpt.py"}}
 PROVIDER_LINE = "        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"
 MEGATRON_LM_FILES = ("pretrain_gpt.py", "gpt_builders.py")
 
@@ -169,7 +174,10 @@ def test_patch_imports_exist_in_this_package(line):
         for name in (n.strip() for n in names.split(",")):
             assert hasattr(mod, name), f"{module}.{name} (imported by the patch) does not exist"
             seen.add(name)
-    model = {"mtraining_model_config"} if line == "0.19" else {"mtraining_layer_spec", "install_mtraining_rope"}
+    model = ({"mtraining_model_config"} if compat.parse_version(line) >= (0, 19, 0)
+             else {"mtraining_layer_spec", "install_mtraining_rope"})
+    if compat.parse_version(line) >= (0, 18, 0):  # forward_step builds the PackedSeqParams from get_batch's offsets
+        model.add("mtraining_packed_seq_params")
     assert seen == {"mtraining_config_file", "mtraining_argument_error", "get_batch_on_this_cp_rank_mtraining"} | model
 
 
@@ -223,7 +231,8 @@ def test_compat_lines_and_versions():
     assert compat.megatron_lm_line("core_v0.17.1-3-g0123abc") == "0.17"
     assert compat.megatron_lm_line("core_v0.19.0") == "0.19"
     assert compat.megatron_lm_line("core_v0.18.0") == "0.18"
-    for tag in ("core_v0.20.0", "core_v0.15.0rc7-2333-gd98e8a64dd", "v1.0", ""):
+    assert compat.megatron_lm_line("core_v0.20.0") == "0.20"  # the main line's patch, once main is tagged
+    for tag in ("core_v0.21.0", "core_v0.15.0rc7-2333-gd98e8a64dd", "v1.0", ""):
         with pytest.raises(ValueError, match="is not supported; supported tags: core_v0.16.0, core_v0.16.1"):
             compat.megatron_lm_line(tag)
     assert compat.parse_version("0.17.0rc0") == (0, 17, 0)
@@ -245,6 +254,11 @@ def test_layer_spec_refuses_an_unsupported_megatron_core(monkeypatch):
     assert replace_core_attention(base) is not base  # the installed version is fine
     monkeypatch.setattr(package_info, "__version__", "0.20.0")
     with pytest.raises(RuntimeError, match=r"megatron-core 0\.20\.0 is not supported .*>=0\.16\.1,<0\.20"):
+        replace_core_attention(base)   # an installed 0.20 (none is released yet)
+    monkeypatch.setattr(compat, "_imported_from_megatron_lm_checkout", lambda: True)
+    assert replace_core_attention(base) is not base  # the 0.20 of a Megatron-LM main checkout
+    monkeypatch.setattr(package_info, "__version__", "0.21.0")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.21\.0 is not supported"):
         replace_core_attention(base)
 
 
@@ -291,11 +305,16 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
                    dest="create_attention_mask_in_dataloader")
     p.add_argument("--reset-attention-mask", action="store_true")
     p.add_argument("--reset-position-ids", action="store_true")
+    p.add_argument("--eod-mask-loss", action="store_true")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--position-embedding-type", default="learned_absolute")
     p.add_argument("--bf16", action="store_true")
     return p
 
 
+#: vertical-slash with columns: out_of_ring (no document mask in the out-of-ring column phase)
+OUT_OF_RING = os.path.join(tempfile.mkdtemp(prefix="mtraining-test-patch-"), "out_of_ring.yaml")
+Path(OUT_OF_RING).write_text("implementation: striped\npattern: vertical_slash\ncolumns: out_of_ring\n")
 OK_FLAGS = ["--seq-length", "256", "--attention-dropout", "0.0", "--no-create-attention-mask-in-dataloader"]
 
 
@@ -306,8 +325,10 @@ OK_FLAGS = ["--seq-length", "256", "--attention-dropout", "0.0", "--no-create-at
      "--attention-dropout 0.1"),
     (["--cp-attention", "mtraining", "--seq-length", "256", "--attention-dropout", "0.0"],
      "--no-create-attention-mask-in-dataloader"),
-    (["--cp-attention", "mtraining", "--reset-attention-mask"] + OK_FLAGS, "--reset-attention-mask is not supported"),
-    (["--cp-attention", "mtraining", "--reset-position-ids"] + OK_FLAGS, "--reset-position-ids is not supported"),
+    (["--cp-attention", "mtraining", "--reset-attention-mask", "--mtraining-config", OUT_OF_RING] + OK_FLAGS,
+     "--reset-attention-mask: packed documents (document masks) with pattern: vertical_slash need columns: in_ring"),
+    (["--cp-attention", "mtraining", "--reset-position-ids", "--pipeline-model-parallel-size", "2"] + OK_FLAGS,
+     "--reset-position-ids (packed documents) with --pipeline-model-parallel-size > 1 is not supported"),
     (["--cp-attention", "mtraining", "--context-parallel-size", "2", "--encoder-seq-length", "200",
       "--attention-dropout", "0.0", "--no-create-attention-mask-in-dataloader"], "cannot split a sequence of 200"),
 ])
@@ -333,6 +354,9 @@ def test_patch_parse_time_check_passes_a_valid_command_line(line, monkeypatch, t
     args = parser.parse_args(["--cp-attention", "mtraining", "--mtraining-config", str(ROOT / "configs/demo.yaml")]
                              + OK_FLAGS)
     assert megatron_lm.mtraining_enabled(args)
+    args = parser.parse_args(["--cp-attention", "mtraining", "--mtraining-config", str(ROOT / "configs/demo_sparse.yaml"),
+                              "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + OK_FLAGS)
+    assert args.reset_attention_mask and args.reset_position_ids  # packed documents: dense and vertical-slash
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     fa4 = tmp_path / "fa4.yaml"
@@ -390,8 +414,10 @@ def test_glue_layout_config_and_plan():
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
     (dict(multi_latent_attention=True), "--multi-latent-attention"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
-    (dict(reset_attention_mask=True), "--reset-attention-mask is not supported through the Megatron-LM patch"),
-    (dict(reset_position_ids=True), "--reset-position-ids is not supported through the Megatron-LM patch"),
+    (dict(reset_attention_mask=True, mtraining_config=OUT_OF_RING), "--reset-attention-mask: packed documents"),
+    (dict(dataloader_inter_document_masking=True, mtraining_config=OUT_OF_RING),
+     "--dataloader-inter-document-masking: packed documents (document masks) with pattern: vertical_slash"),
+    (dict(reset_position_ids=True, pipeline_model_parallel_size=2), "with --pipeline-model-parallel-size > 1"),
     (dict(seq_length=4000), "'granularity': cannot split a sequence of 4000 tokens"),
     (dict(mtraining_config=str(ROOT / "configs/hierarchical.yaml"), context_parallel_size=4),
      "inner*outer = 8*4 != context-parallel size 4"),
@@ -445,8 +471,8 @@ def test_model_config_route_for_line_019():
 
 def test_mtraining_model_config_checks_the_flags_first():
     cfg = SimpleNamespace(transformer_layer_spec=None, pre_wrap_hooks=[])
-    with pytest.raises(ValueError, match="--dataloader-inter-document-masking is not supported"):
-        megatron_lm.mtraining_model_config(cfg, _mlm_args(dataloader_inter_document_masking=True))
+    with pytest.raises(ValueError, match="--sft is not supported"):
+        megatron_lm.mtraining_model_config(cfg, _mlm_args(sft=True))
     assert cfg.pre_wrap_hooks == []
 
 
@@ -486,25 +512,41 @@ def _check(d: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(CHECK), str(d), *extra], capture_output=True, text=True, timeout=60)
 
 
+def _write_package_info(d: Path, line: str) -> None:
+    major, minor = line.split(".")
+    (d / "megatron" / "core").mkdir(parents=True)
+    (d / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 0\n")
+
+
 @pytest.mark.parametrize("line", LINES)
 def test_check_patch_picks_the_patch_by_tag(tmp_path, line):
     tag = compat.MEGATRON_LM_LINES[line][-1]
-    d = _tagged_repo(tmp_path, line, tag)
+    main = tag == "main"   # Megatron-LM main: an old tag, megatron-core 0.20 in the tree
+    d = _tagged_repo(tmp_path, line, "core_v0.15.0rc7" if main else tag)
+    if main:
+        _write_package_info(d, line)
+        _git(d, "add", ".")
+        _git(d, "commit", "-qm", "package_info")
+        tag = "core_v0.15.0rc7"
     r = _check(d)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"at {tag} " in r.stdout and f"patch: {PATCHES[line].name} (tested tags: " in r.stdout
+    assert f"at {tag}" in r.stdout and f"patch: {PATCHES[line].name} (tested tags: " in r.stdout
+    if main:
+        assert f"megatron-core {line} in the tree (megatron/core/package_info.py): Megatron-LM main" in r.stdout
+        assert compat.megatron_lm_tree_line(d) == line
     assert f"OK: {PATCHES[line].name} applies cleanly" in r.stdout
     subprocess.run(["git", "apply", str(PATCHES[line])], cwd=d, check=True, timeout=60)
     r = _check(d)  # the user already applied it
     assert r.returncode == 0 and f"APPLIED: {PATCHES[line].name} is already applied" in r.stdout, r.stdout
     _git(d, "commit", "-qam", "local change")
     r = _check(d)
-    assert r.returncode == 0 and f"1 commits past {tag}" in r.stdout and "APPLIED" in r.stdout, r.stdout
+    assert r.returncode == 0 and "APPLIED" in r.stdout, r.stdout
+    assert main or f"1 commits past {tag}" in r.stdout, r.stdout
 
 
 def test_check_patch_refuses_unsupported_tags(tmp_path):
     supported = " ".join(t for tags in compat.MEGATRON_LM_LINES.values() for t in tags)
-    for tag in ("core_v0.20.0", "core_v0.15.0rc7", None):
+    for tag in ("core_v0.21.0", "core_v0.15.0rc7", None):
         d = _tagged_repo(tmp_path, "0.19", tag)
         r = _check(d)
         assert r.returncode == 1, r.stdout
@@ -541,7 +583,10 @@ def megatron_lm_checkout(tmp_path_factory):
             return d, compat.megatron_lm_line(r.stdout.strip())
         except ValueError:
             pass  # e.g. a main checkout, whose nearest tag is old: as without a tag
-    for line, patch in PATCHES.items():  # no usable tag (an archive, main): the line whose patch fits
+    tree = compat.megatron_lm_tree_line(d)  # megatron/core/package_info.py (main: 0.20, no tag)
+    if tree is not None:
+        return d, tree
+    for line, patch in PATCHES.items():  # no usable tag and no package_info: the line whose patch fits
         for extra in ([], ["--reverse"]):
             if subprocess.run(["git", "apply", "--check", *extra, str(patch)], cwd=d, capture_output=True,
                               timeout=60).returncode == 0:
@@ -594,10 +639,44 @@ def _require_megatron_training(env: dict[str, str], line: str) -> None:
         pytest.fail(f"Megatron-LM {line}'s megatron.training does not import: {probe.stderr[-2000:]}")
 
 
+#: packed documents through the patch: EOD resets (Megatron-LM's three flags)
+DOC_FLAGS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+#: the data loader's THD offsets (lines 0.19 on), two samples per micro-batch (0.19 flattens them)
+THD_FLAGS = ["--dataloader-inter-document-masking", "--micro-batch-size", "2"]
+
+
+def _patch_cases(tmp_path: Path, line: str) -> tuple[list[dict], list[dict], list[tuple[str, str]]]:
+    """(CP=1 cases, CP=2 cases, [(CP=2 case, the CP=1 case it must equal)]); one launch per CP size."""
+    demo, sparse = str(ROOT / "configs/demo.yaml"), str(tmp_path / "sparse.yaml")
+    zigzag = str(tmp_path / "zigzag.yaml")
+    (tmp_path / "zigzag.yaml").write_text("implementation: zigzag\n")
+    # the vertical-slash pattern with documents (columns in the ring); small budgets so that it is sparse at 512
+    (tmp_path / "sparse.yaml").write_text("implementation: striped\ngranularity: 64\npattern: vertical_slash\n"
+                                          "vertical_slash: {recall: 0.9, max_vertical: 64, max_slash: 4}\n")
+    cp1 = [dict(name="cp1", config=demo), dict(name="cp1_docs", config=demo, flags=DOC_FLAGS, data="docs"),
+           dict(name="cp1_docs_sparse", config=sparse, flags=DOC_FLAGS, data="docs")]
+    cp2 = [dict(name="cp2_striped", config=demo), dict(name="cp2_zigzag", config=zigzag),
+           dict(name="cp2_docs_striped", config=demo, flags=DOC_FLAGS, data="docs"),
+           dict(name="cp2_docs_zigzag", config=zigzag, flags=DOC_FLAGS, data="docs"),
+           dict(name="cp2_docs_sparse", config=sparse, flags=DOC_FLAGS, data="docs"),
+           # negative control: the same packed data without the flags (the documents are dropped)
+           dict(name="cp2_docs_dropped", config=demo, flags=["--eod-mask-loss"], data="docs")]
+    pairs = [("cp2_striped", "cp1"), ("cp2_zigzag", "cp1"), ("cp2_docs_striped", "cp1_docs"),
+             ("cp2_docs_zigzag", "cp1_docs"), ("cp2_docs_sparse", "cp1_docs_sparse")]
+    if compat.parse_version(line) >= (0, 19, 0):  # --dataloader-inter-document-masking: Megatron-LM 0.19 on
+        cp1.append(dict(name="cp1_thd", config=demo, flags=THD_FLAGS, data="thd"))
+        cp2 += [dict(name="cp2_thd_striped", config=demo, flags=THD_FLAGS, data="thd"),
+                dict(name="cp2_thd_zigzag", config=zigzag, flags=THD_FLAGS, data="thd")]
+        pairs += [("cp2_thd_striped", "cp1_thd"), ("cp2_thd_zigzag", "cp1_thd")]
+    return cp1, cp2, pairs
+
+
 def _run_patched_cp2_vs_cp1(tmp_path: Path, d: Path, line: str, checkout_megatron: bool = True) -> None:
     """``checkout_megatron``: the checkout's ``megatron`` package first on the path; else only the
     patched top-level files come from the checkout and ``megatron.core``/``megatron.training`` are
     the installed megatron-core's (its wheels carry ``megatron/training`` from 0.17 on)."""
+    import json
+
     import torch
 
     from tests.helpers.dist import run_torchrun
@@ -608,28 +687,30 @@ def _run_patched_cp2_vs_cp1(tmp_path: Path, d: Path, line: str, checkout_megatro
     worker = ROOT / "tests/helpers/megatron_lm_patch_worker.py"
     res = run_torchrun(worker, ["--check-te-path"], nproc=1, timeout=300, env=env)
     assert res.returncode == 0 and "TE_PATH_OK" in res.stdout, res.tail()
-    (tmp_path / "zigzag.yaml").write_text("implementation: zigzag\n")
-    runs = {"cp1": (1, ROOT / "configs/demo.yaml"), "cp2_striped": (2, ROOT / "configs/demo.yaml"),
-            "cp2_zigzag": (2, tmp_path / "zigzag.yaml")}
-    results = {}
-    for name, (cp, cfg) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        res = run_torchrun(worker, ["--context-parallel-size", str(cp), "--mtraining-config", str(cfg)], nproc=cp,
-                           timeout=400, env={**env, "MTRAINING_RESULT_FILE": str(out)})
+    out = tmp_path / "results"
+    out.mkdir()
+    cp1, cp2, pairs = _patch_cases(tmp_path, line)
+    for cp, cases in ((1, cp1), (2, cp2)):
+        res = run_torchrun(worker, ["--cases", json.dumps(cases)], nproc=cp, timeout=600,
+                           env={**env, "MTRAINING_RESULT_DIR": str(out)})
         assert res.returncode == 0, res.tail()
-        result_line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert result_line and out.is_file(), res.tail()
-        print(name, result_line[-1])
-        results[name] = torch.load(out)
-    ref = results["cp1"]
-    for name in ("cp2_striped", "cp2_zigzag"):
-        got = results[name]
+        print("\n".join(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")))
+    results = {c["name"]: torch.load(out / f"{c['name']}.pt") for c in cp1 + cp2}
+    for name, ref_name in pairs:
+        got, ref = results[name], results[ref_name]
         # fp32 model: the CP=2 ring and the CP=1 attention sum in different orders. Measured on
         # core_v0.16.1: ~7e-6 and ~1.5e-6; leaving out the layout RoPE hunk (negative control,
         # done by hand) gives 6.7 and 1.2.
         assert (got["per_token_loss"] - ref["per_token_loss"]).abs().max().item() < 1e-4, name
         rel = ((got["grads"] - ref["grads"]).norm() / ref["grads"].norm()).item()
         assert rel < 1e-4, (name, rel)
+    # the documents change the result (else the checks above could not see them dropped): the same
+    # packed data with the flags left out differs from the CP=1 run with documents
+    dropped, docs = results["cp2_docs_dropped"], results["cp1_docs"]
+    assert torch.equal(dropped["loss_mask"], docs["loss_mask"])  # --eod-mask-loss in both
+    assert (dropped["per_token_loss"] - docs["per_token_loss"]).abs().max().item() > 1e-2
+    assert not torch.equal(results["cp1_docs"]["per_token_loss"], results["cp1"]["per_token_loss"])
+    assert not torch.equal(results["cp1_docs_sparse"]["grads"], results["cp1_docs"]["grads"])  # the pattern runs
 
 
 @pytest.mark.slow

@@ -142,9 +142,8 @@ def test_front_doors_accept_packed_documents_with_the_dense_pattern(tmp_path, kw
 
     assert not config_from_args(_mlm(**kw)).sparse
     assert not isinstance(_pretrain(tmp_path, **kw), str)
-    # the Megatron-LM patches do not hand documents to the model: refused there, never dropped
-    with pytest.raises(ValueError, match="not supported through the Megatron-LM patch"):
-        megatron_lm.mtraining_config_from_args(_mlm(**kw))
+    # the Megatron-LM patches hand the documents to the model: accepted there too
+    assert megatron_lm.mtraining_config_from_args(_mlm(**kw)) == config_from_args(_mlm(**kw))
     sparse = dict(kw, mtraining_config=str(ROOT / "configs" / "demo_sparse.yaml"))
     assert config_from_args(_mlm(**sparse)).sparse          # vertical-slash over documents
     assert not isinstance(_pretrain(tmp_path, **sparse), str)
