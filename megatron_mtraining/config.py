@@ -332,6 +332,37 @@ class MTrainingConfig:
             parts.append(f"layers {_range_text(rng)}: " + ",".join(f"{k}={v!r}" for k, v in items))
         return "; ".join(parts)
 
+    def with_dense_layers(self, layers) -> "MTrainingConfig":
+        """This config with ``layers`` (1-based global layer numbers) added to ``dense_layers``: a
+        per-layer policy chosen by measurement (``tools/pattern_recall.py --write-policy``). A
+        ``layer_overrides`` range that holds one of them keeps its other layers (it is split around it).
+
+        Raises:
+            ValueError: a config with ``pattern: dense``, or a layer number that is not an int >= 1.
+        """
+        add = sorted(set(layers))
+        if not add:
+            return self
+        if not self.sparse:
+            raise ValueError(f"{_PREFIX}: dense_layers needs pattern: vertical_slash (every layer is dense already)")
+        for n in add:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{_PREFIX}: a dense layer must be a 1-based layer number (int >= 1), got {n!r}")
+        data = self.to_dict()
+        data["dense_layers"] = sorted(set(self.dense_layers or ()) | set(add))
+        overrides = {}
+        for (first, last), items in self.layer_overrides or ():
+            run = []                          # the range's layers that stay sparse, cut into contiguous pieces
+            for n in list(range(first, last + 1)) + [None]:
+                if n is not None and n not in add:
+                    run.append(n)
+                    continue
+                if run:
+                    overrides[_range_text((run[0], run[-1]))] = dict(items)
+                run = []
+        data["layer_overrides"] = overrides or None
+        return load_mtraining_config(data)
+
     def check_layers(self, num_layers: int, flag: str = "num_layers") -> None:
         """Check that ``dense_layers`` and ``layer_overrides`` name layers of a model with
         ``num_layers`` layers (Megatron's ``--num-layers``: the whole model, every pipeline stage).

@@ -207,7 +207,9 @@ class CPPlan:
 
         One entry per distinct choice, e.g. ``"dense: fa4 (CP=1 fa4_causal)"`` or ``"sparse: triton"``: the
         :class:`~megatron_mtraining.ops.backends.KernelBackend` name, and at CP=1 the dense function that runs
-        the whole causal attention (``sdpa_causal``, ``fa4_causal``) where there is one.
+        the whole causal attention (``sdpa_causal``, ``fa4_causal``) where there is one; then, for a sparse
+        config with ``dense_layers`` or ``layer_overrides``, ``"; layer policy: dense 1,4,7"``
+        (:meth:`~megatron_mtraining.config.MTrainingConfig.layer_policy_text`).
         """
         seen = []
         for key, b in self._backends.items():
@@ -216,7 +218,8 @@ class CPPlan:
             text = f"{kind}: {b.name}" + (f" (CP=1 {one})" if one else "")
             if text not in seen:
                 seen.append(text)
-        return ", ".join(seen)
+        policy = self.config.layer_policy_text() if self.config.sparse and seen else ""
+        return ", ".join(seen) + (f"; layer policy: {policy}" if policy else "")
 
     def agreement_fields(self, softmax_scale: float, causal: bool = True) -> dict:
         """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout):

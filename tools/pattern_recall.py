@@ -30,6 +30,12 @@ below their target, so a per-layer policy can be chosen from these measurements.
 file's ``vertical_slash`` and ``layer_overrides``; its ``dense_layers`` are reported as exact
 (``dense: true``, nothing estimated).
 
+With ``--write-policy YAML`` (and ``--mtraining-config``) the tool writes that config with the sparse
+layers it measured above ``--policy-max-kept`` (kernel work, ``1 - sparsity``) or below
+``--policy-min-recall`` (exact recall) added to ``dense_layers``
+(:meth:`~megatron_mtraining.config.MTrainingConfig.with_dense_layers`), and lists them in the report's
+``policy``: a per-layer policy chosen by measurement, fixed in the config the run trains with.
+
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
 (``megatron_mtraining.patterns.io`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
@@ -150,7 +156,33 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--save-pattern", default=None, metavar="PATH",
                      help="also write every layer's estimated pattern (.npz/.pt, rows = layer x sample x head) "
                           "for tools/imbalance.py --pattern file")
+    pol = ap.add_argument_group("per-layer policy (with --mtraining-config)")
+    pol.add_argument("--write-policy", default=None, metavar="YAML",
+                     help="write the --mtraining-config file with the layers chosen below added to dense_layers")
+    pol.add_argument("--policy-max-kept", type=float, default=None, metavar="F",
+                     help="a layer whose kernels would compute more than this fraction of the causal work "
+                          "(1 - sparsity) runs the exact dense ring")
+    pol.add_argument("--policy-min-recall", type=float, default=None, metavar="R",
+                     help="a layer whose exact recall is below R runs the exact dense ring")
     return ap
+
+
+def policy_dense_layers(layers: list, max_kept: Optional[float], min_recall: Optional[float]) -> list:
+    """``[(layer_number, reason)]`` of the sparse layers of a report that should run dense: kernel work
+    (``1 - sparsity_mean``) above ``max_kept``, or exact ``recall_mean`` below ``min_recall``."""
+    chosen = []
+    for layer in layers:
+        if layer["dense"]:
+            continue
+        kept, recall = 1.0 - layer["sparsity_mean"], layer["recall_mean"]
+        why = []
+        if max_kept is not None and kept > max_kept:
+            why.append(f"kept {kept:.3f} > {max_kept}")
+        if min_recall is not None and recall < min_recall:
+            why.append(f"recall {recall:.4f} < {min_recall}")
+        if why:
+            chosen.append((layer["layer_number"], ", ".join(why)))
+    return chosen
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -637,6 +669,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit("error: --save-pattern with a config that has dense_layers: a pattern file holds one "
                              "vertical-slash pattern per layer, and a dense layer has none")
         cfg = policy.vertical_slash
+    if args.write_policy is not None or args.policy_max_kept is not None or args.policy_min_recall is not None:
+        if policy is None or args.write_policy is None:
+            raise SystemExit("error: --write-policy, --policy-max-kept and --policy-min-recall go together with "
+                             "--mtraining-config (the run's config that the chosen dense layers are added to)")
+        if args.policy_max_kept is None and args.policy_min_recall is None:
+            raise SystemExit("error: --write-policy needs --policy-max-kept and/or --policy-min-recall")
+        for flag, val in (("--policy-max-kept", args.policy_max_kept), ("--policy-min-recall", args.policy_min_recall)):
+            if val is not None and not 0.0 <= val <= 1.0:
+                raise SystemExit(f"error: {flag} must be in [0, 1], got {val}")
     if args.seq_length < 1 or args.seq_length % cfg.block_size:
         raise SystemExit(f"error: --seq-length must be a positive multiple of {cfg.block_size}")
     if args.num_samples < 1:
@@ -842,6 +883,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                  **{key: sum(l["sweep"][i][key] if "sweep" in l else (0.0 if key.startswith("sparsity") else 1.0)
                              for l in layers) / len(layers) for key in keys}}
                 for i, row in enumerate(sparse_layers[0]["sweep"])]
+    if args.write_policy:
+        from megatron_mtraining.config import dump_mtraining_config
+
+        chosen = policy_dense_layers(layers, args.policy_max_kept, args.policy_min_recall)
+        written = policy.with_dense_layers([n for n, _ in chosen])
+        dump_mtraining_config(written, args.write_policy)
+        report["policy"] = {"max_kept": args.policy_max_kept, "min_recall": args.policy_min_recall,
+                            "dense_layers_added": [{"layer_number": n, "reason": why} for n, why in chosen],
+                            "layer_policy": written.layer_policy_text(), "config": args.write_policy}
+        for n, why in chosen:
+            print(f"policy: layer_number {n} runs dense ({why})", flush=True)
+        print(f"wrote {args.write_policy} ({written.layer_policy_text() or 'every layer sparse'})", flush=True)
     out_json, out_png = Path(args.out + ".json"), Path(args.out + ".png")   # OUT may contain dots
     write_json(out_json, result_record(report, device=dev, argv=argv))
     print("summary:", json.dumps(report["summary"]), flush=True)

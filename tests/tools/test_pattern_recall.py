@@ -171,7 +171,8 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
     res = run_python("tools/pattern_recall.py", [
         "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "512", "--timing-repeats", "0",
-        "--plot-heads", "0", "--out", str(out), "--mtraining-config", str(cfg)], timeout=300)
+        "--plot-heads", "0", "--out", str(out), "--mtraining-config", str(cfg),
+        "--write-policy", str(tmp_path / "chosen.yaml"), "--policy-min-recall", "0.999"], timeout=300)
     assert res.returncode == 0, res.tail()
     assert "layer 0 (layer_number 1): dense (dense_layers)" in res.stdout, res.tail()
     report = json.loads((tmp_path / "rec.json").read_text())
@@ -185,6 +186,39 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
     assert report["layer_policy"] == "dense 1; layers 3: max_slash=8,max_vertical=512,recall=1.0"
     below = report["summary"]["layers_below_recall_target"]
     assert set(below) <= {2} and all(isinstance(n, int) for n in below)
+    # --write-policy: layer 2 (recall below 0.999) joins dense_layers, layer 3 (recall 1.0) keeps its override
+    from megatron_mtraining.config import load_mtraining_config
+    chosen = load_mtraining_config(tmp_path / "chosen.yaml")
+    assert chosen.dense_layers == (1, 2) and chosen.layer_policy_text().endswith("layers 3: max_slash=8,max_vertical=512,recall=1.0")
+    assert [d["layer_number"] for d in report["policy"]["dense_layers_added"]] == [2]
+    assert "policy: layer_number 2 runs dense (recall" in res.stdout
+
+
+def test_policy_dense_layers_thresholds():
+    from tools.pattern_recall import policy_dense_layers
+
+    layers = [{"layer_number": 1, "dense": True, "sparsity_mean": 0.0, "recall_mean": 1.0},
+              {"layer_number": 2, "dense": False, "sparsity_mean": 0.4, "recall_mean": 0.99},
+              {"layer_number": 3, "dense": False, "sparsity_mean": 0.9, "recall_mean": 0.95}]
+    assert policy_dense_layers(layers, 0.5, None) == [(2, "kept 0.600 > 0.5")]
+    assert policy_dense_layers(layers, 0.6, None) == []                      # not above: stays sparse
+    assert [n for n, _ in policy_dense_layers(layers, None, 0.98)] == [3]
+    assert [n for n, _ in policy_dense_layers(layers, 0.05, 0.999)] == [2, 3]
+
+
+def test_config_with_dense_layers_splits_overrides():
+    from megatron_mtraining.config import load_mtraining_config
+
+    cfg = load_mtraining_config({"pattern": "vertical_slash", "dense_layers": [1],
+                                 "layer_overrides": {"2-6": {"recall": 0.98}}})
+    out = cfg.with_dense_layers([4, 7])
+    assert out.dense_layers == (1, 4, 7)
+    assert out.layer_policy_text() == "dense 1,4,7; layers 2-3: recall=0.98; layers 5-6: recall=0.98"
+    assert cfg.with_dense_layers([]) is cfg
+    with pytest.raises(ValueError, match="1-based layer number"):
+        cfg.with_dense_layers([0])
+    with pytest.raises(ValueError, match="needs pattern: vertical_slash"):
+        load_mtraining_config({"pattern": "dense"}).with_dense_layers([2])
 
 
 def test_pattern_recall_config_policy_errors(tmp_path):
@@ -197,7 +231,13 @@ def test_pattern_recall_config_policy_errors(tmp_path):
     for extra, needle in [(["--mtraining-config", str(dense)], "needs pattern: vertical_slash"),
                           (["--mtraining-config", str(sparse), "--recall", "0.8"], "drop --recall"),
                           (["--mtraining-config", str(sparse), "--save-pattern", str(tmp_path / "p.npz")],
-                           "a dense layer has none")]:
+                           "a dense layer has none"),
+                          (["--write-policy", str(tmp_path / "w.yaml"), "--policy-max-kept", "0.3"],
+                           "go together with --mtraining-config"),
+                          (["--mtraining-config", str(sparse), "--write-policy", str(tmp_path / "w.yaml")],
+                           "needs --policy-max-kept"),
+                          (["--mtraining-config", str(sparse), "--write-policy", str(tmp_path / "w.yaml"),
+                            "--policy-max-kept", "1.5"], "must be in [0, 1]")]:
         with pytest.raises(SystemExit) as exc:
             main(base + extra)
         assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)

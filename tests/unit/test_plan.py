@@ -230,3 +230,8 @@ def test_kernel_summary_names_the_chosen_kernels_once():
     sdpa = resolve(load_mtraining_config({"kernel_backend": "sdpa"}), cp_group=None)
     sdpa.select_backend(device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=64, seq_len_local=1024)
     assert sdpa.kernel_summary() == "dense: sdpa (CP=1 sdpa_causal)"
+    policy = resolve(load_mtraining_config({"pattern": "vertical_slash", "dense_layers": [1]}), cp_group=None)
+    assert policy.kernel_summary() == ""
+    policy.for_layer(1).select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=64,
+                                       seq_len_local=1024)
+    assert policy.kernel_summary() == "dense: torch; layer policy: dense 1"
