@@ -18,7 +18,12 @@ step) on synthetic tokens (uniform random ids below ``--vocab-size``; no tokeniz
    no device syncs: the counts are ``n/a``.
 
 Output: a JSON result record (``--json``, :func:`megatron_mtraining.bench.result_record`) and a
-markdown table (stdout and ``--markdown``); ``--trace-dir`` also keeps each mode's Chrome trace.
+markdown table (stdout and ``--markdown``); ``--trace-dir`` also keeps each mode's Chrome trace. On
+CUDA each mode also records ``kernels``: the ``--kernels`` device kernels with the most time per
+iteration, summed by name over the exported trace
+(:func:`~megatron_mtraining.bench.profile.trace_kernel_rows`), whoever launched them: the region sums
+charge a kernel to the CPU event that launched it, and some launches (among them the sparse
+attention's Triton kernels) are charged to ``other``.
 
     # SmolLM2-135M shape, 32K, 8 micro-batches per iteration, one H200
     python tools/profile_step.py --shape smollm2-135m --seq-length 32768 --global-batch-size 8 \\
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="result record")
     p.add_argument("--markdown", default=None, help="the table as a markdown file")
     p.add_argument("--trace-dir", default=None, help="keep each mode's Chrome trace here")
+    p.add_argument("--kernels", type=int, default=25,
+                   help="on CUDA: record (and print) the N device kernels with the most time per iteration")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per mode")
     p.add_argument("--one-mode", choices=MODES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -136,7 +144,7 @@ def run_one(a, mode: str) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from megatron_mtraining.bench.profile import FLUSH, region_rows, summarize
+    from megatron_mtraining.bench.profile import FLUSH, region_rows, summarize, trace_kernel_rows
     from megatron_mtraining.common import REGION_LM_HEAD_LOSS, REGION_OPTIMIZER
     from megatron_mtraining.megatron.args import build_parser as trainer_parser, validate_args
     from megatron_mtraining.training.build import (build_model, build_optimizer, build_plan, padded_vocab_size,
@@ -217,9 +225,16 @@ def run_one(a, mode: str) -> dict:
             sync()
     prof_wall = (time.perf_counter() - t0) / max(1, a.active)
     rank = dist.get_rank()
-    if a.trace_dir and rank == 0:
-        os.makedirs(a.trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(a.trace_dir, f"trace_{mode}_{a.seq_length}.json"))
+    kernels = None
+    if rank == 0 and (a.trace_dir or cuda):
+        trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="profile_trace_")
+        os.makedirs(trace_dir, exist_ok=True)
+        trace = os.path.join(trace_dir, f"trace_{mode}_{a.seq_length}.json")
+        prof.export_chrome_trace(trace)
+        if cuda:            # device time per kernel name, whoever launched it (regions miss some launches)
+            kernels = trace_kernel_rows(trace, iterations=a.active, top=a.kernels)
+        if not a.trace_dir:
+            shutil.rmtree(trace_dir, ignore_errors=True)
     rows = region_rows(prof.events(), iterations=a.active)
     layer_calls = args.num_layers * args.num_microbatches
     res = summarize(rows, device.type, layer_calls, statistics.median(times) if times else None)
@@ -227,7 +242,7 @@ def run_one(a, mode: str) -> dict:
                lm_loss=float(loss_sum / n_tok.clamp(min=1)), micro_batches=args.num_microbatches,
                num_layers=args.num_layers, seq_length=args.seq_length,
                max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None,
-               mtraining_config=a.mtraining_config if mode == "mtraining" else None)
+               mtraining_config=a.mtraining_config if mode == "mtraining" else None, kernels=kernels)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -275,6 +290,10 @@ def main(argv=None) -> int:
             errors[m] = {"rc": rc, "log_tail": "\n".join(log.strip().splitlines()[-15:])}
             print(f"{m}: failed ({rc})\n{errors[m]['log_tail']}", flush=True)
     table = markdown_table(runs) if runs else ""
+    for m, r in runs.items():
+        if r.get("kernels"):
+            table += f"\n\n| {m}: kernel | device ms per iteration | calls per iteration |\n|---|---|---|\n" + "\n".join(
+                f"| `{k['kernel'][:90]}` | {k['device_ms']:.2f} | {k['calls']:g} |" for k in r["kernels"]) + "\n"
     print(table, flush=True)
     if a.json:
         write_json(a.json, result_record({"config": {k: v for k, v in vars(a).items() if k not in ("one_mode", "out")},
@@ -290,7 +309,7 @@ def _own_flags(a) -> list[str]:
     out = ["--shape", a.shape, "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
            "--global-batch-size", str(a.global_batch_size), "--mtraining-config", a.mtraining_config,
            "--precision", a.precision, "--warmup", str(a.warmup), "--timed", str(a.timed), "--active", str(a.active),
-           "--seed", str(a.seed)]
+           "--seed", str(a.seed), "--kernels", str(a.kernels)]
     if a.vocab_size:
         out += ["--vocab-size", str(a.vocab_size)]
     if a.trace_dir:

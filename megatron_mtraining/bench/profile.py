@@ -20,6 +20,11 @@ Public API::
     rows = region_rows(prof.events(), iterations=2)       # list of dicts, one per (region, phase)
     summary = summarize(rows, device_type="cuda", layer_calls=240)
     print(markdown_table({"dense": summary_d, "mtraining": summary_m}))
+    kernels = trace_kernel_rows("trace.json", iterations=2)  # device time per kernel name, from the trace
+
+Region sums charge a kernel to the CPU event that launched it; a kernel launched through the driver
+API (Triton's launcher) or from the autograd thread may land in ``other``. :func:`trace_kernel_rows`
+sums the device kernels of an exported Chrome trace by name instead, whoever launched them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Iterable, Optional
 from ..common import REGION_ATTENTION_BWD, REGION_OPTIMIZER, REGIONS
 
 __all__ = ["SYNC_EVENTS", "OTHER", "FLUSH", "ATTENTION_PATH", "region_of_events", "region_rows", "summarize",
-           "markdown_table"]
+           "markdown_table", "trace_kernel_rows"]
 
 #: CUDA runtime calls that block the host until the device (stream, event, whole device) is done.
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -190,3 +195,34 @@ def markdown_table(runs: dict) -> str:
                      f"{_fmt(s['attention_path_syncs'], '.0f')} = {_fmt(s['attention_path_syncs_per_layer'])} "
                      f"per layer call ({s['layer_calls']} calls)")
     return "\n".join(lines) + "\n"
+
+
+def trace_kernel_rows(trace, iterations: int = 1, top: Optional[int] = None) -> list:
+    """Device kernels of a Chrome trace (``prof.export_chrome_trace``), summed by name.
+
+    Args:
+        trace: the trace file's path or its parsed JSON (a dict with ``traceEvents``, or the list).
+        iterations: profiled iterations in the trace (times and calls are per iteration).
+        top: keep the ``top`` kernels with the most time (``None``: all).
+
+    Returns:
+        ``[{"kernel": name, "device_ms": ms per iteration, "calls": per iteration}]``, most time first:
+        complete events (``"ph": "X"``) of categories ``kernel``, ``gpu_memcpy`` and ``gpu_memset``
+        (``dur`` in microseconds).
+    """
+    import json
+
+    if not isinstance(trace, (dict, list)):
+        with open(trace, encoding="utf-8") as f:
+            trace = json.load(f)
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    total, calls = {}, {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            name = e.get("name", "?")
+            total[name] = total.get(name, 0.0) + float(e.get("dur", 0.0))
+            calls[name] = calls.get(name, 0) + 1
+    n = max(1, int(iterations))
+    rows = [{"kernel": k, "device_ms": total[k] / 1e3 / n, "calls": calls[k] / n}
+            for k in sorted(total, key=lambda k: -total[k])]
+    return rows if top is None else rows[:top]

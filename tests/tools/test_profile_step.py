@@ -115,6 +115,28 @@ def test_input_check_range_only_when_the_check_runs():
         assert any(e.name == "mtraining.input_check" for e in prof.events()) == expect
 
 
+def test_trace_kernel_rows_sum_device_events_by_name(tmp_path):
+    import json
+
+    from megatron_mtraining.bench.profile import trace_kernel_rows
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "_sparse_fwd_kernel", "dur": 1500.0},
+        {"ph": "X", "cat": "kernel", "name": "_sparse_bwd_dkdv_kernel", "dur": 2000.0},
+        {"ph": "X", "cat": "kernel", "name": "_sparse_fwd_kernel", "dur": 600.0},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "dur": 10.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9000.0},          # host op: not a kernel
+        {"ph": "i", "cat": "kernel", "name": "marker"}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    rows = trace_kernel_rows(str(path), iterations=2)
+    assert rows == [{"kernel": "_sparse_fwd_kernel", "device_ms": 1.05, "calls": 1.0},
+                    {"kernel": "_sparse_bwd_dkdv_kernel", "device_ms": 1.0, "calls": 0.5},
+                    {"kernel": "Memset (Device)", "device_ms": 0.005, "calls": 0.5}]
+    assert [r["kernel"] for r in trace_kernel_rows(trace, top=1)] == ["_sparse_fwd_kernel"]
+    assert trace_kernel_rows(trace["traceEvents"], iterations=1)[-1]["device_ms"] == 0.01
+
+
 def test_trainer_argv_and_shapes():
     a = ps.build_parser().parse_args(["--shape", "smollm2-135m", "--seq-length", "32768", "--", "--foo"])
     argv = ps.trainer_argv(a, "mtraining")
