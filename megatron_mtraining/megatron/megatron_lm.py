@@ -62,6 +62,7 @@ __all__ = [
     "mtraining_layout",
     "mtraining_packed_seq_params",
     "mtraining_packing",
+    "plan_log_line",
     "mtraining_plan",
 ]
 
@@ -209,11 +210,32 @@ def mtraining_plan(args: Any) -> Any:
     if plan is None or plan.cp_group is not group:
         plan = plan_for_model(cfg, packing=packing)
         _PLANS[key] = plan
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"> {plan_log_line(plan)}", flush=True)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if plan.cp_size != cp:
         raise ValueError(f"--context-parallel-size {cp} but the CP group has {plan.cp_size} ranks (call "
                          "mtraining_plan after initialize_model_parallel)")
     return plan
+
+
+def plan_log_line(plan: Any) -> str:
+    """One line for the run's log: layout, pattern, layer policy and packed documents of ``plan``, e.g.
+    ``MTraining CP attention: striped over CP=2 (granularity 64), pattern vertical_slash, layer policy:
+    dense 1,4,7``."""
+    cfg = plan.config
+    lay = plan.layout
+    text = f"MTraining CP attention: {cfg.implementation} over CP={plan.cp_size}"
+    if lay.kind == "striped":
+        text += f" (granularity {lay.granularity})"
+    text += f", pattern {cfg.pattern}"
+    if cfg.sparse:
+        text += f", columns {cfg.columns}, layer policy: {cfg.layer_policy_text() or 'every layer sparse'}"
+    if plan.packing is not None and plan.packing.active:
+        text += ", packed documents" + (" (EOD resets the attention)" if plan.packing.reset_attention_mask else "")
+    return text
 
 
 def mtraining_packing(args: Any) -> Any:

@@ -431,11 +431,16 @@ def test_glue_rejects_what_the_backend_cannot_serve(kw, msg):
     assert msg in str(ei.value)
 
 
-def test_glue_keeps_sparse_and_hierarchical_configs():
+def test_glue_keeps_sparse_and_hierarchical_configs(capsys):
     """The plan carries every config feature: nothing is dropped on the way to the attention."""
     args = _mlm_args(mtraining_config=str(ROOT / "configs/demo_sparse.yaml"), context_parallel_size=1)
     plan = megatron_lm.mtraining_plan(args)
     assert plan.sparse and plan.pattern.recall == 0.9
+    logged = capsys.readouterr().out              # the plan's log line, once (rank 0)
+    assert "> MTraining CP attention: striped over CP=1 (granularity 64), pattern vertical_slash" in logged
+    assert "layer policy: " in logged
+    megatron_lm.mtraining_plan(args)
+    assert "MTraining CP attention" not in capsys.readouterr().out
     args = _mlm_args(mtraining_config=str(ROOT / "configs/qwen2.5-3b-512k.yaml"), context_parallel_size=32,
                      seq_length=512 * 1024, hierarchical_context_parallel_sizes=[8, 4])
     cfg = megatron_lm.mtraining_config_from_args(args)
