@@ -52,3 +52,9 @@ def test_leading_split_matches_a_loop():
         while want < min(int(bc[tuple(idx)]), 6) and bool(ok[tuple(idx)][want]):
             want += 1
         assert int(got[tuple(idx)]) == want, idx
+
+
+def test_leading_split_of_an_empty_index():
+    bi = torch.zeros((1, 2, 3, 0), dtype=torch.int32)
+    got = _leading_split(bi, torch.zeros((1, 2, 3), dtype=torch.int32), torch.zeros((1, 2, 3, 0), dtype=torch.bool))
+    assert got.shape == (1, 2, 3) and got.dtype == torch.int32 and not got.any()

@@ -114,10 +114,12 @@ def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmaske
     """Number of leading valid slots whose block satisfies ``unmasked`` (robust to any order): the
     first slot that fails, found by one reduction (``argmax`` returns the first maximum)."""
     n = block_index.shape[-1]
+    if n == 0:
+        return torch.zeros(block_count.shape, dtype=torch.int32, device=block_count.device)
     slot = torch.arange(n, device=block_index.device)
     bad = ~(unmasked & (slot < block_count[..., None]))
-    bad = torch.cat([bad, bad.new_ones((*bad.shape[:-1], 1))], -1)      # a failing slot n: the split is at most n
-    return bad.to(torch.uint8).argmax(-1).to(torch.int32)
+    first = bad.to(torch.uint8).argmax(-1)                               # 0 when no slot fails ...
+    return torch.where(bad.any(-1), first, n).to(torch.int32)            # ... then every slot passes
 
 
 def _tile_bounds(doc_lo: torch.Tensor, doc_hi: torch.Tensor):
