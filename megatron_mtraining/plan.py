@@ -185,8 +185,8 @@ class CPPlan:
         ``deterministic``); the choice is cached per input signature, so a layer's forward pays for it
         once per run.
 
-        ``packed``: the inputs carry a document mask (the torch and Triton step kernels have one; FA4 and
-        SDPA have none).
+        ``packed``: the inputs carry a document mask (the torch and Triton step kernels have one, and FA4's
+        varlen interface for dense attention at CP=1; SDPA has none).
 
         Raises:
             ValueError: an explicit backend that cannot run these inputs (naming the rule).
@@ -207,14 +207,17 @@ class CPPlan:
 
         One entry per distinct choice, e.g. ``"dense: fa4 (CP=1 fa4_causal)"`` or ``"sparse: triton"``: the
         :class:`~megatron_mtraining.ops.backends.KernelBackend` name, and at CP=1 the dense function that runs
-        the whole causal attention (``sdpa_causal``, ``fa4_causal``) where there is one; then, for a sparse
-        config with ``dense_layers`` or ``layer_overrides``, ``"; layer policy: dense 1,4,7"``
+        the whole causal attention (``sdpa_causal``, ``fa4_causal``; packed documents: ``fa4_packed_causal``,
+        FA4 varlen) where there is one; then, for a sparse config with ``dense_layers`` or
+        ``layer_overrides``, ``"; layer policy: dense 1,4,7"``
         (:meth:`~megatron_mtraining.config.MTrainingConfig.layer_policy_text`).
         """
         seen = []
         for key, b in self._backends.items():
             kind = "sparse" if key[-1] else "dense"
-            one = getattr(b.dense_cp1, "__name__", None) if kind == "dense" and self.cp_size == 1 else None
+            fn = b.packed_cp1 if key[-2] else b.dense_cp1            # key[-2]: packed documents
+            fn = getattr(fn, "func", fn)                              # a functools.partial
+            one = getattr(fn, "__name__", None) if kind == "dense" and self.cp_size == 1 else None
             text = f"{kind}: {b.name}" + (f" (CP=1 {one})" if one else "")
             if text not in seen:
                 seen.append(text)

@@ -4,6 +4,8 @@
     python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --json packed.json
     python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --attention dense,sparse \
         --mtraining-config configs/long_context_r098.yaml --json packed.json
+    python tools/bench_packed.py --seq-len 131072 --max-doc-len none,8192,4096 --backend triton,fa4 \
+        --packed-only --json packed_fa4.json      # packed dense: the Triton steps vs FA4 varlen, one process
 
 A stream of ``--seq-len`` tokens is filled with documents whose lengths come from a real corpus
 (``--doc-lengths corpus``: the document lengths of ``--data-path PREFIX.idx``, read with
@@ -14,7 +16,10 @@ whole documents), the last one cut at the end of the stream; or fixed lengths (`
 head_dim]`` in ``--dtype`` on ``--device``. For each length distribution and each ``--attention``
 (comma list, default ``dense``), fwd and fwd+bwd on one rank (CP=1) with the kernels of
 ``--backend`` (``auto``: the Triton steps on a GPU, the torch reference on the CPU; the unmasked and
-per-document runs use the same kernels unless ``--baseline-backend`` names others) of:
+per-document runs use the same kernels unless ``--baseline-backend`` names others; a comma list,
+e.g. ``triton,fa4``, runs every row once per backend on the same inputs and adds each row's
+``packed_fwd_bwd_speedup`` and ``packed_fwd_speedup`` over the first backend's row, so that one
+process compares the kernels) of:
 
 * ``dense``: :func:`~megatron_mtraining.ring.ring_attention` (exact causal attention) on random
   normal inputs;
@@ -28,7 +33,13 @@ per-document runs use the same kernels unless ``--baseline-backend`` names other
   ``torch`` or ``triton`` (CUDA, or the CPU with ``TRITON_INTERPRET=1``); ``sdpa`` and ``fa4`` are
   refused (``error: ...``), as is ``columns: out_of_ring``.
 
-Each row (one attention, one length distribution) times three runs:
+With ``--backend fa4`` (or ``auto`` where FlashAttention-4 is installed) the packed dense run is
+FA4's varlen interface (:func:`~megatron_mtraining.ops.fa4.fa4_varlen_attention`, every document a
+sequence of one THD batch); rows record ``backend`` (the kernels that ran: ``fa4`` or, where FA4's
+varlen self-check failed, ``triton``) and ``packed_path`` (``fa4_varlen`` or ``ring_steps``).
+
+Each row (one attention, one length distribution, one backend) times three runs (``--packed-only``:
+the first alone):
 
 * ``packed``: the stream with its document mask (``documents=PackedDocuments``: attention causal
   and within a document; key tiles of other documents skipped; sparse: each document's first
@@ -117,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backend", default="auto", help="kernel_backend of the packed run: auto | torch | triton")
+    ap.add_argument("--backend", default="auto",
+                    help="kernel_backend of the packed run: auto | torch | triton | fa4, or a comma list (one row per "
+                         "backend on the same inputs, compared with the first)")
+    ap.add_argument("--packed-only", action="store_true",
+                    help="time the packed run only (no unmasked and per-document baselines)")
     ap.add_argument("--baseline-backend", default=None,
                     help="kernel_backend of the unmasked and per-document runs (default: the kernels --backend "
                          "chose for the packed run, so that only the mask differs); e.g. sdpa for cuDNN")
@@ -272,7 +287,7 @@ def _padded_documents(members: list[tuple[int, int]], n: int, dev):
 
 
 def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype,
-                     sparse: Optional[Sparse] = None) -> dict:
+                     sparse: Optional[Sparse] = None, backend: Optional[str] = None) -> dict:
     s, h, hkv, d = args.seq_len, args.heads, args.kv_heads, args.head_dim
     docs_len = pack_lengths(lengths, s, cap)
     cu = [0]
@@ -291,17 +306,27 @@ def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype,
         kw = {"repeats": args.repeats} if args.repeats else {"budget_s": args.budget}
         return measure(fn, device=dev, warmup=1, **kw).median_ms
 
-    packed_b = _backend(args.backend, dev, dtype, d, s, True, sparse)
+    packed_b = _backend(backend or args.backend, dev, dtype, d, s, True, sparse)
     base_name = args.baseline_backend or packed_b.name      # default: the packed run's kernels, unmasked
     plain_b = _backend(base_name, dev, dtype, d, s, False, sparse)
     row = {"attention": "dense" if sparse is None else "sparse", "max_doc_len": cap, "documents": len(docs_len),
            "doc_len_min": min(docs_len), "doc_len_max": max(docs_len), "doc_len_mean": s / len(docs_len),
-           "backend": packed_b.name, "baseline_backend": plain_b.name}
-    for name, b, dd in (("packed", packed_b, docs), ("unmasked", plain_b, None)):
+           "backend_requested": backend or args.backend, "backend": packed_b.name,
+           "packed_path": "fa4_varlen" if sparse is None and packed_b.packed_cp1 is not None else "ring_steps",
+           "baseline_backend": None if args.packed_only else plain_b.name}
+    runs = (("packed", packed_b, docs),) if args.packed_only else (("packed", packed_b, docs), ("unmasked", plain_b, None))
+    for name, b, dd in runs:
         f, fb = _fns(q, k, v, dout, b, dd, sparse)
         row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = timed(f), timed(fb)
         if sparse is not None:
             row.update(_pattern_stats(q, k, v, b, dd, sparse, name))
+    if sparse is None:
+        tiles = float(packed_tile_work(docs_len, s, DENSE_LAYOUT).sum()) / 4096
+        row.update(model_tiles_packed=tiles, model_tiles_per_document=per_document_tiles(docs_len),
+                   model_tiles_unmasked=causal_tiles(s))
+        row["model_packed_over_sum"] = tiles / row["model_tiles_per_document"]
+    if args.packed_only:
+        return row
     buckets = length_buckets(docs_len) if sparse is None else length_buckets(docs_len, sparse.multiple(),
                                                                              sparse.min_len())
     fwd_sum = fb_sum = 0.0
@@ -320,12 +345,32 @@ def run_distribution(args, lengths: list[int], cap: Optional[int], dev, dtype,
     for ph in ("fwd", "fwd_bwd"):
         row[f"packed_over_sum_{ph}"] = row[f"packed_{ph}_ms"] / row[f"per_document_sum_{ph}_ms"]
         row[f"packed_over_unmasked_{ph}"] = row[f"packed_{ph}_ms"] / row[f"unmasked_{ph}_ms"]
-    if sparse is None:
-        tiles = float(packed_tile_work(docs_len, s, DENSE_LAYOUT).sum()) / 4096
-        row.update(model_tiles_packed=tiles, model_tiles_per_document=per_document_tiles(docs_len),
-                   model_tiles_unmasked=causal_tiles(s))
-        row["model_packed_over_sum"] = tiles / row["model_tiles_per_document"]
     return row
+
+
+def _describe(row: dict, attention: str, cap) -> str:
+    text = (f"{attention:6} max_doc_len {str(cap):>6} {row['backend']:>6} ({row['packed_path']}): "
+            f"{row['documents']:5d} docs (len {row['doc_len_min']}..{row['doc_len_max']})  "
+            f"fwd+bwd ms packed {row['packed_fwd_bwd_ms']:.3f} (fwd {row['packed_fwd_ms']:.3f})")
+    if "per_document_sum_fwd_bwd_ms" in row:
+        extra = (f"tile model {row['model_packed_over_sum']:.3f}" if attention == "dense" else
+                 f"kept fraction unmasked {row['unmasked_kept_fraction']:.3f}")
+        text += (f" unmasked {row['unmasked_fwd_bwd_ms']:.3f} per-doc sum {row['per_document_sum_fwd_bwd_ms']:.3f}  "
+                 f"packed/sum {row['packed_over_sum_fwd_bwd']:.3f} (fwd {row['packed_over_sum_fwd']:.3f}; {extra})")
+    if "packed_fwd_bwd_speedup" in row:
+        text += (f"  speed-up over {row['compared_with']}: fwd+bwd {row['packed_fwd_bwd_speedup']:.3f}x "
+                 f"(fwd {row['packed_fwd_speedup']:.3f}x)")
+    return text
+
+
+def _backends(text: str) -> list[str]:
+    from megatron_mtraining.ops.backends import KERNEL_BACKENDS
+
+    names = list(dict.fromkeys(x.strip() for x in text.split(",")))
+    bad = [x for x in names if x not in KERNEL_BACKENDS]
+    if bad or not names:
+        raise SystemExit(f"error: --backend: expected a comma list of {', '.join(KERNEL_BACKENDS)}, got {text!r}")
+    return names
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -335,6 +380,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         raise SystemExit(f"error: --heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     attentions = _attentions(args.attention)
+    backend_names = _backends(args.backend)
     try:
         caps = _caps(args.max_doc_len)
         lengths, source = source_lengths(args)
@@ -354,18 +400,21 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.dtype} on {dev}", flush=True)
     for cap in caps:
         for attention in attentions:
-            try:
-                row = run_distribution(args, lengths, cap, dev, dtype, sparse if attention == "sparse" else None)
-            except (ValueError, NotImplementedError) as e:   # the kernels' rules (e.g. --backend triton on a CPU)
-                raise SystemExit(f"error: {e}") from None
-            rows.append(row)
-            extra = (f"tile model {row['model_packed_over_sum']:.3f}" if attention == "dense" else
-                     f"kept fraction unmasked {row['unmasked_kept_fraction']:.3f}")
-            print(f"{attention:6} max_doc_len {str(cap):>6}: {row['documents']:5d} docs "
-                  f"(len {row['doc_len_min']}..{row['doc_len_max']})  fwd+bwd ms packed {row['packed_fwd_bwd_ms']:.3f} "
-                  f"unmasked {row['unmasked_fwd_bwd_ms']:.3f} per-doc sum {row['per_document_sum_fwd_bwd_ms']:.3f}  "
-                  f"packed/sum {row['packed_over_sum_fwd_bwd']:.3f} (fwd {row['packed_over_sum_fwd']:.3f}; {extra})",
-                  flush=True)
+            first = None
+            for name in backend_names:
+                try:
+                    row = run_distribution(args, lengths, cap, dev, dtype, sparse if attention == "sparse" else None,
+                                           backend=name)
+                except (ValueError, NotImplementedError) as e:   # the kernels' rules (e.g. --backend triton on a CPU)
+                    raise SystemExit(f"error: {e}") from None
+                if first is None:
+                    first = row
+                elif len(backend_names) > 1:
+                    row["compared_with"] = first["backend"]
+                    for ph in ("fwd", "fwd_bwd"):
+                        row[f"packed_{ph}_speedup"] = first[f"packed_{ph}_ms"] / row[f"packed_{ph}_ms"]
+                rows.append(row)
+                print(_describe(row, attention, cap), flush=True)
     if args.json:
         cfg = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, result_record({"config": cfg, "source": source, "rows": rows}, device=dev, argv=argv))

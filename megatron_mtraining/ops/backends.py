@@ -17,12 +17,14 @@ Backends (``kernel_backend`` in the configuration):
   package, Hopper/Blackwell GPUs, bf16/fp16, ``head_dim`` 64/96/128) for dense causal attention at
   CP=1 and for the dense ring steps it can express exactly (striped granularity a multiple of 128,
   zigzag chunks a multiple of 128, and every rank's own causal step) and for the slash blocks of
-  vertical-slash patterns estimated at 128-token blocks (``vertical_slash.block_size: 128``); the
+  vertical-slash patterns estimated at 128-token blocks (``vertical_slash.block_size: 128``), and for
+  packed documents with dense attention at CP=1 (its varlen interface, below); the
   other dense steps, the vertical columns and patterns at 64-token blocks run the Triton kernels. FA4 is used only after a one-time self-check for the shape
   (:func:`~megatron_mtraining.ops.fa4.fa4_self_check`) passes; a shape it fails falls back to
   ``"triton"`` with a warning naming why.
 * ``"auto"`` (default): the fastest supported choice for the device. CPU: ``"torch"``. CUDA: FA4
-  where it can run and passes its self-check (dense attention at CP=1 and the dense ring steps),
+  where it can run and passes its self-check (dense attention at CP=1 and the dense ring steps;
+  packed documents: dense attention at CP=1 through FA4 varlen),
   else SDPA for causal bf16/fp16 attention at CP=1; the Triton kernels elsewhere, each checked
   against every limit above; where a limit fails (e.g. ``head_dim`` 80, fp64) the ring steps use
   the torch reference while the Triton estimator and ``delta`` kernels still run where they can.
@@ -30,9 +32,18 @@ Backends (``kernel_backend`` in the configuration):
 Packed documents (``packed=True``: a document mask from
 :class:`~megatron_mtraining.layout.PackedDocuments`) run on the step kernels whose masks take
 per-query key bounds: the torch reference, the Triton dense steps (mode 3 of
-:mod:`~megatron_mtraining.ops.triton.kernels`) and the Triton sparse steps (their document mask).
-``"auto"`` chooses as for unpacked inputs but never FA4 or SDPA; an explicit ``"sdpa"`` or ``"fa4"``
-with ``packed=True`` raises ``ValueError``. The vertical-slash pattern over packed documents
+:mod:`~megatron_mtraining.ops.triton.kernels`) and the Triton sparse steps (their document mask),
+and, for dense attention at ``cp_size == 1``, FA4's varlen interface
+(:func:`~megatron_mtraining.ops.fa4.fa4_varlen_attention`: every document its own causal sequence
+of one THD batch; the backend's ``packed_cp1``). ``"auto"`` picks FA4 varlen for packed dense
+attention at CP=1 where FA4 can run and passes its one-time varlen self-check
+(:func:`~megatron_mtraining.ops.fa4.fa4_varlen_self_check`), and otherwise chooses as for unpacked
+inputs but never FA4 or SDPA: at ``cp_size > 1`` the dense ring steps with documents run Triton
+(a step's document mask on striped/zigzag shards is token-level on global positions; FA4's varlen
+causal mask is on local indices and its varlen backward takes no block sparsity). An explicit
+``"fa4"`` with ``packed=True`` is accepted for dense attention at ``cp_size == 1`` (a shape that
+fails the varlen self-check runs the Triton steps, with a warning) and raises ``ValueError`` at
+``cp_size > 1`` or with ``sparse``; ``"sdpa"`` with ``packed=True`` raises. The vertical-slash pattern over packed documents
 (``packed=True, sparse=True``) runs the sparse step kernels of ``"triton"`` (``"auto"`` on CUDA where
 the Triton limits hold) or ``"torch"``; its estimator and index conversion run in torch (the Triton
 score kernels have no document mask).
@@ -81,6 +92,10 @@ class KernelBackend:
         delta: ``(dout, out) -> delta [b, hq, s]`` of the backward.
         dense_cp1: causal attention at CP=1 without the ring, ``(q, k, v, softmax_scale) -> out``, or
             ``None`` (the ring with one rank).
+        packed_cp1: causal attention within packed documents at CP=1 without the ring,
+            ``(q, k, v, softmax_scale, documents) -> out`` (FA4 varlen), or ``None`` (the ring with one
+            rank and the document-masked step kernels). When set, ``dense_step`` is a step kernel
+            with a document mask (the Triton dense steps).
         estimator_impl: ``impl`` of :func:`~megatron_mtraining.patterns.estimator.estimate_vertical_slash`
             (``"torch"`` or ``"triton"``).
         convert_impl: ``impl`` of :func:`~megatron_mtraining.patterns.convert.convert_pattern`.
@@ -95,6 +110,7 @@ class KernelBackend:
     estimator_impl: str = "torch"
     convert_impl: str = "torch"
     deterministic: bool = True
+    packed_cp1: Optional[Callable[..., torch.Tensor]] = None
 
 
 def triton_unsupported(*, device, dtype: torch.dtype, head_dim: int, seq_len_local: Optional[int] = None,
@@ -134,13 +150,20 @@ def _fa4_problem(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 
 def _fa4_passes_self_check(device: torch.device, dtype: torch.dtype, head_dim: int,
-                           fa4_available: Optional[bool]) -> bool:
-    """FA4's one-time self-check for this shape (cached); a failure warns once with the reason."""
+                           fa4_available: Optional[bool], packed: bool = False,
+                           deterministic: bool = False) -> bool:
+    """FA4's one-time self-check for this shape (cached); a failure warns once with the reason.
+    ``packed``: the varlen self-check (packed documents at CP=1) instead of the ring-step one."""
     if fa4_available is not None:
         return bool(fa4_available)
-    from .fa4 import fa4_self_check
+    if packed:
+        from .fa4 import fa4_varlen_self_check
 
-    why = fa4_self_check(device, dtype, head_dim, hq=4, hkv=2)
+        why = fa4_varlen_self_check(device, dtype, head_dim, hq=4, hkv=2, deterministic=deterministic)
+    else:
+        from .fa4 import fa4_self_check
+
+        why = fa4_self_check(device, dtype, head_dim, hq=4, hkv=2)
     if why is not None:
         warnings.warn(f"{why}; using the Triton kernels instead", RuntimeWarning, stacklevel=3)
     return why is None
@@ -175,7 +198,8 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
             :func:`~megatron_mtraining.ops.fa4.fa4_self_check`); lets a caller decide for a device it
             does not hold.
         packed: the attention has a packed-document mask (the torch and Triton step kernels, dense
-            and sparse, implement it; FA4 and SDPA do not).
+            and sparse, implement it; FA4 for dense attention at ``cp_size == 1`` through its varlen
+            interface; SDPA does not).
 
     Returns:
         a :class:`KernelBackend`.
@@ -183,8 +207,8 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
     Raises:
         ValueError: an unknown ``name`` (naming :data:`KERNEL_BACKENDS`), a non-float ``dtype``, a
             ``head_dim`` or ``cp_size`` below 1, ``"triton"`` where a limit fails (each failing limit
-            named with the supported values), ``"sdpa"`` with ``cp_size > 1`` or ``sparse``, or
-            ``"sdpa"`` or ``"fa4"`` with ``packed``.
+            named with the supported values), ``"sdpa"`` with ``cp_size > 1`` or ``sparse``,
+            ``"sdpa"`` with ``packed``, or ``"fa4"`` with ``packed`` and ``cp_size > 1`` or ``sparse``.
     """
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, got {name!r}")
@@ -194,9 +218,17 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         raise ValueError(f"head_dim and cp_size must be >= 1, got head_dim={head_dim}, cp_size={cp_size}")
     device = torch.device(device)
     on_cuda = device.type == "cuda"
-    if packed and name in ("sdpa", "fa4"):
-        raise ValueError(f"kernel_backend={name!r} cannot run packed sequences (document masks): its kernels mask "
+    # packed documents on FA4: its varlen interface, for dense attention at CP=1 (no ring steps)
+    packed_fa4 = packed and not sparse and cp_size == 1
+    if packed and name == "sdpa":
+        raise ValueError("kernel_backend='sdpa' cannot run packed sequences (document masks): its kernels mask "
                          "by causal positions only; use kernel_backend='auto', 'triton' or 'torch'")
+    if packed and name == "fa4" and not packed_fa4:
+        where = "with the vertical-slash pattern" if sparse else f"at cp_size {cp_size}"
+        raise ValueError(f"kernel_backend='fa4' cannot run packed sequences (document masks) {where}: FA4 runs "
+                         "packed documents through its varlen interface for dense attention at cp_size 1 only (its "
+                         "ring-step and sparse kernels mask by positions only); use kernel_backend='auto', 'triton' "
+                         "or 'torch'")
     why = triton_unsupported(device=device, dtype=dtype, head_dim=head_dim, seq_len_local=seq_len_local,
                              triton_available=triton_available)
     if name == "triton" and why:
@@ -213,7 +245,7 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         if problem is not None:
             raise ValueError(f"kernel_backend='fa4' cannot run these inputs: {problem} "
                              "(use kernel_backend='auto', 'triton' or 'torch')")
-        use_fa4 = _fa4_passes_self_check(device, dtype, head_dim, fa4_available)
+        use_fa4 = _fa4_passes_self_check(device, dtype, head_dim, fa4_available, packed, deterministic)
         name = "triton"
     if name == "auto":
         triton_runs = on_cuda and (triton_runs_on(device) if triton_available is None else bool(triton_available))
@@ -221,8 +253,9 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         sdpa = on_cuda and dtype in (torch.bfloat16, torch.float16) and not packed
         pattern_kernels = triton_runs and dtype in TRITON_DTYPES
         fast_delta = triton_runs
-        use_fa4 = (steps == "triton" and not packed and _fa4_problem(device, dtype, head_dim, fa4_available) is None
-                   and _fa4_passes_self_check(device, dtype, head_dim, fa4_available))
+        use_fa4 = (steps == "triton" and (packed_fa4 or not packed)
+                   and _fa4_problem(device, dtype, head_dim, fa4_available) is None
+                   and _fa4_passes_self_check(device, dtype, head_dim, fa4_available, packed, deterministic))
     else:
         steps = "triton" if name == "triton" else "torch"
         sdpa = name == "sdpa"
@@ -248,7 +281,16 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
         from .sdpa import sdpa_causal
 
         dense_cp1 = sdpa_causal
-    if use_fa4:
+    packed_cp1 = None
+    if use_fa4 and packed:
+        # packed dense attention at CP=1: FA4 varlen; the ring steps (dense_step) keep the Triton
+        # kernels, which have the document mask
+        from .fa4 import fa4_causal, fa4_packed_causal
+
+        packed_cp1 = functools.partial(fa4_packed_causal, deterministic=deterministic)
+        dense_cp1 = fa4_causal
+        steps = "fa4"
+    elif use_fa4:
         from .fa4 import fa4_causal, make_fa4_dense_step, make_fa4_sparse_step
 
         dense_step = functools.partial(make_fa4_dense_step, fallback=dense_step, deterministic=deterministic)
@@ -261,7 +303,8 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
     return KernelBackend(
         name=steps if name != "sdpa" else "sdpa", dense_step=dense_step, sparse_step=sparse_step, delta=delta,
         dense_cp1=dense_cp1, estimator_impl="triton" if pattern_kernels else "torch",
-        convert_impl="triton" if pattern_kernels and cp_size == 1 else "torch", deterministic=bool(deterministic))
+        convert_impl="triton" if pattern_kernels and cp_size == 1 else "torch", deterministic=bool(deterministic),
+        packed_cp1=packed_cp1)
 
 
 def kernel_backend_error(name: str, *, device, dtype: torch.dtype, head_dim: int, seq_len_local: Optional[int],

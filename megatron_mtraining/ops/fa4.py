@@ -12,6 +12,17 @@ Two uses:
   multiple of 128) run through FA4's block sparsity, per batch and query head
   (:func:`sparsity_from_indices`, pure); the token-level vertical columns run the Triton column
   kernels; the two partial results are merged by LSE (:class:`FA4SparseStepKernel`).
+* **Packed documents at CP=1** (a document mask, :class:`~megatron_mtraining.layout.PackedDocuments`):
+  :func:`fa4_varlen_attention` runs FA4's varlen interface (``flash_attn_varlen_func`` with
+  ``cu_seqlens``): the ``b`` streams of ``S`` tokens are flattened into one THD batch
+  ``[total, h, d]`` of the documents' real tokens (:func:`varlen_layout`, pure; the offsets of
+  ``PackedDocuments`` already run over the rows concatenated), every document its own causal
+  sequence, and the result is put back in ``[b, S, h, d]`` with exact zeros at padding tokens
+  (LSE ``-inf``), whose gradients are then exact zeros too. Without padding the flattening is a
+  view. The dense ring steps at CP > 1 keep the Triton kernels for packed documents: a step's
+  document mask on striped or zigzag shards is a token-level mask on global positions, which FA4's
+  varlen causal mask (local indices) cannot express and its varlen backward cannot combine with
+  block sparsity.
 * **Dense ring steps** (MTraining §3.3, the striped ring's per-step work): every step of the dense
   ring is attention of the local queries over one owner's keys, masked by *global* positions (a
   key is visible iff ``k_pos <= q_pos``). :func:`plan_step` classifies each 128×128 tile of a step
@@ -34,8 +45,9 @@ The backward takes the *final* ``out`` and ``lse`` of the whole ring (FA4 derive
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -61,6 +73,17 @@ __all__ = [
     "FA4SparseStepKernel",
     "make_fa4_sparse_step",
     "fa4_self_check",
+    "VarlenLayout",
+    "varlen_layout",
+    "varlen_layout_of",
+    "varlen_token_index",
+    "flatten_thd",
+    "unflatten_thd",
+    "unflatten_lse",
+    "varlen_reference",
+    "fa4_varlen_attention",
+    "fa4_packed_causal",
+    "fa4_varlen_self_check",
 ]
 
 #: Tile of FA4's block sparsity used here (its SM90 backward needs 128-wide KV blocks).
@@ -553,6 +576,250 @@ def make_fa4_sparse_step(steps, softmax_scale: float, *, fallback, deterministic
     return FA4SparseStepKernel(steps, softmax_scale, fallback=fb, deterministic=deterministic)
 
 
+# ---------------------------------------------------------------------------------------------- varlen (packed)
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """How ``batch_size`` packed streams of ``seq_len`` tokens map onto one FA4 varlen (THD) batch.
+
+    Pure host data, from the documents' offsets alone (:func:`varlen_layout`).
+
+    Attributes:
+        batch_size, seq_len: the streams (``b``, ``S``); the flat stream is ``[b * S]`` (row ``r`` at
+            ``[r * S, (r + 1) * S)``).
+        cu_seqlens: ``[n + 1]`` offsets of the documents in the THD batch (real tokens only; documents
+            without tokens left out), ``cu_seqlens[0] == 0``.
+        starts: ``[n]`` flat position (in ``b * S``) of each document's first token.
+        max_seqlen: the longest document (0 when there is none).
+    """
+
+    batch_size: int
+    seq_len: int
+    cu_seqlens: tuple
+    starts: tuple
+    max_seqlen: int
+
+    @property
+    def total(self) -> int:
+        """Real tokens (rows of the THD batch)."""
+        return self.cu_seqlens[-1]
+
+    @property
+    def dense(self) -> bool:
+        """No padding: the THD batch is the flat stream itself (a view, no copy)."""
+        return self.total == self.batch_size * self.seq_len
+
+    @property
+    def lengths(self) -> tuple:
+        return tuple(b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
+
+
+def varlen_layout(cu_seqlens, cu_seqlens_padded, seq_len: int, batch_size: int = 1) -> VarlenLayout:
+    """The THD batch of packed streams (pure; host integers).
+
+    Args:
+        cu_seqlens: ``[n + 1]`` offsets of the real tokens (as :class:`~megatron_mtraining.layout.PackedDocuments`:
+            over the ``batch_size`` rows concatenated).
+        cu_seqlens_padded: ``[n + 1]`` offsets of the documents' slots (``None``: the documents are
+            contiguous); a document's real tokens come first in its slot.
+        seq_len, batch_size: the streams.
+
+    Returns:
+        a :class:`VarlenLayout`: document ``i`` with ``n_i > 0`` real tokens is THD rows
+        ``[cu[j], cu[j] + n_i)`` and flat tokens ``[slot_i, slot_i + n_i)``; every other token is padding.
+    """
+    cu = [int(x) for x in cu_seqlens]
+    pad = cu if cu_seqlens_padded is None else [int(x) for x in cu_seqlens_padded]
+    if len(pad) != len(cu):
+        raise ValueError(f"cu_seqlens_padded has {len(pad)} entries but cu_seqlens has {len(cu)}")
+    out, starts = [0], []
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        if n > 0:
+            out.append(out[-1] + n)
+            starts.append(pad[i])
+    lengths = [b - a for a, b in zip(out, out[1:])]
+    return VarlenLayout(int(batch_size), int(seq_len), tuple(out), tuple(starts), max(lengths, default=0))
+
+
+def varlen_layout_of(documents) -> VarlenLayout:
+    """:func:`varlen_layout` of a :class:`~megatron_mtraining.layout.PackedDocuments` (its host offsets)."""
+    return varlen_layout(documents.cu_seqlens, documents.cu_seqlens_padded, documents.seq_len, documents.batch_size)
+
+
+def varlen_token_index(layout: VarlenLayout, device=None) -> torch.Tensor:
+    """``[total]`` int64: the flat position (in ``b * S``) of every THD row, ascending.
+
+    Built on ``device`` from the per-document shifts without a host read (``repeat_interleave``
+    with its output size known)."""
+    shift = torch.tensor([s - c for s, c in zip(layout.starts, layout.cu_seqlens)], dtype=torch.int64)
+    lengths = torch.tensor(layout.lengths, dtype=torch.int64)
+    shift, lengths = _to_device(shift, device), _to_device(lengths, device)
+    dev = shift.device
+    if layout.total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=dev)
+    return torch.repeat_interleave(shift, lengths, output_size=layout.total) + torch.arange(layout.total, device=dev)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device``: through pinned memory without a stream synchronisation on CUDA."""
+    device = torch.device(device) if device is not None else t.device
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def flatten_thd(x: torch.Tensor, layout: VarlenLayout, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [b, S, h, d]`` -> ``[total, h, d]``: the real tokens in THD order (differentiable).
+
+    ``index``: :func:`varlen_token_index` (needed only when the layout has padding)."""
+    b, s = layout.batch_size, layout.seq_len
+    if tuple(x.shape[:2]) != (b, s):
+        raise ValueError(f"expected [{b}, {s}, ...] for {b} packed streams of {s} tokens, got {tuple(x.shape)}")
+    flat = x.reshape(b * s, *x.shape[2:])
+    if layout.dense:
+        return flat
+    if index is None:
+        index = varlen_token_index(layout, x.device)
+    return flat.index_select(0, index)
+
+
+def unflatten_thd(y: torch.Tensor, layout: VarlenLayout, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y [total, h, d]`` -> ``[b, S, h, d]`` with exact zeros at padding tokens (differentiable: the
+    gradient of ``y`` is the incoming gradient at the real tokens)."""
+    b, s = layout.batch_size, layout.seq_len
+    if layout.dense:
+        return y.reshape(b, s, *y.shape[1:])
+    if index is None:
+        index = varlen_token_index(layout, y.device)
+    full = y.new_zeros((b * s, *y.shape[1:])).index_copy(0, index, y)
+    return full.view(b, s, *y.shape[1:])
+
+
+def unflatten_lse(lse: torch.Tensor, layout: VarlenLayout, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FA4's varlen LSE ``[h, total]`` -> ``[b, h, S]``, ``-inf`` at padding tokens."""
+    b, s = layout.batch_size, layout.seq_len
+    h = lse.shape[0]
+    if layout.dense:
+        full = lse
+    else:
+        if index is None:
+            index = varlen_token_index(layout, lse.device)
+        full = lse.new_full((h, b * s), float("-inf")).index_copy(1, index, lse)
+    return full.reshape(h, b, s).transpose(0, 1)
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, softmax_scale: float, causal: bool = True,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     return_lse: bool = False, deterministic: bool = False, **_unused):
+    """Torch stand-in for FA4's ``flash_attn_varlen_func`` (same keywords, same THD shapes): every
+    sequence of ``cu_seqlens`` attended alone, causal on local indices, GQA without FA4.
+
+    Used by the self-check (fp32 math on FA4's inputs) and by the CPU tests (fp64) of the THD glue.
+    Returns ``(out [total, hq, d] in q's dtype, lse [hq, total] fp32, fp64 for fp64 inputs)``;
+    differentiable by autograd. ``max_seqlen_*`` and ``deterministic`` are accepted and ignored.
+    """
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if cu_q != cu_k:
+        raise ValueError("varlen_reference: self-attention only (cu_seqlens_q == cu_seqlens_k)")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
+    outs, lses = [], []
+    for a, b in zip(cu_q, cu_q[1:]):
+        n = b - a
+        if n == 0:
+            continue
+        qq = q[a:b].to(acc)
+        kk = k[a:b].to(acc).repeat_interleave(rep, 1)
+        vv = v[a:b].to(acc).repeat_interleave(rep, 1)
+        sc = torch.einsum("qhd,khd->hqk", qq, kk) * softmax_scale
+        if causal:
+            sc = sc.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        lses.append(torch.logsumexp(sc, -1))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vv))
+    if not outs:
+        return q.new_zeros(q.shape), torch.zeros(hq, 0, dtype=acc, device=q.device)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
+
+
+def _flash_attn_varlen_func() -> Callable:
+    from flash_attn.cute import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+#: Device tensors of the varlen batch per documents object (every layer of a micro-batch shares them).
+_VARLEN_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _varlen_tensors(documents, device: torch.device):
+    """``(layout, cu_seqlens int32 [n + 1], token index or None)`` of ``documents`` on ``device``, cached."""
+    per_doc = _VARLEN_CACHE.get(documents)
+    if per_doc is None:
+        per_doc = _VARLEN_CACHE[documents] = {}
+    key = (device.type, device.index)
+    hit = per_doc.get(key)
+    if hit is None:
+        lay = varlen_layout_of(documents)
+        cu = _to_device(torch.tensor(lay.cu_seqlens, dtype=torch.int32), device)
+        index = None if lay.dense else varlen_token_index(lay, device)
+        hit = per_doc[key] = (lay, cu, index)
+    return hit
+
+
+def fa4_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents, *, softmax_scale: float,
+                         deterministic: bool = False, return_lse: bool = False,
+                         varlen_fn: Optional[Callable] = None):
+    """Causal attention within packed documents through FA4's varlen interface, with autograd (CP=1).
+
+    Args:
+        q: ``[b, S, hq, d]``; k, v: ``[b, S, hkv, d]`` (GQA: ``hq % hkv == 0``), bf16/fp16 on a
+            Hopper/Blackwell GPU for FA4.
+        documents: the :class:`~megatron_mtraining.layout.PackedDocuments` of the ``b`` streams.
+        softmax_scale: scale of ``q k^T``.
+        deterministic: FA4's deterministic backward.
+        return_lse: also return the LSE.
+        varlen_fn: the varlen function (``None``: ``flash_attn.cute.flash_attn_varlen_func``; the
+            tests pass :func:`varlen_reference`), called with keywords only.
+
+    Returns:
+        ``out [b, S, hq, d]`` in q's dtype (and ``lse [b, hq, S]`` fp32 with ``return_lse``). Padding
+        tokens (in no document) give exact zeros in out and in every gradient, and LSE ``-inf``.
+    """
+    lay, cu, index = _varlen_tensors(documents, q.device)
+    if tuple(q.shape[:2]) != (lay.batch_size, lay.seq_len):
+        raise ValueError(f"packed documents describe {lay.batch_size} streams of {lay.seq_len} tokens but q has "
+                         f"shape {tuple(q.shape)}")
+    qt, kt, vt = (flatten_thd(t, lay, index) for t in (q, k, v))
+    if lay.total == 0:                         # padding only: zeros, still connected to q for autograd
+        out_t = qt
+        lse_t = torch.zeros(q.shape[2], 0, dtype=torch.float32, device=q.device)
+    else:
+        fn = varlen_fn if varlen_fn is not None else _flash_attn_varlen_func()
+        res = fn(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=lay.max_seqlen,
+                 max_seqlen_k=lay.max_seqlen, softmax_scale=float(softmax_scale), causal=True,
+                 deterministic=bool(deterministic), return_lse=bool(return_lse))
+        out_t, lse_t = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)
+        if return_lse and (lse_t is None or tuple(lse_t.shape) != (q.shape[2], lay.total)):
+            raise RuntimeError(f"flash_attn_varlen_func returned an LSE of shape "
+                               f"{None if lse_t is None else tuple(lse_t.shape)}, expected "
+                               f"[{q.shape[2]}, {lay.total}] (heads, total tokens)")
+    out = unflatten_thd(out_t, lay, index)
+    if not return_lse:
+        return out
+    return out, unflatten_lse(lse_t.float() if lse_t.dtype != torch.float64 else lse_t, lay, index)
+
+
+def fa4_packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, documents, *,
+                      deterministic: bool = False, varlen_fn: Optional[Callable] = None) -> torch.Tensor:
+    """Packed dense attention at CP=1 through FA4 varlen (the backend's ``packed_cp1``; bshd, out in q's
+    dtype; ``varlen_fn`` as for :func:`fa4_varlen_attention`)."""
+    return fa4_varlen_attention(q, k, v, documents, softmax_scale=softmax_scale, deterministic=deterministic,
+                                varlen_fn=varlen_fn)
+
+
 # ---------------------------------------------------------------------------------------------- self-check
 
 #: Largest relative error (out, lse, dq, dk, dv against fp32 math on the same inputs) the self-check
@@ -646,3 +913,67 @@ def fa4_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int)
     dev = torch.device(device)
     return _self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
                               int(head_dim), int(hq), int(hkv))
+
+
+#: The self-check's packed streams (``cu_seqlens``, ``cu_seqlens_padded``): 2 rows of 256 tokens;
+#: documents of 100, 30 (in a slot of 36) and 1 (its slot padded to the end of row 0) in row 0, and
+#: 150 in row 1, then padding.
+_SELF_CHECK_DOCS = ((0, 100, 130, 131, 281), (0, 100, 136, 256, 406))
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_self_check_cached(device_index: int, dtype: torch.dtype, head_dim: int, hq: int, hkv: int,
+                              deterministic: bool) -> Optional[str]:
+    from ..layout.documents import PackedDocuments
+
+    dev = torch.device("cuda", device_index)
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    b, s = 2, 2 * FA4_BLOCK
+    mk = lambda h: torch.randn(b, s, h, head_dim, generator=g).to(dev, dtype)  # noqa: E731
+    q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    scale = head_dim ** -0.5
+    cu, pad = _SELF_CHECK_DOCS
+    docs = PackedDocuments.from_cu_seqlens(torch.tensor(cu), s, batch_size=b, cu_seqlens_padded=torch.tensor(pad),
+                                           device=dev)
+    try:
+        def run(fn, inputs):
+            xs = [t.clone().requires_grad_(True) for t in inputs]
+            out, lse = fa4_varlen_attention(*xs, docs, softmax_scale=scale, deterministic=deterministic,
+                                            return_lse=True, varlen_fn=fn)
+            dq, dk, dv = torch.autograd.grad(out, xs, do.to(out.dtype))
+            return out, lse, dq, dk, dv
+
+        got = run(None, (q, k, v))
+        ref = run(varlen_reference, tuple(t.float() for t in (q, k, v)))
+        padding = ~docs.real()
+        for name, t in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:])):
+            if not bool((t[padding] == 0).all()):
+                return f"FA4 varlen self-check failed for head_dim {head_dim}, {hq}/{hkv} heads, {dtype}: {name} " \
+                       "is not zero at padding tokens"
+        real = docs.real()
+        lse_got, lse_ref = got[1].transpose(1, 2)[real], ref[1].transpose(1, 2)[real]
+        why = _compare(((got[0], ref[0]), (lse_got, lse_ref), *zip(got[2:], ref[2:])), head_dim, hq, hkv, dtype,
+                       what="varlen (packed documents): ")
+        if why:
+            return why
+    except Exception as exc:  # a compile or launch error of the DSL kernels
+        return f"FA4 varlen self-check raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def fa4_varlen_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int,
+                          deterministic: bool = False) -> Optional[str]:
+    """``None`` when FA4's varlen interface computes packed documents correctly for this shape.
+
+    Runs once per (device, dtype, head_dim, hq, hkv, deterministic) and is cached: two streams of 256
+    tokens with four documents (lengths 100, 30 in a padded slot, 1, 150) and trailing padding,
+    forward (out, LSE) and backward through :func:`fa4_varlen_attention`, against
+    :func:`varlen_reference` in fp32 on the same inputs, and exact zeros at the padding tokens.
+    Returns the reason otherwise (also when :func:`fa4_unavailable_reason` has one).
+    """
+    why = fa4_unavailable_reason(device, dtype, head_dim)
+    if why is not None:
+        return why
+    dev = torch.device(device)
+    return _varlen_self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
+                                     int(head_dim), int(hq), int(hkv), bool(deterministic))

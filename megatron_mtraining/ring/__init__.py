@@ -198,14 +198,16 @@ def documents_error(documents, q: torch.Tensor, layout: Layout, cp: int, causal:
 def dense_step_kernel(backend: KernelBackend, layout: Layout, rank: int, seq_len: int, scale: float, causal: bool,
                       device, documents=None):
     """The dense ring's step kernel of ``backend``; with packed ``documents`` its document-masked
-    step kernel (the torch reference :class:`DenseStepKernel` or the Triton dense steps).
+    step kernel (the torch reference :class:`DenseStepKernel` or the Triton dense steps; a backend
+    that runs packed documents through FA4 varlen at CP=1, ``packed_cp1``, keeps the Triton dense
+    steps for them).
 
     Raises:
         ValueError: packed documents with a backend whose step kernels have no document mask.
     """
     if documents is None:
         return backend.dense_step(layout, rank, seq_len, scale, causal, device=device)
-    if backend.name not in ("torch", "triton"):
+    if backend.name not in ("torch", "triton") and backend.packed_cp1 is None:
         raise ValueError(f"packed sequences (document masks) run on the torch or Triton step kernels; kernel backend "
                          f"{backend.name!r} has none (use kernel_backend='auto', 'triton' or 'torch')")
     return backend.dense_step(layout, rank, seq_len, scale, causal, device=device, documents=documents)
@@ -358,7 +360,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             (the same on every rank): attention is causal *and* within a document, key blocks of
             other documents are skipped, padding tokens give exact zeros in the output and every
             gradient. A single document without padding runs the unpacked path. Runs on the torch
-            reference or the Triton dense step kernels (never FA4 or SDPA).
+            reference or the Triton dense step kernels, or at CP=1 on FA4's varlen interface where
+            ``backend`` has it (``packed_cp1``; ``"auto"`` on a Hopper/Blackwell GPU with FA4), never SDPA.
 
     q/k/v with a strided last dimension are copied to a unit last stride first (every backend).
 
@@ -382,6 +385,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         # the layout is the identity at cp=1, so this is plain causal attention (FA4 or SDPA: cuDNN/flash)
         with record_function(REGION_ATTENTION_FWD):
             return backend.dense_cp1(q, k, v, scale)
+    if cp == 1 and causal and backend.packed_cp1 is not None and documents is not None:
+        # causal attention within each document of the (identity-laid-out) streams: FA4 varlen
+        with record_function(REGION_ATTENTION_FWD):
+            return backend.packed_cp1(q, k, v, scale, documents)
     kernel = dense_step_kernel(backend, layout, group_rank(group), q.shape[1] * cp, scale, bool(causal), q.device,
                                documents)
     return RingAttentionFunc.apply(q, k, v, kernel, RingComm(group), backend.delta)

@@ -6,8 +6,14 @@ LSE, dQ, dK, dV each within 2x the error of a bf16 torch reference; documents of
 not divisible by 64, documents straddling stripes, padded slots and trailing padding (exact zeros
 in out, dQ, dK, dV; no NaN).
 
-The one-rank cases also run through ``ring_attention`` itself (autograd and delta kernel, the
-backend ``auto`` picks with documents: Triton). On the CPU the same code path runs on tiny fp16 cases in the Triton interpreter (``SMOKE_CASES``),
+The one-rank cases also run through ``ring_attention`` itself (autograd and delta kernel,
+``kernel_backend='triton'``).
+
+FlashAttention-4 varlen at CP=1 (``gp.FA4_VARLEN_CASES``, skipped without a Hopper/Blackwell GPU and
+``flash-attn-4``): ``kernel_backend='fa4'`` with documents through ``ring_attention``, LSE from
+``fa4_varlen_attention``, against the same per-document fp64 oracle and criterion (GQA, padded
+slots and a padding tail, two streams, 201 short documents, fp16), its deterministic backward
+bitwise repeatable, and ``auto`` choosing it. On the CPU the same code path runs on tiny fp16 cases in the Triton interpreter (``SMOKE_CASES``),
 and ring steps without the documents must fail the criterion (negative control).
 
 The vertical-slash sparse ring over documents (``gp.SPARSE_CASES``): the Triton sparse step kernels
@@ -18,6 +24,7 @@ without their document bounds) in the interpreter.
 import pytest
 import torch
 
+from megatron_mtraining.layout import PackedDocuments
 from tests.helpers.triton_interp import requires_interpreter
 from tests.workers import gpu_packed_check as gp
 
@@ -44,7 +51,7 @@ def test_packed_ring_case_on_gpu(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", gp.RING_CASES, ids=lambda c: c.id)
 def test_packed_ring_attention_on_gpu(case):
-    """One rank through ring_attention itself (autograd, delta kernel), kernel_backend auto."""
+    """One rank through ring_attention itself (autograd, delta kernel), kernel_backend triton."""
     try:
         row = gp.run_ring_case(case, "cuda")
     finally:
@@ -54,17 +61,78 @@ def test_packed_ring_attention_on_gpu(case):
     assert_case_passes(row)
 
 
+def _fa4_reason():
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from megatron_mtraining.ops.fa4 import fa4_unavailable_reason
+
+    return fa4_unavailable_reason("cuda")
+
+
+needs_fa4 = pytest.mark.skipif(_fa4_reason() is not None, reason="needs a Hopper/Blackwell GPU with flash-attn-4")
+
+
+def _assert_fa4_varlen_ran(row: dict) -> None:
+    assert row["backend"] == "fa4" and row["varlen"], (
+        f"kernel_backend 'fa4' did not run FA4 varlen for {row['case']} (backend {row['backend']!r}); "
+        f"the varlen self-check says: {row['self_check']}")
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("case", gp.FA4_VARLEN_CASES, ids=lambda c: c.id)
+def test_fa4_varlen_case_on_gpu(case):
+    """FA4 varlen (packed dense attention at CP=1): out, LSE, dQ, dK, dV within 2x the bf16 reference."""
+    try:
+        row = gp.run_fa4_varlen_case(case, "cuda")
+    finally:
+        torch.cuda.empty_cache()
+    print(gp.describe(row), "self_check:", row["self_check"])
+    _assert_fa4_varlen_ran(row)
+    assert row["padding_tokens"] == 0 or row["padding_lse_neginf"], row
+    assert_case_passes(row)
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_varlen_deterministic_on_gpu():
+    """The deterministic varlen backward (the backend's default): accurate and bitwise repeatable."""
+    case = gp.FA4_VARLEN_CASES[1]
+    row = gp.run_fa4_varlen_case(case, "cuda", deterministic=True)
+    print(gp.describe(row), "self_check:", row["self_check"])
+    _assert_fa4_varlen_ran(row)
+    assert row["bitwise_repeatable"], row
+    assert_case_passes(row)
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_auto_picks_fa4_varlen_for_packed_dense_at_cp1_on_gpu():
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ops.fa4 import fa4_varlen_self_check
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, seq_len_local=8192, packed=True)
+    b = select_backend("auto", **kw)
+    assert b.name == "fa4" and b.packed_cp1 is not None, fa4_varlen_self_check("cuda", torch.bfloat16, 128, 4, 2, True)
+    assert select_backend("auto", cp_size=2, **kw).name == "triton"      # the ring steps keep Triton
+
+
 def test_cases_cover_the_rules():
     """Lengths 1, not multiples of 64, straddling stripes, padding; cp 1, 2, 4; ids unique; offsets fit."""
-    ids = [c.id for c in gp.CASES + gp.SMOKE_CASES]
+    ids = [c.id for c in gp.CASES + gp.SMOKE_CASES + gp.FA4_VARLEN_CASES]
     assert len(ids) == len(set(ids))
     assert {c.layout[1] for c in gp.CASES} == {1, 2, 4} and {c.layout[0] for c in gp.CASES} == {"striped", "zigzag"}
     lengths = [n for c in gp.CASES for n in c.lengths]
     assert 1 in lengths and any(n % 64 for n in lengths if n > 64)
     assert any(c.slots is not None for c in gp.CASES)
-    for c in gp.CASES + gp.SMOKE_CASES:
+    fa4 = gp.FA4_VARLEN_CASES
+    assert all(c.layout[1] == 1 for c in fa4) and any(c.batch > 1 for c in fa4) and any(c.hq > c.hkv for c in fa4)
+    assert any(c.slots is not None for c in fa4) and any(c.slots is None for c in fa4)      # index and view paths
+    for c in gp.CASES + gp.SMOKE_CASES + fa4:
         cu, pad = gp.offsets(c)
         assert pad[-1] <= c.seq * c.batch, c.id
+        PackedDocuments.from_cu_seqlens(torch.tensor(cu), c.seq, batch_size=c.batch,
+                                        cu_seqlens_padded=torch.tensor(pad))            # valid offsets
         assert all(n <= (c.slots[i] if c.slots else n) for i, n in enumerate(c.lengths)), c.id
 
 

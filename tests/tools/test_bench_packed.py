@@ -190,6 +190,28 @@ def test_bench_packed_runs_on_cpu_with_the_torch_reference(tmp_path):
     assert rows[1]["doc_len_max"] <= 32
 
 
+def test_bench_packed_compares_backends_in_one_process(tmp_path):
+    """--backend A,B --packed-only: one packed row per backend on the same inputs, each after the first
+    with its speed-up over the first; no baselines. (On the GPU: --backend triton,fa4, FA4 varlen.)"""
+    js = tmp_path / "bench.json"
+    res = run_python("tools/bench_packed.py", [
+        "--seq-len", "256", "--doc-lengths", "list:100,1,60", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--dtype", "fp32", "--device", "cpu", "--backend", "torch,auto", "--packed-only", "--repeats", "1",
+        "--max-doc-len", "none,32", "--json", str(js)], timeout=300)
+    assert res.returncode == 0, res.tail()
+    rows = json.loads(js.read_text())["rows"]
+    assert [(r["max_doc_len"], r["backend_requested"]) for r in rows] == [
+        (None, "torch"), (None, "auto"), (32, "torch"), (32, "auto")]
+    for first, second in (rows[:2], rows[2:]):
+        assert first["backend"] == second["backend"] == "torch" and first["packed_path"] == "ring_steps"
+        assert "packed_fwd_bwd_speedup" not in first and "unmasked_fwd_bwd_ms" not in first
+        assert second["compared_with"] == "torch"
+        assert second["packed_fwd_bwd_speedup"] == pytest.approx(first["packed_fwd_bwd_ms"] / second["packed_fwd_bwd_ms"])
+    res = run_python("tools/bench_packed.py", ["--seq-len", "256", "--doc-lengths", "fixed:64", "--device", "cpu",
+                                               "--backend", "torch,fa5"], timeout=120)
+    assert res.returncode != 0 and "--backend: expected a comma list" in res.tail()
+
+
 def test_bench_packed_sparse_mode_on_cpu(tmp_path):
     """--attention dense,sparse: a dense and a sparse row per cap (torch reference, tiny size); documents
     shorter than the sparse blocks and not a multiple of them are padded, their padding masked."""
@@ -281,3 +303,27 @@ def test_bench_packed_sparse_on_gpu(tmp_path):
         assert r["backend"] == r["baseline_backend"] == "triton", r
         assert r["packed_fwd_bwd_ms"] > 0 and r["per_document_sum_fwd_bwd_ms"] > 0 and r["unmasked_fwd_bwd_ms"] > 0
         assert 0 < r["unmasked_kept_fraction"] < 1
+
+
+def _fa4_missing() -> bool:
+    if not torch.cuda.is_available():
+        return True
+    from megatron_mtraining.ops.fa4 import fa4_unavailable_reason
+
+    return fa4_unavailable_reason("cuda") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_fa4_missing(), reason="needs a Hopper/Blackwell GPU with flash-attn-4")
+def test_bench_packed_fa4_varlen_against_triton_on_gpu(tmp_path):
+    """--backend triton,fa4 --packed-only: the packed dense rows on the Triton steps and on FA4 varlen."""
+    js = tmp_path / "bench.json"
+    res = run_python("tools/bench_packed.py", [
+        "--seq-len", "16384", "--doc-lengths", "list:1,63,65,1000,4096", "--max-doc-len", "none,1024",
+        "--device", "cuda", "--backend", "triton,fa4", "--packed-only", "--budget", "0.2", "--json", str(js)],
+        timeout=600)
+    assert res.returncode == 0, res.tail()
+    rows = json.loads(js.read_text())["rows"]
+    assert [(r["backend"], r["packed_path"]) for r in rows] == [("triton", "ring_steps"), ("fa4", "fa4_varlen")] * 2, \
+        res.tail()
+    assert all(r["packed_fwd_bwd_speedup"] > 0 for r in rows[1::2])

@@ -201,16 +201,20 @@ def test_ring_cp1_packed_matches_reference_and_refuses_other_kernels():
         assert rel_err(got, want) <= 1e-10
     with pytest.raises(ValueError, match="packed documents describe 128-token streams"):
         ring_attention(q[:, :64], k[:, :64], v[:, :64], layout=Layout("striped", 1, 64), documents=docs)
-    for name in ("sdpa", "fa4"):
-        with pytest.raises(ValueError, match=f"kernel_backend='{name}' cannot run packed sequences"):
-            select_backend(name, device="cpu", dtype=torch.float32, head_dim=64, packed=True)
+    with pytest.raises(ValueError, match="kernel_backend='sdpa' cannot run packed sequences"):
+        select_backend("sdpa", device="cpu", dtype=torch.float32, head_dim=64, packed=True)
+    with pytest.raises(ValueError, match="kernel_backend='fa4' cannot run packed sequences .* at cp_size 2"):
+        select_backend("fa4", device="cpu", dtype=torch.float32, head_dim=64, packed=True, cp_size=2)
+    with pytest.raises(ValueError, match="kernel_backend='fa4' cannot run these inputs: FlashAttention-4 needs a CUDA"):
+        select_backend("fa4", device="cpu", dtype=torch.float32, head_dim=64, packed=True)
     assert select_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, packed=True).name == "torch"
     tri = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=64, packed=True, triton_available=True)
-    assert tri.name == "triton"
-    # on CUDA, auto keeps the Triton steps for packed documents but never FA4 or SDPA
+    assert tri.name == "triton" and tri.packed_cp1 is None
+    # on CUDA without FA4, auto keeps the Triton steps for packed documents, never SDPA (FA4 varlen
+    # where it is available: tests/unit/test_fa4_varlen.py)
     cuda = select_backend("auto", device="cuda", dtype=torch.bfloat16, head_dim=64, packed=True,
-                          triton_available=True, fa4_available=True)
-    assert cuda.name == "triton" and cuda.dense_cp1 is None
+                          triton_available=True, fa4_available=False)
+    assert cuda.name == "triton" and cuda.dense_cp1 is None and cuda.packed_cp1 is None
 
 
 @pytest.mark.parametrize("layout", [Layout("striped", 2, 16), Layout("striped", 4, 1), Layout("zigzag", 4)])

@@ -19,6 +19,10 @@ stripes, padded slots and trailing padding, GQA, striped cp 1/2/4 and zigzag cp 
 :data:`SMOKE_CASES`: tiny fp16 cases for the CPU under ``TRITON_INTERPRET=1`` (the interpreter has
 no bf16 arithmetic).
 
+:func:`run_fa4_varlen_case` checks FlashAttention-4's varlen interface at CP=1 (:data:`FA4_VARLEN_CASES`:
+``kernel_backend='fa4'`` with documents, through ``ring_attention``; LSE from
+``fa4_varlen_attention``), with the same oracle, reference, criterion and padding checks.
+
 :func:`run_sparse_case` checks the vertical-slash sparse ring over the documents
 (:data:`SPARSE_CASES`): the pattern estimated on the whole sequence with the documents, each rank's
 steps converted and restricted to the documents, run by the Triton sparse step kernels with their
@@ -99,6 +103,21 @@ CASES = (
 
 #: one-rank cases run through ring_attention itself (autograd, delta kernel), the backend chosen by ``auto``
 RING_CASES = tuple(c for c in CASES if c.layout[1] == 1)
+
+#: FA4 varlen at CP=1 (:func:`run_fa4_varlen_case`): no padding (the THD batch is a view), padded
+#: slots and a padding tail, GQA 8:1 / 3:1 / 4:1, head_dim 64 and 128, two streams (b = 2), 201
+#: short documents (length 1 included), fp16.
+FA4_VARLEN_CASES = (
+    Case("fa4-varlen-mixed-8k", ("striped", 1, 64), 8192, _MIXED_8K, seed=30),
+    Case("fa4-varlen-padded-8k-gqa8", ("striped", 1, 64), 8192, _PADDED_8K[0], _PADDED_8K[1], hq=16, hkv=2,
+         seed=31),
+    Case("fa4-varlen-padded-8k-d64-gqa3", ("striped", 1, 64), 8192, _PADDED_8K[0], _PADDED_8K[1], hq=9, hkv=3,
+         d=64, seed=32),
+    Case("fa4-varlen-two-streams-4k", ("striped", 1, 64), 4096, (1000, 63, 2000, 1, 2900, 1000),
+         (1000, 63, 2000, 1033, 3000, 1096), batch=2, seed=33),
+    Case("fa4-varlen-short-docs-16k", ("striped", 1, 64), 16384, (1, 5, 77, 300, 1) * 40 + (1024,), seed=34),
+    Case("fa4-varlen-padded-8k-fp16", ("striped", 1, 64), 8192, _PADDED_8K[0], _PADDED_8K[1], dtype=fp16, seed=35),
+)
 
 SMOKE_CASES = (
     Case("smoke-packed-striped-cp2", ("striped", 2, 64), 256, (1, 63, 65, 100, 27), hq=2, hkv=1, d=64, dtype=fp16),
@@ -240,10 +259,11 @@ def run_case(case: Case, device="cuda") -> dict:
     return _score(case, ours, gold, ref, docs, t0)
 
 
-def run_ring_case(case: Case, device="cuda") -> dict:
+def run_ring_case(case: Case, device="cuda", kernel_backend: str = "triton") -> dict:
     """A one-rank case through :func:`~megatron_mtraining.ring.ring_attention` itself (its autograd
-    function, the backend's delta kernel and merge), ``kernel_backend`` chosen as the plan does
-    (``auto`` with documents); same oracle, reference and criterion as :func:`run_case`."""
+    function, the backend's delta kernel and merge) with ``kernel_backend`` (``triton``: the Triton
+    dense steps with the document mask; ``auto`` takes FA4 varlen where it is available, checked
+    by :func:`run_fa4_varlen_case`); same oracle, reference and criterion as :func:`run_case`."""
     from megatron_mtraining.ops.backends import select_backend
     from megatron_mtraining.ring import ring_attention
 
@@ -253,7 +273,7 @@ def run_ring_case(case: Case, device="cuda") -> dict:
     layout, cu, pad, s, docs, (q, k, v, dout), scale = _inputs(case, device)
     gold = _per_document(lambda *a: oracle(*a), q, k, v, dout, cu, pad, scale)
     ref = _per_document(lambda *a: bf16_reference(*a), q, k, v, dout, cu, pad, scale)
-    backend = select_backend("auto", device=device, dtype=case.dtype, head_dim=case.d, seq_len_local=s,
+    backend = select_backend(kernel_backend, device=device, dtype=case.dtype, head_dim=case.d, seq_len_local=s,
                              packed=True, deterministic=False)
 
     def run():
@@ -278,6 +298,49 @@ def run_ring_case(case: Case, device="cuda") -> dict:
                 nan=nan, padding_exact_zero=pad_zero, ok=ok, seconds=round(time.time() - t0, 1))
 
 
+def run_fa4_varlen_case(case: Case, device="cuda", deterministic: bool = False) -> dict:
+    """A one-rank case on FlashAttention-4's varlen interface (:data:`FA4_VARLEN_CASES`): out, dQ, dK,
+    dV through :func:`~megatron_mtraining.ring.ring_attention` with ``kernel_backend='fa4'`` (its
+    ``packed_cp1``), LSE from :func:`~megatron_mtraining.ops.fa4.fa4_varlen_attention` on the same
+    inputs; same oracle, bf16 reference and criterion as :func:`run_case` (out, LSE, dQ, dK, dV each
+    within 2x the bf16 reference's error; padding exact zeros, LSE ``-inf``; no NaN).
+
+    The row also names the backend chosen (``backend``, ``varlen``: whether FA4 varlen ran) and the
+    varlen self-check's verdict (``self_check``: ``None`` or why FA4 was not used); with
+    ``deterministic`` also whether a second run is bitwise equal (``bitwise_repeatable``)."""
+    from megatron_mtraining.ops.backends import select_backend
+    from megatron_mtraining.ops.fa4 import fa4_varlen_attention, fa4_varlen_self_check
+    from megatron_mtraining.ring import ring_attention
+
+    if case.layout[1] != 1:
+        raise ValueError("run_fa4_varlen_case runs one rank (cp 1)")
+    t0 = time.time()
+    layout, cu, pad, s, docs, (q, k, v, dout), scale = _inputs(case, device)
+    gold = _per_document(lambda *a: oracle(*a), q, k, v, dout, cu, pad, scale)
+    ref = _per_document(lambda *a: bf16_reference(*a), q, k, v, dout, cu, pad, scale)
+    why = fa4_varlen_self_check(device, case.dtype, case.d, case.hq, case.hkv, deterministic)
+    backend = select_backend("fa4", device=device, dtype=case.dtype, head_dim=case.d, seq_len_local=s,
+                             packed=True, deterministic=deterministic)
+
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = ring_attention(qq, kk, vv, layout=layout, group=None, softmax_scale=scale, backend=backend,
+                             documents=docs)
+        out.backward(dout)
+        with torch.no_grad():
+            _, lse = fa4_varlen_attention(q, k, v, docs, softmax_scale=scale, deterministic=deterministic,
+                                          return_lse=True)
+        return out.detach(), lse, qq.grad, kk.grad, vv.grad
+
+    ours = _poisoned(run, device)
+    extra = dict(backend=backend.name, varlen=backend.packed_cp1 is not None, self_check=why,
+                 deterministic=deterministic, batch=case.batch)
+    if deterministic:
+        again = run()
+        extra["bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(ours, again))
+    return _score(case, ours, gold, ref, docs, t0, **extra)
+
+
 def describe(row: dict) -> str:
     return (f"{'OK ' if row['ok'] else 'BAD'} {row['case']:40s} "
             + " ".join(f"{n}={row['err_ours'][n]:.2e}/{row['err_bf16_ref'][n]:.2e}" for n in row["err_ours"])
@@ -295,6 +358,11 @@ def main():
         print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     results, oks = [], []
     runs = [(run_case, c) for c in cases] + [(run_ring_case, c) for c in (RING_CASES if device == "cuda" else ())]
+    if device == "cuda":
+        from megatron_mtraining.ops.fa4 import fa4_unavailable_reason
+
+        if fa4_unavailable_reason("cuda") is None:
+            runs += [(run_fa4_varlen_case, c) for c in FA4_VARLEN_CASES]
     runs += [(run_sparse_case, c) for c in sparse]
     for fn, c in runs:
         try:
