@@ -49,6 +49,7 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
     cases = [(["--save-pattern", str(tmp_path / "pat")], "--save-pattern"),
              (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples"),
              (["--recall-stride", "0"], "--recall-stride"),
+             (["--recall-stride", "4"], "--recall-stride 4 samples no query rows at --seq-length 256"),
              (["--seq-length", "32768"], "--plot-heads")]
     import torch
 
@@ -204,6 +205,11 @@ def test_policy_dense_layers_thresholds():
     assert policy_dense_layers(layers, 0.6, None) == []                      # not above: stays sparse
     assert [n for n, _ in policy_dense_layers(layers, None, 0.98)] == [3]
     assert [n for n, _ in policy_dense_layers(layers, 0.05, 0.999)] == [2, 3]
+    # a recall that was not measured (NaN) never compares below: it must not pass as good enough
+    layers[2]["recall_mean"] = float("nan")
+    with pytest.raises(ValueError, match="layer_number 3: recall nan was not measured"):
+        policy_dense_layers(layers, None, 0.98)
+    assert [n for n, _ in policy_dense_layers(layers, 0.5, None)] == [2]
 
 
 def test_config_with_dense_layers_splits_overrides():
