@@ -897,6 +897,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         chosen = policy_dense_layers(layers, args.policy_max_kept, args.policy_min_recall)
         written = policy.with_dense_layers([n for n, _ in chosen])
+        Path(args.write_policy).parent.mkdir(parents=True, exist_ok=True)   # as OUT.json: after the measurement
         dump_mtraining_config(written, args.write_policy)
         report["policy"] = {"max_kept": args.policy_max_kept, "min_recall": args.policy_min_recall,
                             "dense_layers_added": [{"layer_number": n, "reason": why} for n, why in chosen],

@@ -173,7 +173,7 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
         "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "512", "--timing-repeats", "0",
         "--plot-heads", "0", "--out", str(out), "--mtraining-config", str(cfg),
-        "--write-policy", str(tmp_path / "chosen.yaml"), "--policy-min-recall", "0.999"], timeout=300)
+        "--write-policy", str(tmp_path / "new_dir" / "chosen.yaml"), "--policy-min-recall", "0.999"], timeout=300)
     assert res.returncode == 0, res.tail()
     assert "layer 0 (layer_number 1): dense (dense_layers)" in res.stdout, res.tail()
     report = json.loads((tmp_path / "rec.json").read_text())
@@ -189,7 +189,7 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
     assert set(below) <= {2} and all(isinstance(n, int) for n in below)
     # --write-policy: layer 2 (recall below 0.999) joins dense_layers, layer 3 (recall 1.0) keeps its override
     from megatron_mtraining.config import load_mtraining_config
-    chosen = load_mtraining_config(tmp_path / "chosen.yaml")
+    chosen = load_mtraining_config(tmp_path / "new_dir" / "chosen.yaml")   # its folder is made, as OUT's
     assert chosen.dense_layers == (1, 2) and chosen.layer_policy_text().endswith("layers 3: max_slash=8,max_vertical=512,recall=1.0")
     assert [d["layer_number"] for d in report["policy"]["dense_layers_added"]] == [2]
     assert "policy: layer_number 2 runs dense (recall" in res.stdout
