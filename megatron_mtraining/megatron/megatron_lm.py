@@ -119,6 +119,10 @@ def mtraining_enabled(args: Any) -> bool:
 
 
 _CONFIGS: dict[tuple, MTrainingConfig] = {}
+#: the other arguments that the config's checks read (besides the config path, CP sizes and --seq-length)
+_CONFIG_ARGS = ("num_layers", "cp_layout", "cp_granularity", "reset_attention_mask",
+                "dataloader_inter_document_masking", "num_attention_heads", "hidden_size", "kv_channels", "bf16",
+                "fp16")
 _PLANS: dict[tuple, Any] = {}
 
 
@@ -151,7 +155,9 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     path = getattr(args, "mtraining_config", None)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length))
+    # every value config_from_args reads: a call with other flags (documents, --num-layers, dtype) is checked again
+    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length),
+           *(getattr(args, f, None) for f in _CONFIG_ARGS))
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = config_from_args(args)

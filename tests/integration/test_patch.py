@@ -481,6 +481,24 @@ def test_mtraining_model_config_checks_the_flags_first():
     assert cfg.pre_wrap_hooks == []
 
 
+def test_glue_checks_each_command_line_not_a_cached_one(tmp_path):
+    """The config is read once per file, but every rule is checked against the flags of each call: a
+    call without documents or with more layers does not let a later call with documents (out_of_ring
+    columns) or fewer layers through."""
+    plain = _mlm_args(mtraining_config=OUT_OF_RING, context_parallel_size=1, seq_length=256)
+    assert megatron_lm.mtraining_argument_error(plain) is None
+    docs = _mlm_args(mtraining_config=OUT_OF_RING, context_parallel_size=1, seq_length=256,
+                     dataloader_inter_document_masking=True)
+    assert "--dataloader-inter-document-masking: packed documents" in megatron_lm.mtraining_argument_error(docs)
+    cfg = tmp_path / "dense8.yaml"
+    cfg.write_text("pattern: vertical_slash\ndense_layers: [8]\n")
+    assert megatron_lm.mtraining_argument_error(_mlm_args(mtraining_config=str(cfg), context_parallel_size=1,
+                                                          seq_length=256, num_layers=8)) is None
+    err = megatron_lm.mtraining_argument_error(_mlm_args(mtraining_config=str(cfg), context_parallel_size=1,
+                                                         seq_length=256, num_layers=4))
+    assert err and "--num-layers 4: mtraining config 'dense_layers' names layer 8" in err
+
+
 def test_glue_refuses_offsets_that_do_not_cover_the_micro_batch(capsys):
     """The data loader's THD offsets must cover every token of the micro-batch: offsets that end early
     (or no documents at all) would turn the rest into padding that attends to nothing while its loss
