@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                      help="where the model, the estimator and the exact recall run")
     out.add_argument("--recall-stride", type=int, default=1,
-                     help="exact recall on every K-th chunk of 256 query rows (1: all rows)")
+                     help="exact recall on every K-th chunk of 256 query rows (1: all rows; the middle chunk of each "
+                          "K, so --seq-length must exceed 256 * (K // 2))")
     out.add_argument("--save-pattern", default=None, metavar="PATH",
                      help="also write every layer's estimated pattern (.npz/.pt, rows = layer x sample x head) "
                           "for tools/imbalance.py --pattern file")
@@ -175,6 +176,9 @@ def policy_dense_layers(layers: list, max_kept: Optional[float], min_recall: Opt
         if layer["dense"]:
             continue
         kept, recall = 1.0 - layer["sparsity_mean"], layer["recall_mean"]
+        if min_recall is not None and not math.isfinite(recall):   # NaN compares False: never "below"
+            raise ValueError(f"layer_number {layer['layer_number']}: recall {recall} was not measured, so "
+                             "--policy-min-recall cannot choose")
         why = []
         if max_kept is not None and kept > max_kept:
             why.append(f"kept {kept:.3f} > {max_kept}")
@@ -684,6 +688,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"error: --num-samples must be >= 1, got {args.num_samples}")
     if args.recall_stride < 1:
         raise SystemExit(f"error: --recall-stride must be >= 1, got {args.recall_stride}")
+    if not bool(sampled_rows(args.seq_length, args.recall_stride).any()):
+        need = 256 * (args.recall_stride // 2) + 1
+        raise SystemExit(f"error: --recall-stride {args.recall_stride} samples no query rows at --seq-length "
+                         f"{args.seq_length} (it takes the middle 256-row chunk of every {args.recall_stride}): "
+                         f"use a smaller stride or --seq-length >= {need}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: CUDA is not available on this machine")
     if args.plot_heads > 0 and args.seq_length > PLOT_MAX_SEQ:
@@ -888,6 +897,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         chosen = policy_dense_layers(layers, args.policy_max_kept, args.policy_min_recall)
         written = policy.with_dense_layers([n for n, _ in chosen])
+        Path(args.write_policy).parent.mkdir(parents=True, exist_ok=True)   # as OUT.json: after the measurement
         dump_mtraining_config(written, args.write_policy)
         report["policy"] = {"max_kept": args.policy_max_kept, "min_recall": args.policy_min_recall,
                             "dense_layers_added": [{"layer_number": n, "reason": why} for n, why in chosen],

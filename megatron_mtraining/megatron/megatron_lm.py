@@ -119,6 +119,10 @@ def mtraining_enabled(args: Any) -> bool:
 
 
 _CONFIGS: dict[tuple, MTrainingConfig] = {}
+#: the other arguments that the config's checks read (besides the config path, CP sizes and --seq-length)
+_CONFIG_ARGS = ("num_layers", "cp_layout", "cp_granularity", "reset_attention_mask",
+                "dataloader_inter_document_masking", "num_attention_heads", "hidden_size", "kv_channels", "bf16",
+                "fp16")
 _PLANS: dict[tuple, Any] = {}
 
 
@@ -151,7 +155,9 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     path = getattr(args, "mtraining_config", None)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length))
+    # every value config_from_args reads: a call with other flags (documents, --num-layers, dtype) is checked again
+    key = (path, cp, tuple(hcp) if hcp else None, int(args.seq_length),
+           *(getattr(args, f, None) for f in _CONFIG_ARGS))
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = config_from_args(args)
@@ -309,6 +315,7 @@ def get_batch_on_this_cp_rank_mtraining(batch: Any, args: Any) -> dict:
         for key in SEQ_KEYS:  # Megatron-LM 0.19 flattens [b, s] to [1, b * s] for THD: one stream per sample again
             if batch.get(key) is not None:
                 batch[key] = batch[key].reshape(streams, seq)
+        _check_offsets_cover(cu, batch.get("cu_seqlens_padded"), total)
         batch["packed_seq_params"] = packed_seq_params_from_cu_seqlens(cu, seq, streams,
                                                                        batch.get("cu_seqlens_padded"))
     out = get_batch_on_this_cp_rank_striped(batch, plan)
@@ -337,8 +344,31 @@ def mtraining_packed_seq_params(packed_seq_params: Any, tokens: Any, args: Any) 
     from megatron_mtraining.megatron.packed import packed_seq_params_from_cu_seqlens
 
     pad = packed_seq_params.cu_seqlens_q_padded
-    return packed_seq_params_from_cu_seqlens(packed_seq_params.cu_seqlens_q, int(args.seq_length),
-                                             int(tokens.shape[0]) if tokens is not None else 1, pad)
+    seq, streams = int(args.seq_length), int(tokens.shape[0]) if tokens is not None else 1
+    _check_offsets_cover(packed_seq_params.cu_seqlens_q, pad, streams * seq)
+    return packed_seq_params_from_cu_seqlens(packed_seq_params.cu_seqlens_q, seq, streams, pad)
+
+
+def _check_offsets_cover(cu_seqlens: Any, cu_seqlens_padded: Any, total: int) -> None:
+    """Megatron-LM's data set writes offsets over every token of the micro-batch (a sample's padding
+    is folded into its last document): offsets that end early would turn the rest of the micro-batch
+    into padding that attends to nothing while its loss still counts. Raises ValueError."""
+    import torch
+
+    for name, off in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if off is None:
+            continue
+        off = torch.as_tensor(off)
+        if off.dtype.is_floating_point or off.dtype == torch.bool or off.is_complex():
+            raise ValueError(f"{name} must be an integer tensor, got dtype {off.dtype}")
+    last = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    last = torch.as_tensor(last).reshape(-1)
+    end = int(last[-1]) if last.numel() else 0
+    if end != total:
+        name = "cu_seqlens" if cu_seqlens_padded is None else "cu_seqlens_padded"
+        raise ValueError(f"{name} ends at token {end} but the micro-batch holds {total} tokens: the offsets must "
+                         "cover every token of the micro-batch (Megatron-LM's data set folds a sample's padding "
+                         "into its last document)")
 
 
 def mtraining_layer_spec(spec: Any, args: Any) -> Any:

@@ -481,6 +481,58 @@ def test_mtraining_model_config_checks_the_flags_first():
     assert cfg.pre_wrap_hooks == []
 
 
+def test_glue_checks_each_command_line_not_a_cached_one(tmp_path):
+    """The config is read once per file, but every rule is checked against the flags of each call: a
+    call without documents or with more layers does not let a later call with documents (out_of_ring
+    columns) or fewer layers through."""
+    plain = _mlm_args(mtraining_config=OUT_OF_RING, context_parallel_size=1, seq_length=256)
+    assert megatron_lm.mtraining_argument_error(plain) is None
+    docs = _mlm_args(mtraining_config=OUT_OF_RING, context_parallel_size=1, seq_length=256,
+                     dataloader_inter_document_masking=True)
+    assert "--dataloader-inter-document-masking: packed documents" in megatron_lm.mtraining_argument_error(docs)
+    cfg = tmp_path / "dense8.yaml"
+    cfg.write_text("pattern: vertical_slash\ndense_layers: [8]\n")
+    assert megatron_lm.mtraining_argument_error(_mlm_args(mtraining_config=str(cfg), context_parallel_size=1,
+                                                          seq_length=256, num_layers=8)) is None
+    err = megatron_lm.mtraining_argument_error(_mlm_args(mtraining_config=str(cfg), context_parallel_size=1,
+                                                         seq_length=256, num_layers=4))
+    assert err and "--num-layers 4: mtraining config 'dense_layers' names layer 8" in err
+
+
+def test_glue_refuses_offsets_that_do_not_cover_the_micro_batch(capsys):
+    """The data loader's THD offsets must cover every token of the micro-batch: offsets that end early
+    (or no documents at all) would turn the rest into padding that attends to nothing while its loss
+    counts; float offsets would be truncated. Both entry points refuse them (get_batch, forward_step)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    args = _mlm_args(context_parallel_size=1, seq_length=256, dataloader_inter_document_masking=True)
+    tok = torch.randint(1, 50, (1, 256))
+
+    def get_batch(cu, tokens=tok):
+        batch = dict(tokens=tokens, labels=tokens.clone(), loss_mask=torch.ones(tokens.shape),
+                     position_ids=torch.arange(tokens.shape[1]).expand_as(tokens).clone(), attention_mask=None,
+                     cu_seqlens=cu)
+        return megatron_lm.get_batch_on_this_cp_rank_mtraining(batch, args)
+
+    for cu, msg in (([[0, 100]], "cu_seqlens ends at token 100 but the micro-batch holds 256 tokens"),
+                    ([[0]], "cu_seqlens ends at token 0 but the micro-batch holds 256 tokens"),
+                    ([[0, 300]], "ends at token 300")):
+        with pytest.raises(ValueError, match=msg):
+            get_batch(torch.tensor(cu, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be an integer tensor"):
+        get_batch(torch.tensor([[0.0, 100.5, 256.0]]))
+    # negative control: covering offsets, trailing copies of the end as Megatron-LM's collate leaves them
+    out = get_batch(torch.tensor([[0, 10, 256, 256]], dtype=torch.int32))
+    assert out["cu_seqlens"].tolist() == [[0, 10, 256, 256]]
+    short = torch.tensor([0, 100], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=short, cu_seqlens_kv=short, max_seqlen_q=100,
+                             max_seqlen_kv=100)
+    with pytest.raises(ValueError, match="cu_seqlens ends at token 100 but the micro-batch holds 256 tokens"):
+        megatron_lm.mtraining_packed_seq_params(params, tok, args)
+    capsys.readouterr()
+
+
 # ------------------------------------------------------------------ tools/check_patch.sh
 def test_check_patch_script_usage_errors(tmp_path):
     r = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=60)

@@ -49,6 +49,7 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
     cases = [(["--save-pattern", str(tmp_path / "pat")], "--save-pattern"),
              (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples"),
              (["--recall-stride", "0"], "--recall-stride"),
+             (["--recall-stride", "4"], "--recall-stride 4 samples no query rows at --seq-length 256"),
              (["--seq-length", "32768"], "--plot-heads")]
     import torch
 
@@ -172,7 +173,7 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
         "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "512", "--timing-repeats", "0",
         "--plot-heads", "0", "--out", str(out), "--mtraining-config", str(cfg),
-        "--write-policy", str(tmp_path / "chosen.yaml"), "--policy-min-recall", "0.999"], timeout=300)
+        "--write-policy", str(tmp_path / "new_dir" / "chosen.yaml"), "--policy-min-recall", "0.999"], timeout=300)
     assert res.returncode == 0, res.tail()
     assert "layer 0 (layer_number 1): dense (dense_layers)" in res.stdout, res.tail()
     report = json.loads((tmp_path / "rec.json").read_text())
@@ -188,7 +189,7 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
     assert set(below) <= {2} and all(isinstance(n, int) for n in below)
     # --write-policy: layer 2 (recall below 0.999) joins dense_layers, layer 3 (recall 1.0) keeps its override
     from megatron_mtraining.config import load_mtraining_config
-    chosen = load_mtraining_config(tmp_path / "chosen.yaml")
+    chosen = load_mtraining_config(tmp_path / "new_dir" / "chosen.yaml")   # its folder is made, as OUT's
     assert chosen.dense_layers == (1, 2) and chosen.layer_policy_text().endswith("layers 3: max_slash=8,max_vertical=512,recall=1.0")
     assert [d["layer_number"] for d in report["policy"]["dense_layers_added"]] == [2]
     assert "policy: layer_number 2 runs dense (recall" in res.stdout
@@ -204,6 +205,11 @@ def test_policy_dense_layers_thresholds():
     assert policy_dense_layers(layers, 0.6, None) == []                      # not above: stays sparse
     assert [n for n, _ in policy_dense_layers(layers, None, 0.98)] == [3]
     assert [n for n, _ in policy_dense_layers(layers, 0.05, 0.999)] == [2, 3]
+    # a recall that was not measured (NaN) never compares below: it must not pass as good enough
+    layers[2]["recall_mean"] = float("nan")
+    with pytest.raises(ValueError, match="layer_number 3: recall nan was not measured"):
+        policy_dense_layers(layers, None, 0.98)
+    assert [n for n, _ in policy_dense_layers(layers, 0.5, None)] == [2]
 
 
 def test_config_with_dense_layers_splits_overrides():
