@@ -40,6 +40,7 @@ This module does not import megatron (cheap to import from argument parsing).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -340,14 +341,16 @@ class MTrainingConfig:
         Raises:
             ValueError: a config with ``pattern: dense``, or a layer number that is not an int >= 1.
         """
-        add = sorted(set(layers))
+        add = []
+        for n in layers:           # ints, numpy integers included; not bools, floats or strings
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or int(n) < 1:
+                raise ValueError(f"{_PREFIX}: a dense layer must be a 1-based layer number (int >= 1), got {n!r}")
+            add.append(int(n))
+        add = sorted(set(add))
         if not add:
             return self
         if not self.sparse:
             raise ValueError(f"{_PREFIX}: dense_layers needs pattern: vertical_slash (every layer is dense already)")
-        for n in add:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{_PREFIX}: a dense layer must be a 1-based layer number (int >= 1), got {n!r}")
         data = self.to_dict()
         data["dense_layers"] = sorted(set(self.dense_layers or ()) | set(add))
         overrides = {}

@@ -425,6 +425,12 @@ def front_door_problems(args: Any) -> list[str]:
         problems.append("--sft is not supported (packed THD sequences)")
     if get("use_legacy_models", False):
         problems.append("--use-legacy-models is not supported")
+    follow = [f for f in ("reset_position_ids", "dataloader_inter_document_masking") if get(f, False)]
+    if (follow and int(get("micro_batch_size", 1) or 1) > 1 and get("apply_rope_fusion", False)
+            and get("position_embedding_type", "learned_absolute") == "rope"):
+        problems.append(f"--{follow[0].replace('_', '-')} (RoPE positions restart at every document) with "
+                        f"--micro-batch-size {get('micro_batch_size')} needs --no-rope-fusion (the fused RoPE "
+                        "kernel takes one row of angles per token position, shared by the batch)")
     return problems
 
 

@@ -253,7 +253,8 @@ def _positions_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of a ``GPTModel``: its ``position_ids`` (second argument) become the RoPE rows."""
     pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
     if pos is not None and pos.shape[0] > 1 and getattr(getattr(module, "config", None), "apply_rope_fusion", False):
-        raise ValueError("--reset-position-ids with micro-batch size > 1 needs --no-rope-fusion (the fused RoPE "
-                         "kernel takes one row of angles per token position, shared by the batch)")
+        raise ValueError("RoPE positions that restart at every document (--reset-position-ids or "
+                         "--dataloader-inter-document-masking) with micro-batch size > 1 need --no-rope-fusion (the "
+                         "fused RoPE kernel takes one row of angles per token position, shared by the batch)")
     module.rotary_pos_emb.set_positions(pos)
     return None

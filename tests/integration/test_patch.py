@@ -418,6 +418,10 @@ def test_glue_layout_config_and_plan():
     (dict(dataloader_inter_document_masking=True, mtraining_config=OUT_OF_RING),
      "--dataloader-inter-document-masking: packed documents (document masks) with pattern: vertical_slash"),
     (dict(reset_position_ids=True, pipeline_model_parallel_size=2), "with --pipeline-model-parallel-size > 1"),
+    (dict(dataloader_inter_document_masking=True, micro_batch_size=2, apply_rope_fusion=True,
+          position_embedding_type="rope"),
+     "--dataloader-inter-document-masking (RoPE positions restart at every document) with --micro-batch-size 2 "
+     "needs --no-rope-fusion"),
     (dict(seq_length=4000), "'granularity': cannot split a sequence of 4000 tokens"),
     (dict(mtraining_config=str(ROOT / "configs/hierarchical.yaml"), context_parallel_size=4),
      "inner*outer = 8*4 != context-parallel size 4"),

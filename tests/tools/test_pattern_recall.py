@@ -221,8 +221,11 @@ def test_config_with_dense_layers_splits_overrides():
     assert out.dense_layers == (1, 4, 7)
     assert out.layer_policy_text() == "dense 1,4,7; layers 2-3: recall=0.98; layers 5-6: recall=0.98"
     assert cfg.with_dense_layers([]) is cfg
-    with pytest.raises(ValueError, match="1-based layer number"):
-        cfg.with_dense_layers([0])
+    for bad in ([0], [3, "4"], [True], [2.0]):
+        with pytest.raises(ValueError, match="1-based layer number"):
+            cfg.with_dense_layers(bad)
+    import numpy as np
+    assert cfg.with_dense_layers([np.int64(3)]).dense_layers == (1, 3)
     with pytest.raises(ValueError, match="needs pattern: vertical_slash"):
         load_mtraining_config({"pattern": "dense"}).with_dense_layers([2])
 
