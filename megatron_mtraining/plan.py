@@ -47,10 +47,18 @@ from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 
 __all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "kernel_backend_problem",
-           "packing_from_args",
-           "sparse_packed_problem"]
+           "packing_from_args", "sparse_packed_problem", "DOCUMENT_MASK_FLAGS", "DOCUMENT_POSITION_FLAGS",
+           "ROPE_FUSION_RULE"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
+
+#: Megatron-LM flags whose documents mask the attention (EOD resets; the data loader's THD offsets)
+DOCUMENT_MASK_FLAGS = ("reset_attention_mask", "dataloader_inter_document_masking")
+#: Megatron-LM flags whose RoPE positions restart at every document
+DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_masking")
+#: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
+ROPE_FUSION_RULE = ("needs --no-rope-fusion (the fused RoPE kernel takes one row of angles per token position, "
+                    "shared by the batch)")
 
 
 @dataclass(frozen=True)
@@ -382,13 +390,15 @@ def sparse_packed_problem(cfg) -> Optional[str]:
 
 
 def packing_from_args(args: Any, eod_token: Optional[int] = None) -> Optional[DocumentPacking]:
-    """The :class:`DocumentPacking` of a Megatron-LM style command line (``--reset-attention-mask``,
-    ``--reset-position-ids``), or ``None`` when neither is set.
+    """The :class:`DocumentPacking` of a Megatron-LM style command line (``--reset-attention-mask``;
+    ``--reset-position-ids`` or ``--dataloader-inter-document-masking``, whose data set restarts
+    ``position_ids`` at every document: RoPE follows the batch's positions), or ``None`` when none is set.
 
     Raises:
         ValueError: ``--reset-attention-mask`` without ``eod_token``.
     """
-    ram, rpi = bool(getattr(args, "reset_attention_mask", False)), bool(getattr(args, "reset_position_ids", False))
+    ram = bool(getattr(args, "reset_attention_mask", False))
+    rpi = any(getattr(args, f, False) for f in DOCUMENT_POSITION_FLAGS)
     if not (ram or rpi):
         return None
     return DocumentPacking(reset_attention_mask=ram, reset_position_ids=rpi, eod_token=eod_token)
@@ -425,12 +435,11 @@ def front_door_problems(args: Any) -> list[str]:
         problems.append("--sft is not supported (packed THD sequences)")
     if get("use_legacy_models", False):
         problems.append("--use-legacy-models is not supported")
-    follow = [f for f in ("reset_position_ids", "dataloader_inter_document_masking") if get(f, False)]
+    follow = [f for f in DOCUMENT_POSITION_FLAGS if get(f, False)]
     if (follow and int(get("micro_batch_size", 1) or 1) > 1 and get("apply_rope_fusion", False)
             and get("position_embedding_type", "learned_absolute") == "rope"):
         problems.append(f"--{follow[0].replace('_', '-')} (RoPE positions restart at every document) with "
-                        f"--micro-batch-size {get('micro_batch_size')} needs --no-rope-fusion (the fused RoPE "
-                        "kernel takes one row of angles per token position, shared by the batch)")
+                        f"--micro-batch-size {get('micro_batch_size')} {ROPE_FUSION_RULE}")
     return problems
 
 
@@ -459,7 +468,7 @@ def config_from_args(args: Any) -> MTrainingConfig:
                          seq_len=None if seq is None else int(seq), megatron_hierarchical_sizes=hcp,
                          cp_layout=getattr(args, "cp_layout", None), granularity=getattr(args, "cp_granularity", None),
                          num_layers=getattr(args, "num_layers", None))
-    for flag in ("reset_attention_mask", "dataloader_inter_document_masking"):  # document masks
+    for flag in DOCUMENT_MASK_FLAGS:
         if getattr(args, flag, False) and sparse_packed_problem(cfg):
             raise ValueError(f"--{flag.replace('_', '-')}: " + sparse_packed_problem(cfg))
     problem = kernel_backend_problem(args, cfg)
@@ -499,7 +508,7 @@ def kernel_backend_problem(args: Any, cfg: MTrainingConfig, cuda: Optional[bool]
     error = kernel_backend_error(cfg.kernel_backend, device=device, dtype=dtype, head_dim=int(head_dim),
                                  seq_len_local=None if seq is None else int(seq) // cp, cp_size=cp,
                                  sparse=cfg.sparse,
-                                 packed=bool(get("reset_attention_mask") or get("dataloader_inter_document_masking")))
+                                 packed=any(get(f) for f in DOCUMENT_MASK_FLAGS))
     if error is None:
         return None
     src = get("mtraining_config") or "the mtraining config"

@@ -140,13 +140,12 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     Raises:
         ValueError: naming the flag or the config key.
     """
-    from megatron_mtraining.plan import config_from_args, front_door_problems
+    from megatron_mtraining.plan import DOCUMENT_POSITION_FLAGS, config_from_args, front_door_problems
 
     problems = front_door_problems(args)
     if problems:
         raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
-    documents = [f for f in ("reset_attention_mask", "reset_position_ids", "dataloader_inter_document_masking")
-                 if getattr(args, f, False)]
+    documents = [f for f in ("reset_attention_mask",) + DOCUMENT_POSITION_FLAGS if getattr(args, f, False)]
     if documents and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         # the middle pipeline stages' get_batch returns no batch: their layers would not see the documents
         raise ValueError(f"--cp-attention mtraining: --{documents[0].replace('_', '-')} (packed documents) with "
@@ -255,14 +254,10 @@ def mtraining_packing(args: Any) -> Any:
     Raises:
         ValueError: ``--reset-attention-mask`` before Megatron-LM's tokenizer is built.
     """
-    from megatron_mtraining.plan import DocumentPacking
+    from megatron_mtraining.plan import packing_from_args
 
-    ram = bool(getattr(args, "reset_attention_mask", False))
-    rpi = bool(getattr(args, "reset_position_ids", False) or getattr(args, "dataloader_inter_document_masking", False))
-    if not (ram or rpi):
-        return None
     eod = None
-    if ram:
+    if getattr(args, "reset_attention_mask", False):
         try:
             from megatron.training.global_vars import get_tokenizer
 
@@ -270,7 +265,7 @@ def mtraining_packing(args: Any) -> Any:
         except (ImportError, AssertionError, AttributeError, NotImplementedError) as e:
             raise ValueError("--reset-attention-mask with --cp-attention mtraining needs Megatron-LM's tokenizer (its "
                              f"EOD token ends each document), built before the model: {type(e).__name__}: {e}") from None
-    return DocumentPacking(reset_attention_mask=ram, reset_position_ids=rpi, eod_token=eod)
+    return packing_from_args(args, eod)
 
 
 def mtraining_layout(args: Any) -> Layout:

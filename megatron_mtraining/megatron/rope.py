@@ -27,7 +27,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from torch import Tensor
 
 from megatron_mtraining.layout import Layout
-from megatron_mtraining.plan import CPPlan
+from megatron_mtraining.plan import ROPE_FUSION_RULE, CPPlan
 
 __all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope"]
 
@@ -254,7 +254,6 @@ def _positions_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
     if pos is not None and pos.shape[0] > 1 and getattr(getattr(module, "config", None), "apply_rope_fusion", False):
         raise ValueError("RoPE positions that restart at every document (--reset-position-ids or "
-                         "--dataloader-inter-document-masking) with micro-batch size > 1 need --no-rope-fusion (the "
-                         "fused RoPE kernel takes one row of angles per token position, shared by the batch)")
+                         f"--dataloader-inter-document-masking) with micro-batch size > 1: {ROPE_FUSION_RULE}")
     module.rotary_pos_emb.set_positions(pos)
     return None
