@@ -36,6 +36,24 @@ layers it measured above ``--policy-max-kept`` (kernel work, ``1 - sparsity``) o
 (:meth:`~megatron_mtraining.config.MTrainingConfig.with_dense_layers`), and lists them in the report's
 ``policy``: a per-layer policy chosen by measurement, fixed in the config the run trains with.
 
+``--policy-min-speedup S`` chooses by measured speed: every sparse layer's attention is timed on its
+captured q/k/v as training runs it at CP=1 (:meth:`~megatron_mtraining.plan.CPPlan.attention` of the layer's
+plan — estimation, index conversion, kernel plans and sparse kernels, with the layer's own budgets —
+against the dense attention of the same config, whose ``kernel_backend`` ``auto`` picks FlashAttention-4 on
+a Hopper or Blackwell GPU where installed, else Triton or SDPA, the torch reference on the CPU), each
+forward and backward of a fixed random output gradient, on the **first sample only**, in bf16 on a GPU
+(fp32 on the CPU), with the project's timer (:func:`~megatron_mtraining.bench.compare_speed`: two warm-up
+calls, then the median of ``--policy-timing-repeats`` calls). Every sparse layer reports ``sparse_ms``,
+``dense_ms``, ``speedup`` (dense / sparse) and the kernels (``sparse_kernels``, ``dense_kernels``); a layer
+with ``speedup`` below ``S`` joins ``dense_layers`` (its reason in ``policy``: ``speedup X < S``). Run it
+with ``--device cuda`` on the GPU the run trains on: timings on the CPU say nothing about the GPU's kernels.
+Not with ``--packed``. At 32K on a GPU, with a checkpoint::
+
+    python tools/pattern_recall.py --load ckpt --data-path data/long_context/train_text_document \
+        --seq-length 32768 --device cuda --timing-repeats 0 --recall-stride 8 --plot-heads 0 \
+        --mtraining-config configs/long_context_r098.yaml \
+        --write-policy policy_32k.yaml --policy-min-speedup 1.0 --out results/policy_32k
+
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
 (``megatron_mtraining.patterns.io`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
