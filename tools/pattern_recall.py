@@ -849,6 +849,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             policy.check_layers(config.num_layers, flag="--num-layers")
         except ValueError as e:
             raise SystemExit(f"error: --mtraining-config {args.mtraining_config}: {e}") from None
+    speed_plans = None
+    if args.policy_min_speedup is not None:      # the run's plan at CP=1, and the same with every layer dense
+        from megatron_mtraining.plan import resolve
+
+        sparse_numbers = [n for n in range(1, config.num_layers + 1) if policy.layer_pattern(n) is not None]
+        try:
+            speed_plans = tuple(resolve(c, cp_group=None, seq_len=args.seq_length, num_layers=config.num_layers)
+                                for c in (policy, policy.with_dense_layers(sparse_numbers)))
+        except ValueError as e:
+            raise SystemExit(f"error: --policy-min-speedup times --mtraining-config {args.mtraining_config} at "
+                             f"CP=1: {e}") from None
+        if args.device == "cpu":
+            print("note: --policy-min-speedup on the CPU: timings of the torch reference, not the GPU's kernels",
+                  flush=True)
     source = "fresh initialization (no --load)"
     if info is not None:
         load_weights(model, info, ckpt_dir)
@@ -893,16 +907,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     bs = cfg.block_size
     nb = seq // bs
     pos1 = torch.arange(seq, device=dev)
-    speed_plans = None
-    if args.policy_min_speedup is not None:      # the run's plan at CP=1, and the same with every layer dense
-        from megatron_mtraining.plan import resolve
-
-        sparse_numbers = [n for n in range(1, len(captured) + 1) if policy.layer_pattern(n) is not None]
-        speed_plans = tuple(resolve(c, cp_group=None, seq_len=seq, num_layers=config.num_layers)
-                            for c in (policy, policy.with_dense_layers(sparse_numbers)))
-        if dev.type == "cpu":
-            print("note: --policy-min-speedup on the CPU: timings of the torch reference, not the GPU's kernels",
-                  flush=True)
     report = {"source": source, "data": args.data_path or args.jsonl, "seq_length": seq,
               "num_samples": args.num_samples, "config": cfg.__dict__, "device": args.device,
               "recall_stride": args.recall_stride, "layers": [],
