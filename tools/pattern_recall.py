@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--num-query-groups", type=int, default=None)
     src.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
     src.add_argument("--swiglu", action="store_true")
-    src.add_argument("--rotary-base", type=int, default=10000)
+    src.add_argument("--rotary-base", type=int, default=None,
+                     help="RoPE base (default: the checkpoint's, else 10000); with --load it overrides the saved one, as pretrain_gpt.py --rotary-base does for a context extension")
     src.add_argument("--vocab-size", type=int, default=None, help="fresh model only (default: tokenizer's / max id + 1)")
     src.add_argument("--seed", type=int, default=1234)
     data = ap.add_argument_group("data")
@@ -393,7 +394,7 @@ def build_model(args, vocab: int, saved: Optional[dict], mtraining_config=None):
                      max_sequence_length=max(args.seq_length, get("max_position_embeddings", args.seq_length)),
                      share_embeddings_and_output_weights=not bool(get("untie_embeddings_and_output_weights", False)),
                      position_embedding_type=get("position_embedding_type", "rope"),
-                     rotary_percent=get("rotary_percent", 1.0), rotary_base=get("rotary_base", args.rotary_base))
+                     rotary_percent=get("rotary_percent", 1.0), rotary_base=args.rotary_base or get("rotary_base", 10000))
     return model, config
 
 
