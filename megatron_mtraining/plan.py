@@ -222,15 +222,60 @@ class CPPlan:
         """
         seen = []
         for key, b in self._backends.items():
-            kind = "sparse" if key[-1] else "dense"
-            fn = b.packed_cp1 if key[-2] else b.dense_cp1            # key[-2]: packed documents
-            fn = getattr(fn, "func", fn)                              # a functools.partial
-            one = getattr(fn, "__name__", None) if kind == "dense" and self.cp_size == 1 else None
-            text = f"{kind}: {b.name}" + (f" (CP=1 {one})" if one else "")
+            text = self._kernel_text(b, sparse=key[-1], packed=key[-2])
             if text not in seen:
                 seen.append(text)
         policy = self.config.layer_policy_text() if self.config.sparse and seen else ""
         return ", ".join(seen) + (f"; layer policy: {policy}" if policy else "")
+
+    def _kernel_text(self, backend, *, sparse: bool, packed: bool) -> str:
+        kind = "sparse" if sparse else "dense"
+        fn = backend.packed_cp1 if packed else backend.dense_cp1
+        fn = getattr(fn, "func", fn)                              # a functools.partial
+        one = getattr(fn, "__name__", None) if kind == "dense" and self.cp_size == 1 else None
+        return f"{kind}: {backend.name}" + (f" (CP=1 {one})" if one else "")
+
+    def kernel_text(self, q: torch.Tensor, packed: bool = False) -> str:
+        """The kernels :meth:`attention` runs for inputs like ``q`` (``[b, s_local, hq, d]``), in the words
+        of :meth:`kernel_summary` (e.g. ``"sparse: triton"``, ``"dense: fa4 (CP=1 fa4_causal)"``)."""
+        backend = self.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                                      seq_len_local=q.shape[1], packed=packed)
+        return self._kernel_text(backend, sparse=self.sparse, packed=packed)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                  documents=None) -> torch.Tensor:
+        """This plan's causal attention of ``q, k, v`` (``[b, s_local, h, d]``, this rank's shards): the
+        dispatch of :class:`~megatron_mtraining.megatron.attention.MTrainingAttention`'s forward, after its
+        input checks (:meth:`check_inputs`, :meth:`check_documents`; none here).
+
+        The sparse pattern (:attr:`pattern`, a per-layer view's budgets) runs
+        :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` (estimation, index conversion, plans,
+        kernels), otherwise the hierarchical or flat dense ring; the kernels are :meth:`select_backend`'s.
+        ``documents``: packed documents (:class:`~megatron_mtraining.layout.PackedDocuments`) or ``None``.
+
+        Returns:
+            ``[b, s_local, hq, d]`` in ``q.dtype``.
+        """
+        backend = self.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                                      seq_len_local=q.shape[1], packed=documents is not None)
+        if self.sparse:
+            from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+            return sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=self.pattern,
+                                         softmax_scale=softmax_scale, check_inputs=False,
+                                         hierarchical_groups=self.hierarchical_groups, columns=self.columns,
+                                         backend=backend, documents=documents)
+        if self.hierarchical_groups is not None:
+            from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
+
+            inner, outer = self.hierarchical_groups
+            return hierarchical_ring_attention(q, k, v, layout=self.layout, inner_group=inner, outer_group=outer,
+                                               softmax_scale=softmax_scale, causal=True, check_inputs=False,
+                                               backend=backend, documents=documents)
+        from megatron_mtraining.ring import ring_attention
+
+        return ring_attention(q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=softmax_scale,
+                              causal=True, check_inputs=False, backend=backend, documents=documents)
 
     def agreement_fields(self, softmax_scale: float, causal: bool = True) -> dict:
         """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout):

@@ -36,6 +36,24 @@ layers it measured above ``--policy-max-kept`` (kernel work, ``1 - sparsity``) o
 (:meth:`~megatron_mtraining.config.MTrainingConfig.with_dense_layers`), and lists them in the report's
 ``policy``: a per-layer policy chosen by measurement, fixed in the config the run trains with.
 
+``--policy-min-speedup S`` chooses by measured speed: every sparse layer's attention is timed on its
+captured q/k/v as training runs it at CP=1 (:meth:`~megatron_mtraining.plan.CPPlan.attention` of the layer's
+plan — estimation, index conversion, kernel plans and sparse kernels, with the layer's own budgets —
+against the dense attention of the same config, whose ``kernel_backend`` ``auto`` picks FlashAttention-4 on
+a Hopper or Blackwell GPU where installed, else Triton or SDPA, the torch reference on the CPU), each
+forward and backward of a fixed random output gradient, on the **first sample only**, in bf16 on a GPU
+(fp32 on the CPU), with the project's timer (:func:`~megatron_mtraining.bench.compare_speed`: two warm-up
+calls, then the median of ``--policy-timing-repeats`` calls). Every sparse layer reports ``sparse_ms``,
+``dense_ms``, ``speedup`` (dense / sparse) and the kernels (``sparse_kernels``, ``dense_kernels``); a layer
+with ``speedup`` below ``S`` joins ``dense_layers`` (its reason in ``policy``: ``speedup X < S``). Run it
+with ``--device cuda`` on the GPU the run trains on: timings on the CPU say nothing about the GPU's kernels.
+Not with ``--packed``. At 32K on a GPU, with a checkpoint::
+
+    python tools/pattern_recall.py --load ckpt --data-path data/long_context/train_text_document \
+        --seq-length 32768 --device cuda --timing-repeats 0 --recall-stride 8 --plot-heads 0 \
+        --mtraining-config configs/long_context_r098.yaml \
+        --write-policy policy_32k.yaml --policy-min-speedup 1.0 --out results/policy_32k
+
 With ``--save-pattern P`` the estimated patterns of all layers are written as one pattern file
 (``megatron_mtraining.patterns.io`` format; rows in layer, sample, head order; ``meta`` names the
 checkpoint, data and rows per layer), so the imbalance tool can replay a pattern estimated on real
@@ -110,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--num-query-groups", type=int, default=None)
     src.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
     src.add_argument("--swiglu", action="store_true")
-    src.add_argument("--rotary-base", type=int, default=10000)
+    src.add_argument("--rotary-base", type=int, default=None,
+                     help="RoPE base (default: the checkpoint's, else 10000); with --load it overrides the saved one, as pretrain_gpt.py --rotary-base does for a context extension")
     src.add_argument("--vocab-size", type=int, default=None, help="fresh model only (default: tokenizer's / max id + 1)")
     src.add_argument("--seed", type=int, default=1234)
     data = ap.add_argument_group("data")
@@ -165,12 +184,45 @@ def build_parser() -> argparse.ArgumentParser:
                           "(1 - sparsity) runs the exact dense ring")
     pol.add_argument("--policy-min-recall", type=float, default=None, metavar="R",
                      help="a layer whose exact recall is below R runs the exact dense ring")
+    pol.add_argument("--policy-min-speedup", type=_positive_float, default=None, metavar="S",
+                     help="time every sparse layer's attention (forward and backward, the first sample) sparse and "
+                          "dense, as training runs it at CP=1; a layer whose speedup (dense time / sparse time) is "
+                          "below S runs the exact dense ring (e.g. 1.0; --device cuda: timings on the CPU do not "
+                          "predict the GPU's)")
+    pol.add_argument("--policy-timing-repeats", type=_positive_int, default=5, metavar="N",
+                     help="--policy-min-speedup: timed calls per layer and attention (the median; after "
+                          f"{SPEED_WARMUP} untimed warm-up calls)")
     return ap
 
 
-def policy_dense_layers(layers: list, max_kept: Optional[float], min_recall: Optional[float]) -> list:
+SPEED_WARMUP = 2      # untimed calls before the speed samples (Triton compilation, autotuning, plan caches)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        val = float("nan")
+    if not (math.isfinite(val) and val > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return val
+
+
+def _positive_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        val = 0
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return val
+
+
+def policy_dense_layers(layers: list, max_kept: Optional[float], min_recall: Optional[float],
+                        min_speedup: Optional[float] = None) -> list:
     """``[(layer_number, reason)]`` of the sparse layers of a report that should run dense: kernel work
-    (``1 - sparsity_mean``) above ``max_kept``, or exact ``recall_mean`` below ``min_recall``."""
+    (``1 - sparsity_mean``) above ``max_kept``, exact ``recall_mean`` below ``min_recall``, or measured
+    ``speedup`` (dense time / sparse time, :func:`layer_speed`) below ``min_speedup``."""
     chosen = []
     for layer in layers:
         if layer["dense"]:
@@ -179,11 +231,17 @@ def policy_dense_layers(layers: list, max_kept: Optional[float], min_recall: Opt
         if min_recall is not None and not math.isfinite(recall):   # NaN compares False: never "below"
             raise ValueError(f"layer_number {layer['layer_number']}: recall {recall} was not measured, so "
                              "--policy-min-recall cannot choose")
+        speedup = layer.get("speedup")
+        if min_speedup is not None and (speedup is None or not math.isfinite(speedup)):
+            raise ValueError(f"layer_number {layer['layer_number']}: speedup {speedup} was not measured, so "
+                             "--policy-min-speedup cannot choose")
         why = []
         if max_kept is not None and kept > max_kept:
             why.append(f"kept {kept:.3f} > {max_kept}")
         if min_recall is not None and recall < min_recall:
             why.append(f"recall {recall:.4f} < {min_recall}")
+        if min_speedup is not None and speedup < min_speedup:
+            why.append(f"speedup {speedup:.2f} < {min_speedup}")
         if why:
             chosen.append((layer["layer_number"], ", ".join(why)))
     return chosen
@@ -336,7 +394,7 @@ def build_model(args, vocab: int, saved: Optional[dict], mtraining_config=None):
                      max_sequence_length=max(args.seq_length, get("max_position_embeddings", args.seq_length)),
                      share_embeddings_and_output_weights=not bool(get("untie_embeddings_and_output_weights", False)),
                      position_embedding_type=get("position_embedding_type", "rope"),
-                     rotary_percent=get("rotary_percent", 1.0), rotary_base=get("rotary_base", args.rotary_base))
+                     rotary_percent=get("rotary_percent", 1.0), rotary_base=args.rotary_base or get("rotary_base", 10000))
     return model, config
 
 
@@ -606,6 +664,44 @@ def packed_layer(q, k, cfg, documents, rows: torch.Tensor, scale: float, stride:
             "estimator_s": None, "dense_attention_s": None, "sparse_reference_s": None, "est_time_ratio": None}
 
 
+def speed_dtype(device) -> torch.dtype:
+    """The dtype the speed policy times in: bf16 on a GPU (a ``--bf16`` run's attention inputs), fp32 on the
+    CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def layer_speed(q, k, v, sparse_plan, dense_plan, scale: float, *, repeats: int, warmup: int = SPEED_WARMUP,
+                timer=None) -> dict:
+    """One layer's attention as training runs it at CP=1, sparse against dense, on the first sample.
+
+    ``q, k, v``: the layer's captured post-RoPE ``[b, s, h, d]``; sample 0 is timed, in
+    :func:`speed_dtype` of its device. ``sparse_plan`` / ``dense_plan``: the layer's
+    :class:`~megatron_mtraining.plan.CPPlan` views (``for_layer``) of the run's config and of the same config
+    with the layer in ``dense_layers``; each runs :meth:`~megatron_mtraining.plan.CPPlan.attention` (the
+    sparse ring with the layer's own budgets: estimation, index conversion, plans, kernels; or the dense
+    attention of the config's ``kernel_backend``, ``auto``: FlashAttention-4 on a Hopper or Blackwell GPU where
+    installed, else Triton or SDPA, the torch reference on the CPU), forward and backward of a fixed random
+    output gradient (:func:`~megatron_mtraining.bench.compare_speed`; ``timer``: default
+    :func:`~megatron_mtraining.bench.measure`, a test may pass a fake one).
+
+    Returns ``sparse_ms``, ``dense_ms`` (medians), ``speedup`` (dense / sparse), ``sparse_kernels``,
+    ``dense_kernels`` (:meth:`~megatron_mtraining.plan.CPPlan.kernel_text`), ``dtype``, ``repeats``,
+    ``warmup``, ``clock``."""
+    from megatron_mtraining.bench import compare_speed
+
+    dtype = speed_dtype(q.device)
+    q, k, v = (t[:1].to(dtype).contiguous() for t in (q, k, v))
+    kw = {} if timer is None else {"timer": timer}
+    cmp = compare_speed(lambda *a: sparse_plan.attention(*a, softmax_scale=scale),
+                        lambda *a: dense_plan.attention(*a, softmax_scale=scale), q, k, v,
+                        device=q.device, warmup=warmup, repeats=repeats, **kw)
+    return {**cmp.to_dict(), "sparse_kernels": sparse_plan.kernel_text(q), "dense_kernels": dense_plan.kernel_text(q),
+            "dtype": str(dtype).replace("torch.", "")}
+
+
+SPEED_KEYS = ("sparse_ms", "dense_ms", "speedup", "sparse_kernels", "dense_kernels")
+
+
 def timed(fn, repeats: int, device="cpu") -> float:
     """Median seconds of ``repeats`` calls after one warm-up on ``device`` (:func:`megatron_mtraining.bench.measure`)."""
     return measure(fn, device=device, warmup=1, repeats=max(1, repeats)).median_s
@@ -673,12 +769,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit("error: --save-pattern with a config that has dense_layers: a pattern file holds one "
                              "vertical-slash pattern per layer, and a dense layer has none")
         cfg = policy.vertical_slash
-    if args.write_policy is not None or args.policy_max_kept is not None or args.policy_min_recall is not None:
+    criteria = (args.policy_max_kept, args.policy_min_recall, args.policy_min_speedup)
+    if args.write_policy is not None or any(c is not None for c in criteria):
         if policy is None or args.write_policy is None:
-            raise SystemExit("error: --write-policy, --policy-max-kept and --policy-min-recall go together with "
-                             "--mtraining-config (the run's config that the chosen dense layers are added to)")
-        if args.policy_max_kept is None and args.policy_min_recall is None:
-            raise SystemExit("error: --write-policy needs --policy-max-kept and/or --policy-min-recall")
+            given = [f for f, val in (("--policy-max-kept", args.policy_max_kept),
+                                      ("--policy-min-recall", args.policy_min_recall),
+                                      ("--policy-min-speedup", args.policy_min_speedup)) if val is not None]
+            raise SystemExit(f"error: {', '.join(given) or '--write-policy'}: --write-policy, --policy-max-kept, "
+                             "--policy-min-recall and --policy-min-speedup go together with --mtraining-config and "
+                             "--write-policy (the run's config that the chosen dense layers are added to, and the "
+                             "file written)")
+        if all(c is None for c in criteria):
+            raise SystemExit("error: --write-policy needs --policy-max-kept, --policy-min-recall and/or "
+                             "--policy-min-speedup")
+        if args.policy_min_speedup is not None and args.packed:
+            raise SystemExit("error: --policy-min-speedup with --packed: the speed policy times unpacked sequences")
         for flag, val in (("--policy-max-kept", args.policy_max_kept), ("--policy-min-recall", args.policy_min_recall)):
             if val is not None and not 0.0 <= val <= 1.0:
                 raise SystemExit(f"error: {flag} must be in [0, 1], got {val}")
@@ -745,6 +850,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             policy.check_layers(config.num_layers, flag="--num-layers")
         except ValueError as e:
             raise SystemExit(f"error: --mtraining-config {args.mtraining_config}: {e}") from None
+    speed_plans = None
+    if args.policy_min_speedup is not None:      # the run's plan at CP=1, and the same with every layer dense
+        from megatron_mtraining.plan import resolve
+
+        sparse_numbers = [n for n in range(1, config.num_layers + 1) if policy.layer_pattern(n) is not None]
+        try:
+            speed_plans = tuple(resolve(c, cp_group=None, seq_len=args.seq_length, num_layers=config.num_layers)
+                                for c in (policy, policy.with_dense_layers(sparse_numbers)))
+        except ValueError as e:
+            raise SystemExit(f"error: --policy-min-speedup times --mtraining-config {args.mtraining_config} at "
+                             f"CP=1: {e}") from None
+        if args.device == "cpu":
+            print("note: --policy-min-speedup on the CPU: timings of the torch reference, not the GPU's kernels",
+                  flush=True)
     source = "fresh initialization (no --load)"
     if info is not None:
         load_weights(model, info, ckpt_dir)
@@ -814,7 +933,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if lcfg is None:                               # dense_layers: the exact ring, nothing estimated or lost
             layer = {"layer": li, "layer_number": layer_number, "dense": True, "heads": [], "recall_mean": 1.0,
                      "sparsity_mean": 0.0, "estimator_s": None, "dense_attention_s": None,
-                     "sparse_reference_s": None, "est_time_ratio": None}
+                     "sparse_reference_s": None, "est_time_ratio": None, **dict.fromkeys(SPEED_KEYS)}
             report["layers"].append(layer)
             print(f"layer {li} (layer_number {layer_number}): dense (dense_layers)", flush=True)
             continue
@@ -856,15 +975,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "est_vertical_mass": pattern.est_vertical_mass[:, h].tolist(),
                 "est_slash_mass": pattern.est_slash_mass[:, h].tolist(),
             })
+        speed = dict.fromkeys(SPEED_KEYS)
+        if speed_plans is not None:
+            speed = layer_speed(q, k, v, *(p.for_layer(layer_number) for p in speed_plans), scale,
+                                repeats=args.policy_timing_repeats)
         layer = {"layer": li, "layer_number": layer_number, "dense": False, "recall_target": lcfg.recall,
                  "heads": heads, "recall_mean": recall.mean().item(),
                  "sparsity_mean": 1.0 - work.mean().item(), "estimator_s": t_est, "dense_attention_s": t_att,
-                 "sparse_reference_s": t_sparse, "est_time_ratio": None if t_est is None else t_est / t_att}
+                 "sparse_reference_s": t_sparse, "est_time_ratio": None if t_est is None else t_est / t_att,
+                 **{key: speed[key] for key in SPEED_KEYS}}
         report["layers"].append(layer)
         print(f"layer {li} (layer_number {layer_number}): recall {layer['recall_mean']:.4f} "
               f"(target {lcfg.recall})  sparsity {layer['sparsity_mean']:.3f}  "
               f"estimator/attention time {'-' if t_est is None else format(layer['est_time_ratio'], '.3f')}  "
               f"budgets v={[hh['vertical'][0] for hh in heads]} s={[hh['slash'][0] for hh in heads]}", flush=True)
+        if speed_plans is not None:
+            report.setdefault("speed_timing", {key: speed[key] for key in ("dtype", "repeats", "warmup", "clock")})
+            print(f"  speed: sparse {speed['sparse_ms']:.3f} ms ({speed['sparse_kernels']})  dense "
+                  f"{speed['dense_ms']:.3f} ms ({speed['dense_kernels']})  speedup {speed['speedup']:.2f}", flush=True)
         if li in (0, len(captured) - 1):
             for h in range(q.shape[2]):
                 picks.append((li, h, heads[h]["sparsity"], q, k, pattern))
@@ -895,11 +1023,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.write_policy:
         from megatron_mtraining.config import dump_mtraining_config
 
-        chosen = policy_dense_layers(layers, args.policy_max_kept, args.policy_min_recall)
+        chosen = policy_dense_layers(layers, args.policy_max_kept, args.policy_min_recall, args.policy_min_speedup)
         written = policy.with_dense_layers([n for n, _ in chosen])
         Path(args.write_policy).parent.mkdir(parents=True, exist_ok=True)   # as OUT.json: after the measurement
         dump_mtraining_config(written, args.write_policy)
         report["policy"] = {"max_kept": args.policy_max_kept, "min_recall": args.policy_min_recall,
+                            "min_speedup": args.policy_min_speedup,
                             "dense_layers_added": [{"layer_number": n, "reason": why} for n, why in chosen],
                             "layer_policy": written.layer_policy_text(), "config": args.write_policy}
         for n, why in chosen:

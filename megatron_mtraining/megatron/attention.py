@@ -5,7 +5,8 @@ It replaces ``TEDotProductAttention`` / ``DotProductAttention`` inside ``SelfAtt
 has already projected, split and RoPE-rotated q/k/v; this module only computes
 ``softmax(q k^T * softmax_scale + causal) v`` over the *whole* sequence, which is split across
 the context-parallel (CP) group with a :class:`~megatron_mtraining.layout.Layout` (striped by
-default), by calling :func:`megatron_mtraining.ring.ring_attention`.
+default), by calling :func:`megatron_mtraining.ring.ring_attention` (or the sparse / hierarchical ring of
+the layer's policy) through :meth:`~megatron_mtraining.plan.CPPlan.attention`.
 
 Consistency requirement: the batch must be split with the same layout
 (:func:`megatron_mtraining.megatron.batch.get_batch_on_this_cp_rank_striped`) and RoPE must use
@@ -29,9 +30,6 @@ from megatron_mtraining.common import REGION_COPIES, check_softmax_scale, record
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
 from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
 from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
-from megatron_mtraining.ring import ring_attention
-from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
-from megatron_mtraining.ring.sparse import sparse_ring_attention
 
 __all__ = ["MTrainingAttention", "get_cp_group", "get_hierarchical_groups", "plan_for_model"]
 
@@ -257,25 +255,8 @@ class MTrainingAttention(MegatronModule):
             self.plan.check_documents(documents, q, error=error)  # every rank's verdict, once per micro-batch
             if documents.single_document:
                 documents = None                                # plain causal attention: the unpacked path
-        cfg = self.mtraining_config
-        sparse = self.plan.sparse                     # this layer's policy (dense_layers: exact dense ring)
-        backend = self.plan.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                                           seq_len_local=q.shape[1], packed=documents is not None)
-        if sparse:
-            out = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=self.plan.pattern,
-                                        softmax_scale=scale, check_inputs=False,
-                                        hierarchical_groups=self.hierarchical_groups, columns=cfg.columns,
-                                        backend=backend, documents=documents)
-        elif self.hierarchical_groups is not None:
-            inner, outer = self.hierarchical_groups
-            out = hierarchical_ring_attention(q, k, v, layout=self.layout, inner_group=inner, outer_group=outer,
-                                              softmax_scale=scale, causal=True, check_inputs=False,
-                                              backend=backend, documents=documents)
-        else:
-            out = ring_attention(
-                q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=scale, causal=True,
-                check_inputs=False, backend=backend, documents=documents
-            )  # [b, s_local, np, hn]
+        # this layer's policy (dense_layers: the exact dense ring), the kernels of the plan's select_backend
+        out = self.plan.attention(q, k, v, softmax_scale=scale, documents=documents)  # [b, s_local, np, hn]
         if thd:
             return out[0].reshape(sq, np_ * hn)
         with record_function(REGION_COPIES):

@@ -151,3 +151,36 @@ def test_write_json_refuses_unknown_objects_and_keeps_the_old_file(tmp_path):
         write_json(out, {"rows": [{}, {"bad": object()}]})
     assert _strict_load(out) == {"a": 1} and len(list(tmp_path.iterdir())) == 1
     assert to_jsonable({"x": float("inf")}) == {"x": None}
+
+
+def test_forward_backward_timing_runs_both_passes_with_a_fixed_gradient():
+    """time_forward_backward: every timed call is a forward and the backward of the same output gradient
+    (the gradients agree call to call, nothing accumulates, the caller's tensors get none); compare_speed
+    times sparse then dense and reports dense / sparse. A fake timer stands in for measure."""
+    from megatron_mtraining.bench import Timing, compare_speed, time_forward_backward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g) for _ in range(3))
+    calls, grads = [], []
+
+    def attention(q_, k_, v_):
+        calls.append(q_.requires_grad and k_.requires_grad and v_.requires_grad)
+        probs = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q_, k_), -1)
+        return torch.einsum("bhqk,bkhd->bqhd", probs, v_)
+
+    def fake_timer(step, *, device, warmup, repeats):
+        assert (device, warmup, repeats) == ("cpu", 2, 3)
+        grads.extend(step() for _ in range(warmup + repeats))
+        return Timing((float(len(grads)),) * repeats, warmup, "fake")
+
+    t = time_forward_backward(attention, q, k, v, device="cpu", warmup=2, repeats=3, timer=fake_timer)
+    assert t.median_ms == 5.0 and all(calls) and len(calls) == 5
+    assert all(torch.equal(a, b) for g_ in grads[1:] for a, b in zip(g_, grads[0]))
+    assert all(x.grad is None and not x.requires_grad for x in (q, k, v))
+    assert [x.shape for x in grads[0]] == [q.shape, k.shape, v.shape] and grads[0][0].abs().sum() > 0
+    cmp = compare_speed(attention, attention, q, k, v, device="cpu", warmup=2, repeats=3, timer=fake_timer)
+    assert (cmp.sparse.median_ms, cmp.dense.median_ms, cmp.speedup) == (10.0, 15.0, 1.5)
+    assert cmp.to_dict() == {"sparse_ms": 10.0, "dense_ms": 15.0, "speedup": 1.5, "repeats": 3, "warmup": 2,
+                             "clock": "fake"}
+    real = time_forward_backward(attention, q, k, v, device="cpu", warmup=1, repeats=2)   # the one timer
+    assert real.clock == "perf_counter" and real.reps == 2 and real.median_ms > 0

@@ -173,7 +173,8 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
         "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "512", "--timing-repeats", "0",
         "--plot-heads", "0", "--out", str(out), "--mtraining-config", str(cfg),
-        "--write-policy", str(tmp_path / "new_dir" / "chosen.yaml"), "--policy-min-recall", "0.999"], timeout=300)
+        "--write-policy", str(tmp_path / "new_dir" / "chosen.yaml"), "--policy-min-recall", "0.999",
+        "--policy-min-speedup", "1e-6", "--policy-timing-repeats", "1"], timeout=300)
     assert res.returncode == 0, res.tail()
     assert "layer 0 (layer_number 1): dense (dense_layers)" in res.stdout, res.tail()
     report = json.loads((tmp_path / "rec.json").read_text())
@@ -193,6 +194,15 @@ def test_pattern_recall_reports_per_layer_under_a_config_policy(tmp_path):
     assert chosen.dense_layers == (1, 2) and chosen.layer_policy_text().endswith("layers 3: max_slash=8,max_vertical=512,recall=1.0")
     assert [d["layer_number"] for d in report["policy"]["dense_layers_added"]] == [2]
     assert "policy: layer_number 2 runs dense (recall" in res.stdout
+    # --policy-min-speedup 1e-6 (negative control): both sparse layers timed, sparse and dense, on the torch
+    # kernels of the CPU; no speedup is that low, so speed adds no layer (layer 2's reason is its recall only)
+    assert layers[0]["speedup"] is None and report["policy"]["min_speedup"] == 1e-6
+    for layer in layers[1:]:
+        assert layer["sparse_ms"] > 0 and layer["dense_ms"] > 0
+        assert layer["speedup"] == pytest.approx(layer["dense_ms"] / layer["sparse_ms"])
+        assert (layer["sparse_kernels"], layer["dense_kernels"]) == ("sparse: torch", "dense: torch")
+    assert "speedup" not in report["policy"]["dense_layers_added"][0]["reason"]
+    assert report["speed_timing"] == {"dtype": "float32", "repeats": 1, "warmup": 2, "clock": "perf_counter"}
 
 
 def test_policy_dense_layers_thresholds():
@@ -210,6 +220,92 @@ def test_policy_dense_layers_thresholds():
     with pytest.raises(ValueError, match="layer_number 3: recall nan was not measured"):
         policy_dense_layers(layers, None, 0.98)
     assert [n for n, _ in policy_dense_layers(layers, 0.5, None)] == [2]
+
+
+def test_policy_min_speedup_picks_exactly_the_slow_layers():
+    """--policy-min-speedup S on injected speedups: dense exactly for the sparse layers below S (equal to S
+    stays sparse), with the reason; S small: none (negative control); a layer whose speedup was not measured
+    is an error, not a pass."""
+    from tools.pattern_recall import policy_dense_layers
+
+    speedups = {2: 0.82, 3: 1.0, 4: 1.31, 5: 0.999}
+    layers = [{"layer_number": 1, "dense": True, "sparsity_mean": 0.0, "recall_mean": 1.0, "speedup": None}] + [
+        {"layer_number": n, "dense": False, "sparsity_mean": 0.9, "recall_mean": 0.99, "speedup": x}
+        for n, x in speedups.items()]
+    for s in (0.5, 0.82, 1.0, 1.05, 2.0):
+        chosen = policy_dense_layers(layers, None, None, s)
+        assert [n for n, _ in chosen] == [n for n, x in speedups.items() if x < s], s
+    assert policy_dense_layers(layers, None, None, 1.0) == [(2, "speedup 0.82 < 1.0"), (5, "speedup 1.00 < 1.0")]
+    assert policy_dense_layers(layers, None, None, 1e-6) == []
+    assert policy_dense_layers(layers, None, 0.995, 1.05)[0] == (2, "recall 0.9900 < 0.995, speedup 0.82 < 1.05")
+    layers[3]["speedup"] = None
+    with pytest.raises(ValueError, match="layer_number 4: speedup None was not measured"):
+        policy_dense_layers(layers, None, None, 1.0)
+
+
+def test_layer_speed_times_each_layer_as_its_plan_runs_it():
+    """tools/pattern_recall.layer_speed: the layer's sparse plan (its own budgets: estimator, index
+    conversion, kernels) against the same config's dense plan, forward and backward, on sample 0 only; the
+    times come from the injected timer (here: sparse 4 ms, dense 3 ms: speedup 0.75)."""
+    import math
+
+    import torch
+
+    from megatron_mtraining.bench import Timing
+    from megatron_mtraining.config import load_mtraining_config
+    from megatron_mtraining.plan import resolve
+    from tools.pattern_recall import layer_speed
+
+    cfg = load_mtraining_config({"pattern": "vertical_slash", "vertical_slash": {"recall": 0.5, "max_slash": 2},
+                                 "layer_overrides": {"2": {"recall": 0.9}}})
+    sparse_plan, dense_plan = (resolve(c, cp_group=None, seq_len=256, num_layers=2).for_layer(2)
+                               for c in (cfg, cfg.with_dense_layers([1, 2])))
+    assert sparse_plan.pattern.recall == 0.9 and dense_plan.pattern is None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 256, h, 16, generator=g) for h in (4, 2, 2))
+    seen = []
+
+    def fake_timer(step, *, device, warmup, repeats):
+        grads = step()
+        seen.append([tuple(x.shape) for x in grads])
+        return Timing((4.0 if len(seen) == 1 else 3.0,) * repeats, warmup, "fake")
+
+    speed = layer_speed(q, k, v, sparse_plan, dense_plan, 1 / math.sqrt(16), repeats=2, timer=fake_timer)
+    assert seen == [[(1, 256, 4, 16), (1, 256, 2, 16), (1, 256, 2, 16)]] * 2          # the first sample only
+    assert speed == {"sparse_ms": 4.0, "dense_ms": 3.0, "speedup": 0.75, "repeats": 2, "warmup": 2, "clock": "fake",
+                     "sparse_kernels": "sparse: torch", "dense_kernels": "dense: torch", "dtype": "float32"}
+
+
+def test_policy_min_speedup_writes_a_config_that_round_trips(tmp_path):
+    """--policy-min-speedup end to end on the CPU: with S = 1e6 no layer pays, so every sparse layer joins
+    dense_layers; the written YAML loads, dumps and loads to the same MTrainingConfig, and its plan runs
+    those layers dense."""
+    from megatron_mtraining.config import dump_mtraining_config, load_mtraining_config
+    from megatron_mtraining.plan import resolve
+
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    cfg, written = tmp_path / "run.yaml", tmp_path / "policy.yaml"
+    cfg.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.9}\nlayer_overrides: {'2': {recall: 0.5}}\n")
+    res = run_python("tools/pattern_recall.py", [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--data-path", prefix, "--tokenizer-model", tok, "--seq-length", "256", "--timing-repeats", "0",
+        "--plot-heads", "0", "--out", str(tmp_path / "rec"), "--mtraining-config", str(cfg),
+        "--write-policy", str(written), "--policy-min-speedup", "1e6", "--policy-timing-repeats", "1"], timeout=300)
+    assert res.returncode == 0, res.tail()
+    report = json.loads((tmp_path / "rec.json").read_text())
+    added = report["policy"]["dense_layers_added"]
+    assert [d["layer_number"] for d in added] == [1, 2]
+    for d, layer in zip(added, report["layers"]):
+        assert d["reason"] == f"speedup {layer['speedup']:.2f} < 1000000.0"
+    assert "policy: layer_number 2 runs dense (speedup" in res.stdout and "wrote " + str(written) in res.stdout
+    chosen = load_mtraining_config(written)
+    assert chosen.dense_layers == (1, 2) and not chosen.layer_overrides and chosen.vertical_slash.recall == 0.9
+    dump_mtraining_config(chosen, tmp_path / "again.yaml")
+    assert load_mtraining_config(tmp_path / "again.yaml") == chosen
+    assert (tmp_path / "again.yaml").read_text() == written.read_text()
+    plan = resolve(chosen, cp_group=None, seq_len=256, num_layers=2)
+    assert [plan.for_layer(n).sparse for n in (1, 2)] == [False, False]
+    assert report["layer_policy"] == "layers 2: recall=0.5" and report["policy"]["layer_policy"] == "dense 1,2"
 
 
 def test_config_with_dense_layers_splits_overrides():
@@ -246,10 +342,29 @@ def test_pattern_recall_config_policy_errors(tmp_path):
                           (["--mtraining-config", str(sparse), "--write-policy", str(tmp_path / "w.yaml")],
                            "needs --policy-max-kept"),
                           (["--mtraining-config", str(sparse), "--write-policy", str(tmp_path / "w.yaml"),
-                            "--policy-max-kept", "1.5"], "must be in [0, 1]")]:
+                            "--policy-max-kept", "1.5"], "must be in [0, 1]"),
+                          (["--policy-min-speedup", "1.0"], "error: --policy-min-speedup: "),
+                          (["--mtraining-config", str(sparse), "--policy-min-speedup", "1.0"],
+                           "go together with --mtraining-config and --write-policy"),
+                          (["--mtraining-config", str(sparse), "--write-policy", str(tmp_path / "w.yaml"),
+                            "--policy-min-speedup", "1.0", "--packed"], "--policy-min-speedup with --packed")]:
         with pytest.raises(SystemExit) as exc:
             main(base + extra)
         assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)
+    assert not (tmp_path / "w.yaml").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--policy-min-speedup", "0"), ("--policy-min-speedup", "-1"),
+                                         ("--policy-min-speedup", "nan"), ("--policy-min-speedup", "inf"),
+                                         ("--policy-min-speedup", "fast"), ("--policy-timing-repeats", "0")])
+def test_policy_speed_flags_bad_values_are_argparse_errors(flag, value, capsys):
+    from tools.pattern_recall import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be" in err and repr(value) in err, err
 
 
 def test_packed_mode_compares_stream_and_document_probes(tmp_path):
