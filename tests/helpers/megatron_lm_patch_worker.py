@@ -147,6 +147,9 @@ def _run_case(case: dict, ps, gpt_builders, pretrain_gpt) -> None:
     model, _ = _build(args, gpt_builders, pretrain_gpt)
     kinds = sorted({type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers})
     assert kinds == ["MTrainingAttention"], kinds
+    # a hierarchical case runs the two-level ring on Megatron's inner/outer CP groups
+    hier = {layer.self_attention.core_attention.hierarchical_groups is not None for layer in model.decoder.layers}
+    assert hier == {bool(getattr(args, "hierarchical_context_parallel_sizes", None))}, hier
     assert type(model.rotary_pos_emb).__name__ == "LayoutRotaryEmbedding", type(model.rotary_pos_emb)
 
     kind = case.get("data", "plain")
@@ -222,7 +225,9 @@ def main(argv: list[str]) -> int:
     from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches
 
     apply_cpu_patches()
-    ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+    # --hierarchical I,O: Megatron's hierarchical CP groups (--hierarchical-context-parallel-sizes I O)
+    hier = [int(x) for x in argv[argv.index("--hierarchical") + 1].split(",")] if "--hierarchical" in argv else None
+    ps.initialize_model_parallel(1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=hier)
     for case in cases:
         _run_case(case, ps, gpt_builders, pretrain_gpt)
     dist.destroy_process_group()

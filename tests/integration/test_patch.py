@@ -18,7 +18,9 @@ copy: the checkout is not modified) run on CPU with the checkout's own ``megatro
 default ``te`` path imports nothing of this package, and CP=2 (striped and zigzag configs) gives
 the CP=1 per-token losses and gradients, also with packed documents (EOD resets, dense and
 vertical-slash; from line 0.19 on the data set's THD ``cu_seqlens``), where the same data with the
-documents dropped differs (negative control). Megatron-LM ``main`` (line 0.20) is found by its
+documents dropped differs (negative control); CP=4 on the hierarchical ring (Megatron's 2 x 2
+hierarchical CP groups) gives them too, dense without and with documents and vertical-slash with
+documents. Megatron-LM ``main`` (line 0.20) is found by its
 ``megatron/core/package_info.py`` and runs with its own megatron-core 0.20. Line 0.19's ``megatron.training`` uses
 ``typing.override`` (Python 3.12); on 3.11 the worker stands in a no-op for it. The same run on
 Python >= 3.12 with megatron-core 0.19 installed is marked ``gpu`` (for the GPU machine).
@@ -706,6 +708,26 @@ DOC_FLAGS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"
 THD_FLAGS = ["--dataloader-inter-document-masking", "--micro-batch-size", "2"]
 
 
+#: the hierarchical ring at CP=4: Megatron's inner/outer CP groups of 2 x 2
+HIER_FLAGS = ["--hierarchical-context-parallel-sizes", "2", "2"]
+
+
+def _hierarchical_cases(tmp_path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(CP=4 cases on the hierarchical ring, [(CP=4 case, the CP=1 case it must equal)]): dense without
+    and with documents, and the vertical-slash pattern with documents (one launch)."""
+    hier, hier_sparse = str(tmp_path / "hier.yaml"), str(tmp_path / "hier_sparse.yaml")
+    (tmp_path / "hier.yaml").write_text("implementation: hierarchical\ngranularity: 64\n"
+                                        "hierarchical: {inner: 2, outer: 2}\n")
+    (tmp_path / "hier_sparse.yaml").write_text("implementation: hierarchical\ngranularity: 64\n"
+                                               "hierarchical: {inner: 2, outer: 2}\npattern: vertical_slash\n"
+                                               "vertical_slash: {recall: 0.9, max_vertical: 64, max_slash: 4}\n")
+    cp4 = [dict(name="cp4_hier", config=hier, flags=HIER_FLAGS),
+           dict(name="cp4_hier_docs", config=hier, flags=HIER_FLAGS + DOC_FLAGS, data="docs"),
+           dict(name="cp4_hier_docs_sparse", config=hier_sparse, flags=HIER_FLAGS + DOC_FLAGS, data="docs")]
+    pairs = [("cp4_hier", "cp1"), ("cp4_hier_docs", "cp1_docs"), ("cp4_hier_docs_sparse", "cp1_docs_sparse")]
+    return cp4, pairs
+
+
 def _patch_cases(tmp_path: Path, line: str) -> tuple[list[dict], list[dict], list[tuple[str, str]]]:
     """(CP=1 cases, CP=2 cases, [(CP=2 case, the CP=1 case it must equal)]); one launch per CP size."""
     demo, sparse = str(ROOT / "configs/demo.yaml"), str(tmp_path / "sparse.yaml")
@@ -751,12 +773,14 @@ def _run_patched_cp2_vs_cp1(tmp_path: Path, d: Path, line: str, checkout_megatro
     out = tmp_path / "results"
     out.mkdir()
     cp1, cp2, pairs = _patch_cases(tmp_path, line)
-    for cp, cases in ((1, cp1), (2, cp2)):
-        res = run_torchrun(worker, ["--cases", json.dumps(cases)], nproc=cp, timeout=600,
+    cp4, hier_pairs = _hierarchical_cases(tmp_path)
+    pairs += hier_pairs
+    for cp, cases, extra in ((1, cp1, []), (2, cp2, []), (4, cp4, ["--hierarchical", "2,2"])):
+        res = run_torchrun(worker, ["--cases", json.dumps(cases), *extra], nproc=cp, timeout=600,
                            env={**env, "MTRAINING_RESULT_DIR": str(out)})
         assert res.returncode == 0, res.tail()
         print("\n".join(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")))
-    results = {c["name"]: torch.load(out / f"{c['name']}.pt") for c in cp1 + cp2}
+    results = {c["name"]: torch.load(out / f"{c['name']}.pt") for c in cp1 + cp2 + cp4}
     for name, ref_name in pairs:
         got, ref = results[name], results[ref_name]
         # fp32 model: the CP=2 ring and the CP=1 attention sum in different orders. Measured on
