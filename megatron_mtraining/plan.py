@@ -52,10 +52,11 @@ __all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_do
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
 
-#: Megatron-LM flags whose documents mask the attention (EOD resets; the data loader's THD offsets)
-DOCUMENT_MASK_FLAGS = ("reset_attention_mask", "dataloader_inter_document_masking")
+#: Megatron-LM flags whose documents mask the attention (EOD resets; the data loader's THD offsets:
+#: GPTDataset's with --dataloader-inter-document-masking, SFTDataset's with --sft)
+DOCUMENT_MASK_FLAGS = ("reset_attention_mask", "dataloader_inter_document_masking", "sft")
 #: Megatron-LM flags whose RoPE positions restart at every document
-DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_masking")
+DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_masking", "sft")
 #: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
 ROPE_FUSION_RULE = ("needs --no-rope-fusion (the fused RoPE kernel takes one row of angles per token position, "
                     "shared by the batch)")
@@ -476,8 +477,6 @@ def front_door_problems(args: Any) -> list[str]:
         problems.append("--mtp-num-layers is not supported (MTP's roll_tensor assumes the zigzag split)")
     if get("hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel is not supported")
-    if get("sft", False):
-        problems.append("--sft is not supported (packed THD sequences)")
     if get("use_legacy_models", False):
         problems.append("--use-legacy-models is not supported")
     follow = [f for f in DOCUMENT_POSITION_FLAGS if get(f, False)]

@@ -121,7 +121,7 @@ def mtraining_enabled(args: Any) -> bool:
 _CONFIGS: dict[tuple, MTrainingConfig] = {}
 #: the other arguments that the config's checks read (besides the config path, CP sizes and --seq-length)
 _CONFIG_ARGS = ("num_layers", "cp_layout", "cp_granularity", "reset_attention_mask",
-                "dataloader_inter_document_masking", "num_attention_heads", "hidden_size", "kv_channels", "bf16",
+                "dataloader_inter_document_masking", "sft", "num_attention_heads", "hidden_size", "kv_channels", "bf16",
                 "fp16")
 _PLANS: dict[tuple, Any] = {}
 
@@ -145,6 +145,14 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     problems = front_door_problems(args)
     if problems:
         raise ValueError("--cp-attention mtraining: " + "; ".join(problems))
+    if getattr(args, "sft", False):
+        from megatron_mtraining.megatron.compat import megatron_core_version
+
+        if megatron_core_version() < (0, 18, 0):
+            # lines 0.16/0.17 split SFT's THD batches in Megatron-Core's get_batch, before the MTraining split
+            raise ValueError("--cp-attention mtraining: --sft (SFTDataset's packed THD sequences) needs Megatron-LM "
+                             "0.18 or later; on this line pack documents with --reset-attention-mask "
+                             "--reset-position-ids --eod-mask-loss")
     documents = [f for f in ("reset_attention_mask",) + DOCUMENT_POSITION_FLAGS if getattr(args, f, False)]
     if documents and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         # the middle pipeline stages' get_batch returns no batch: their layers would not see the documents

@@ -89,7 +89,8 @@ def _sample(kind: str, args, batch_size: int, seed: int = 7) -> dict:
     run's --reset-position-ids / --reset-attention-mask / --eod-mask-loss (as GPTDataset). thd: the
     same documents, no EOD resets, plus the ``cu_seqlens`` / ``max_seqlen`` that GPTDataset adds with
     --dataloader-inter-document-masking (offsets padded to S + 1 entries, position ids restarted at
-    every document)."""
+    every document). sft: as thd, with the exact offsets (one more entry than documents) that
+    SFTDataset gives (``--sft``)."""
     import torch
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
@@ -112,7 +113,7 @@ def _sample(kind: str, args, batch_size: int, seed: int = 7) -> dict:
         positions.append(pos)
     sample = {"tokens": tokens, "labels": labels, "loss_mask": torch.stack(loss_masks),
               "position_ids": torch.stack(positions)}
-    if kind == "thd":
+    if kind in ("thd", "sft"):
         cus, maxes = [], []
         for r in range(batch_size):
             lengths = list(DOC_LENGTHS if r % 2 == 0 else DOC_LENGTHS[::-1])
@@ -120,7 +121,7 @@ def _sample(kind: str, args, batch_size: int, seed: int = 7) -> dict:
             cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
             padded = torch.full((S + 1,), S, dtype=torch.int32)
             padded[: cu.numel()] = cu
-            cus.append(padded)
+            cus.append(cu if kind == "sft" else padded)
             maxes.append(max(lengths))
             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
                 sample["position_ids"][r, a:b] = torch.arange(b - a)
@@ -165,7 +166,8 @@ def _run_case(case: dict, ps, gpt_builders, pretrain_gpt) -> None:
         named = dict(zip(["tokens", "labels", "loss_mask", "attention_mask", "position_ids", "psp"], got_batch))
         attention_mask, has_docs = named["attention_mask"], named["psp"] is not None
     assert attention_mask is None
-    documents = args.reset_attention_mask or getattr(args, "dataloader_inter_document_masking", False)
+    documents = (args.reset_attention_mask or getattr(args, "dataloader_inter_document_masking", False)
+                 or getattr(args, "sft", False))
     assert has_docs == bool(documents), (has_docs, documents)
     for name in ("tokens", "labels", "position_ids", "loss_mask"):
         want = layout.shard(sample[name], rank, dim=1) if cp > 1 else sample[name]

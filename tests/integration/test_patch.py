@@ -17,7 +17,8 @@ reports OK or APPLIED; then the patched ``pretrain_gpt.py``/``gpt_builders.py`` 
 copy: the checkout is not modified) run on CPU with the checkout's own ``megatron.core``: the
 default ``te`` path imports nothing of this package, and CP=2 (striped and zigzag configs) gives
 the CP=1 per-token losses and gradients, also with packed documents (EOD resets, dense and
-vertical-slash; from line 0.19 on the data set's THD ``cu_seqlens``), where the same data with the
+vertical-slash; from line 0.19 on the data set's THD ``cu_seqlens``; from 0.18 on SFTDataset's
+offsets with ``--sft``), where the same data with the
 documents dropped differs (negative control); CP=4 on the hierarchical ring (Megatron's 2 x 2
 hierarchical CP groups) gives them too, dense without and with documents and vertical-slash with
 documents. Megatron-LM ``main`` (line 0.20) is found by its
@@ -437,6 +438,19 @@ def test_glue_rejects_what_the_backend_cannot_serve(kw, msg):
     assert msg in str(ei.value)
 
 
+def test_glue_takes_sft_from_line_018_on(monkeypatch):
+    """--sft (SFTDataset's THD offsets) goes through the MTraining split from Megatron-LM 0.18 on; on
+    0.16/0.17 Megatron-Core's get_batch splits those batches itself, so the flag is refused there,
+    naming the EOD-reset flags to use instead. The offsets count as documents (sparse: in-ring columns)."""
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 17, 1))
+    with pytest.raises(ValueError, match=r"--sft .* needs Megatron-LM 0.18 or later.*--reset-attention-mask"):
+        megatron_lm.mtraining_layout(_mlm_args(sft=True))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 18, 2))
+    assert megatron_lm.mtraining_layout(_mlm_args(sft=True)).kind == "striped"
+    with pytest.raises(ValueError, match="--sft: packed documents"):
+        megatron_lm.mtraining_layout(_mlm_args(sft=True, mtraining_config=OUT_OF_RING))
+
+
 def test_glue_keeps_sparse_and_hierarchical_configs(capsys):
     """The plan carries every config feature: nothing is dropped on the way to the attention."""
     args = _mlm_args(mtraining_config=str(ROOT / "configs/demo_sparse.yaml"), context_parallel_size=1)
@@ -482,8 +496,8 @@ def test_model_config_route_for_line_019():
 
 def test_mtraining_model_config_checks_the_flags_first():
     cfg = SimpleNamespace(transformer_layer_spec=None, pre_wrap_hooks=[])
-    with pytest.raises(ValueError, match="--sft is not supported"):
-        megatron_lm.mtraining_model_config(cfg, _mlm_args(sft=True))
+    with pytest.raises(ValueError, match="--mtp-num-layers is not supported"):
+        megatron_lm.mtraining_model_config(cfg, _mlm_args(mtp_num_layers=1))
     assert cfg.pre_wrap_hooks == []
 
 
@@ -751,6 +765,13 @@ def _patch_cases(tmp_path: Path, line: str) -> tuple[list[dict], list[dict], lis
         cp2 += [dict(name="cp2_thd_striped", config=demo, flags=THD_FLAGS, data="thd"),
                 dict(name="cp2_thd_zigzag", config=zigzag, flags=THD_FLAGS, data="thd")]
         pairs += [("cp2_thd_striped", "cp1_thd"), ("cp2_thd_zigzag", "cp1_thd")]
+    if compat.parse_version(line) >= (0, 18, 0):  # --sft: SFTDataset's THD offsets through get_batch, 0.18 on
+        sparse_sft = dict(name="cp2_sft_sparse", config=sparse, flags=["--sft"], data="sft")
+        cp1 += [dict(name="cp1_sft", config=demo, flags=["--sft"], data="sft"),
+                dict(name="cp1_sft_sparse", config=sparse, flags=["--sft"], data="sft")]
+        cp2 += [dict(name="cp2_sft_striped", config=demo, flags=["--sft"], data="sft"),
+                dict(name="cp2_sft_zigzag", config=zigzag, flags=["--sft"], data="sft"), sparse_sft]
+        pairs += [("cp2_sft_striped", "cp1_sft"), ("cp2_sft_zigzag", "cp1_sft"), ("cp2_sft_sparse", "cp1_sft_sparse")]
     return cp1, cp2, pairs
 
 
