@@ -153,6 +153,11 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
             raise ValueError("--cp-attention mtraining: --sft (SFTDataset's packed THD sequences) needs Megatron-LM "
                              "0.18 or later; on this line pack documents with --reset-attention-mask "
                              "--reset-position-ids --eod-mask-loss")
+        if megatron_core_version() < (0, 19, 0) and int(getattr(args, "micro_batch_size", 1) or 1) > 1:
+            # 0.18's forward_step keeps the first sample's offsets only (cu_seqlens[0]) for the whole micro-batch
+            raise ValueError("--cp-attention mtraining: --sft with --micro-batch-size > 1 needs Megatron-LM 0.19 or "
+                             "later (line 0.18's forward_step reads the first sample's cu_seqlens for every sample); "
+                             "pass --micro-batch-size 1")
     documents = [f for f in ("reset_attention_mask",) + DOCUMENT_POSITION_FLAGS if getattr(args, f, False)]
     if documents and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         # the middle pipeline stages' get_batch returns no batch: their layers would not see the documents

@@ -448,6 +448,10 @@ def test_glue_takes_sft_from_line_018_on(monkeypatch):
         megatron_lm.mtraining_layout(_mlm_args(sft=True))
     monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 18, 2))
     assert megatron_lm.mtraining_layout(_mlm_args(sft=True)).kind == "striped"
+    with pytest.raises(ValueError, match=r"--sft with --micro-batch-size > 1 needs Megatron-LM 0.19"):
+        megatron_lm.mtraining_layout(_mlm_args(sft=True, micro_batch_size=2))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 19, 2))
+    assert megatron_lm.mtraining_layout(_mlm_args(sft=True, micro_batch_size=2)).kind == "striped"
     with pytest.raises(ValueError, match="--sft: packed documents"):
         megatron_lm.mtraining_layout(_mlm_args(sft=True, mtraining_config=OUT_OF_RING))
 
