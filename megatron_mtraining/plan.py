@@ -239,9 +239,12 @@ class CPPlan:
     def kernel_text(self, q: torch.Tensor, packed: bool = False) -> str:
         """The kernels :meth:`attention` runs for inputs like ``q`` (``[b, s_local, hq, d]``), in the words
         of :meth:`kernel_summary` (e.g. ``"sparse: triton"``, ``"dense: fa4 (CP=1 fa4_causal)"``)."""
-        backend = self.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                                      seq_len_local=q.shape[1], packed=packed)
-        return self._kernel_text(backend, sparse=self.sparse, packed=packed)
+        return self._kernel_text(self._backend_for(q, packed), sparse=self.sparse, packed=packed)
+
+    def _backend_for(self, q: torch.Tensor, packed: bool):
+        """:meth:`select_backend` for inputs like ``q`` (``[b, s_local, hq, d]``)."""
+        return self.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                                   seq_len_local=q.shape[1], packed=packed)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                   documents=None) -> torch.Tensor:
@@ -257,8 +260,7 @@ class CPPlan:
         Returns:
             ``[b, s_local, hq, d]`` in ``q.dtype``.
         """
-        backend = self.select_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
-                                      seq_len_local=q.shape[1], packed=documents is not None)
+        backend = self._backend_for(q, packed=documents is not None)
         if self.sparse:
             from megatron_mtraining.ring.sparse import sparse_ring_attention
 

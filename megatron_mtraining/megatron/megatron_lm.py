@@ -148,12 +148,13 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
     if getattr(args, "sft", False):
         from megatron_mtraining.megatron.compat import megatron_core_version
 
-        if megatron_core_version() < (0, 18, 0):
+        version = megatron_core_version()
+        if version < (0, 18, 0):
             # lines 0.16/0.17 split SFT's THD batches in Megatron-Core's get_batch, before the MTraining split
             raise ValueError("--cp-attention mtraining: --sft (SFTDataset's packed THD sequences) needs Megatron-LM "
                              "0.18 or later; on this line pack documents with --reset-attention-mask "
                              "--reset-position-ids --eod-mask-loss")
-        if megatron_core_version() < (0, 19, 0) and int(getattr(args, "micro_batch_size", 1) or 1) > 1:
+        if version < (0, 19, 0) and int(getattr(args, "micro_batch_size", 1) or 1) > 1:
             # 0.18's forward_step keeps the first sample's offsets only (cu_seqlens[0]) for the whole micro-batch
             raise ValueError("--cp-attention mtraining: --sft with --micro-batch-size > 1 needs Megatron-LM 0.19 or "
                              "later (line 0.18's forward_step reads the first sample's cu_seqlens for every sample); "
