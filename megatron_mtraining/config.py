@@ -23,6 +23,7 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
       "2-4": {recall: 0.98}
     deterministic: false
     kernel_backend: auto           # auto | torch | triton | sdpa (per-step attention kernels)
+    cuda_graphs: false             # true: CUDA graphs of each sparse layer's attention (CP=1, no document mask)
 
 Sections must match the choices: ``vertical_slash:`` only with ``pattern: vertical_slash`` and
 ``hierarchical:`` only with ``implementation: hierarchical`` (a section that would be ignored is an
@@ -225,6 +226,12 @@ class MTrainingConfig:
         kernel_backend: the per-step attention kernels: ``"auto"`` (the fastest one that supports
             the device, dtype and head_dim), ``"torch"`` (the reference kernels; any device),
             ``"triton"`` or ``"sdpa"`` (CUDA).
+        cuda_graphs: run each sparse layer's attention (estimation, index conversion, plans,
+            forward and backward kernels) through CUDA graphs captured per layer and input shape
+            (:class:`~megatron_mtraining.ring.graphs.CUDAGraphedAttention`): one launch instead of
+            hundreds. Needs CUDA, ``cp_size == 1`` and no document mask, and one forward in flight
+            per layer (no pipeline schedule that runs several forwards before their backwards).
+            Dense layers run as without it.
 
     Raises:
         ValueError: naming the offending key (``mtraining config: ...``).
@@ -240,6 +247,7 @@ class MTrainingConfig:
     layer_overrides: Optional[tuple] = None
     deterministic: bool = False
     kernel_backend: str = "auto"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -264,6 +272,8 @@ class MTrainingConfig:
             raise _ConfigError(f"'hierarchical' must be a HierarchicalConfig, got {type(self.hierarchical).__name__}")
         if not isinstance(self.deterministic, bool):
             raise _ConfigError(f"'deterministic' must be true or false, got {self.deterministic!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise _ConfigError(f"'cuda_graphs' must be true or false, got {self.cuda_graphs!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _ConfigError(f"'kernel_backend' must be one of {', '.join(KERNEL_BACKENDS)}, "
                                f"got {self.kernel_backend!r}")
@@ -460,6 +470,8 @@ class MTrainingConfig:
             key = "'granularity'" if self.layout_kind == "striped" else "'implementation' (zigzag)"
             raise ValueError(f"{_PREFIX}: {key}: {e}") from None
         self.hierarchical_sizes(cp_size, megatron_hierarchical_sizes)
+        if self.cuda_graphs and cp_size != 1:
+            raise ValueError(self.cuda_graphs_cp_rule(cp_size))
         if self.sparse:
             vs = self.vertical_slash
             if layout.chunk_len(seq_len) % vs.block_size != 0:
@@ -474,6 +486,12 @@ class MTrainingConfig:
                 if last_q is not None and last_q > seq_len:
                     raise ValueError(f"{_PREFIX}: 'layer_overrides.{_range_text(rng)}.last_q' ({last_q}) exceeds "
                                      f"the sequence length {seq_len}")
+
+    @staticmethod
+    def cuda_graphs_cp_rule(cp_size: int) -> str:
+        """The error text of ``cuda_graphs: true`` at ``cp_size > 1``."""
+        return (f"{_PREFIX}: 'cuda_graphs: true' needs context-parallel size 1 (the ring's K/V exchanges are not "
+                f"captured), got {cp_size}; set cuda_graphs: false")
 
     def with_hierarchical_sizes(self, sizes: Optional[Sequence[int]]) -> "MTrainingConfig":
         """This config with ``hierarchical.inner``/``outer`` set to ``sizes`` (``None``: unchanged)."""
@@ -526,6 +544,8 @@ class MTrainingConfig:
         out["deterministic"] = self.deterministic
         if self.kernel_backend != "auto":
             out["kernel_backend"] = self.kernel_backend
+        if self.cuda_graphs:
+            out["cuda_graphs"] = True
         return out
 
 
@@ -565,7 +585,7 @@ def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
         raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
     _check_keys(d, _TOP_KEYS, "")
     kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic",
-                                            "kernel_backend", "dense_layers", "layer_overrides") if k in d}
+                                            "kernel_backend", "cuda_graphs", "dense_layers", "layer_overrides") if k in d}
     pattern = d.get("pattern", MTrainingConfig.pattern)
     impl = d.get("implementation", MTrainingConfig.implementation)
     vs = d.get("vertical_slash")
@@ -721,6 +741,8 @@ def config_for_run(
         raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} is given but {src} has "
                          f"implementation '{cfg.implementation}' (the run would use a flat ring); use a config "
                          "with implementation: hierarchical or drop the flag")
+    if cfg.cuda_graphs and cp_size != 1:
+        raise ValueError(cfg.cuda_graphs_cp_rule(cp_size))
     if seq_len is not None:
         cfg.check_run(cp_size=cp_size, seq_len=seq_len, megatron_hierarchical_sizes=hcp)
     if num_layers is not None:

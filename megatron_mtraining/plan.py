@@ -48,7 +48,7 @@ from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 
 __all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "kernel_backend_problem",
            "packing_from_args", "sparse_packed_problem", "DOCUMENT_MASK_FLAGS", "DOCUMENT_POSITION_FLAGS",
-           "ROPE_FUSION_RULE"]
+           "ROPE_FUSION_RULE", "CUDA_GRAPHS_DOCUMENTS_RULE", "CUDA_GRAPHS_PIPELINE_RULE"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
 
@@ -58,6 +58,11 @@ DOCUMENT_MASK_FLAGS = ("reset_attention_mask", "dataloader_inter_document_maskin
 #: Megatron-LM flags whose RoPE positions restart at every document
 DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_masking", "sft")
 #: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
+#: why ``cuda_graphs: true`` refuses document masks and pipeline parallelism
+CUDA_GRAPHS_DOCUMENTS_RULE = ("mtraining config 'cuda_graphs: true' cannot capture packed documents (their boundaries "
+                              "change with every micro-batch); set cuda_graphs: false")
+CUDA_GRAPHS_PIPELINE_RULE = ("mtraining config 'cuda_graphs: true' keeps one forward in flight per layer, and pipeline "
+                             "schedules run several forwards before their backwards; set cuda_graphs: false")
 ROPE_FUSION_RULE = ("needs --no-rope-fusion (the fused RoPE kernel takes one row of angles per token position, "
                     "shared by the batch)")
 
@@ -227,7 +232,8 @@ class CPPlan:
             if text not in seen:
                 seen.append(text)
         policy = self.config.layer_policy_text() if self.config.sparse and seen else ""
-        return ", ".join(seen) + (f"; layer policy: {policy}" if policy else "")
+        graphs = "; CUDA graphs: sparse layers" if self.config.cuda_graphs and self.config.sparse and seen else ""
+        return ", ".join(seen) + (f"; layer policy: {policy}" if policy else "") + graphs
 
     def _kernel_text(self, backend, *, sparse: bool, packed: bool) -> str:
         kind = "sparse" if sparse else "dense"
@@ -279,6 +285,37 @@ class CPPlan:
 
         return ring_attention(q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=softmax_scale,
                               causal=True, check_inputs=False, backend=backend, documents=documents)
+
+    def attention_runner(self):
+        """The attention of one layer module: ``run(q, k, v, *, softmax_scale, documents=None) -> out``.
+
+        :meth:`attention` itself, or with ``cuda_graphs: true`` in a sparse layer a runner that
+        replays CUDA graphs of it (:class:`~megatron_mtraining.ring.graphs.CUDAGraphedAttention`, one
+        per ``softmax_scale``). Each layer module takes its own runner: its graphs hold the layer's
+        state between forward and backward.
+
+        The runner raises ``ValueError`` for a call the graphs cannot run (CPU tensors, packed
+        documents, ``cp_size > 1``) and ``RuntimeError`` for a second forward of the layer before the
+        backward of the first (:data:`~megatron_mtraining.ring.graphs.SECOND_FORWARD_RULE`).
+        """
+        if not (self.config.cuda_graphs and self.sparse):
+            return self.attention
+        from megatron_mtraining.ring.graphs import CUDAGraphedAttention, cuda_graphs_error
+
+        graphs: dict = {}
+
+        def run(q, k, v, *, softmax_scale: float, documents=None):
+            error = cuda_graphs_error(q, self.cp_size, documents)
+            if error is not None:
+                raise ValueError(error)
+            graphed = graphs.get(float(softmax_scale))
+            if graphed is None:
+                graphed = graphs[float(softmax_scale)] = CUDAGraphedAttention(
+                    lambda a, b, c: self.attention(a, b, c, softmax_scale=softmax_scale))
+            return graphed(q, k, v)
+
+        run.graphs = graphs
+        return run
 
     def agreement_fields(self, softmax_scale: float, causal: bool = True) -> dict:
         """The numerical parameters every CP rank must agree on (besides shapes, dtypes, layout):
@@ -387,7 +424,7 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
         ValueError: naming the config key / argument: a hierarchical config without groups or
             with sizes that differ from them, groups given to a flat config, a sequence length
             the layout cannot split, a document mask with the sparse pattern, a layer policy naming a
-            layer past ``num_layers``.
+            layer past ``num_layers``, ``cuda_graphs`` with ``cp_size > 1`` or a document mask.
     """
     cfg = load_mtraining_config(config)
     if num_layers is not None:
@@ -396,7 +433,11 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
         packing = None
     if packing is not None and packing.reset_attention_mask and sparse_packed_problem(cfg):
         raise ValueError("--reset-attention-mask: " + sparse_packed_problem(cfg))
+    if packing is not None and packing.reset_attention_mask and cfg.cuda_graphs:
+        raise ValueError("--reset-attention-mask: " + CUDA_GRAPHS_DOCUMENTS_RULE)
     cp = group_size(cp_group)
+    if cfg.cuda_graphs and cp != 1:
+        raise ValueError(cfg.cuda_graphs_cp_rule(cp))
     groups = None
     if cfg.implementation == "hierarchical":
         if hierarchical_groups is None:
@@ -517,6 +558,11 @@ def config_from_args(args: Any) -> MTrainingConfig:
     for flag in DOCUMENT_MASK_FLAGS:
         if getattr(args, flag, False) and sparse_packed_problem(cfg):
             raise ValueError(f"--{flag.replace('_', '-')}: " + sparse_packed_problem(cfg))
+        if getattr(args, flag, False) and cfg.cuda_graphs:
+            raise ValueError(f"--{flag.replace('_', '-')}: " + CUDA_GRAPHS_DOCUMENTS_RULE)
+    if cfg.cuda_graphs and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+                         + CUDA_GRAPHS_PIPELINE_RULE)
     problem = kernel_backend_problem(args, cfg)
     if problem is not None:
         raise ValueError(problem)

@@ -38,7 +38,8 @@ layers it measured above ``--policy-max-kept`` (kernel work, ``1 - sparsity``) o
 
 ``--policy-min-speedup S`` chooses by measured speed: every sparse layer's attention is timed on its
 captured q/k/v as training runs it at CP=1 (:meth:`~megatron_mtraining.plan.CPPlan.attention` of the layer's
-plan — estimation, index conversion, kernel plans and sparse kernels, with the layer's own budgets —
+plan — estimation, index conversion, kernel plans and sparse kernels, with the layer's own budgets, through
+the layer's CUDA graphs when the config has ``cuda_graphs: true`` (:meth:`~megatron_mtraining.plan.CPPlan.attention_runner`) —
 against the dense attention of the same config, whose ``kernel_backend`` ``auto`` picks FlashAttention-4 on
 a Hopper or Blackwell GPU where installed, else Triton or SDPA, the torch reference on the CPU), each
 forward and backward of a fixed random output gradient, on the **first sample only**, in bf16 on a GPU
@@ -692,7 +693,8 @@ def layer_speed(q, k, v, sparse_plan, dense_plan, scale: float, *, repeats: int,
     dtype = speed_dtype(q.device)
     q, k, v = (t[:1].to(dtype).contiguous() for t in (q, k, v))
     kw = {} if timer is None else {"timer": timer}
-    cmp = compare_speed(lambda *a: sparse_plan.attention(*a, softmax_scale=scale),
+    sparse = sparse_plan.attention_runner()          # as the layer runs it (cuda_graphs: through its graphs)
+    cmp = compare_speed(lambda *a: sparse(*a, softmax_scale=scale),
                         lambda *a: dense_plan.attention(*a, softmax_scale=scale), q, k, v,
                         device=q.device, warmup=warmup, repeats=repeats, **kw)
     return {**cmp.to_dict(), "sparse_kernels": sparse_plan.kernel_text(q), "dense_kernels": dense_plan.kernel_text(q),

@@ -170,6 +170,7 @@ class MTrainingAttention(MegatronModule):
             )
         self.layout = self.plan.layout
         self.hierarchical_groups = self.plan.hierarchical_groups
+        self._attention = self.plan.attention_runner()   # this layer's own (CUDA graphs: its own graphs)
 
     @staticmethod
     def _check_mask_type(mask_type: Any, what: str) -> None:
@@ -218,7 +219,10 @@ class MTrainingAttention(MegatronModule):
                 length the layout cannot split), non-float dtypes, or CP ranks that disagree
                 (shapes, dtypes, ``softmax_scale``...); checked on every rank once per shape
                 (:meth:`~megatron_mtraining.plan.CPPlan.check_inputs`), so all ranks raise alike; packed
-                offsets that are malformed, do not describe the batch or differ across ranks.
+                offsets that are malformed, do not describe the batch or differ across ranks; with
+                ``cuda_graphs: true``, packed documents or CPU inputs.
+            RuntimeError: with ``cuda_graphs: true``, a second forward of this layer before the backward
+                of the previous one.
         """
         if attention_bias is not None:
             raise NotImplementedError("MTrainingAttention does not support attention_bias")
@@ -256,7 +260,7 @@ class MTrainingAttention(MegatronModule):
             if documents.single_document:
                 documents = None                                # plain causal attention: the unpacked path
         # this layer's policy (dense_layers: the exact dense ring), the kernels of the plan's select_backend
-        out = self.plan.attention(q, k, v, softmax_scale=scale, documents=documents)  # [b, s_local, np, hn]
+        out = self._attention(q, k, v, softmax_scale=scale, documents=documents)  # [b, s_local, np, hn]
         if thd:
             return out[0].reshape(sq, np_ * hn)
         with record_function(REGION_COPIES):

@@ -235,3 +235,40 @@ def test_kernel_summary_names_the_chosen_kernels_once():
     policy.for_layer(1).select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=64,
                                        seq_len_local=1024)
     assert policy.kernel_summary() == "dense: torch; layer policy: dense 1"
+
+
+def test_cuda_graphs_rules_on_every_path():
+    """``cuda_graphs: true``: a bool; refused at cp_size > 1, with document masks and with pipeline parallelism
+    (config, resolve, the front door), and at call time for CPU inputs and packed documents (CUDA capture and
+    replay: tests/kernels/test_gpu_graphs.py)."""
+    from megatron_mtraining.plan import DocumentPacking
+
+    sparse = {"pattern": "vertical_slash", "cuda_graphs": True}
+    cfg = load_mtraining_config(sparse)
+    assert cfg.cuda_graphs and load_mtraining_config(cfg.to_dict()) == cfg
+    assert "cuda_graphs" not in MTrainingConfig().to_dict()
+    with pytest.raises(ValueError, match=r"'cuda_graphs' must be true or false, got 1"):
+        load_mtraining_config({"cuda_graphs": 1})
+    with pytest.raises(ValueError, match=r"'cuda_graphs: true' needs context-parallel size 1 .* got 2"):
+        config_for_run(sparse, cp_size=2)
+    with pytest.raises(ValueError, match=r"^--reset-attention-mask: .*cuda_graphs: true' cannot capture packed"):
+        resolve(sparse, cp_group=None, packing=DocumentPacking(reset_attention_mask=True, eod_token=0))
+    args = SimpleNamespace(mtraining_config=sparse, context_parallel_size=1, seq_length=256, num_layers=2,
+                           pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^--pipeline-model-parallel-size 2: .*forwards before their backwards"):
+        config_from_args(args)
+    args.pipeline_model_parallel_size, args.reset_attention_mask = 1, True
+    with pytest.raises(ValueError, match=r"^--reset-attention-mask: .*cannot capture packed documents"):
+        config_from_args(args)
+    args.reset_attention_mask = False
+    assert config_from_args(args).cuda_graphs
+
+    plan = resolve(sparse, cp_group=None, seq_len=256)
+    assert plan.for_layer(1).attention_runner() is not plan.for_layer(1).attention_runner()   # one per layer module
+    dense_view = resolve(dict(sparse, dense_layers=[1]), cp_group=None).for_layer(1)
+    assert dense_view.attention_runner() == dense_view.attention              # dense layers: no graphs
+    q = torch.randn(1, 256, 2, 16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"needs CUDA tensors, got q on cpu"):
+        plan.for_layer(1).attention_runner()(q, q, q, softmax_scale=0.25)
+    plan.select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=16, seq_len_local=256)
+    assert plan.kernel_summary() == "sparse: torch; CUDA graphs: sparse layers"

@@ -288,7 +288,7 @@ class TritonSparseStepKernel(SparseStepKernel):
         with record_function(REGION_PLAN):
             plan = self.plan(idx)   # its int32 copies of the indices are written before `ready`
         ready = None
-        if early and q.is_cuda:
+        if early and q.is_cuda and not torch.cuda.is_current_stream_capturing():
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(q.device))   # the forward kernel comes next
         out = sparse_forward(q, k, v, plan, scale, config=self.config, stats=self.stats)

@@ -529,7 +529,7 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     ``after`` (a ``torch.cuda.Event`` recorded on the current stream once the index tensors were
     written and before the forward kernel was launched; ``None``: wait for all work queued so far),
     and :func:`sparse_backward` makes its stream wait for them. Elsewhere (the Triton CPU
-    interpreter) they are built in place.
+    interpreter, or while a CUDA graph is being captured) they are built in place.
 
     Args:
         plan: the step's forward plan (:func:`~megatron_mtraining.ops.triton.plan_for`).
@@ -548,8 +548,8 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
             _col_plan(plan, sk, b, hq)
 
     dev = plan.block_index.device
-    if dev.type != "cuda":
-        build()
+    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        build()            # the Triton CPU interpreter, or a CUDA graph capture (one stream, no host to overlap)
         return
     side = _side_stream(dev)
     if after is not None:

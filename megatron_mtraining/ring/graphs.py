@@ -1,0 +1,233 @@
+"""CUDA graphs of one layer's whole sparse attention (``cuda_graphs: true`` in the config).
+
+At 32K a sparse layer launches a few hundred small kernels per call (pattern estimation, index
+conversion, kernel plans, the sparse forward and backward kernels; MTraining §3.2-3.3) and the
+host time to launch them, not the GPU, bounds the layer. :class:`CUDAGraphedAttention` captures
+the layer's attention, forward and backward, once per input signature with
+:class:`torch.cuda.CUDAGraph` and then replays the two graphs: one launch each, whatever the
+number of kernels inside. The pattern is still estimated online from each call's q/k: a replay
+runs the same kernels on the new inputs (copied into the graph's input buffers).
+
+Rules (each refused with an error naming it, never a silent wrong answer):
+
+* CUDA inputs only, at ``cp_size == 1`` (the ring's K/V exchanges are not captured), without
+  packed documents (their boundaries change with every micro-batch);
+* one forward in flight per layer: a layer's graph holds the state of its last forward until that
+  forward's backward has run. A second forward of the same layer with gradients enabled while the
+  first one's autograd graph is still alive raises ``RuntimeError`` (pipeline schedules that run
+  several forwards before their backwards need ``cuda_graphs: false``); a forward whose autograd graph
+  was dropped without a backward frees the layer. Activation recomputation (a no-grad forward,
+  then the recomputed forward and its backward) is fine.
+
+Calls without gradients (``torch.no_grad``, inputs that do not require grad) run eagerly. The
+output and the gradients are copies, never the graph's buffers. Replays compute what the eager
+call computes: the same kernels on the same inputs (bitwise with ``deterministic: true``).
+
+Memory: the graphs of all layers on a device share one memory pool. Each layer keeps its forward's saved
+tensors (as the eager call keeps them until its backward), its output and gradient buffers; the transients
+of the estimation and the kernels are shared by all layers (one eager call's peak). A block that one
+layer's capture freed may hold the saved tensors of a layer captured later, so the graphs must replay in
+an order that keeps those intact: while a layer's forward awaits its backward, only layers captured after
+it may run in between (training's order: forwards 1..N, backwards N..1, with or without recomputing the
+core attention in the backward). A replay out of that order raises ``RuntimeError``
+(:data:`REPLAY_ORDER_RULE`) before it runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, record_function
+
+__all__ = ["CUDAGraphedAttention", "SECOND_FORWARD_RULE", "REPLAY_ORDER_RULE", "cuda_graphs_error"]
+
+SECOND_FORWARD_RULE = (
+    "cuda_graphs: a second forward of this layer before the backward of the previous one (the layer's CUDA graph "
+    "holds one forward's state); run forward and backward in turn, drop the earlier output, or set "
+    "cuda_graphs: false (e.g. for pipeline schedules that run several forwards before their backwards)")
+
+
+REPLAY_ORDER_RULE = (
+    "cuda_graphs: this layer's graph would run while a layer captured after it awaits its backward (the layers' graphs "
+    "share one memory pool, laid out for the order of the first training step: forwards 1..N, then backwards "
+    "N..1); keep that order from step to step (the same recomputation settings), or set cuda_graphs: false")
+
+
+class _Pool:
+    """The memory pool shared by the graphs of one device, the capture order and the forwards in flight."""
+
+    def __init__(self):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.captured = 0
+        self.in_flight: list = []            # entries whose forward awaits its backward
+
+    def check(self, entry: "_Entry") -> None:
+        self.in_flight = [e for e in self.in_flight if e.live()]
+        for other in self.in_flight:
+            if other is not entry and other.order > entry.order:
+                raise RuntimeError(REPLAY_ORDER_RULE)
+
+
+_POOLS: dict = {}
+
+
+def _pool(device: torch.device) -> _Pool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _POOLS:
+        _POOLS[idx] = _Pool()
+    return _POOLS[idx]
+
+
+def cuda_graphs_error(q: torch.Tensor, cp_size: int, documents=None) -> Optional[str]:
+    """Why CUDA graphs cannot run this attention call, or ``None``.
+
+    Args:
+        q: the call's queries (``[b, s_local, hq, d]``).
+        cp_size: the CP group size.
+        documents: the call's packed documents (``None``: none).
+    """
+    if cp_size != 1:
+        return (f"cuda_graphs: true needs context-parallel size 1 (the ring's K/V exchanges are not captured), "
+                f"got cp_size {cp_size}; set cuda_graphs: false")
+    if documents is not None:
+        return ("cuda_graphs: true cannot capture packed documents (their boundaries change with every "
+                "micro-batch); set cuda_graphs: false or train without a document mask")
+    if q.device.type != "cuda":
+        return f"cuda_graphs: true needs CUDA tensors, got q on {q.device}; set cuda_graphs: false"
+    return None
+
+
+class _Entry:
+    """The captured graphs of one input signature, their buffers and the forward in flight."""
+
+    def __init__(self, pool: _Pool):
+        self.pool = pool
+        self.order = -1                 # capture order in the pool
+        self.fwd = torch.cuda.CUDAGraph()
+        self.bwd = torch.cuda.CUDAGraph()
+        self.inputs = ()
+        self.out = None                 # the captured output (its autograd graph holds the saved tensors)
+        self.out_data = None
+        self.grad_out = None
+        self.grads = ()
+        self.generation = 0
+        self.pending = None             # weakref to the ctx of the forward whose backward has not run
+
+    def live(self) -> bool:
+        return self.pending is not None and self.pending() is not None
+
+    def check_free(self) -> None:
+        if self.live():
+            raise RuntimeError(SECOND_FORWARD_RULE)
+        self.pool.check(self)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, entry: _Entry, q, k, v):
+        entry.check_free()
+        with record_function(REGION_ATTENTION_FWD):
+            for dst, src in zip(entry.inputs, (q, k, v)):
+                dst.copy_(src)
+            entry.fwd.replay()
+            out = entry.out_data.clone()
+        entry.generation += 1
+        ctx.entry, ctx.generation = entry, entry.generation
+        entry.pending = weakref.ref(ctx)
+        entry.pool.in_flight.append(entry)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        entry = ctx.entry
+        if ctx.generation != entry.generation:
+            raise RuntimeError(SECOND_FORWARD_RULE)
+        entry.pool.check(entry)
+        with record_function(REGION_ATTENTION_BWD):
+            entry.grad_out.copy_(dout)
+            entry.bwd.replay()
+            grads = tuple(g.clone() for g in entry.grads)
+        entry.pending = None
+        return (None, *grads)
+
+
+class CUDAGraphedAttention:
+    """One layer's attention ``fn(q, k, v) -> out`` through CUDA graphs, captured per input signature.
+
+    Give every layer its own instance (its graphs hold that layer's state between forward and
+    backward). The first gradient-enabled call with a new signature (shapes, strides, dtype, device)
+    runs ``fn`` eagerly ``warmup`` times on a side stream (kernel compilation, cached plans), then
+    captures the forward and, through :func:`torch.autograd.grad` (the forward's autograd graph kept),
+    the backward into two graphs in the device's shared pool; every call replays them (:class:`_Replay`). A capture that fails
+    warns once, naming the error, and that signature runs eagerly from then on.
+
+    Args:
+        fn: ``fn(q, k, v) -> out``: ``q [b, s, hq, d]``, ``k, v [b, s, hkv, d]`` (CUDA, float), ``out
+            [b, s, hq, d]``; no host synchronisation, no communication.
+        warmup: eager forward+backward runs before the capture (>= 1).
+
+    Call: ``graphed(q, k, v)`` with the same contract as ``fn``. Raises ``RuntimeError`` for a second
+    forward in flight (:data:`SECOND_FORWARD_RULE`).
+    """
+
+    def __init__(self, fn: Callable, warmup: int = 2):
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (kernels compile before the capture), got {warmup}")
+        self.fn = fn
+        self.warmup = int(warmup)
+        self._entries: dict = {}
+
+    @staticmethod
+    def _signature(*ts: torch.Tensor) -> tuple:
+        return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in ts)
+
+    @property
+    def captured(self) -> int:
+        """Number of signatures with captured graphs."""
+        return sum(1 for e in self._entries.values() if e is not None)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and q.requires_grad and k.requires_grad and v.requires_grad):
+            return self.fn(q, k, v)
+        sig = self._signature(q, k, v)
+        if sig not in self._entries:
+            self._entries[sig] = self._capture(q, k, v)
+        entry = self._entries[sig]
+        if entry is None:                       # the capture failed (warned): eager
+            return self.fn(q, k, v)
+        return _Replay.apply(entry, q, k, v)
+
+    def _capture(self, q, k, v) -> Optional[_Entry]:
+        entry = _Entry(_pool(q.device))
+        entry.inputs = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        cur = torch.cuda.current_stream(q.device)
+        side = torch.cuda.Stream(device=q.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                out = self.fn(*entry.inputs)
+                torch.autograd.grad(out, entry.inputs, torch.zeros_like(out))
+                del out
+        cur.wait_stream(side)
+        pool = entry.pool.handle
+        try:
+            with torch.cuda.graph(entry.fwd, pool=pool):
+                entry.out = self.fn(*entry.inputs)
+            entry.grad_out = torch.zeros_like(entry.out)
+            with torch.cuda.graph(entry.bwd, pool=pool):
+                # retain_graph: the saved tensors stay allocated, so no later capture reuses their blocks
+                entry.grads = torch.autograd.grad(entry.out, entry.inputs, entry.grad_out, retain_graph=True)
+        except Exception as e:   # an operation CUDA graphs cannot capture: this signature runs eagerly
+            warnings.warn(f"cuda_graphs: capturing the attention of inputs {tuple(q.shape)} failed "
+                          f"({type(e).__name__}: {e}); this layer runs without CUDA graphs", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        entry.out_data = entry.out.detach()
+        entry.order = entry.pool.captured
+        entry.pool.captured += 1
+        return entry

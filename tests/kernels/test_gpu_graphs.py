@@ -1,0 +1,120 @@
+"""CUDA graphs of a sparse layer's attention (``cuda_graphs: true``; marker ``gpu``, skipped without CUDA).
+
+The invariant: a replay computes what the eager call computes on the same inputs (the same kernels), so with
+``deterministic: true`` out, dQ, dK and dV are bitwise equal to the eager call's, for several input draws
+through one captured graph (the pattern is re-estimated on every replay: a stale replay would give the first
+draw's pattern, which the negative control below tells apart). The eager path itself is checked against fp64
+in test_gpu_kernels.py and tests/distributed/test_sparse_ring.py. Also: no-grad calls run eagerly, a second
+forward in flight is refused, and the gradients handed out are copies (a leaf's .grad survives the next call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mtraining.plan import resolve
+
+pytestmark = pytest.mark.gpu
+
+B, S, HQ, HKV, D = 1, 4096, 9, 3, 64          # the SmolLM2-135M attention shape at 4K
+SCALE = D ** -0.5
+
+
+def _plan(deterministic: bool):
+    cfg = {"pattern": "vertical_slash", "deterministic": deterministic, "cuda_graphs": True,
+           "vertical_slash": {"recall": 0.9, "max_vertical": 512, "max_slash": 16}}
+    return resolve(cfg, cp_group=None, seq_len=S).for_layer(1)
+
+
+def _inputs(seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(B, S, h, D, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    q, k, v, do = mk(HQ), mk(HKV), mk(HKV), mk(HQ)
+    k[:, :64] *= 4                                   # a sink: a pattern with columns and diagonals
+    return [t.requires_grad_(True) for t in (q, k, v)], do
+
+
+def _run(fn, seed: int):
+    (q, k, v), do = _inputs(seed)
+    out = fn(q, k, v, softmax_scale=SCALE)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
+def test_replays_equal_the_eager_call(deterministic):
+    plan = _plan(deterministic)
+    runner = plan.attention_runner()
+    outs = []
+    for seed in (0, 1, 2):
+        eager = _run(plan.attention, seed)
+        graphed = _run(runner, seed)
+        assert torch.equal(graphed[0], eager[0]), f"seed {seed}: out"   # the forward has no atomics
+        for name, g, e in zip(("dQ", "dK", "dV"), graphed[1:], eager[1:]):
+            assert torch.isfinite(g).all(), name
+            if deterministic:
+                assert torch.equal(g, e), f"seed {seed}: {name} differs from the eager call"
+            else:   # fp32 atomics in another order: within 2 bf16 ulps of the largest gradient
+                err = float((g.float() - e.float()).abs().max() / e.float().abs().max())
+                assert err <= 2 ** -7, f"seed {seed}: {name} {err:.2e}"
+        outs.append(graphed[0])
+    assert sum(g.captured for g in runner.graphs.values()) == 1           # one signature, one capture
+    # negative control: a replay that reused the first draw's pattern or output would match seed 0
+    assert not torch.equal(outs[1], outs[0]) and not torch.equal(outs[2], outs[1])
+
+
+def test_no_grad_runs_eagerly_and_a_second_forward_in_flight_is_refused():
+    plan = _plan(True)
+    runner = plan.attention_runner()
+    (q, k, v), do = _inputs(3)
+    with torch.no_grad():
+        ref = plan.attention(q, k, v, softmax_scale=SCALE)
+        assert torch.equal(runner(q, k, v, softmax_scale=SCALE), ref)
+    assert not runner.graphs or all(g.captured == 0 for g in runner.graphs.values())
+    out = runner(q, k, v, softmax_scale=SCALE)
+    with pytest.raises(RuntimeError, match="second forward of this layer before the backward"):
+        runner(q, k, v, softmax_scale=SCALE)
+    del out                                            # its autograd graph is gone: the layer is free again
+    out = runner(q, k, v, softmax_scale=SCALE)
+    out.backward(do)
+    first = q.grad.clone()
+    q.grad = None
+    (q2, k2, v2), do2 = _inputs(4)
+    runner(q2, k2, v2, softmax_scale=SCALE).backward(do2)
+    out = runner(q, k, v, softmax_scale=SCALE)
+    out.backward(do)
+    assert torch.equal(q.grad, first)                 # the same inputs again: the same gradient...
+    kept = q.grad
+    runner(q2, k2, v2, softmax_scale=SCALE).backward(do2)
+    assert torch.equal(kept, first)                   # ...and a copy, not the graph's buffer
+
+
+def test_layers_share_the_pool_in_training_order():
+    """Two layers: forwards 1, 2 then one backward through both equals the eager model bitwise (the shared pool
+    keeps each forward's saved tensors while the other layer runs); a layer captured earlier may not run while a
+    later one awaits its backward."""
+    plan = resolve({"pattern": "vertical_slash", "deterministic": True, "cuda_graphs": True,
+                    "vertical_slash": {"recall": 0.9, "max_vertical": 512, "max_slash": 16}}, cp_group=None, seq_len=S)
+    layers = [plan.for_layer(1), plan.for_layer(2)]
+    runners = [p.attention_runner() for p in layers]
+
+    def model(fns, seed):
+        (q, k, v), do = _inputs(seed)
+        h = fns[0](q, k, v, softmax_scale=SCALE)
+        k2, v2 = h[:, :, :HKV].contiguous(), h[:, :, HKV:2 * HKV].contiguous()
+        out = fns[1](h, k2, v2, softmax_scale=SCALE)
+        out.backward(do)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    for seed in (5, 6):
+        eager = model([p.attention for p in layers], seed)
+        graphed = model(runners, seed)
+        for name, g, e in zip(("out", "dQ", "dK", "dV"), graphed, eager):
+            assert torch.equal(g, e), f"seed {seed}: {name}"
+    (q, k, v), _ = _inputs(7)
+    pending = runners[1](q, k, v, softmax_scale=SCALE)           # layer 2 (captured second) awaits its backward
+    with pytest.raises(RuntimeError, match="awaits its backward"):
+        runners[0](q, k, v, softmax_scale=SCALE)
+    del pending
+    runners[0](q, k, v, softmax_scale=SCALE)                     # free again
