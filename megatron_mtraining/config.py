@@ -274,6 +274,12 @@ class MTrainingConfig:
             raise _ConfigError(f"'deterministic' must be true or false, got {self.deterministic!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise _ConfigError(f"'cuda_graphs' must be true or false, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.pattern != "vertical_slash":
+            raise _ConfigError(f"'cuda_graphs: true' applies to the sparse pattern only, but 'pattern' is "
+                               f"{self.pattern!r} (set pattern: vertical_slash or remove 'cuda_graphs')")
+        if self.cuda_graphs and self.kernel_backend == "torch":
+            raise _ConfigError("'cuda_graphs: true' needs the Triton sparse kernels, but 'kernel_backend' is 'torch' "
+                               "(the torch reference reads values back to the host, which a CUDA graph cannot capture)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _ConfigError(f"'kernel_backend' must be one of {', '.join(KERNEL_BACKENDS)}, "
                                f"got {self.kernel_backend!r}")

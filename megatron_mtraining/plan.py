@@ -294,9 +294,11 @@ class CPPlan:
         per ``softmax_scale``). Each layer module takes its own runner: its graphs hold the layer's
         state between forward and backward.
 
-        The runner raises ``ValueError`` for a call the graphs cannot run (CPU tensors, packed
-        documents, ``cp_size > 1``) and ``RuntimeError`` for a second forward of the layer before the
-        backward of the first (:data:`~megatron_mtraining.ring.graphs.SECOND_FORWARD_RULE`).
+        Calls that need no gradients run :meth:`attention` itself. For a gradient-enabled call the runner
+        raises ``ValueError`` where the graphs cannot run it (CPU tensors, packed documents, ``cp_size > 1``,
+        inputs whose kernels are not the Triton ones: the torch reference reads values back to the host)
+        and ``RuntimeError`` for a second forward of the layer before the backward of the first, or a
+        second backward of one forward (:mod:`megatron_mtraining.ring.graphs`).
         """
         if not (self.config.cuda_graphs and self.sparse):
             return self.attention
@@ -305,7 +307,16 @@ class CPPlan:
         graphs: dict = {}
 
         def run(q, k, v, *, softmax_scale: float, documents=None):
+            if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+                return self.attention(q, k, v, softmax_scale=softmax_scale, documents=documents)
             error = cuda_graphs_error(q, self.cp_size, documents)
+            if error is None:
+                backend = self._backend_for(q, packed=False)
+                if backend.name not in ("triton", "fa4"):
+                    error = (f"cuda_graphs: true needs the Triton sparse kernels, but these inputs run kernel backend "
+                             f"{backend.name!r} (dtype {q.dtype}, head_dim {q.shape[-1]}, length {q.shape[1]}), whose "
+                             "torch reference reads values back to the host; use kernel_backend auto or triton with "
+                             "inputs within the Triton limits, or set cuda_graphs: false")
             if error is not None:
                 raise ValueError(error)
             graphed = graphs.get(float(softmax_scale))

@@ -122,7 +122,7 @@ _CONFIGS: dict[tuple, MTrainingConfig] = {}
 #: the other arguments that the config's checks read (besides the config path, CP sizes and --seq-length)
 _CONFIG_ARGS = ("num_layers", "cp_layout", "cp_granularity", "reset_attention_mask",
                 "dataloader_inter_document_masking", "sft", "num_attention_heads", "hidden_size", "kv_channels", "bf16",
-                "fp16")
+                "fp16", "pipeline_model_parallel_size")
 _PLANS: dict[tuple, Any] = {}
 
 

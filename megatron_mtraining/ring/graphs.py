@@ -1,17 +1,23 @@
 """CUDA graphs of one layer's whole sparse attention (``cuda_graphs: true`` in the config).
 
-At 32K a sparse layer launches a few hundred small kernels per call (pattern estimation, index
-conversion, kernel plans, the sparse forward and backward kernels; MTraining §3.2-3.3) and the
-host time to launch them, not the GPU, bounds the layer. :class:`CUDAGraphedAttention` captures
+A sparse layer launches a few hundred small kernels per call (pattern estimation, index conversion,
+kernel plans, the sparse forward and backward kernels; MTraining §3.2-3.3), about 5 ms of host work
+per call. :class:`CUDAGraphedAttention` captures
 the layer's attention, forward and backward, once per input signature with
 :class:`torch.cuda.CUDAGraph` and then replays the two graphs: one launch each, whatever the
 number of kernels inside. The pattern is still estimated online from each call's q/k: a replay
-runs the same kernels on the new inputs (copied into the graph's input buffers).
+runs the same kernels on the new inputs (copied into the graph's input buffers). This pays only where
+the host, not the GPU, bounds training; on one H200 with SmolLM2-135M at 32K and 64K it did not
+(docs/results.md, CUDA graphs of the sparse layers).
 
 Rules (each refused with an error naming it, never a silent wrong answer):
 
 * CUDA inputs only, at ``cp_size == 1`` (the ring's K/V exchanges are not captured), without
   packed documents (their boundaries change with every micro-batch);
+* one backward per forward: a second backward through a retained graph raises ``RuntimeError``
+  (:data:`SECOND_BACKWARD_RULE`); non-reentrant activation checkpointing around the attention
+  (``torch.utils.checkpoint(..., use_reentrant=False)``) recomputes while the first forward is alive and
+  is refused as a second forward (Megatron's own recomputation is reentrant and runs);
 * one forward in flight per layer: a layer's graph holds the state of its last forward until that
   forward's backward has run. A second forward of the same layer with gradients enabled while the
   first one's autograd graph is still alive raises ``RuntimeError`` (pipeline schedules that run
@@ -43,7 +49,8 @@ import torch
 
 from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, record_function
 
-__all__ = ["CUDAGraphedAttention", "SECOND_FORWARD_RULE", "REPLAY_ORDER_RULE", "cuda_graphs_error"]
+__all__ = ["CUDAGraphedAttention", "SECOND_FORWARD_RULE", "SECOND_BACKWARD_RULE", "REPLAY_ORDER_RULE",
+           "cuda_graphs_error"]
 
 SECOND_FORWARD_RULE = (
     "cuda_graphs: a second forward of this layer before the backward of the previous one (the layer's CUDA graph "
@@ -51,6 +58,9 @@ SECOND_FORWARD_RULE = (
     "cuda_graphs: false (e.g. for pipeline schedules that run several forwards before their backwards)")
 
 
+SECOND_BACKWARD_RULE = (
+    "cuda_graphs: a second backward through one forward of this layer (retain_graph=True): the layer's graph keeps "
+    "its saved tensors only until the first backward; run the forward again, or set cuda_graphs: false")
 REPLAY_ORDER_RULE = (
     "cuda_graphs: this layer's graph would run while a layer captured after it awaits its backward (the layers' graphs "
     "share one memory pool, laid out for the order of the first training step: forwards 1..N, then backwards "
@@ -107,8 +117,7 @@ class _Entry:
     def __init__(self, pool: _Pool):
         self.pool = pool
         self.order = -1                 # capture order in the pool
-        self.fwd = torch.cuda.CUDAGraph()
-        self.bwd = torch.cuda.CUDAGraph()
+        self.fwd = self.bwd = None      # the captured graphs (``replay()``)
         self.inputs = ()
         self.out = None                 # the captured output (its autograd graph holds the saved tensors)
         self.out_data = None
@@ -145,6 +154,8 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         entry = ctx.entry
+        if getattr(ctx, "done", False):
+            raise RuntimeError(SECOND_BACKWARD_RULE)
         if ctx.generation != entry.generation:
             raise RuntimeError(SECOND_FORWARD_RULE)
         entry.pool.check(entry)
@@ -153,6 +164,7 @@ class _Replay(torch.autograd.Function):
             entry.bwd.replay()
             grads = tuple(g.clone() for g in entry.grads)
         entry.pending = None
+        ctx.done = True
         return (None, *grads)
 
 
@@ -204,6 +216,7 @@ class CUDAGraphedAttention:
 
     def _capture(self, q, k, v) -> Optional[_Entry]:
         entry = _Entry(_pool(q.device))
+        entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         entry.inputs = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v))
         cur = torch.cuda.current_stream(q.device)
         side = torch.cuda.Stream(device=q.device)
@@ -215,6 +228,7 @@ class CUDAGraphedAttention:
                 del out
         cur.wait_stream(side)
         pool = entry.pool.handle
+        caller = torch.cuda.current_stream(q.device)
         try:
             with torch.cuda.graph(entry.fwd, pool=pool):
                 entry.out = self.fn(*entry.inputs)
@@ -223,8 +237,11 @@ class CUDAGraphedAttention:
                 # retain_graph: the saved tensors stay allocated, so no later capture reuses their blocks
                 entry.grads = torch.autograd.grad(entry.out, entry.inputs, entry.grad_out, retain_graph=True)
         except Exception as e:   # an operation CUDA graphs cannot capture: this signature runs eagerly
+            torch.cuda.set_stream(caller)     # a failed capture_end leaves the capture stream current
+            torch.cuda.synchronize(q.device)
+            cause = e.__context__ if e.__context__ is not None else e    # the op that broke the capture, if any
             warnings.warn(f"cuda_graphs: capturing the attention of inputs {tuple(q.shape)} failed "
-                          f"({type(e).__name__}: {e}); this layer runs without CUDA graphs", RuntimeWarning,
+                          f"({type(cause).__name__}: {cause}); this layer runs without CUDA graphs", RuntimeWarning,
                           stacklevel=3)
             return None
         entry.out_data = entry.out.detach()

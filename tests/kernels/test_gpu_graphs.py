@@ -118,3 +118,15 @@ def test_layers_share_the_pool_in_training_order():
         runners[0](q, k, v, softmax_scale=SCALE)
     del pending
     runners[0](q, k, v, softmax_scale=SCALE)                     # free again
+
+
+def test_a_second_backward_through_one_forward_is_refused():
+    """A retained graph's second backward would read saved tensors that other layers' replays may have
+    overwritten: refused by name, as is a second backward after the first freed the graph."""
+    plan = _plan(True)
+    runner = plan.attention_runner()
+    (q, k, v), do = _inputs(8)
+    out = runner(q, k, v, softmax_scale=SCALE)
+    out.backward(do, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through one forward"):
+        out.backward(do)

@@ -272,3 +272,28 @@ def test_cuda_graphs_rules_on_every_path():
         plan.for_layer(1).attention_runner()(q, q, q, softmax_scale=0.25)
     plan.select_backend(device=torch.device("cpu"), dtype=torch.float32, head_dim=16, seq_len_local=256)
     assert plan.kernel_summary() == "sparse: torch; CUDA graphs: sparse layers"
+
+
+def test_cuda_graphs_refusals_of_ignored_or_uncapturable_settings(tmp_path):
+    """``cuda_graphs: true`` with the dense pattern (it would be ignored) or the torch kernels (host reads) is a
+    config error; no-grad calls run eagerly wherever the plain attention runs (CPU included); the Megatron-LM
+    glue re-checks pipeline parallelism when only that flag changes."""
+    from megatron_mtraining.megatron import megatron_lm
+
+    with pytest.raises(ValueError, match=r"'cuda_graphs: true' applies to the sparse pattern only"):
+        load_mtraining_config({"cuda_graphs": True})
+    with pytest.raises(ValueError, match=r"'cuda_graphs: true' needs the Triton sparse kernels"):
+        load_mtraining_config({"pattern": "vertical_slash", "cuda_graphs": True, "kernel_backend": "torch"})
+    plan = resolve({"pattern": "vertical_slash", "cuda_graphs": True}, cp_group=None, seq_len=256).for_layer(1)
+    q = torch.randn(1, 256, 2, 16)
+    with torch.no_grad():
+        out = plan.attention_runner()(q, q, q, softmax_scale=0.25)
+    assert torch.equal(out, plan.attention(q, q, q, softmax_scale=0.25))
+    cfg = tmp_path / "graphs.yaml"
+    cfg.write_text("pattern: vertical_slash\ncuda_graphs: true\n")
+    args = SimpleNamespace(mtraining_config=str(cfg), context_parallel_size=1, seq_length=256, num_layers=2,
+                           pipeline_model_parallel_size=1)
+    assert megatron_lm.mtraining_config_from_args(args).cuda_graphs
+    args.pipeline_model_parallel_size = 2
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2"):
+        megatron_lm.mtraining_config_from_args(args)

@@ -1,0 +1,112 @@
+"""The bookkeeping of megatron_mtraining/ring/graphs.py on the CPU: the replay Function and the shared pool's
+order rule, with stand-in graphs whose replay reruns the captured function into the same static buffers (the
+semantics of a CUDA graph replay). The real capture and replay on a GPU: tests/kernels/test_gpu_graphs.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mtraining.ring import graphs as G
+
+
+class _StandInGraph:
+    def __init__(self, replay):
+        self._replay = replay
+
+    def replay(self):
+        self._replay()
+
+
+class _CPUGraphed(G.CUDAGraphedAttention):
+    """Captures into stand-in graphs: forward replay writes fn(static inputs) into the static output, backward
+    replay writes its gradients into the static gradient buffers."""
+
+    def __init__(self, fn, pool):
+        super().__init__(fn)
+        self.pool = pool
+
+    def _capture(self, q, k, v):
+        entry = G._Entry(self.pool)
+        entry.inputs = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        entry.out_data = torch.zeros_like(q)
+        entry.grad_out = torch.zeros_like(q)
+        entry.grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        live = {}
+
+        def fwd():
+            with torch.enable_grad():
+                live["out"] = self.fn(*entry.inputs)
+            entry.out_data.copy_(live["out"].detach())
+
+        def bwd():
+            for buf, g in zip(entry.grads, torch.autograd.grad(live["out"], entry.inputs, entry.grad_out)):
+                buf.copy_(g)
+
+        entry.fwd, entry.bwd = _StandInGraph(fwd), _StandInGraph(bwd)
+        entry.order = self.pool.captured
+        self.pool.captured += 1
+        return entry
+
+
+def _pool():
+    p = G._Pool.__new__(G._Pool)
+    p.handle, p.captured, p.in_flight = None, 0, []
+    return p
+
+
+def _attn(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 8, generator=g, dtype=torch.float64).requires_grad_(True) for _ in range(3)]
+
+
+def test_replays_give_the_eager_values_and_copies():
+    layer = _CPUGraphed(_attn, _pool())
+    for seed in (0, 1):
+        q, k, v = _inputs(seed)
+        out = layer(q, k, v)
+        out.sum().backward()
+        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        ref = _attn(q2, k2, v2)
+        ref.sum().backward()
+        assert torch.equal(out, ref) and torch.equal(q.grad, q2.grad) and torch.equal(v.grad, v2.grad)
+    kept_out, kept_grad = out.detach().clone(), q.grad
+    q3, k3, v3 = _inputs(2)
+    layer(q3, k3, v3).sum().backward()
+    assert torch.equal(out, kept_out) and q.grad is kept_grad and not torch.equal(q.grad, q3.grad)  # copies
+    assert layer.captured == 1
+
+
+def test_second_forward_and_second_backward_are_refused():
+    layer = _CPUGraphed(_attn, _pool())
+    q, k, v = _inputs(0)
+    out = layer(q, k, v)
+    with pytest.raises(RuntimeError, match="second forward of this layer before the backward"):
+        layer(q, k, v)
+    del out                                        # dropped without a backward: the layer is free
+    out = layer(q, k, v)
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through one forward"):
+        loss.backward()
+    with torch.no_grad():                          # no gradients: eager, whatever is in flight
+        assert torch.equal(layer(q, k, v), _attn(q, k, v))
+
+
+def test_replay_order_follows_the_capture_order():
+    """Layers 1, 2 share a pool: forwards 1, 2 then backwards 2, 1 run; layer 1 while layer 2 (captured later)
+    awaits its backward is refused, before anything runs."""
+    pool = _pool()
+    l1, l2 = _CPUGraphed(_attn, pool), _CPUGraphed(_attn, pool)
+    q, k, v = _inputs(0)
+    for _ in range(2):
+        h = l1(q, k, v)
+        l2(h, k, v).sum().backward()
+    pending = l2(q, k, v)
+    with pytest.raises(RuntimeError, match="awaits its backward"):
+        l1(q, k, v)
+    pending.sum().backward()
+    l1(q, k, v).sum().backward()                   # free again
