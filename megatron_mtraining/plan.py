@@ -57,12 +57,12 @@ ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
 DOCUMENT_MASK_FLAGS = ("reset_attention_mask", "dataloader_inter_document_masking", "sft")
 #: Megatron-LM flags whose RoPE positions restart at every document
 DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_masking", "sft")
-#: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
 #: why ``cuda_graphs: true`` refuses document masks and pipeline parallelism
 CUDA_GRAPHS_DOCUMENTS_RULE = ("mtraining config 'cuda_graphs: true' cannot capture packed documents (their boundaries "
                               "change with every micro-batch); set cuda_graphs: false")
 CUDA_GRAPHS_PIPELINE_RULE = ("mtraining config 'cuda_graphs: true' keeps one forward in flight per layer, and pipeline "
                              "schedules run several forwards before their backwards; set cuda_graphs: false")
+#: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
 ROPE_FUSION_RULE = ("needs --no-rope-fusion (the fused RoPE kernel takes one row of angles per token position, "
                     "shared by the batch)")
 
