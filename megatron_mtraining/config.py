@@ -476,8 +476,6 @@ class MTrainingConfig:
             key = "'granularity'" if self.layout_kind == "striped" else "'implementation' (zigzag)"
             raise ValueError(f"{_PREFIX}: {key}: {e}") from None
         self.hierarchical_sizes(cp_size, megatron_hierarchical_sizes)
-        if self.cuda_graphs and cp_size != 1:
-            raise ValueError(self.cuda_graphs_cp_rule(cp_size))
         if self.sparse:
             vs = self.vertical_slash
             if layout.chunk_len(seq_len) % vs.block_size != 0:

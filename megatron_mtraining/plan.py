@@ -45,6 +45,7 @@ from megatron_mtraining.config import (
 from megatron_mtraining.distributed import group_rank, group_size
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+from megatron_mtraining.ring.graphs import DOCUMENTS_RULE as GRAPHS_DOCUMENTS_RULE
 
 __all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "kernel_backend_problem",
            "packing_from_args", "sparse_packed_problem", "DOCUMENT_MASK_FLAGS", "DOCUMENT_POSITION_FLAGS",
@@ -58,8 +59,7 @@ DOCUMENT_MASK_FLAGS = ("reset_attention_mask", "dataloader_inter_document_maskin
 #: Megatron-LM flags whose RoPE positions restart at every document
 DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_masking", "sft")
 #: why ``cuda_graphs: true`` refuses document masks and pipeline parallelism
-CUDA_GRAPHS_DOCUMENTS_RULE = ("mtraining config 'cuda_graphs: true' cannot capture packed documents (their boundaries "
-                              "change with every micro-batch); set cuda_graphs: false")
+CUDA_GRAPHS_DOCUMENTS_RULE = GRAPHS_DOCUMENTS_RULE
 CUDA_GRAPHS_PIPELINE_RULE = ("mtraining config 'cuda_graphs: true' keeps one forward in flight per layer, and pipeline "
                              "schedules run several forwards before their backwards; set cuda_graphs: false")
 #: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
@@ -295,7 +295,7 @@ class CPPlan:
         state between forward and backward.
 
         Calls that need no gradients run :meth:`attention` itself. For a gradient-enabled call the runner
-        raises ``ValueError`` where the graphs cannot run it (CPU tensors, packed documents, ``cp_size > 1``,
+        raises ``ValueError`` where the graphs cannot run it (CPU tensors, packed documents,
         inputs whose kernels are not the Triton ones: the torch reference reads values back to the host)
         and ``RuntimeError`` for a second forward of the layer before the backward of the first, or a
         second backward of one forward (:mod:`megatron_mtraining.ring.graphs`).
@@ -309,7 +309,7 @@ class CPPlan:
         def run(q, k, v, *, softmax_scale: float, documents=None):
             if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
                 return self.attention(q, k, v, softmax_scale=softmax_scale, documents=documents)
-            error = cuda_graphs_error(q, self.cp_size, documents)
+            error = cuda_graphs_error(q, documents)
             if error is None:
                 backend = self._backend_for(q, packed=False)
                 if backend.name not in ("triton", "fa4"):

@@ -49,8 +49,11 @@ import torch
 
 from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, record_function
 
-__all__ = ["CUDAGraphedAttention", "SECOND_FORWARD_RULE", "SECOND_BACKWARD_RULE", "REPLAY_ORDER_RULE",
-           "cuda_graphs_error"]
+__all__ = ["CUDAGraphedAttention", "DOCUMENTS_RULE", "SECOND_FORWARD_RULE", "SECOND_BACKWARD_RULE",
+           "REPLAY_ORDER_RULE", "cuda_graphs_error"]
+
+DOCUMENTS_RULE = ("mtraining config 'cuda_graphs: true' cannot capture packed documents (their boundaries change with "
+                  "every micro-batch); set cuda_graphs: false")
 
 SECOND_FORWARD_RULE = (
     "cuda_graphs: a second forward of this layer before the backward of the previous one (the layer's CUDA graph "
@@ -92,20 +95,16 @@ def _pool(device: torch.device) -> _Pool:
     return _POOLS[idx]
 
 
-def cuda_graphs_error(q: torch.Tensor, cp_size: int, documents=None) -> Optional[str]:
-    """Why CUDA graphs cannot run this attention call, or ``None``.
+def cuda_graphs_error(q: torch.Tensor, documents=None) -> Optional[str]:
+    """Why CUDA graphs cannot run this attention call, or ``None`` (``cp_size == 1`` is a rule of the plan,
+    :func:`~megatron_mtraining.plan.resolve`).
 
     Args:
         q: the call's queries (``[b, s_local, hq, d]``).
-        cp_size: the CP group size.
         documents: the call's packed documents (``None``: none).
     """
-    if cp_size != 1:
-        return (f"cuda_graphs: true needs context-parallel size 1 (the ring's K/V exchanges are not captured), "
-                f"got cp_size {cp_size}; set cuda_graphs: false")
     if documents is not None:
-        return ("cuda_graphs: true cannot capture packed documents (their boundaries change with every "
-                "micro-batch); set cuda_graphs: false or train without a document mask")
+        return DOCUMENTS_RULE
     if q.device.type != "cuda":
         return f"cuda_graphs: true needs CUDA tensors, got q on {q.device}; set cuda_graphs: false"
     return None
