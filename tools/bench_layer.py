@@ -17,11 +17,11 @@ host's own work), ``region_ms`` (device time per call by profiler region, ``torc
 attention kernels' launches land in ``other``), ``ops`` (profiled ops per call) and ``peak_gb`` (CUDA).
 
 Inputs (``--inputs``): ``random`` (normal q/k/v with a strong 64-token sink: the estimator keeps up to the
-config's caps) or ``positional`` (q/k share a RoPE-like positional component: attention is local and the
-patterns sparser). A trained model's own q/k/v: ``tools/pattern_recall.py --policy-min-speedup``.
+config's caps) or ``structured`` (:func:`~megatron_mtraining.bench.inputs.structured_qkv`: local attention
+under RoPE plus a few strong columns, so the patterns are sparser). A trained model's own q/k/v: ``tools/pattern_recall.py --policy-min-speedup``.
 
     python tools/bench_layer.py --seq-lengths 32768,131072 --heads 9 --kv-heads 3 --head-dim 64 \\
-        --mtraining-config configs/long_context_r098.yaml --inputs positional --json layer.json
+        --mtraining-config configs/long_context_r098.yaml --inputs structured --json layer.json
     python tools/bench_layer.py --seq-lengths 512 --heads 2 --kv-heads 1 --head-dim 16 --modes sparse,dense \\
         --mtraining-config configs/demo_sparse.yaml --repeats 1          # CPU
 """
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--mtraining-config", required=True, help="a YAML config with pattern: vertical_slash")
     p.add_argument("--modes", default="sparse,graphs,dense", help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--inputs", choices=("random", "positional"), default="positional")
+    p.add_argument("--inputs", choices=("random", "structured"), default="structured")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
@@ -56,22 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def layer_inputs(s: int, heads: int, kv_heads: int, head_dim: int, kind: str, device, dtype, seed: int = 0):
-    """``q [1, s, heads, d]``, ``k, v [1, s, kv_heads, d]`` of kind ``random`` or ``positional`` (see the module
+    """``q [1, s, heads, d]``, ``k, v [1, s, kv_heads, d]`` of kind ``random`` or ``structured`` (see the module
     docstring), in ``dtype`` on ``device``."""
     import torch
 
+    from megatron_mtraining.bench.inputs import structured_qkv
+
+    if kind == "structured":
+        return tuple(t.to(device=device, dtype=dtype) for t in structured_qkv(s, heads, kv_heads, head_dim, "cpu", seed))
     g = torch.Generator(device="cpu").manual_seed(seed)
     mk = lambda h: torch.randn(1, s, h, head_dim, generator=g)  # noqa: E731
     q, k, v = mk(heads), mk(kv_heads), mk(kv_heads)
-    if kind == "positional":
-        pos = torch.arange(s, dtype=torch.float32)
-        half = head_dim // 2
-        freq = torch.exp(-torch.arange(half, dtype=torch.float32) / half * 9.2)
-        rope = torch.cat([(pos[:, None] * freq).cos(), (pos[:, None] * freq).sin()], -1)[None, :, None]
-        q, k = 0.5 * q + 2 * rope, 0.5 * k + 2 * rope
-        k[:, :16] += 3
-    else:
-        k[:, :64] *= 3
+    k[:, :64] *= 3
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 

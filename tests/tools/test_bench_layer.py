@@ -23,7 +23,7 @@ def test_rows_and_record(tmp_path, capsys):
 def test_inputs_are_deterministic_and_shaped():
     import torch
 
-    a = bench_layer.layer_inputs(128, 4, 2, 16, "positional", "cpu", torch.float32, seed=3)
-    b = bench_layer.layer_inputs(128, 4, 2, 16, "positional", "cpu", torch.float32, seed=3)
+    a = bench_layer.layer_inputs(128, 4, 2, 16, "structured", "cpu", torch.float32, seed=3)
+    b = bench_layer.layer_inputs(128, 4, 2, 16, "structured", "cpu", torch.float32, seed=3)
     assert [t.shape for t in a] == [(1, 128, 4, 16), (1, 128, 2, 16), (1, 128, 2, 16)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
