@@ -10,7 +10,9 @@ at a chosen point (see the worker's docstring). What gloo does, measured here on
   closes its sockets, and a survivor waiting on it fails at once (``Connection closed by peer`` /
   ``Connection reset by peer``), well before the timeout; ranks not adjacent to the victim fail the
   same way when their own neighbours exit;
-* a peer that is **alive but stuck** is seen only at the timeout (``Timed out waiting 30000ms``).
+* a peer that is **alive but stuck** is seen only at the timeout (``Timed out waiting 30000ms``);
+* rarely, a survivor's wait on a peer that died also ends only at the timeout; the tests accept that
+  (bounded, the same ``CommError``) but no earlier timeout error.
 
 The step a survivor names is where *its* wait failed: the victim is killed before it posts the
 exchange of step ``s`` (``--at``), so its neighbours fail in step ``s``; a victim killed inside its
@@ -56,8 +58,12 @@ def _check_survivor(r, *, where_re: str, peer: int = None, before_timeout: bool 
         named = rf"(global rank {peer}\b|global ranks \[[^\]]*\b{peer}\b)"     # a P2P peer, or a collective's group
         assert re.search(named, r.error["message"]), r.error["message"]
     assert r.ring_s is not None and r.ring_s < TIMEOUT_S + MARGIN_S, r.ring_s
-    if before_timeout:        # a dead peer is seen through the closed connection, not the timeout
-        assert r.ring_s < TIMEOUT_S, r.ring_s
+    if before_timeout and "Timed out" not in r.error["message"]:
+        assert r.ring_s < TIMEOUT_S, r.ring_s      # a dead peer seen through the closed connection
+    elif before_timeout:
+        # Rarely (once in CI, never in 48 runs on a loaded 2-core machine) gloo's wait on the dead
+        # peer ends at the timeout instead: still bounded, still a CommError naming ring, step and peer.
+        assert r.ring_s >= TIMEOUT_S - 1.0, r.ring_s
 
 
 def test_no_fault_every_rank_finishes():
