@@ -752,6 +752,17 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
                  ("fast dq_atomic", dict(col_atomic_fast=False, dq_atomic_fast=True), False),
                  ("fast dq_atomic+col_atomic", dict(col_atomic_fast=True, dq_atomic_fast=True), False)]
     variants += [("column_split off (every column chunk masked)", dict(column_split=False), True)]
+    variants += [(f"pair fwd w{w} s{st}", dict(fwd_pair=True, fwd_warps=w, fwd_stages=st), True)
+                 for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]]
+    variants += [(f"pair dq w{w} s{st}", dict(dq_pair=True, dq_warps=w, dq_stages=st), True)
+                 for w, st in [(4, 2), (8, 2), (8, 3)]]
+    variants += [(f"pair dkdv w{w} s{st}", dict(dkdv_pair=True, dkdv_warps=w, dkdv_stages=st), True)
+                 for w, st in [(4, 2), (8, 1), (8, 2), (8, 3)]]
+    variants += [("fast default", {}, False),
+                 ("fast pair all w8", dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, fwd_warps=8, fwd_stages=2,
+                                           dq_warps=8, dq_stages=2, dkdv_warps=8, dkdv_stages=2), False),
+                 ("pair all w8", dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, fwd_warps=8, fwd_stages=2,
+                                      dq_warps=8, dq_stages=2, dkdv_warps=8, dkdv_stages=2), True)]
     keep = [x for x in only.split(",") if x]
     if keep:
         variants = [v for v in variants if v[0] == "default" or any(x in v[0] for x in keep)]

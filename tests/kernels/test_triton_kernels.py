@@ -72,8 +72,7 @@ def _check_all(got, ref, tol, names=("out", "lse", "dq", "dk", "dv")):
     (1, 256, 2, 1, 64, torch.float32, True),      # GQA 2, columns inside diagonal tiles
     (1, 256, 4, 1, 128, torch.float16, True),     # GQA 4, head_dim 128
     (2, 192, 2, 2, 64, torch.float32, False),     # batch 2, MHA, non-causal (another owner)
-    (1, 320, 4, 2, 64, torch.float16, True),
-])
+])            # 320 tokens, 4/2 heads: test_paired_blocks_match_fp64_oracle
 def test_sparse_matches_fp64_oracle(b, s, hq, hkv, d, dtype, causal):
     gen = torch.Generator().manual_seed(s + hq + d)
     idx = random_step_indices(b, hq, s // 64, s // 64, causal, gen, above_diag=causal)
@@ -472,3 +471,22 @@ def test_triton_backend_accepts_last_dim_strided_inputs_like_the_cpu_path(sparse
     with pytest.raises(ValueError, match="last dimension must be contiguous"):
         launch.sparse_forward(_strided(q.float()), k.float(), v.float(), launch.plan_from_indices(
             idx.block_count, idx.block_index, idx.column_count, idx.column_index, True), d ** -0.5)
+
+
+PAIRED = dict(fwd_pair=True, dq_pair=True, dkdv_pair=True)
+
+
+@pytest.mark.parametrize("case", ["sparse-gqa-fp32", "sparse-fp16-dq-atomic", "dense-positions-64"])
+def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
+    """``KernelConfig.{fwd,dq,dkdv}_pair`` (two listed 64-key blocks, or two inverted-index entries, per
+    step): the same cases as the single-block kernels against the fp64 oracle: local causal masks with
+    GQA, columns and odd block counts (deterministic and fast backward; dQ by atomics), and the
+    position masks of dense ring steps."""
+    extra = dict(dq_atomic_fast=True) if "dq-atomic" in case else {}
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **PAIRED, **extra))
+    if case == "sparse-gqa-fp32":
+        test_sparse_matches_fp64_oracle(1, 320, 4, 2, 64, torch.float32, True)
+    elif case == "sparse-fp16-dq-atomic":
+        test_sparse_matches_fp64_oracle(1, 256, 4, 1, 128, torch.float16, True)
+    else:
+        test_dense_step_kernel_matches_reference(Layout("striped", 2, 16), 1, 1, 64)

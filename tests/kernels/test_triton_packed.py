@@ -162,8 +162,7 @@ def _doc_mask_fn(idx, sk):
 SPARSE_CASES = [   # (layout, rank, seq, b, hq, hkv, index heads)
     pytest.param(Layout("striped", 1, 64), 0, 256, 2, 2, 1, 2, id="cp1-gqa2"),
     pytest.param(Layout("striped", 2, 64), 1, 512, 1, 2, 2, 2, id="cp2-rank1"),
-    pytest.param(Layout("striped", 1, 64), 0, 256, 2, 8, 2, 2, id="cp1-kv-group-packed"),
-]
+]   # 8/2 heads packed into one tile: test_paired_blocks_with_documents_match_fp64_oracle
 
 
 @pytest.mark.parametrize("layout, rank, seq, b, hq, hkv, ih", SPARSE_CASES)
@@ -334,3 +333,19 @@ def test_shared_block_index_with_per_stream_document_bounds():
         dq, dk, dv = sparse_backward(dout, q, k, v, l_ref.float(), delta.float(), plan, scale)
         for name, got, want in (("out", out, o_ref), ("dq", dq, dq_r), ("dk", dk, dk_r), ("dv", dv, dv_r)):
             assert _err(got, want) <= 1e-5, (static, name, _err(got, want))
+
+
+@pytest.mark.parametrize("case", ["sparse-documents-kv-group-packed", "dense-position-bounds"])
+def test_paired_blocks_with_documents_match_fp64_oracle(monkeypatch, case):
+    """``KernelConfig.{fwd,dq,dkdv}_pair`` with documents: the document bounds of sparse steps (GQA heads
+    packed into one tile) and the position bounds of packed dense steps, against the same oracles."""
+    import dataclasses
+
+    from megatron_mtraining.ops.triton import launch
+
+    paired = dataclasses.replace(launch.DEFAULT_CONFIG, fwd_pair=True, dq_pair=True, dkdv_pair=True)
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG", paired)
+    if case.startswith("sparse"):
+        test_triton_sparse_steps_with_documents_match_fp64_oracle(Layout("striped", 1, 64), 0, 256, 2, 8, 2, 2)
+    else:
+        test_triton_packed_steps_match_per_document_reference(Layout("zigzag", 2), [0, 5, 60, 61], [0, 8, 100, 128], 1)

@@ -75,6 +75,37 @@ def _doc_inside(KPos, cols, cvalid, d_lo, d_hi, COLS: tl.constexpr):
 
 
 @triton.jit
+def _pair_cols(idx_ptr, i, end, offs_p, BLOCK_N: tl.constexpr):
+    """Key columns of slots ``i`` and ``i + 1`` of a block list, side by side (``2 * BLOCK_N`` lanes
+    ``offs_p``), and which lanes are real: slot ``i + 1`` only when ``i + 1 < end``; its lanes then
+    repeat slot ``i``'s columns (a valid address) and must be masked by the caller."""
+    kb0 = tl.load(idx_ptr + i)
+    has1 = i + 1 < end
+    kb1 = tl.load(idx_ptr + i + 1, mask=has1, other=0)
+    kb1 = tl.where(has1, kb1, kb0)
+    second = offs_p >= BLOCK_N
+    cols = tl.where(second, kb1, kb0) * BLOCK_N + offs_p % BLOCK_N
+    return cols, (offs_p < BLOCK_N) | has1
+
+
+@triton.jit
+def _block_valid(cols, offs_m, q_pos, q_lo, KPos, d_lo, d_hi, MASK_MODE: tl.constexpr, DOC: tl.constexpr):
+    """``[M, N]`` bool: key columns ``cols`` visible to query rows ``offs_m`` by the mode's mask and,
+    with DOC, the document bounds (all true in mode 0 without DOC)."""
+    valid = cols[None, :] >= 0
+    if MASK_MODE == 1:
+        valid = cols[None, :] <= offs_m[:, None]
+    if MASK_MODE >= 2:
+        k_pos = tl.load(KPos + cols)
+        valid = k_pos[None, :] <= q_pos[:, None]
+        if MASK_MODE == 3:
+            valid = valid & (k_pos[None, :] >= q_lo[:, None])
+    if DOC:
+        valid = valid & _doc_inside(KPos, cols, None, d_lo, d_hi, False)
+    return valid
+
+
+@triton.jit
 def _tile_rows(hp, qb, rep, hchunks, idx_rep, HPP: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows of the tile of head program ``hp`` (forward, dQ): ``HPP`` query heads of KV head ``g``
     (heads ``h0 .. h0 + HPP - 1``, ``h0 = g * rep + c * HPP`` for head chunk ``c`` of ``hchunks``)
@@ -109,7 +140,7 @@ def _sparse_fwd_kernel(
     MASK_MODE: tl.constexpr, HAS_COLS: tl.constexpr, COL_SPLIT: tl.constexpr, FP32: tl.constexpr,
     DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr,
+    HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr, PAIR: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     bz = tl.program_id(1)
@@ -145,33 +176,64 @@ def _sparse_fwd_kernel(
         d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
         d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
 
-    # blocks that need no mask
-    for i in range(0, split):
-        kb = tl.load(idx_ptr + i)
-        cols = kb * BLOCK_N + offs_n
-        k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-        v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
-        qk = _dot(q, tl.trans(k), FP32) * scale_log2
-        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
-    # blocks that straddle the causal boundary (or lie past it)
-    for i in range(split, cnt):  # empty when MASK_MODE == 0 without DOC (split == cnt)
-        kb = tl.load(idx_ptr + i)
-        cols = kb * BLOCK_N + offs_n
-        k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-        v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
-        qk = _dot(q, tl.trans(k), FP32) * scale_log2
-        if MASK_MODE == 1:
-            qk = tl.where(cols[None, :] <= offs_m[:, None], qk, float("-inf"))
-        if MASK_MODE == 2:
-            k_pos = tl.load(KPos + cols)
-            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+    if PAIR:    # two listed 64-key blocks per step: 128-wide products, the pattern stays 64-granular
+        q_pos_ = offs_m
+        q_lo_ = offs_m
+        d_lo_ = offs_m
+        d_hi_ = offs_m
+        if MASK_MODE >= 2:
+            q_pos_ = q_pos
         if MASK_MODE == 3:
-            k_pos = tl.load(KPos + cols)
-            inside = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
-            qk = tl.where(inside, qk, float("-inf"))
+            q_lo_ = q_lo
         if DOC:
-            qk = tl.where(_doc_inside(KPos, cols, None, d_lo, d_hi, False), qk, float("-inf"))
-        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
+            d_lo_ = d_lo
+            d_hi_ = d_hi
+        offs_p = tl.arange(0, 2 * BLOCK_N)
+        split2 = (split // 2) * 2
+        for i in range(0, split2, 2):
+            kb0 = tl.load(idx_ptr + i)
+            kb1 = tl.load(idx_ptr + i + 1)
+            cols = tl.where(offs_p >= BLOCK_N, kb1, kb0) * BLOCK_N + offs_p % BLOCK_N
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            qk = _dot(q, tl.trans(k), FP32) * scale_log2
+            m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
+        for i in range(split2, cnt, 2):     # the masked slots, and an odd unmasked one (its mask is all true)
+            cols, pvalid = _pair_cols(idx_ptr, i, cnt, offs_p, BLOCK_N)
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            qk = _dot(q, tl.trans(k), FP32) * scale_log2
+            valid = pvalid[None, :] & _block_valid(cols, offs_m, q_pos_, q_lo_, KPos, d_lo_, d_hi_, MASK_MODE, DOC)
+            qk = tl.where(valid, qk, float("-inf"))
+            m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
+    else:
+        # blocks that need no mask
+        for i in range(0, split):
+            kb = tl.load(idx_ptr + i)
+            cols = kb * BLOCK_N + offs_n
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            qk = _dot(q, tl.trans(k), FP32) * scale_log2
+            m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
+        # blocks that straddle the causal boundary (or lie past it)
+        for i in range(split, cnt):  # empty when MASK_MODE == 0 without DOC (split == cnt)
+            kb = tl.load(idx_ptr + i)
+            cols = kb * BLOCK_N + offs_n
+            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            qk = _dot(q, tl.trans(k), FP32) * scale_log2
+            if MASK_MODE == 1:
+                qk = tl.where(cols[None, :] <= offs_m[:, None], qk, float("-inf"))
+            if MASK_MODE == 2:
+                k_pos = tl.load(KPos + cols)
+                qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+            if MASK_MODE == 3:
+                k_pos = tl.load(KPos + cols)
+                inside = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
+                qk = tl.where(inside, qk, float("-inf"))
+            if DOC:
+                qk = tl.where(_doc_inside(KPos, cols, None, d_lo, d_hi, False), qk, float("-inf"))
+            m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
 
     if HAS_COLS:
         ccnt = tl.load(ColCount + bz * s_ccb + ih * s_cch + qb)
@@ -285,6 +347,7 @@ def _sparse_bwd_dq_kernel(
     ACCUM_DQ: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr, DOC: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
     """dQ of one query tile (row-parallel, no atomics on dQ). With COL_ATOMIC the vertical
     columns' dK/dV are also added here with fp32 atomics (fast, non-deterministic mode)."""
@@ -316,33 +379,63 @@ def _sparse_bwd_dq_kernel(
             q_pos = tl.load(QPos + offs_m)
         if MASK_MODE == 3:
             q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
-        for i in range(0, split):
-            kb = tl.load(idx_ptr + i)
-            cols = kb * BLOCK_N + offs_n
-            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
-            p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
-            dq += _dot(ds.to(k.dtype), k, FP32)
-        if MASK_MODE != 0 or DOC:
-            for i in range(split, cnt):
+        if PAIR:    # two listed 64-key blocks per step (see the forward)
+            q_pos_ = offs_m
+            q_lo_ = offs_m
+            d_lo_ = offs_m
+            d_hi_ = offs_m
+            if MASK_MODE >= 2:
+                q_pos_ = q_pos
+            if MASK_MODE == 3:
+                q_lo_ = q_lo
+            if DOC:
+                d_lo_ = d_lo
+                d_hi_ = d_hi
+            offs_p = tl.arange(0, 2 * BLOCK_N)
+            split2 = (split // 2) * 2
+            for i in range(0, split2, 2):
+                kb0 = tl.load(idx_ptr + i)
+                kb1 = tl.load(idx_ptr + i + 1)
+                cols = tl.where(offs_p >= BLOCK_N, kb1, kb0) * BLOCK_N + offs_p % BLOCK_N
+                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
+                dq += _dot(ds.to(k.dtype), k, FP32)
+            for i in range(split2, cnt, 2):
+                cols, pvalid = _pair_cols(idx_ptr, i, cnt, offs_p, BLOCK_N)
+                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                valid = pvalid[None, :] & _block_valid(cols, offs_m, q_pos_, q_lo_, KPos, d_lo_, d_hi_, MASK_MODE, DOC)
+                p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
+                dq += _dot(ds.to(k.dtype), k, FP32)
+        else:
+            for i in range(0, split):
                 kb = tl.load(idx_ptr + i)
                 cols = kb * BLOCK_N + offs_n
                 k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
                 v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
-                if MASK_MODE == 0:
-                    valid = _doc_inside(KPos, cols, None, d_lo, d_hi, False)
-                else:
-                    if MASK_MODE == 1:
-                        valid = cols[None, :] <= offs_m[:, None]
-                    else:
-                        k_pos = tl.load(KPos + cols)
-                        valid = k_pos[None, :] <= q_pos[:, None]
-                        if MASK_MODE == 3:
-                            valid = valid & (k_pos[None, :] >= q_lo[:, None])
-                    if DOC:
-                        valid = valid & _doc_inside(KPos, cols, None, d_lo, d_hi, False)
-                p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
+                p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
                 dq += _dot(ds.to(k.dtype), k, FP32)
+            if MASK_MODE != 0 or DOC:
+                for i in range(split, cnt):
+                    kb = tl.load(idx_ptr + i)
+                    cols = kb * BLOCK_N + offs_n
+                    k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+                    v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                    if MASK_MODE == 0:
+                        valid = _doc_inside(KPos, cols, None, d_lo, d_hi, False)
+                    else:
+                        if MASK_MODE == 1:
+                            valid = cols[None, :] <= offs_m[:, None]
+                        else:
+                            k_pos = tl.load(KPos + cols)
+                            valid = k_pos[None, :] <= q_pos[:, None]
+                            if MASK_MODE == 3:
+                                valid = valid & (k_pos[None, :] >= q_lo[:, None])
+                        if DOC:
+                            valid = valid & _doc_inside(KPos, cols, None, d_lo, d_hi, False)
+                    p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
+                    dq += _dot(ds.to(k.dtype), k, FP32)
 
     if HAS_COLS:
         ccnt = tl.load(ColCount + bz * s_ccb + ih * s_cch + qb)
@@ -446,6 +539,61 @@ def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Ls
 
 
 @triton.jit
+def _dkdv_pair(e, end, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO, Lse, Delta, DQ, KvEntries, QPos,
+               DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_dqb, s_dqs, s_dqh,
+               s_lb, s_lh, s_dlb, num_q_blocks, rep,
+               MASKED: tl.constexpr, MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
+               DOC: tl.constexpr, BLOCK_M: tl.constexpr):
+    """:func:`_dkdv_entry` for entries ``e`` and ``e + 1`` at once (``2 * BLOCK_M`` query rows, 128-wide
+    products); entry ``e + 1`` only when ``e + 1 < end``, else its rows repeat entry ``e``'s with
+    probability 0. ``MASKED``: by the mode's mask and the document bounds (mode 0 without DOC: only the
+    missing second entry)."""
+    has1 = e + 1 < end
+    ent0 = tl.load(KvEntries + e)
+    ent1 = tl.load(KvEntries + e + 1, mask=has1, other=0)
+    ent1 = tl.where(has1, ent1, ent0)
+    second = offs_p >= BLOCK_M
+    ent = tl.where(second, ent1, ent0)
+    r = ent // num_q_blocks
+    qb = ent - r * num_q_blocks
+    h = g * rep + r
+    offs_m = qb * BLOCK_M + offs_p % BLOCK_M
+    q_ptrs = Q + bz * s_qb + h[:, None] * s_qh + offs_m[:, None] * s_qs + offs_d[None, :]
+    do_ptrs = DO + bz * s_dob + h[:, None] * s_doh + offs_m[:, None] * s_dos + offs_d[None, :]
+    q = tl.load(q_ptrs)
+    do = tl.load(do_ptrs)
+    l_off = bz * s_lb + h * s_lh + offs_m
+    lse = tl.load(Lse + l_off)
+    delta = tl.load(Delta + l_off)
+    rvalid = (offs_p < BLOCK_M) | (e + 1 + 0 * offs_p < end)      # a block mask (atomics need one)
+    lse2 = tl.where((lse == float("-inf")) | (~rvalid), float("inf"), lse * 1.4426950408889634)
+    if MASKED:
+        valid = rvalid[None, :]
+        if MASK_MODE == 1:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :])
+        if MASK_MODE >= 2:
+            q_pos = tl.load(QPos + offs_m)
+            valid = valid & (k_pos[:, None] <= q_pos[None, :])
+            if MASK_MODE == 3:
+                q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
+                valid = valid & (k_pos[:, None] >= q_lo[None, :])
+        if DOC:
+            d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+            d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
+            valid = valid & (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
+    else:
+        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
+    dv += _dot(pT.to(do.dtype), do, FP32)
+    dk += _dot(dsT.to(q.dtype), q, FP32)
+    if DQ_ATOMIC:
+        dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
+        tl.atomic_add(DQ + bz * s_dqb + h[:, None] * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
+                      mask=rvalid[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
 def _sparse_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV,
     KvOffsets, KvMids, KvEntries, QPos, KPos, DocLo, DocHi,
@@ -460,7 +608,7 @@ def _sparse_bwd_dkdv_kernel(
     s_ofb, s_ofg, s_dlb,
     num_kv_heads, num_q_blocks, rep,
     MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr, DOC: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False,
 ):
     """dK, dV of one 64-key block for one KV head (column-parallel, inverted block index).
 
@@ -493,17 +641,31 @@ def _sparse_bwd_dkdv_kernel(
         mid = end
     else:
         mid = tl.load(KvMids + bz * s_ofb + g * s_ofg + kb)
-    for e in range(start, mid):          # tiles that see the whole block: no mask
-        dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
-                             KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
-                             s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                             False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
-    if MASK_MODE != 0 or DOC:
-        for e in range(mid, end):
+    if PAIR:      # two entries per step: 128 query rows, 128-wide products
+        offs_p = tl.arange(0, 2 * BLOCK_M)
+        mid2 = start + ((mid - start) // 2) * 2
+        for e in range(start, mid2, 2):
+            dk, dv = _dkdv_pair(e, mid2, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO, Lse, Delta, DQ,
+                                KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
+                                s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                                False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+        for e in range(mid2, end, 2):    # the masked entries, and an odd unmasked one (its mask is all true)
+            dk, dv = _dkdv_pair(e, end, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO, Lse, Delta, DQ,
+                                KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
+                                s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                                True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+    else:
+        for e in range(start, mid):          # tiles that see the whole block: no mask
             dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
                                  KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
                                  s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                 True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+                                 False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+        if MASK_MODE != 0 or DOC:
+            for e in range(mid, end):
+                dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
+                                     KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
+                                     s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                                     True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
 
     dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
     tl.store(DK + dst, dk * sm_scale)

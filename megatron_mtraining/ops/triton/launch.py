@@ -662,6 +662,10 @@ class KernelConfig:
     pack_gqa_min_heads: int = 4    # pack only tiles of at least this many heads (H200, 128K, 95 %: 4 heads
                                    # of 16/2 at d 128 forward -14 %; 2 heads +10 %; dQ packing no gain)
     pack_gqa_partial: bool = False  # allow a partial last tile (masked heads; 9/3 at d 64: +55 % forward)
+    fwd_pair: bool = False         # forward: two listed 64-key blocks per loop step (128-wide products;
+                                   # the pattern stays 64-granular). Off: not the measured default
+    dq_pair: bool = False          # dQ: the same
+    dkdv_pair: bool = False        # dK/dV: two inverted-index entries (128 query rows) per loop step
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -705,7 +709,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         hd.num_hp, nqb, hq // hkv, hd.hchunks, hd.idx_rep,
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
         DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-        HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0,
+        HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0, PAIR=cfg.fwd_pair,
         num_warps=cfg.fwd_warps if tile == BLOCK else cfg.fwd128_warps,
         num_stages=cfg.fwd_stages if tile == BLOCK else cfg.fwd128_stages,
     ))
@@ -770,7 +774,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0, s_dlb,
         hkv, nqb, rep,
         MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32, DOC=kv_src.has_documents,
-        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, PAIR=cfg.dkdv_pair,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     ))
 
@@ -789,7 +793,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
-            HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents,
+            HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents, PAIR=cfg.dq_pair,
             num_warps=cfg.dq_warps if tile == BLOCK else cfg.dq128_warps,
             num_stages=cfg.dq_stages if tile == BLOCK else cfg.dq128_stages,
         ))
