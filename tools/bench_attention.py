@@ -758,6 +758,7 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
                  for w, st in [(4, 2), (8, 2), (8, 3)]]
     variants += [(f"pair dkdv w{w} s{st}", dict(dkdv_pair=True, dkdv_warps=w, dkdv_stages=st), True)
                  for w, st in [(4, 2), (8, 1), (8, 2), (8, 3)]]
+    variants += [("pair col_chunk 128", dict(col_chunk=128), True), ("fast pair col_chunk 128", dict(col_chunk=128), False)]
     variants += [("fast default", {}, False),
                  ("fast pair all w8", dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, fwd_warps=8, fwd_stages=2,
                                            dq_warps=8, dq_stages=2, dkdv_warps=8, dkdv_stages=2), False),

@@ -473,15 +473,15 @@ def test_triton_backend_accepts_last_dim_strided_inputs_like_the_cpu_path(sparse
             idx.block_count, idx.block_index, idx.column_count, idx.column_index, True), d ** -0.5)
 
 
-PAIRED = dict(fwd_pair=True, dq_pair=True, dkdv_pair=True)
+PAIRED = dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, col_chunk=128)
 
 
 @pytest.mark.parametrize("case", ["sparse-gqa-fp32", "sparse-fp16-dq-atomic", "dense-positions-64"])
 def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
     """``KernelConfig.{fwd,dq,dkdv}_pair`` (two listed 64-key blocks, or two inverted-index entries, per
-    step): the same cases as the single-block kernels against the fp64 oracle: local causal masks with
-    GQA, columns and odd block counts (deterministic and fast backward; dQ by atomics), and the
-    position masks of dense ring steps."""
+    step) and ``col_chunk=128``: the same cases as the single-block kernels against the fp64 oracle:
+    local causal masks with GQA, columns and odd block counts (deterministic and fast backward; dQ by
+    atomics), and the position masks of dense ring steps."""
     extra = dict(dq_atomic_fast=True) if "dq-atomic" in case else {}
     monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **PAIRED, **extra))
     if case == "sparse-gqa-fp32":
@@ -490,3 +490,7 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
         test_sparse_matches_fp64_oracle(1, 256, 4, 1, 128, torch.float16, True)
     else:
         test_dense_step_kernel_matches_reference(Layout("striped", 2, 16), 1, 1, 64)
+    with pytest.raises(ValueError, match="col_chunk must be 64 or 128"):
+        launch.sparse_forward(*_inputs(1, 64, 1, 1, 64, torch.float32, torch.Generator())[:3],
+                              launch.dense_plan(torch.arange(64), torch.arange(64)), 0.125,
+                              config=dataclasses.replace(launch.DEFAULT_CONFIG, col_chunk=96))

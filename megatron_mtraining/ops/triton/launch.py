@@ -588,6 +588,12 @@ def _record(stats: Optional[dict], name: str, compiled):
     return compiled
 
 
+def _col_chunk(cfg: "KernelConfig") -> int:
+    if cfg.col_chunk not in (64, 128):
+        raise ValueError(f"KernelConfig.col_chunk must be 64 or 128, got {cfg.col_chunk!r}")
+    return cfg.col_chunk
+
+
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"q [b,s,hq,d], k/v [b,s,hkv,d] expected; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -666,6 +672,7 @@ class KernelConfig:
                                    # the pattern stays 64-granular). Off: not the measured default
     dq_pair: bool = False          # dQ: the same
     dkdv_pair: bool = False        # dK/dV: two inverted-index entries (128 query rows) per loop step
+    col_chunk: int = 64            # vertical columns gathered per loop step in the forward and dQ (64 or 128)
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -708,7 +715,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         *istr,
         hd.num_hp, nqb, hq // hkv, hd.hchunks, hd.idx_rep,
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
-        DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+        DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=_col_chunk(cfg),
         HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0, PAIR=cfg.fwd_pair,
         num_warps=cfg.fwd_warps if tile == BLOCK else cfg.fwd128_warps,
         num_stages=cfg.fwd_stages if tile == BLOCK else cfg.fwd128_stages,
@@ -792,7 +799,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             hd.num_hp, nqt, rep, hd.hchunks, hd.idx_rep,
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
-            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=BLOCK_C,
+            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=_col_chunk(cfg),
             HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents, PAIR=cfg.dq_pair,
             num_warps=cfg.dq_warps if tile == BLOCK else cfg.dq128_warps,
             num_stages=cfg.dq_stages if tile == BLOCK else cfg.dq128_stages,
