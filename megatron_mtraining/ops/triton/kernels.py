@@ -89,7 +89,18 @@ def _pair_cols(idx_ptr, i, end, offs_p, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _block_valid(cols, offs_m, q_pos, q_lo, KPos, d_lo, d_hi, MASK_MODE: tl.constexpr, DOC: tl.constexpr):
+def _pair_kv(idx_ptr, i, end, offs_p, offs_d, k_base, v_base, s_ks, s_vs, BLOCK_N: tl.constexpr):
+    """K and V rows (``[2 * BLOCK_N, D]``) of slots ``i`` and ``i + 1`` (:func:`_pair_cols`), with their
+    columns and which lanes are real."""
+    cols, pvalid = _pair_cols(idx_ptr, i, end, offs_p, BLOCK_N)
+    k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+    v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+    return k, v, cols, pvalid
+
+
+@triton.jit
+def _block_valid(cols, offs_m, bz, QPos, KPos, DocLo, DocHi, s_dlb, num_q_blocks,
+                 MASK_MODE: tl.constexpr, DOC: tl.constexpr, BLOCK_M: tl.constexpr):
     """``[M, N]`` bool: key columns ``cols`` visible to query rows ``offs_m`` by the mode's mask and,
     with DOC, the document bounds (all true in mode 0 without DOC)."""
     valid = cols[None, :] >= 0
@@ -97,10 +108,12 @@ def _block_valid(cols, offs_m, q_pos, q_lo, KPos, d_lo, d_hi, MASK_MODE: tl.cons
         valid = cols[None, :] <= offs_m[:, None]
     if MASK_MODE >= 2:
         k_pos = tl.load(KPos + cols)
-        valid = k_pos[None, :] <= q_pos[:, None]
+        valid = k_pos[None, :] <= tl.load(QPos + offs_m)[:, None]
         if MASK_MODE == 3:
-            valid = valid & (k_pos[None, :] >= q_lo[:, None])
+            valid = valid & (k_pos[None, :] >= tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)[:, None])
     if DOC:
+        d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
+        d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
         valid = valid & _doc_inside(KPos, cols, None, d_lo, d_hi, False)
     return valid
 
@@ -177,33 +190,17 @@ def _sparse_fwd_kernel(
         d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
 
     if PAIR:    # two listed 64-key blocks per step: 128-wide products, the pattern stays 64-granular
-        q_pos_ = offs_m
-        q_lo_ = offs_m
-        d_lo_ = offs_m
-        d_hi_ = offs_m
-        if MASK_MODE >= 2:
-            q_pos_ = q_pos
-        if MASK_MODE == 3:
-            q_lo_ = q_lo
-        if DOC:
-            d_lo_ = d_lo
-            d_hi_ = d_hi
         offs_p = tl.arange(0, 2 * BLOCK_N)
         split2 = (split // 2) * 2
         for i in range(0, split2, 2):
-            kb0 = tl.load(idx_ptr + i)
-            kb1 = tl.load(idx_ptr + i + 1)
-            cols = tl.where(offs_p >= BLOCK_N, kb1, kb0) * BLOCK_N + offs_p % BLOCK_N
-            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            k, v, cols, pvalid = _pair_kv(idx_ptr, i, split2, offs_p, offs_d, k_base, v_base, s_ks, s_vs, BLOCK_N)
             qk = _dot(q, tl.trans(k), FP32) * scale_log2
             m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
         for i in range(split2, cnt, 2):     # the masked slots, and an odd unmasked one (its mask is all true)
-            cols, pvalid = _pair_cols(idx_ptr, i, cnt, offs_p, BLOCK_N)
-            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            k, v, cols, pvalid = _pair_kv(idx_ptr, i, cnt, offs_p, offs_d, k_base, v_base, s_ks, s_vs, BLOCK_N)
             qk = _dot(q, tl.trans(k), FP32) * scale_log2
-            valid = pvalid[None, :] & _block_valid(cols, offs_m, q_pos_, q_lo_, KPos, d_lo_, d_hi_, MASK_MODE, DOC)
+            valid = pvalid[None, :] & _block_valid(cols, offs_m, bz, QPos, KPos, DocLo, DocHi, s_dlb, num_q_blocks,
+                                                   MASK_MODE, DOC, BLOCK_M)
             qk = tl.where(valid, qk, float("-inf"))
             m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, True, FP32)
     else:
@@ -380,32 +377,16 @@ def _sparse_bwd_dq_kernel(
         if MASK_MODE == 3:
             q_lo = tl.load(QPos + num_q_blocks * BLOCK_M + offs_m)
         if PAIR:    # two listed 64-key blocks per step (see the forward)
-            q_pos_ = offs_m
-            q_lo_ = offs_m
-            d_lo_ = offs_m
-            d_hi_ = offs_m
-            if MASK_MODE >= 2:
-                q_pos_ = q_pos
-            if MASK_MODE == 3:
-                q_lo_ = q_lo
-            if DOC:
-                d_lo_ = d_lo
-                d_hi_ = d_hi
             offs_p = tl.arange(0, 2 * BLOCK_N)
             split2 = (split // 2) * 2
             for i in range(0, split2, 2):
-                kb0 = tl.load(idx_ptr + i)
-                kb1 = tl.load(idx_ptr + i + 1)
-                cols = tl.where(offs_p >= BLOCK_N, kb1, kb0) * BLOCK_N + offs_p % BLOCK_N
-                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                k, v, cols, pvalid = _pair_kv(idx_ptr, i, split2, offs_p, offs_d, k_base, v_base, s_ks, s_vs, BLOCK_N)
                 p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
                 dq += _dot(ds.to(k.dtype), k, FP32)
             for i in range(split2, cnt, 2):
-                cols, pvalid = _pair_cols(idx_ptr, i, cnt, offs_p, BLOCK_N)
-                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
-                valid = pvalid[None, :] & _block_valid(cols, offs_m, q_pos_, q_lo_, KPos, d_lo_, d_hi_, MASK_MODE, DOC)
+                k, v, cols, pvalid = _pair_kv(idx_ptr, i, cnt, offs_p, offs_d, k_base, v_base, s_ks, s_vs, BLOCK_N)
+                valid = pvalid[None, :] & _block_valid(cols, offs_m, bz, QPos, KPos, DocLo, DocHi, s_dlb, num_q_blocks,
+                                                   MASK_MODE, DOC, BLOCK_M)
                 p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, valid, True, FP32)
                 dq += _dot(ds.to(k.dtype), k, FP32)
         else:
@@ -663,8 +644,8 @@ def _sparse_bwd_dkdv_kernel(
         if MASK_MODE != 0 or DOC:
             for e in range(mid, end):
                 dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
-                                     KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
-                                     s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
+                                     KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob,
+                                     s_dos, s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
                                      True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
 
     dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
