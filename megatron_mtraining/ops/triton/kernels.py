@@ -6,7 +6,10 @@ time whether a kernel runs compiled or in the CPU interpreter (``TRITON_INTERPRE
 Notation. One program owns a 64-row query tile (forward, dQ) or one 64-key group (dK/dV). With
 per-group indices (one index row per KV head, ``share_pattern="kv_group"``) a forward / dQ program
 can own the same 64 queries of ``HPP`` query heads of one group, packed head-major as ``HPP * 64``
-rows (``_tile_rows``), so each K/V tile it loads serves all of them.
+rows (``_tile_rows``), so each K/V tile it loads serves all of them. With ``PAIR`` a loop step takes two
+listed 64-key blocks (forward, dQ: ``_pair_kv``) or two inverted-index entries (dK/dV: ``_dkdv_pair``),
+so the matrix products are 128 wide while the pattern stays 64-granular; a missing second block or
+entry (odd counts) is masked.
 Scores are kept in base-2 units: ``qk2 = (q·k) * softmax_scale * log2(e)``, so the softmax is
 ``exp2(qk2 - m2)`` and the natural-log LSE is ``(m2 + log2(l)) * ln(2)``. Accumulation is fp32
 whatever the input dtype; matrix products take bf16/fp16 operands (fp32 inputs: ieee fp32).
