@@ -759,6 +759,13 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
     variants += [(f"pair dkdv w{w} s{st}", dict(dkdv_pair=True, dkdv_warps=w, dkdv_stages=st), True)
                  for w, st in [(4, 2), (8, 1), (8, 2), (8, 3)]]
     variants += [("pair col_chunk 128", dict(col_chunk=128), True), ("fast pair col_chunk 128", dict(col_chunk=128), False)]
+    variants += [(f"fast dq_atomic tma w{w} s{st}", dict(dq_atomic_fast=True, dq_tma=True, dkdv_warps=w,
+                                                             dkdv_stages=st), False) for w, st in [(4, 2), (8, 2), (8, 3)]]
+    variants += [("fast pair fwd+dq w8 + dq_atomic tma", dict(fwd_pair=True, fwd_warps=8, fwd_stages=3, dq_pair=True,
+                                                              dq_warps=8, dq_stages=2, dq_atomic_fast=True, dq_tma=True,
+                                                              dkdv_warps=8, dkdv_stages=2), False),
+                 ("fast pair fwd+dq w8", dict(fwd_pair=True, fwd_warps=8, fwd_stages=3, dq_pair=True, dq_warps=8,
+                                              dq_stages=2), False)]
     variants += [("fast default", {}, False),
                  ("fast pair all w8", dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, fwd_warps=8, fwd_stages=2,
                                            dq_warps=8, dq_stages=2, dkdv_warps=8, dkdv_stages=2), False),

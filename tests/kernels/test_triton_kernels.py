@@ -482,7 +482,7 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
     step) and ``col_chunk=128``: the same cases as the single-block kernels against the fp64 oracle:
     local causal masks with GQA, columns and odd block counts (deterministic and fast backward; dQ by
     atomics), and the position masks of dense ring steps."""
-    extra = dict(dq_atomic_fast=True) if "dq-atomic" in case else {}
+    extra = dict(dq_atomic_fast=True, dq_tma=True) if "dq-atomic" in case else {}   # dq_tma: CUDA only
     monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **PAIRED, **extra))
     if case == "sparse-gqa-fp32":
         test_sparse_matches_fp64_oracle(1, 320, 4, 2, 64, torch.float32, True)

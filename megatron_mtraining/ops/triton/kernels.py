@@ -482,7 +482,7 @@ def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Ls
                 DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_dqb, s_dqs, s_dqh,
                 s_lb, s_lh, s_dlb, num_q_blocks, rep,
                 MASKED: tl.constexpr, MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
-                DOC: tl.constexpr, BLOCK_M: tl.constexpr):
+                DOC: tl.constexpr, BLOCK_M: tl.constexpr, DQ_TMA: tl.constexpr = False):
     """One entry ``e`` of the inverted index (a query tile of one head that lists this key block):
     adds its share to ``dk``, ``dv`` (and with DQ_ATOMIC its dQ to DQ); ``MASKED``: by the mode's
     mask and, with DOC, the document bounds. Returns ``(dk, dv)``."""
@@ -518,7 +518,11 @@ def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Ls
     dk += _dot(dsT.to(q.dtype), q, FP32)
     if DQ_ATOMIC:
         dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
-        tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part, sem="relaxed")
+        if DQ_TMA:     # DQ: a descriptor over dQ as [b * sq, hq * d] (one bulk reduction per tile)
+            DQ.atomic_add([(bz * num_q_blocks + qb) * BLOCK_M, h * offs_d.shape[0]], dq_part)
+        else:
+            tl.atomic_add(DQ + bz * s_dqb + h * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
+                          sem="relaxed")
     return dk, dv
 
 
@@ -527,7 +531,7 @@ def _dkdv_pair(e, end, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO
                DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_dqb, s_dqs, s_dqh,
                s_lb, s_lh, s_dlb, num_q_blocks, rep,
                MASKED: tl.constexpr, MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
-               DOC: tl.constexpr, BLOCK_M: tl.constexpr):
+               DOC: tl.constexpr, BLOCK_M: tl.constexpr, DQ_TMA: tl.constexpr = False):
     """:func:`_dkdv_entry` for entries ``e`` and ``e + 1`` at once (``2 * BLOCK_M`` query rows, 128-wide
     products); entry ``e + 1`` only when ``e + 1 < end``, else its rows repeat entry ``e``'s with
     probability 0. ``MASKED``: by the mode's mask and the document bounds (mode 0 without DOC: only the
@@ -572,8 +576,18 @@ def _dkdv_pair(e, end, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO
     dk += _dot(dsT.to(q.dtype), q, FP32)
     if DQ_ATOMIC:
         dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
-        tl.atomic_add(DQ + bz * s_dqb + h[:, None] * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
-                      mask=rvalid[:, None], sem="relaxed")
+        if DQ_TMA:     # one bulk reduction per entry (see _dkdv_entry)
+            dq0, dq1 = tl.split(tl.permute(tl.reshape(dq_part, [2, BLOCK_M, offs_d.shape[0]]), [1, 2, 0]))
+            r0 = ent0 // num_q_blocks
+            DQ.atomic_add([(bz * num_q_blocks + ent0 - r0 * num_q_blocks) * BLOCK_M, (g * rep + r0) * offs_d.shape[0]],
+                          dq0)
+            if has1:
+                r1 = ent1 // num_q_blocks
+                DQ.atomic_add([(bz * num_q_blocks + ent1 - r1 * num_q_blocks) * BLOCK_M,
+                               (g * rep + r1) * offs_d.shape[0]], dq1)
+        else:
+            tl.atomic_add(DQ + bz * s_dqb + h[:, None] * s_dqh + offs_m[:, None] * s_dqs + offs_d[None, :], dq_part,
+                          mask=rvalid[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -593,6 +607,7 @@ def _sparse_bwd_dkdv_kernel(
     num_kv_heads, num_q_blocks, rep,
     MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr, DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False,
+    DQ_TMA: tl.constexpr = False,
 ):
     """dK, dV of one 64-key block for one KV head (column-parallel, inverted block index).
 
@@ -600,7 +615,9 @@ def _sparse_bwd_dkdv_kernel(
     lists this key block, so the sum over GQA heads happens in registers: no atomics, bitwise
     deterministic. The entries ``[offset, mid)`` are slots their tiles run unmasked (``slot <
     split``), ``[mid, end)`` the masked ones. Overwrites DK/DV rows of the block (blocks with no entry
-    get zeros). With DQ_ATOMIC the tile's dQ is also added to DQ with fp32 atomics (fast mode)."""
+    get zeros). With DQ_ATOMIC the tile's dQ is also added to DQ with fp32 atomics (fast mode); with
+    DQ_TMA, ``DQ`` is a tensor descriptor over dQ viewed as ``[b * sq, hq * d]`` with ``[BLOCK_M, d]``
+    blocks, and each tile's dQ is one bulk reduction (TMA on Hopper) instead of one atomic per element."""
     pid = tl.program_id(0)
     bz = tl.program_id(1)
     g = pid % num_kv_heads
@@ -632,24 +649,24 @@ def _sparse_bwd_dkdv_kernel(
             dk, dv = _dkdv_pair(e, mid2, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO, Lse, Delta, DQ,
                                 KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
                                 s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+                                False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA)
         for e in range(mid2, end, 2):    # the masked entries, and an odd unmasked one (its mask is all true)
             dk, dv = _dkdv_pair(e, end, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO, Lse, Delta, DQ,
                                 KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
                                 s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+                                True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA)
     else:
         for e in range(start, mid):          # tiles that see the whole block: no mask
             dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
                                  KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
                                  s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                 False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+                                 False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA)
         if MASK_MODE != 0 or DOC:
             for e in range(mid, end):
                 dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
                                      KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob,
                                      s_dos, s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                     True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M)
+                                     True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA)
 
     dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
     tl.store(DK + dst, dk * sm_scale)

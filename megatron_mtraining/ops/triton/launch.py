@@ -588,6 +588,15 @@ def _record(stats: Optional[dict], name: str, compiled):
     return compiled
 
 
+def _dq_descriptor(dq: torch.Tensor, rows: int):
+    """A tensor descriptor over the fp32 ``dq [b, sq, hq, d]`` (contiguous) viewed as ``[b * sq, hq * d]``,
+    in ``[rows, d]`` blocks: the dK/dV kernel's bulk dQ reductions (``KernelConfig.dq_tma``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, sq, hq, d = dq.shape
+    return TensorDescriptor.from_tensor(dq.view(b * sq, hq * d), [rows, d])
+
+
 def _col_chunk(cfg: "KernelConfig") -> int:
     if cfg.col_chunk not in (64, 128):
         raise ValueError(f"KernelConfig.col_chunk must be 64 or 128, got {cfg.col_chunk!r}")
@@ -673,6 +682,8 @@ class KernelConfig:
     dq_pair: bool = False          # dQ: the same
     dkdv_pair: bool = False        # dK/dV: two inverted-index entries (128 query rows) per loop step
     col_chunk: int = 64            # vertical columns gathered per loop step in the forward and dQ (64 or 128)
+    dq_tma: bool = False           # with dq_atomic_fast on CUDA: each tile's dQ is one bulk (TMA) reduction
+                                   # through a tensor descriptor, not one atomic per element
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -775,13 +786,15 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     qp = plan.q_pos if plan.q_pos is not None else offsets
     kp = plan.k_pos if plan.k_pos is not None else offsets
     dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
+    dq_tma = dq_atomic and cfg.dq_tma and dq.is_cuda
+    dq_arg = _dq_descriptor(dq, BLOCK) if dq_tma else dq
     _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
-        q, k, v, dout, lse, delta, dq, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
+        q, k, v, dout, lse, delta, dq_arg, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
         scale_log2, softmax_scale, *common,
         (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0, s_dlb,
         hkv, nqb, rep,
         MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32, DOC=kv_src.has_documents,
-        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, PAIR=cfg.dkdv_pair,
+        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, PAIR=cfg.dkdv_pair, DQ_TMA=dq_tma,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     ))
 
