@@ -43,6 +43,29 @@ def test_kernel_case_on_gpu(case):
     assert_case_passes(row)
 
 
+VARIANT_CASES = ("vs4k-90-d128", "vs4k-90-d64", "random1k-d128-past-diag", "vs4k-90-d64-kvg-h9",
+                 "dense-striped-cp4-r2o1-16k")
+VARIANTS = {"paired": dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, col_chunk=128),
+            "dq-tma": dict(dq_atomic_fast=True, dq_tma=True, fwd_pair=True, dq_pair=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", [c for c in gk.CASES if c.id in VARIANT_CASES], ids=lambda c: c.id)
+def test_launch_variant_on_gpu(monkeypatch, variant, case):
+    """The launch variants that are off by default (``KernelConfig`` paired loop steps, 128 columns
+    per step, dQ by bulk TMA reductions) under the same criterion, on sparse and dense cases."""
+    import dataclasses
+
+    monkeypatch.setattr(gk, "CFG", dataclasses.replace(gk.CFG, **VARIANTS[variant]))
+    try:
+        row = gk.run_case(case, "cuda")
+    finally:
+        torch.cuda.empty_cache()
+    print(variant, gk.describe(row))
+    assert_case_passes(row)
+
+
 def test_case_ids_are_unique():
     ids = [c.id for c in gk.CASES + gk.SMOKE_CASES]
     assert len(ids) == len(set(ids))
