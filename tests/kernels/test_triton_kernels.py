@@ -491,6 +491,4 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
     else:
         test_dense_step_kernel_matches_reference(Layout("striped", 2, 16), 1, 1, 64)
     with pytest.raises(ValueError, match="col_chunk must be 64 or 128"):
-        launch.sparse_forward(*_inputs(1, 64, 1, 1, 64, torch.float32, torch.Generator())[:3],
-                              launch.dense_plan(torch.arange(64), torch.arange(64)), 0.125,
-                              config=dataclasses.replace(launch.DEFAULT_CONFIG, col_chunk=96))
+        dataclasses.replace(launch.DEFAULT_CONFIG, col_chunk=96)

@@ -597,12 +597,6 @@ def _dq_descriptor(dq: torch.Tensor, rows: int):
     return TensorDescriptor.from_tensor(dq.view(b * sq, hq * d), [rows, d])
 
 
-def _col_chunk(cfg: "KernelConfig") -> int:
-    if cfg.col_chunk not in (64, 128):
-        raise ValueError(f"KernelConfig.col_chunk must be 64 or 128, got {cfg.col_chunk!r}")
-    return cfg.col_chunk
-
-
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"q [b,s,hq,d], k/v [b,s,hkv,d] expected; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -689,6 +683,10 @@ class KernelConfig:
     dq128_warps: int = 8
     dq128_stages: int = 2
 
+    def __post_init__(self):
+        if self.col_chunk not in (64, 128):
+            raise ValueError(f"KernelConfig.col_chunk must be 64 or 128, got {self.col_chunk!r}")
+
 
 DEFAULT_CONFIG = KernelConfig()   # immutable defaults
 
@@ -726,7 +724,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         *istr,
         hd.num_hp, nqb, hq // hkv, hd.hchunks, hd.idx_rep,
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
-        DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=_col_chunk(cfg),
+        DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=cfg.col_chunk,
         HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0, PAIR=cfg.fwd_pair,
         num_warps=cfg.fwd_warps if tile == BLOCK else cfg.fwd128_warps,
         num_stages=cfg.fwd_stages if tile == BLOCK else cfg.fwd128_stages,
@@ -812,7 +810,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             hd.num_hp, nqt, rep, hd.hchunks, hd.idx_rep,
             MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
-            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=_col_chunk(cfg),
+            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=cfg.col_chunk,
             HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents, PAIR=cfg.dq_pair,
             num_warps=cfg.dq_warps if tile == BLOCK else cfg.dq128_warps,
             num_stages=cfg.dq_stages if tile == BLOCK else cfg.dq128_stages,
