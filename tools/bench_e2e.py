@@ -26,6 +26,8 @@ those synthetic q/k (a documented estimate, not the model's own pattern).
 
     python3 tools/bench_e2e.py --seqs 65536,131072 --num-layers 4 --json e2e.json
     python3 tools/bench_e2e.py --dry-run            # print the commands, run nothing
+    python3 tools/bench_e2e.py --seqs 262144,524288 --num-layers 2 --no-microbench -- \\
+        --recompute-granularity full --recompute-method uniform --recompute-num-layers 1   # longer sequences
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def build_cmd(args, seq: int, layers: int, mode: str, metrics: str) -> list[str]
            "--metrics-file", metrics]
     if mode == "mtraining":
         cmd += ["--mtraining-config", args.config]
-    return cmd
+    return cmd + list(args.extra)
 
 
 def read_metrics(path: str, median_of: int) -> dict:
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds per training run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags for both modes (after --)")
     args = ap.parse_args(argv)
 
     seqs = [int(x) for x in args.seqs.split(",") if x]

@@ -44,6 +44,7 @@ The backward takes the *final* ``out`` and ``lse`` of the whole ring (FA4 derive
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -836,6 +837,16 @@ def _compare(pairs, head_dim, hq, hkv, dtype, what: str = "") -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _self_check_mode():
+    """Autograd on and autocast off while a self-check runs, whatever the caller's mode: a layer's first
+    call can come under ``torch.no_grad`` (full activation recomputation runs the forward without
+    autograd), and a check that failed there would be cached and send every later call to the Triton
+    kernels."""
+    with torch.enable_grad(), torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        yield
+
+
 @functools.lru_cache(maxsize=None)
 def _self_check_cached(device_index: int, dtype: torch.dtype, head_dim: int, hq: int, hkv: int) -> Optional[str]:
     dev = torch.device("cuda", device_index)
@@ -911,8 +922,9 @@ def fa4_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int)
     if why is not None:
         return why
     dev = torch.device(device)
-    return _self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
-                              int(head_dim), int(hq), int(hkv))
+    with _self_check_mode():
+        return _self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
+                                  int(head_dim), int(hq), int(hkv))
 
 
 #: The self-check's packed streams (``cu_seqlens``, ``cu_seqlens_padded``): 2 rows of 256 tokens;
@@ -975,5 +987,6 @@ def fa4_varlen_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hk
     if why is not None:
         return why
     dev = torch.device(device)
-    return _varlen_self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
-                                     int(head_dim), int(hq), int(hkv), bool(deterministic))
+    with _self_check_mode():
+        return _varlen_self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
+                                         int(head_dim), int(hq), int(hkv), bool(deterministic))

@@ -6,6 +6,7 @@ independent fp64 per-document reference, and the backend selection rules at ever
 FA4 itself runs in the GPU test (tests/kernels/test_gpu_packed.py, ``fa4-varlen`` cases).
 """
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -275,3 +276,20 @@ def test_kernel_summary_names_the_varlen_function():
     b = select_backend("fa4", packed=True, fa4_available=True, **CUDA)
     plan._backends[("cuda", None, torch.bfloat16, 128, 8192, True, False)] = b
     assert plan.kernel_summary() == "dense: fa4 (CP=1 fa4_packed_causal)"      # the partial's function
+
+
+@pytest.mark.parametrize("check", ["steps", "varlen"])
+def test_self_checks_run_with_autograd_under_no_grad(monkeypatch, check):
+    """A layer's first call may come under torch.no_grad (full recomputation's first forward): the self-check
+    must still run its backward there, else its failure is cached and FA4 is never used."""
+    import megatron_mtraining.ops.fa4 as fa4
+
+    seen = []
+    name = "_self_check_cached" if check == "steps" else "_varlen_self_check_cached"
+    monkeypatch.setattr(fa4, "fa4_unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(fa4, name, lambda *a: seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"))))
+    fn = fa4.fa4_self_check if check == "steps" else functools.partial(fa4.fa4_varlen_self_check, deterministic=True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fn("cuda:0", torch.bfloat16, 128, hq=4, hkv=2)
+        assert not torch.is_grad_enabled()                      # the caller's mode is restored
+    assert seen == [(True, False)]
