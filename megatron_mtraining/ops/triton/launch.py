@@ -672,7 +672,9 @@ class KernelConfig:
                                    # of 16/2 at d 128 forward -14 %; 2 heads +10 %; dQ packing no gain)
     pack_gqa_partial: bool = False  # allow a partial last tile (masked heads; 9/3 at d 64: +55 % forward)
     fwd_pair: bool = False         # forward: two listed 64-key blocks per loop step (128-wide products;
-                                   # the pattern stays 64-granular). Off: not the measured default
+                                   # the pattern stays 64-granular). Off: slower at d 128 on an H200
+                                   # (17.1 against 10.3 ms at 128K, 95 %); d 64: -7 % forward at 4 warps,
+                                   # 2 stages, under 2 % of a training step (docs/results.md, record 31)
     dq_pair: bool = False          # dQ: the same
     dkdv_pair: bool = False        # dK/dV: two inverted-index entries (128 query rows) per loop step
     col_chunk: int = 64            # vertical columns gathered per loop step in the forward and dQ (64 or 128)
