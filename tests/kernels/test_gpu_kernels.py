@@ -46,7 +46,8 @@ def test_kernel_case_on_gpu(case):
 VARIANT_CASES = ("vs4k-90-d128", "vs4k-90-d64", "random1k-d128-past-diag", "vs4k-90-d64-kvg-h9",
                  "dense-striped-cp4-r2o1-16k")
 VARIANTS = {"paired": dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, col_chunk=128),
-            "dq-tma": dict(dq_atomic_fast=True, dq_tma=True, fwd_pair=True, dq_pair=True)}
+            "dq-tma": dict(dq_atomic_fast=True, dq_tma=True, fwd_pair=True, dq_pair=True),
+            "tma-loads": dict(tma_loads=True)}
 
 
 @pytest.mark.gpu

@@ -492,3 +492,20 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
         test_dense_step_kernel_matches_reference(Layout("striped", 2, 16), 1, 1, 64)
     with pytest.raises(ValueError, match="col_chunk must be 64 or 128"):
         dataclasses.replace(launch.DEFAULT_CONFIG, col_chunk=96)
+
+
+@pytest.mark.parametrize("case", ["sparse-gqa-fp32", "sparse-fp16-dq-atomic"])
+def test_tma_loads_match_fp64_oracle(monkeypatch, case):
+    """``KernelConfig.tma_loads`` (listed K/V blocks and the dK/dV kernel's query tiles by tensor-descriptor
+    loads): the single-block kernels' oracle cases, local causal masks with GQA, columns and odd block
+    counts, deterministic and fast backward, with dQ by atomics; and the descriptors are really built."""
+    built = []
+    real = launch._tma_descriptors
+    monkeypatch.setattr(launch, "_tma_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    extra = dict(dq_atomic_fast=True) if "dq-atomic" in case else {}
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, tma_loads=True, **extra))
+    if case == "sparse-gqa-fp32":
+        test_sparse_matches_fp64_oracle(1, 320, 4, 2, 64, torch.float32, True)
+    else:
+        test_sparse_matches_fp64_oracle(1, 256, 4, 1, 128, torch.float16, True)
+    assert built and all(d is not None for ds in built for d in ds)

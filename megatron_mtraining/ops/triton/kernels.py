@@ -9,7 +9,8 @@ can own the same 64 queries of ``HPP`` query heads of one group, packed head-maj
 rows (``_tile_rows``), so each K/V tile it loads serves all of them. With ``PAIR`` a loop step takes two
 listed 64-key blocks (forward, dQ: ``_pair_kv``) or two inverted-index entries (dK/dV: ``_dkdv_pair``),
 so the matrix products are 128 wide while the pattern stays 64-granular; a missing second block or
-entry (odd counts) is masked.
+entry (odd counts) is masked. With ``TMA`` the single-block loops load a listed block's K/V (forward,
+dQ: ``_kv_tile``) and an entry's q/dO (dK/dV) by bulk tensor copies through tensor descriptors.
 Scores are kept in base-2 units: ``qk2 = (q·k) * softmax_scale * log2(e)``, so the softmax is
 ``exp2(qk2 - m2)`` and the natural-log LSE is ``(m2 + log2(l)) * ln(2)``. Accumulation is fp32
 whatever the input dtype; matrix products take bf16/fp16 operands (fp32 inputs: ieee fp32).
@@ -102,6 +103,22 @@ def _pair_kv(idx_ptr, i, end, offs_p, offs_d, k_base, v_base, s_ks, s_vs, BLOCK_
 
 
 @triton.jit
+def _kv_tile(kb, offs_n, offs_d, k_base, v_base, s_ks, s_vs, KD, VD, bz, g, BLOCK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """K and V rows ``[BLOCK_N, HEAD_DIM]`` of listed key block ``kb`` and their token indices: pointer
+    loads, or with ``TMA`` one bulk tensor copy each through the descriptors ``KD``/``VD`` over K/V as
+    ``[b, s, hkv, d]`` in ``[1, BLOCK_N, 1, d]`` boxes."""
+    cols = kb * BLOCK_N + offs_n
+    if TMA:
+        k = tl.reshape(KD.load([bz, kb * BLOCK_N, g, 0]), [BLOCK_N, HEAD_DIM])
+        v = tl.reshape(VD.load([bz, kb * BLOCK_N, g, 0]), [BLOCK_N, HEAD_DIM])
+    else:
+        k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
+        v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+    return k, v, cols
+
+
+@triton.jit
 def _block_valid(cols, offs_m, bz, QPos, KPos, DocLo, DocHi, s_dlb, num_q_blocks,
                  MASK_MODE: tl.constexpr, DOC: tl.constexpr, BLOCK_M: tl.constexpr):
     """``[M, N]`` bool: key columns ``cols`` visible to query rows ``offs_m`` by the mode's mask and,
@@ -157,6 +174,7 @@ def _sparse_fwd_kernel(
     DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr, PAIR: tl.constexpr = False,
+    TMA: tl.constexpr = False, KD=None, VD=None,
 ):
     pid = tl.program_id(0)
     bz = tl.program_id(1)
@@ -209,18 +227,14 @@ def _sparse_fwd_kernel(
     else:
         # blocks that need no mask
         for i in range(0, split):
-            kb = tl.load(idx_ptr + i)
-            cols = kb * BLOCK_N + offs_n
-            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            k, v, cols = _kv_tile(tl.load(idx_ptr + i), offs_n, offs_d, k_base, v_base, s_ks, s_vs, KD, VD, bz, g,
+                                  BLOCK_N, HEAD_DIM, TMA)
             qk = _dot(q, tl.trans(k), FP32) * scale_log2
             m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, False, FP32)
         # blocks that straddle the causal boundary (or lie past it)
         for i in range(split, cnt):  # empty when MASK_MODE == 0 without DOC (split == cnt)
-            kb = tl.load(idx_ptr + i)
-            cols = kb * BLOCK_N + offs_n
-            k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+            k, v, cols = _kv_tile(tl.load(idx_ptr + i), offs_n, offs_d, k_base, v_base, s_ks, s_vs, KD, VD, bz, g,
+                                  BLOCK_N, HEAD_DIM, TMA)
             qk = _dot(q, tl.trans(k), FP32) * scale_log2
             if MASK_MODE == 1:
                 qk = tl.where(cols[None, :] <= offs_m[:, None], qk, float("-inf"))
@@ -347,7 +361,7 @@ def _sparse_bwd_dq_kernel(
     ACCUM_DQ: tl.constexpr, FP32: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HPP: tl.constexpr, TILE_M: tl.constexpr, HEAD_MASK: tl.constexpr, DOC: tl.constexpr,
-    PAIR: tl.constexpr = False,
+    PAIR: tl.constexpr = False, TMA: tl.constexpr = False, KD=None, VD=None,
 ):
     """dQ of one query tile (row-parallel, no atomics on dQ). With COL_ATOMIC the vertical
     columns' dK/dV are also added here with fp32 atomics (fast, non-deterministic mode)."""
@@ -394,18 +408,14 @@ def _sparse_bwd_dq_kernel(
                 dq += _dot(ds.to(k.dtype), k, FP32)
         else:
             for i in range(0, split):
-                kb = tl.load(idx_ptr + i)
-                cols = kb * BLOCK_N + offs_n
-                k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-                v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                k, v, cols = _kv_tile(tl.load(idx_ptr + i), offs_n, offs_d, k_base, v_base, s_ks, s_vs, KD, VD, bz,
+                                      g, BLOCK_N, HEAD_DIM, TMA)
                 p, ds = _bwd_tile_dq(q, do, lse2, delta, k, v, scale_log2, None, False, FP32)
                 dq += _dot(ds.to(k.dtype), k, FP32)
             if MASK_MODE != 0 or DOC:
                 for i in range(split, cnt):
-                    kb = tl.load(idx_ptr + i)
-                    cols = kb * BLOCK_N + offs_n
-                    k = tl.load(k_base + cols[:, None] * s_ks + offs_d[None, :])
-                    v = tl.load(v_base + cols[:, None] * s_vs + offs_d[None, :])
+                    k, v, cols = _kv_tile(tl.load(idx_ptr + i), offs_n, offs_d, k_base, v_base, s_ks, s_vs, KD, VD,
+                                          bz, g, BLOCK_N, HEAD_DIM, TMA)
                     if MASK_MODE == 0:
                         valid = _doc_inside(KPos, cols, None, d_lo, d_hi, False)
                     else:
@@ -482,17 +492,26 @@ def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Ls
                 DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_dqb, s_dqs, s_dqh,
                 s_lb, s_lh, s_dlb, num_q_blocks, rep,
                 MASKED: tl.constexpr, MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr,
-                DOC: tl.constexpr, BLOCK_M: tl.constexpr, DQ_TMA: tl.constexpr = False):
+                DOC: tl.constexpr, BLOCK_M: tl.constexpr, DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False,
+                QD=None, DOD=None):
     """One entry ``e`` of the inverted index (a query tile of one head that lists this key block):
     adds its share to ``dk``, ``dv`` (and with DQ_ATOMIC its dQ to DQ); ``MASKED``: by the mode's
-    mask and, with DOC, the document bounds. Returns ``(dk, dv)``."""
+    mask and, with DOC, the document bounds; ``TMA``: q and dO by bulk tensor copies through the
+    descriptors ``QD``/``DOD`` (see :func:`_kv_tile`). Returns ``(dk, dv)``."""
     ent = tl.load(KvEntries + e)
     r = ent // num_q_blocks
     qb = ent - r * num_q_blocks
     h = g * rep + r
     offs_m = qb * BLOCK_M + offs_r
-    q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
-                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
+    if TMA:
+        q = tl.reshape(QD.load([bz, qb * BLOCK_M, h, 0]), [BLOCK_M, offs_d.shape[0]])
+        do = tl.reshape(DOD.load([bz, qb * BLOCK_M, h, 0]), [BLOCK_M, offs_d.shape[0]])
+        lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
+    else:
+        q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                              s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
     if MASKED:
         if DOC:
             d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
@@ -607,7 +626,7 @@ def _sparse_bwd_dkdv_kernel(
     num_kv_heads, num_q_blocks, rep,
     MASK_MODE: tl.constexpr, DQ_ATOMIC: tl.constexpr, FP32: tl.constexpr, DOC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False,
-    DQ_TMA: tl.constexpr = False,
+    DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False, QD=None, DOD=None,
 ):
     """dK, dV of one 64-key block for one KV head (column-parallel, inverted block index).
 
@@ -660,13 +679,13 @@ def _sparse_bwd_dkdv_kernel(
             dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
                                  KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos,
                                  s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                 False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA)
+                                 False, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA, TMA, QD, DOD)
         if MASK_MODE != 0 or DOC:
             for e in range(mid, end):
                 dk, dv = _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ,
                                      KvEntries, QPos, DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob,
                                      s_dos, s_doh, s_dqb, s_dqs, s_dqh, s_lb, s_lh, s_dlb, num_q_blocks, rep,
-                                     True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA)
+                                     True, MASK_MODE, DQ_ATOMIC, FP32, DOC, BLOCK_M, DQ_TMA, TMA, QD, DOD)
 
     dst = bz * s_dkb + g * s_dkh + offs_n[:, None] * s_dks + offs_d[None, :]
     tl.store(DK + dst, dk * sm_scale)

@@ -597,6 +597,23 @@ def _dq_descriptor(dq: torch.Tensor, rows: int):
     return TensorDescriptor.from_tensor(dq.view(b * sq, hq * d), [rows, d])
 
 
+def _tma_descriptors(rows: int, *tensors):
+    """Tensor descriptors over ``tensors`` (each ``[b, s, h, d]``) in ``[1, rows, 1, d]`` boxes: the bulk
+    tensor copies of ``KernelConfig.tma_loads``. ``None`` for all when one of them cannot be addressed
+    that way (a stride or the base address not a multiple of 16 bytes, a last dimension that is not
+    contiguous) or the device has no tensor memory accelerator (CUDA before compute capability 9);
+    the kernels then load through pointers. The Triton interpreter (CPU) runs them too."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for t in tensors:
+        if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+            return (None,) * len(tensors)
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((t.stride(i) * es) % 16 for i in range(t.dim() - 1)):
+            return (None,) * len(tensors)
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]]) for t in tensors)
+
+
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"q [b,s,hq,d], k/v [b,s,hkv,d] expected; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -680,6 +697,9 @@ class KernelConfig:
     col_chunk: int = 64            # vertical columns gathered per loop step in the forward and dQ (64 or 128)
     dq_tma: bool = False           # with dq_atomic_fast on CUDA: each tile's dQ is one bulk (TMA) reduction
                                    # through a tensor descriptor, not one atomic per element
+    tma_loads: bool = False        # listed blocks' K/V (forward, dQ) and query tiles' q/dO (dK/dV) by bulk
+                                   # tensor copies (TMA on Hopper) through tensor descriptors, where the
+                                   # tensors' strides allow it (else pointer loads); unpaired loops only
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -715,6 +735,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqb, cfg.column_split)
     grid = (nqb * hd.num_hp, b)
     tile = hd.hpp * bm
+    kd, vd = _tma_descriptors(BLOCK, k, v) if cfg.tma_loads else (None, None)
     _record(stats, "_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
         q, k, v, out, lse, *tensors,
         softmax_scale * K.LOG2E,
@@ -728,6 +749,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
         MASK_MODE=plan.mask_mode, HAS_COLS=plan.has_columns, COL_SPLIT=col_split, FP32=q.dtype == torch.float32,
         DOC=plan.has_documents, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=cfg.col_chunk,
         HPP=hd.hpp, TILE_M=tile, HEAD_MASK=(hq // hkv) % hd.hpp != 0, PAIR=cfg.fwd_pair,
+        TMA=kd is not None, KD=kd, VD=vd,
         num_warps=cfg.fwd_warps if tile == BLOCK else cfg.fwd128_warps,
         num_stages=cfg.fwd_stages if tile == BLOCK else cfg.fwd128_stages,
     ))
@@ -788,6 +810,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
     dq_tma = dq_atomic and cfg.dq_tma and dq.is_cuda
     dq_arg = _dq_descriptor(dq, BLOCK) if dq_tma else dq
+    qd, dod = _tma_descriptors(BLOCK, q, dout) if cfg.tma_loads else (None, None)
     _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
         q, k, v, dout, lse, delta, dq_arg, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
         scale_log2, softmax_scale, *common,
@@ -795,6 +818,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         hkv, nqb, rep,
         MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32, DOC=kv_src.has_documents,
         HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, PAIR=cfg.dkdv_pair, DQ_TMA=dq_tma,
+        TMA=qd is not None, QD=qd, DOD=dod,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     ))
 
@@ -806,6 +830,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     tile = hd.hpp * bm
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
+        kd, vd = _tma_descriptors(BLOCK, k, v) if cfg.tma_loads else (None, None)
         _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hd.num_hp, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
@@ -814,6 +839,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=cfg.col_chunk,
             HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents, PAIR=cfg.dq_pair,
+            TMA=kd is not None, KD=kd, VD=vd,
             num_warps=cfg.dq_warps if tile == BLOCK else cfg.dq128_warps,
             num_stages=cfg.dq_stages if tile == BLOCK else cfg.dq128_stages,
         ))
