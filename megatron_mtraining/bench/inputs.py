@@ -45,26 +45,5 @@ def structured_qkv(s: int, hq: int, hkv: int, d: int, device, seed: int = 0, n_v
 
 def kept_fraction(pattern) -> float:
     """Fraction of the causal (query, key) pairs inside the pattern's mask (exact, averaged over
-    samples x heads): slash block diagonals plus vertical columns not already covered."""
-    S, bs = pattern.seq_len, pattern.block_size
-    nb = S // bs
-    causal = S * (S + 1) / 2
-    sl = pattern.slash.reshape(-1, pattern.slash.shape[-1]).cpu()
-    vt = pattern.vertical.reshape(-1, pattern.vertical.shape[-1]).cpu()
-    fr = []
-    for h in range(sl.shape[0]):
-        d = sl[h][sl[h] >= 0]
-        slash_pairs = sum((nb * bs * (bs + 1) / 2) if int(x) == 0 else (nb - int(x)) * bs * bs for x in d)
-        t = vt[h][vt[h] >= 0]
-        dset = torch.zeros(nb, dtype=torch.bool)
-        dset[d] = True
-        kb, r = t // bs, t % bs
-        col = (S - t).double()                                   # rows p >= t
-        # subtract rows already covered by slash blocks: offset 0 covers bs - r rows, d>0 covers bs
-        covered = torch.zeros_like(col)
-        offs = d.tolist()
-        for x in offs:
-            ok = (kb + x) < nb
-            covered += torch.where(ok, torch.full_like(col, bs) if x else (bs - r).double(), torch.zeros_like(col))
-        fr.append((slash_pairs + float((col - covered).clamp(min=0).sum())) / causal)
-    return float(sum(fr) / len(fr))
+    samples x heads): :meth:`~megatron_mtraining.patterns.estimator.VerticalSlashPattern.kept_fraction`."""
+    return float(pattern.kept_fraction().mean())

@@ -305,6 +305,28 @@ class VerticalSlashPattern:
         on_vert = self.vertical_mask()[:, :, None, :]
         return causal & (on_slash | on_vert)
 
+    def kept_fraction(self) -> torch.Tensor:
+        """``[b, hq]`` fp64: the fraction of the causal (query, key) pairs inside the mask, exact (a column's
+        rows already inside a selected block diagonal count once). On the pattern's device, without a host
+        synchronisation: O(``b * hq * (S / bs + nv)``) work.
+
+        The work a training step keeps is this fraction of dense causal attention (before the kernels
+        round it to 64 x 64 tiles)."""
+        bs, nb, S = self.block_size, self.num_blocks, self.seq_len
+        sm = self.slash_mask().to(torch.float64)                                  # [b, h, nb], offset x
+        x = torch.arange(nb, device=sm.device, dtype=torch.float64)
+        per_offset = torch.where(x == 0, nb * bs * (bs + 1) / 2, (nb - x) * bs * bs)
+        slash_pairs = (sm * per_offset).sum(-1)
+        has0 = sm[..., 0]
+        # number of selected offsets 1 .. n, for n = 0 .. nb - 1
+        upto = torch.cat([torch.zeros_like(sm[..., :1]), sm[..., 1:].cumsum(-1)], -1)
+        valid = self.vertical >= 0
+        t = torch.where(valid, self.vertical, 0)
+        kb, r = t // bs, t % bs
+        covered = bs * upto.gather(-1, nb - 1 - kb) + has0[..., None] * (bs - r)
+        col_pairs = torch.where(valid, ((S - t) - covered).clamp(min=0).to(torch.float64), 0.0).sum(-1)
+        return (slash_pairs + col_pairs) / (S * (S + 1) / 2)
+
     def same_selection(self, other: "VerticalSlashPattern") -> bool:
         """True when both patterns select exactly the same lines (diagnostics ignored)."""
         return (self.seq_len == other.seq_len and self.block_size == other.block_size

@@ -33,3 +33,18 @@ def test_kept_fraction_matches_brute_force():
         m = (t <= p) & (torch.isin(p // bs - t // bs, d) | torch.isin(t, v))
         fr.append(m.sum().item() / (S * (S + 1) / 2))
     assert be.kept_fraction(pat) == pytest.approx(sum(fr) / 2, rel=1e-12)
+    # per head, on random patterns: against the counted token mask (negative control: without the overlap
+    # of columns and block diagonals the fraction is larger)
+    gen = torch.Generator().manual_seed(3)
+    for S, bs in ((512, 64), (1024, 128)):
+        nb = S // bs
+        sl = [[sorted(torch.randperm(nb, generator=gen)[:n].tolist()) for n in (0, 2, nb // 2)]]
+        vt = [[sorted(torch.randperm(S, generator=gen)[:n].tolist()) for n in (30, 0, 50)]]
+        pat = VerticalSlashPattern.from_lists(S, bs, sl, vt)
+        counted = pat.dense_mask().double().sum((-1, -2)) / (S * (S + 1) / 2)
+        assert torch.allclose(pat.kept_fraction(), counted, rtol=1e-12, atol=0)
+        cols = pat.vertical[0, 2][pat.vertical[0, 2] >= 0]
+        per_offset = torch.tensor([nb * bs * (bs + 1) / 2] + [(nb - x) * bs * bs for x in range(1, nb)],
+                                  dtype=torch.float64)
+        naive = (pat.slash_mask()[0, 2].double() * per_offset).sum() + (S - cols).sum()
+        assert float(naive) / (S * (S + 1) / 2) > float(counted[0, 2]) + 1e-3
