@@ -134,6 +134,7 @@ class CPPlan:
     _checked: set = field(default_factory=set, repr=False, compare=False)
     _backends: dict = field(default_factory=dict, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, repr=False, compare=False)
+    _kept: dict = field(default_factory=dict, repr=False, compare=False)
 
     def for_layer(self, layer_number: int, num_layers: Optional[int] = None) -> "CPPlan":
         """The plan of one layer: the same layout, groups, kernels and input checks, with ``pattern``
@@ -166,7 +167,7 @@ class CPPlan:
             pattern = self.config.layer_pattern(layer_number)
             view = dataclasses.replace(root, pattern=pattern, layer_number=layer_number,
                                        num_layers=n, _checked=root._checked, _backends=root._backends,
-                                       _layers={"root": root})
+                                       _layers={"root": root}, _kept=root._kept)
             root._layers[layer_number] = view
         return view
 
@@ -215,6 +216,34 @@ class CPPlan:
                                      deterministic=self.deterministic, packed=bool(packed))
             self._backends[key] = backend
         return backend
+
+    def take_kept_fraction(self) -> Optional[dict]:
+        """The share of causal attention work the sparse layers kept since the last call, and reset.
+
+        Each sparse call of :meth:`attention` (eager; not inside a CUDA-graph capture or replay) adds its
+        estimated pattern's exact kept fraction of the causal (query, key) pairs
+        (:meth:`~megatron_mtraining.patterns.estimator.VerticalSlashPattern.kept_fraction`, mean over
+        samples and heads) on the device; this reads them back (one host synchronisation).
+
+        Returns:
+            ``None`` when no sparse call ran; else ``{"mean", "min", "max"}`` over layers (each layer's
+            mean over its calls; a recomputed forward counts as a call) and ``"layers"``, their number.
+        """
+        kept = self._kept          # shared by the run plan and its per-layer views
+        if not kept:
+            return None
+        layers = sorted(kept, key=lambda x: (x is None, x or 0))
+        per_layer = torch.stack([kept[x][0] / kept[x][1] for x in layers]).cpu().tolist()
+        kept.clear()
+        return {"mean": sum(per_layer) / len(per_layer), "min": min(per_layer), "max": max(per_layer),
+                "layers": len(per_layer)}
+
+    def _record_kept(self, pattern) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        frac = pattern.kept_fraction().mean()
+        prev = self._kept.get(self.layer_number)
+        self._kept[self.layer_number] = (frac, 1) if prev is None else (prev[0] + frac, prev[1] + 1)
 
     def kernel_summary(self) -> str:
         """The kernels this plan's layers have chosen so far, for a run's log (``""`` before the first forward).
@@ -270,10 +299,13 @@ class CPPlan:
         if self.sparse:
             from megatron_mtraining.ring.sparse import sparse_ring_attention
 
-            return sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group, config=self.pattern,
-                                         softmax_scale=softmax_scale, check_inputs=False,
-                                         hierarchical_groups=self.hierarchical_groups, columns=self.columns,
-                                         backend=backend, documents=documents)
+            out, pattern = sparse_ring_attention(q, k, v, layout=self.layout, group=self.cp_group,
+                                                 config=self.pattern, softmax_scale=softmax_scale,
+                                                 check_inputs=False, hierarchical_groups=self.hierarchical_groups,
+                                                 columns=self.columns, backend=backend, documents=documents,
+                                                 return_pattern=True)
+            self._record_kept(pattern)
+            return out
         if self.hierarchical_groups is not None:
             from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention
 

@@ -21,8 +21,9 @@ synthetic q/k (a rotary local half + a content "vertical" half; see
 :func:`megatron_mtraining.bench.structured_qkv`):
 ``f = layers * t_attn_dense / t_step_dense``, ``s = t_attn_dense / t_attn_sparse``,
 ``bound = 1 / ((1 - f) + f / s)``, and achieved ``t_step_dense / t_step_sparse`` / bound.
-The sparsity reported is the fraction of causal (query, key) pairs the estimated pattern keeps on
-those synthetic q/k (a documented estimate, not the model's own pattern).
+Two kept fractions of the causal (query, key) pairs are reported: ``kept (model)``, the sparse layers'
+mean over the measured iterations as the trainer logs it (``attention_kept`` in the metrics file: the
+model's own patterns), and ``kept (synthetic)``, the pattern's on those synthetic q/k.
 
     python3 tools/bench_e2e.py --seqs 65536,131072 --num-layers 4 --json e2e.json
     python3 tools/bench_e2e.py --dry-run            # print the commands, run nothing
@@ -78,9 +79,11 @@ def read_metrics(path: str, median_of: int) -> dict:
     last = rows[-median_of:]
     t = statistics.median(r["time_s"] for r in last)
     mem = max((r.get("max_memory_allocated") or 0) for r in rows)
+    kept = [r["attention_kept"] for r in last if r.get("attention_kept") is not None]
     return {"iters": len(rows), "step_s": t, "all_step_s": [r["time_s"] for r in rows],
             "tokens": last[-1]["tokens"], "model_flops": last[-1].get("model_flops"),
-            "peak_mem_gib": mem / 2 ** 30 if mem else None, "lm_loss": last[-1]["lm_loss"]}
+            "peak_mem_gib": mem / 2 ** 30 if mem else None, "lm_loss": last[-1]["lm_loss"],
+            "kept_in_model": statistics.mean(kept) if kept else None}
 
 
 # ------------------------------------------------------------------ attention microbenchmark
@@ -229,9 +232,9 @@ def main(argv=None) -> int:
         v = x.get(k) if isinstance(x, dict) else None
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
-    print("\n| seq | layers | mode | step s | tokens/s | TFLOP/s | peak mem GiB | kept | attn fwd+bwd ms "
-          "| f | s | bound | speedup | speedup/bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| seq | layers | mode | step s | tokens/s | TFLOP/s | peak mem GiB | kept (model) | kept (synthetic) "
+          "| attn fwd+bwd ms | f | s | bound | speedup | speedup/bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["runs"]:
         a, am = row.get("attn", {}), row.get("amdahl", {})
         for mode in modes:
@@ -240,6 +243,7 @@ def main(argv=None) -> int:
             attn = a.get("attn_sparse_s" if sparse else "attn_dense_s")
             print(f"| {row['seq']} | {row['layers']} | {mode} | {g(r, 'step_s', '.3f')} | {g(r, 'tokens_per_s', '.0f')} "
                   f"| {g(r, 'tflops', '.1f')} | {g(r, 'peak_mem_gib', '.1f')} "
+                  f"| {g(r, 'kept_in_model', '.3f') if sparse else '1'} "
                   f"| {g(a, 'kept_fraction', '.3f') if sparse else '1'} "
                   f"| {format(attn * 1e3, '.1f') if attn else '-'} "
                   f"| {g(am, 'f', '.3f') if sparse else ''} | {g(am, 's', '.2f') if sparse else ''} "

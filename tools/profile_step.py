@@ -217,12 +217,14 @@ def run_one(a, mode: str) -> dict:
     for _ in range(a.warmup):
         iteration()
     sync()
+    plan.take_kept_fraction()                 # the timed iterations' kept work only
     times = []
     for _ in range(a.timed):
         t0 = time.perf_counter()
         loss_sum, n_tok = iteration()
         sync()
         times.append(time.perf_counter() - t0)
+    kept = plan.take_kept_fraction()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -249,7 +251,8 @@ def run_one(a, mode: str) -> dict:
                lm_loss=float(loss_sum / n_tok.clamp(min=1)), micro_batches=args.num_microbatches,
                num_layers=args.num_layers, seq_length=args.seq_length,
                max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None,
-               mtraining_config=a.mtraining_config if mode == "mtraining" else None, kernels=kernels)
+               mtraining_config=a.mtraining_config if mode == "mtraining" else None, kernels=kernels,
+               attention_kept=kept)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

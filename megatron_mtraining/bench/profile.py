@@ -193,7 +193,10 @@ def markdown_table(runs: dict) -> str:
         lines.append(f"* {m}: iteration {_fmt(s['step_s'], '.3f')} s unprofiled; host syncs per iteration "
                      f"{_fmt(s['syncs'], '.0f')} ({_fmt(s['sync_ms'])} ms), on the attention path "
                      f"{_fmt(s['attention_path_syncs'], '.0f')} = {_fmt(s['attention_path_syncs_per_layer'])} "
-                     f"per layer call ({s['layer_calls']} calls)")
+                     f"per layer call ({s['layer_calls']} calls)"
+                     + (f"; sparse layers kept {s['attention_kept']['mean']:.3f} of the causal attention work "
+                        f"({s['attention_kept']['min']:.3f} to {s['attention_kept']['max']:.3f} by layer)"
+                        if s.get("attention_kept") else ""))
     return "\n".join(lines) + "\n"
 
 

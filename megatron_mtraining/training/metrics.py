@@ -78,22 +78,30 @@ class RunMetrics:
 
     def _reset(self) -> None:
         self.acc_loss, self.acc_n, self.acc_time, self.acc_iters = 0.0, 0, 0.0, 0
+        self.acc_kept = []
 
-    def iteration(self, iteration: int, loss: float, grad_norm, lr: float, tokens: int, dt: float) -> None:
+    def iteration(self, iteration: int, loss: float, grad_norm, lr: float, tokens: int, dt: float,
+                  kept: Optional[dict] = None) -> None:
         """Record one training iteration (``dt`` seconds); prints the log line every ``--log-interval``
-        iterations and at the last one (averages since the previous line)."""
+        iterations and at the last one (averages since the previous line). ``kept``: the sparse layers'
+        share of causal attention work in this iteration
+        (:meth:`~megatron_mtraining.plan.CPPlan.take_kept_fraction`; ``None``: no sparse layer ran)."""
         import torch
 
         args, gbs = self.args, self.args.global_batch_size
         self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
         self.acc_time, self.acc_iters = self.acc_time + dt, self.acc_iters + 1
+        if kept is not None:
+            self.acc_kept.append(kept["mean"])
         if self.metrics_f:
-            self.metrics_f.write(json.dumps({"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm,
-                                             "lr": lr, "tokens": tokens, "time_s": dt,
-                                             "model_flops": self.flops_iter,
-                                             "max_memory_allocated": (torch.cuda.max_memory_allocated(self.device)
-                                                                      if self.device.type == "cuda" else None)})
-                                 + "\n")
+            row = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+                   "time_s": dt, "model_flops": self.flops_iter,
+                   "max_memory_allocated": (torch.cuda.max_memory_allocated(self.device)
+                                            if self.device.type == "cuda" else None)}
+            if kept is not None:
+                row.update(attention_kept=kept["mean"], attention_kept_min=kept["min"],
+                           attention_kept_max=kept["max"])
+            self.metrics_f.write(json.dumps(row) + "\n")
             self.metrics_f.flush()
         if self.tb is not None:                        # Megatron-LM's scalar names
             self.tb.add_scalar("lm loss", loss, iteration)
@@ -103,6 +111,8 @@ class RunMetrics:
             self.tb.add_scalar("throughput/tokens-per-sec-per-gpu", gbs * args.seq_length / dt / args.world_size,
                                iteration)
             self.tb.add_scalar("throughput/tflops-per-gpu", self.flops_iter / dt / args.world_size / 1e12, iteration)
+            if kept is not None:
+                self.tb.add_scalar("mtraining/attention-kept", kept["mean"], iteration)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             t_it = self.acc_time / self.acc_iters
             tok_s = gbs * args.seq_length / t_it / args.world_size
@@ -112,7 +122,8 @@ class RunMetrics:
             log0(f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
                  f" consumed samples: {iteration * gbs:12d} | elapsed time per iteration (ms): {t_it * 1000:.1f} |"
                  f" learning rate: {lr:.6E} | global batch size: {gbs:5d} | lm loss: {self.acc_loss / self.acc_n:.6E} |"
-                 f"{scale}{gn} tokens/s/GPU: {tok_s:.1f} | TFLOP/s/GPU: {tflops:.2f} |")
+                 f"{scale}{gn} tokens/s/GPU: {tok_s:.1f} | TFLOP/s/GPU: {tflops:.2f} |"
+                 + (f" attention kept: {sum(self.acc_kept) / len(self.acc_kept):.3f} |" if self.acc_kept else ""))
             self._reset()
 
     def validation(self, iteration: int, loss: float) -> None:

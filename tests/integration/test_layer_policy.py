@@ -99,8 +99,14 @@ def test_dense_layer_is_the_dense_ring_and_the_other_layer_is_sparse():
         assert torch.equal(out1, _sbhd(dense))
         torch.testing.assert_close(out1.double(), _sbhd(_fp64_causal(q1, k1, v1)), rtol=1e-5, atol=1e-5)
         q2, k2, v2, out2 = io[2]
-        sparse = sparse_ring_attention(q2, k2, v2, layout=layout, group=None, config=cfg.vertical_slash)
+        sparse, pattern = sparse_ring_attention(q2, k2, v2, layout=layout, group=None, config=cfg.vertical_slash,
+                                                return_pattern=True)
         assert torch.equal(out2, _sbhd(sparse))
+        # the kept share of causal work is recorded for the sparse layer only, read once
+        kept = plan.take_kept_fraction()
+        assert kept["layers"] == 1 and kept["mean"] == kept["min"] == kept["max"]
+        assert kept["mean"] == pytest.approx(float(pattern.kept_fraction().mean()), rel=1e-12)
+        assert 0 < kept["mean"] < 1 and plan.take_kept_fraction() is None
         # negative control: the sparse budgets change layer 2's output (so the check above can fail)
         gap = (out2.double() - _sbhd(_fp64_causal(q2, k2, v2))).abs().max().item()
         assert gap > 1e-3, gap
@@ -199,6 +205,8 @@ def test_trainer_trains_with_a_layer_policy_and_cp2_matches_cp1(tmp_path):
     assert [x["iteration"] for x in a] == [x["iteration"] for x in b] == [1, 2]
     for x, y in zip(a, b):
         assert math.isfinite(x["lm_loss"])
+        assert 0 < x["attention_kept_min"] <= x["attention_kept"] <= x["attention_kept_max"] <= 1, x
+        assert y["attention_kept"] == pytest.approx(x["attention_kept"], rel=1e-9), (x, y)
         assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
 

@@ -65,3 +65,22 @@ def test_open_metrics_file_note_and_not_rank0(tmp_path):
 def test_help_documents_the_policy():
     action = next(a for a in build_parser()._actions if "--metrics-file" in a.option_strings)
     assert "appended to, never truncated" in action.help and "Use a new file for a new run" in action.help
+
+
+def test_sparse_layers_kept_work_is_logged(tmp_path, capsys):
+    """The sparse layers' kept share of causal work: in the metrics rows and the log line when given; no key
+    and no log field for a dense run (negative control)."""
+    path = tmp_path / "m.jsonl"
+    args = _args(path)
+    args.log_interval = 2
+    m = RunMetrics(args, 1.0, torch.device("cpu"), optimizer=None, rank0=True)
+    m.iteration(1, 2.5, 0.1, 1e-3, 16, 0.5, kept={"mean": 0.2, "min": 0.1, "max": 0.4, "layers": 2})
+    m.iteration(2, 2.4, 0.1, 1e-3, 16, 0.5, kept={"mean": 0.3, "min": 0.1, "max": 0.4, "layers": 2})
+    m.iteration(3, 2.3, 0.1, 1e-3, 16, 0.5)
+    m.iteration(4, 2.2, 0.1, 1e-3, 16, 0.5)
+    m.close()
+    rows = _rows(path)
+    assert (rows[0]["attention_kept"], rows[0]["attention_kept_min"], rows[0]["attention_kept_max"]) == (0.2, 0.1, 0.4)
+    assert "attention_kept" not in rows[2]
+    lines = [x for x in capsys.readouterr().out.splitlines() if "iteration" in x]
+    assert "attention kept: 0.250 |" in lines[0] and "attention kept" not in lines[1], lines

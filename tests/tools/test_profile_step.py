@@ -144,6 +144,9 @@ def test_trainer_argv_and_shapes():
     assert argv[argv.index("--num-query-groups") + 1] == "3" and argv[argv.index("--kv-channels") + 1] == "64"
     assert "--mtraining-config" in argv and argv[-1] == "--foo"
     assert "--mtraining-config" not in ps.trainer_argv(a, "dense")
+    q = ps.trainer_argv(ps.build_parser().parse_args(["--shape", "qwen2.5-3b-4l"]), "dense")
+    assert q[q.index("--num-layers") + 1] == "4" and q[q.index("--hidden-size") + 1] == "2048"
+    assert q[q.index("--num-query-groups") + 1] == "2" and "--untie-embeddings-and-output-weights" in q
     with pytest.raises(SystemExit):
         ps.main(["--modes", "dense,sparse", "--shape", "tiny"])
     with pytest.raises(SystemExit):
@@ -176,6 +179,9 @@ def test_one_mode_end_to_end_on_cpu(tmp_path):
     # the cross-rank input check ran in the warm-up (once per signature), not in the profiled iteration
     assert "mtraining.input_check" not in regions
     assert "| mtraining.convert | forward |" in md.read_text()
+    kept = run["attention_kept"]           # the timed iteration's sparse layers (2 layers)
+    assert kept["layers"] == 2 and 0 < kept["min"] <= kept["mean"] <= kept["max"] <= 1, kept
+    assert "sparse layers kept" in md.read_text()
 
 
 @pytest.mark.gpu
