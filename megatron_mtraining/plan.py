@@ -217,33 +217,42 @@ class CPPlan:
             self._backends[key] = backend
         return backend
 
-    def take_kept_fraction(self) -> Optional[dict]:
-        """The share of causal attention work the sparse layers kept since the last call, and reset.
+    def track_kept_fraction(self, on: bool = True) -> None:
+        """Record (``on``) or not the kept share of causal attention work of the sparse layers for
+        :meth:`take_kept_fraction`; off by default. Applies to the run plan and all its per-layer views.
 
-        Each sparse call of :meth:`attention` (eager; not inside a CUDA-graph capture or replay) adds its
-        estimated pattern's exact kept fraction of the causal (query, key) pairs
-        (:meth:`~megatron_mtraining.patterns.estimator.VerticalSlashPattern.kept_fraction`, mean over
-        samples and heads) on the device; this reads them back (one host synchronisation).
+        While on, the first sparse call of each layer after :meth:`take_kept_fraction` (eager; not inside a
+        CUDA-graph capture) adds its estimated pattern's exact kept fraction of the causal (query, key)
+        pairs (:meth:`~megatron_mtraining.patterns.estimator.VerticalSlashPattern.kept_fraction`, mean over
+        samples and heads) on the device, without a host synchronisation: a training iteration samples
+        its first micro-batch, and a recomputed forward is not counted twice."""
+        self._kept["on"] = bool(on)
+        if not on:
+            self._kept.pop("layers", None)
+
+    def take_kept_fraction(self) -> Optional[dict]:
+        """The kept share of causal attention work recorded since the last call
+        (:meth:`track_kept_fraction`), and reset. Reads the device values back (one host
+        synchronisation).
 
         Returns:
-            ``None`` when no sparse call ran; else ``{"mean", "min", "max"}`` over layers (each layer's
-            mean over its calls; a recomputed forward counts as a call) and ``"layers"``, their number.
+            ``None`` when nothing was recorded; else ``{"mean", "min", "max"}`` over the sparse layers and
+            ``"layers"``, their number.
         """
-        kept = self._kept          # shared by the run plan and its per-layer views
-        if not kept:
+        layers = self._kept.pop("layers", None)        # shared by the run plan and its per-layer views
+        if not layers:
             return None
-        layers = sorted(kept, key=lambda x: (x is None, x or 0))
-        per_layer = torch.stack([kept[x][0] / kept[x][1] for x in layers]).cpu().tolist()
-        kept.clear()
+        per_layer = torch.stack([layers[x] for x in sorted(layers, key=lambda x: (x is None, x or 0))]).cpu().tolist()
         return {"mean": sum(per_layer) / len(per_layer), "min": min(per_layer), "max": max(per_layer),
                 "layers": len(per_layer)}
 
     def _record_kept(self, pattern) -> None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not self._kept.get("on"):
             return
-        frac = pattern.kept_fraction().mean()
-        prev = self._kept.get(self.layer_number)
-        self._kept[self.layer_number] = (frac, 1) if prev is None else (prev[0] + frac, prev[1] + 1)
+        layers = self._kept.setdefault("layers", {})
+        if self.layer_number in layers or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return
+        layers[self.layer_number] = pattern.kept_fraction().mean()
 
     def kernel_summary(self) -> str:
         """The kernels this plan's layers have chosen so far, for a run's log (``""`` before the first forward).

@@ -123,6 +123,8 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     train_ds, valid_ds = build_datasets(args, tokenizer)
 
     plan = build_plan(args, tokenizer.eod)   # the run's CP plan: attention, RoPE and batch split share it
+    if plan is not None:
+        plan.track_kept_fraction()           # the sparse layers' kept work, in the metrics and the log
     config = transformer_config(args)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build_model(args, config, vocab, device, plan=plan)
@@ -171,6 +173,8 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         micro = train_iter.next_global_batch(args.num_microbatches)
+        if plan is not None:
+            plan.take_kept_fraction()              # drop what an evaluation recorded: this iteration's work only
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss_sum, n_tok = forward_backward(model, optimizer, micro, split, device, train=True)

@@ -84,7 +84,7 @@ class RunMetrics:
                   kept: Optional[dict] = None) -> None:
         """Record one training iteration (``dt`` seconds); prints the log line every ``--log-interval``
         iterations and at the last one (averages since the previous line). ``kept``: the sparse layers'
-        share of causal attention work in this iteration
+        share of causal attention work in this iteration's first micro-batch
         (:meth:`~megatron_mtraining.plan.CPPlan.take_kept_fraction`; ``None``: no sparse layer ran)."""
         import torch
 

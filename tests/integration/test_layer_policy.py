@@ -38,7 +38,7 @@ SEQ, VOCAB = 512, 256
 SPARSE = dict(recall=0.5, last_q=64, block_size=64, sink_tokens=0, local_blocks=1, max_vertical=64, max_slash=2)
 
 
-def _gpt_core_attention_io(cfg: MTrainingConfig, num_layers: int = 2):
+def _gpt_core_attention_io(cfg: MTrainingConfig, num_layers: int = 2, track_kept: bool = False):
     """Run a tiny fp32 GPTModel whose layers use ``cfg``; returns per layer ``(q, k, v, out)`` of the
     core attention in [b, s, h, d] (q/k/v) and [s, b, h*d] (out), plus the plan."""
     from megatron.core.models.gpt import GPTModel
@@ -50,6 +50,7 @@ def _gpt_core_attention_io(cfg: MTrainingConfig, num_layers: int = 2):
                                ffn_hidden_size=128, params_dtype=torch.float32, hidden_dropout=0.0,
                                attention_dropout=0.0, normalization="RMSNorm", **cpu_transformer_config_kwargs())
     plan = resolve(cfg, cp_group=None, seq_len=SEQ, num_layers=num_layers)
+    plan.track_kept_fraction(track_kept)
     spec = get_gpt_layer_spec_with_mtraining(use_te=False, normalization="RMSNorm", mtraining_config=plan)
     torch.manual_seed(0)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -87,7 +88,7 @@ def test_dense_layer_is_the_dense_ring_and_the_other_layer_is_sparse():
     cfg = MTrainingConfig(pattern="vertical_slash", vertical_slash=VerticalSlashConfig(**SPARSE), dense_layers=[1],
                           kernel_backend="torch")
     with one_rank_megatron():
-        io, plan, model = _gpt_core_attention_io(cfg)
+        io, plan, model = _gpt_core_attention_io(cfg, track_kept=True)
         layers = [layer.self_attention.core_attention for layer in model.decoder.layers]
         assert [a.layer_number for a in layers] == [1, 2]
         assert layers[0].plan.pattern is None and layers[1].plan.pattern == cfg.vertical_slash
@@ -124,6 +125,7 @@ def test_layer_override_reaches_its_layer_only():
             assert plan.for_layer(n).pattern == want[n]
             expect = sparse_ring_attention(q, k, v, layout=plan.layout, group=None, config=want[n])
             assert torch.equal(out, _sbhd(expect)), n
+        assert plan.take_kept_fraction() is None            # nothing recorded unless asked for
         # recall 1.0 with caps covering every line: layer 2 is the dense causal attention
         q, k, v, out = io[2]
         torch.testing.assert_close(out.double(), _sbhd(_fp64_causal(q, k, v)), rtol=1e-5, atol=1e-5)
