@@ -29,6 +29,7 @@ This module does not import megatron.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -230,21 +231,35 @@ class CPPlan:
         if not on:
             self._kept.pop("layers", None)
 
-    def take_kept_fraction(self) -> Optional[dict]:
+    def take_kept_fraction(self, group=None) -> Optional[dict]:
         """The kept share of causal attention work recorded since the last call
         (:meth:`track_kept_fraction`), and reset. Reads the device values back (one host
         synchronisation).
+
+        Args:
+            group: a process group whose ranks hold different layers (the pipeline-parallel group):
+                the result covers the sparse layers of all its ranks (two small all-reduces, so every
+                rank of ``group`` must call this together). ``None``: this rank's layers.
 
         Returns:
             ``None`` when nothing was recorded; else ``{"mean", "min", "max"}`` over the sparse layers and
             ``"layers"``, their number.
         """
         layers = self._kept.pop("layers", None)        # shared by the run plan and its per-layer views
-        if not layers:
+        vals = torch.stack(list(layers.values())).double().cpu() if layers else torch.zeros(0, dtype=torch.float64)
+        total, n = float(vals.sum()), vals.numel()
+        lo, hi = (float(vals.min()), float(vals.max())) if n else (math.inf, -math.inf)
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            dev = (torch.device("cuda", torch.cuda.current_device())
+                   if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
+            sums = torch.tensor([total, float(n)], dtype=torch.float64, device=dev)
+            ext = torch.tensor([-lo, hi], dtype=torch.float64, device=dev)
+            torch.distributed.all_reduce(sums, group=group)
+            torch.distributed.all_reduce(ext, op=torch.distributed.ReduceOp.MAX, group=group)
+            (total, n), (lo, hi) = sums.tolist(), (-ext[0].item(), ext[1].item())
+        if not n:
             return None
-        per_layer = torch.stack([layers[x] for x in sorted(layers, key=lambda x: (x is None, x or 0))]).cpu().tolist()
-        return {"mean": sum(per_layer) / len(per_layer), "min": min(per_layer), "max": max(per_layer),
-                "layers": len(per_layer)}
+        return {"mean": total / n, "min": lo, "max": hi, "layers": int(n)}
 
     def _record_kept(self, pattern) -> None:
         if not self._kept.get("on"):
@@ -313,7 +328,8 @@ class CPPlan:
                                                  check_inputs=False, hierarchical_groups=self.hierarchical_groups,
                                                  columns=self.columns, backend=backend, documents=documents,
                                                  return_pattern=True)
-            self._record_kept(pattern)
+            if documents is None:     # packed documents: the pattern is restricted to them afterwards
+                self._record_kept(pattern)
             return out
         if self.hierarchical_groups is not None:
             from megatron_mtraining.ring.hierarchical import hierarchical_ring_attention

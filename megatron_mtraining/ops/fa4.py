@@ -839,11 +839,12 @@ def _compare(pairs, head_dim, hq, hkv, dtype, what: str = "") -> Optional[str]:
 
 @contextlib.contextmanager
 def _self_check_mode():
-    """Autograd on and autocast off while a self-check runs, whatever the caller's mode: a layer's first
-    call can come under ``torch.no_grad`` (full activation recomputation runs the forward without
-    autograd), and a check that failed there would be cached and send every later call to the Triton
-    kernels."""
-    with torch.enable_grad(), torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+    """Autograd on (inference mode off) and autocast off while a self-check runs, whatever the caller's
+    mode: a layer's first call can come under ``torch.no_grad`` (full activation recomputation runs the
+    forward without autograd), and a check that failed there would be cached and send every later call
+    to the Triton kernels."""
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False), \
+            torch.autocast("cpu", enabled=False):
         yield
 
 

@@ -100,7 +100,7 @@ class RunMetrics:
                                             if self.device.type == "cuda" else None)}
             if kept is not None:
                 row.update(attention_kept=kept["mean"], attention_kept_min=kept["min"],
-                           attention_kept_max=kept["max"])
+                           attention_kept_max=kept["max"], attention_kept_layers=kept["layers"])
             self.metrics_f.write(json.dumps(row) + "\n")
             self.metrics_f.flush()
         if self.tb is not None:                        # Megatron-LM's scalar names

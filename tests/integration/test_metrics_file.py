@@ -80,7 +80,8 @@ def test_sparse_layers_kept_work_is_logged(tmp_path, capsys):
     m.iteration(4, 2.2, 0.1, 1e-3, 16, 0.5)
     m.close()
     rows = _rows(path)
-    assert (rows[0]["attention_kept"], rows[0]["attention_kept_min"], rows[0]["attention_kept_max"]) == (0.2, 0.1, 0.4)
+    assert (rows[0]["attention_kept"], rows[0]["attention_kept_min"], rows[0]["attention_kept_max"],
+            rows[0]["attention_kept_layers"]) == (0.2, 0.1, 0.4, 2)
     assert "attention_kept" not in rows[2]
     lines = [x for x in capsys.readouterr().out.splitlines() if "iteration" in x]
     assert "attention kept: 0.250 |" in lines[0] and "attention kept" not in lines[1], lines

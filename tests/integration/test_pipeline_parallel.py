@@ -99,6 +99,11 @@ def test_pp2_matches_one_rank(tiny, tmp_path, case):
     assert layout in got["stdout"], got["stdout"][-2000:]
     assert sorted(r["pp_rank"] for r in got["ranks"]) == [0, 0, 1, 1]
     _assert_metrics_match(got, ref)
+    if case == "vertical_slash":     # the kept work covers the sparse layers of both stages
+        for x, y in zip(ref["metrics"], got["metrics"]):
+            assert x["attention_kept_layers"] == y["attention_kept_layers"] == 4, (x, y)
+            assert y["attention_kept"] == pytest.approx(x["attention_kept"], rel=1e-9), (x, y)
+            assert y["attention_kept_min"] == pytest.approx(x["attention_kept_min"], rel=1e-9), (x, y)
     valid = [_valid_losses(r["stdout"]) for r in (ref, got)]
     assert len(valid[0]) == (2 if "--eval-iters" in over else 0)
     assert valid[1] == pytest.approx(valid[0], rel=RTOL)

@@ -509,3 +509,14 @@ def test_tma_loads_match_fp64_oracle(monkeypatch, case):
     else:
         test_sparse_matches_fp64_oracle(1, 256, 4, 1, 128, torch.float16, True)
     assert built and all(d is not None for ds in built for d in ds)
+
+
+def test_tma_descriptors_fall_back_to_pointer_loads():
+    """Tensors a tensor descriptor cannot address get none (pointer loads): a stride-0 (expanded) batch, a base
+    address off 16 bytes, an empty tensor; a fused-qkv slice with aligned strides gets one."""
+    x = torch.zeros(2, 128, 6, 64)
+    assert all(d is not None for d in launch._tma_descriptors(64, x[:, :, :2], x[:, :, 2:4]))
+    assert launch._tma_descriptors(64, x[:1].expand(2, -1, -1, -1)) == (None,)
+    off = torch.zeros(x.numel() + 1)[1:].view(x.shape)            # base 4 bytes past an aligned address
+    assert launch._tma_descriptors(64, x, off) == (None, None)
+    assert launch._tma_descriptors(64, x[:, :0]) == (None,)

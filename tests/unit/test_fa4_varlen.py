@@ -287,9 +287,13 @@ def test_self_checks_run_with_autograd_under_no_grad(monkeypatch, check):
     seen = []
     name = "_self_check_cached" if check == "steps" else "_varlen_self_check_cached"
     monkeypatch.setattr(fa4, "fa4_unavailable_reason", lambda *a: None)
-    monkeypatch.setattr(fa4, name, lambda *a: seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"))))
+    monkeypatch.setattr(fa4, name, lambda *a: seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
+                                                           torch.is_inference_mode_enabled())))
     fn = fa4.fa4_self_check if check == "steps" else functools.partial(fa4.fa4_varlen_self_check, deterministic=True)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         fn("cuda:0", torch.bfloat16, 128, hq=4, hkv=2)
         assert not torch.is_grad_enabled()                      # the caller's mode is restored
-    assert seen == [(True, False)]
+    with torch.inference_mode():
+        fn("cuda:0", torch.bfloat16, 128, hq=4, hkv=2)
+        assert torch.is_inference_mode_enabled()
+    assert seen == [(True, False, False)] * 2

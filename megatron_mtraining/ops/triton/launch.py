@@ -600,16 +600,19 @@ def _dq_descriptor(dq: torch.Tensor, rows: int):
 def _tma_descriptors(rows: int, *tensors):
     """Tensor descriptors over ``tensors`` (each ``[b, s, h, d]``) in ``[1, rows, 1, d]`` boxes: the bulk
     tensor copies of ``KernelConfig.tma_loads``. ``None`` for all when one of them cannot be addressed
-    that way (a stride or the base address not a multiple of 16 bytes, a last dimension that is not
-    contiguous) or the device has no tensor memory accelerator (CUDA before compute capability 9);
+    that way (a stride that is zero, negative or not a multiple of 16 bytes, a base address not a multiple
+    of 16 bytes, a last dimension that is not contiguous, an empty tensor, rows over 256 bytes on CUDA) or
+    the device has no tensor memory accelerator (CUDA before compute capability 9; ROCm);
     the kernels then load through pointers. The Triton interpreter (CPU) runs them too."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     for t in tensors:
-        if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
-            return (None,) * len(tensors)
         es = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((t.stride(i) * es) % 16 for i in range(t.dim() - 1)):
+        if t.is_cuda and (torch.version.hip is not None or torch.cuda.get_device_capability(t.device)[0] < 9
+                          or t.shape[-1] * es > 256):     # one box row: at most 256 bytes (bf16/fp16 d 128)
+            return (None,) * len(tensors)
+        if (t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(t.stride(i) <= 0 or (t.stride(i) * es) % 16 for i in range(t.dim() - 1))):
             return (None,) * len(tensors)
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]]) for t in tensors)
 
