@@ -292,11 +292,17 @@ def _sparse_fwd_kernel(
 
 
 @triton.jit
-def _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh):
+def _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh,
+                     row0=0, QD=None, DOD=None, TMA: tl.constexpr = False):
     """The backward's query-side operands of rows ``offs_m`` of head ``h``: ``q``, ``do``, the LSE in
-    base-2 units (``+inf`` for rows that saw no key: probability 0) and ``delta``."""
-    q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
-    do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
+    base-2 units (``+inf`` for rows that saw no key: probability 0) and ``delta``. With ``TMA``, q and dO
+    (rows ``row0 ..``) by bulk tensor copies through the descriptors ``QD``/``DOD`` (see :func:`_kv_tile`)."""
+    if TMA:
+        q = tl.reshape(QD.load([bz, row0, h, 0]), [offs_m.shape[0], offs_d.shape[0]])
+        do = tl.reshape(DOD.load([bz, row0, h, 0]), [offs_m.shape[0], offs_d.shape[0]])
+    else:
+        q = tl.load(Q + bz * s_qb + h * s_qh + offs_m[:, None] * s_qs + offs_d[None, :])
+        do = tl.load(DO + bz * s_dob + h * s_doh + offs_m[:, None] * s_dos + offs_d[None, :])
     lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
@@ -503,15 +509,8 @@ def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Ls
     qb = ent - r * num_q_blocks
     h = g * rep + r
     offs_m = qb * BLOCK_M + offs_r
-    if TMA:
-        q = tl.reshape(QD.load([bz, qb * BLOCK_M, h, 0]), [BLOCK_M, offs_d.shape[0]])
-        do = tl.reshape(DOD.load([bz, qb * BLOCK_M, h, 0]), [BLOCK_M, offs_d.shape[0]])
-        lse = tl.load(Lse + bz * s_lb + h * s_lh + offs_m)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(Delta + bz * s_lb + h * s_lh + offs_m)
-    else:
-        q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
-                                              s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh)
+    q, do, lse2, delta = _load_query_tile(Q, DO, Lse, Delta, offs_m, offs_d, h, bz,
+                                          s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_lb, s_lh, qb * BLOCK_M, QD, DOD, TMA)
     if MASKED:
         if DOC:
             d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
