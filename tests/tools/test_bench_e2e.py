@@ -48,3 +48,16 @@ def test_kept_fraction_matches_brute_force():
                                   dtype=torch.float64)
         naive = (pat.slash_mask()[0, 2].double() * per_offset).sum() + (S - cols).sum()
         assert float(naive) / (S * (S + 1) / 2) > float(counted[0, 2]) + 1e-3
+
+
+def test_bounds_from_the_synthetic_and_the_model_kept_work():
+    row = {"dense": {"step_s": 2.0}, "mtraining": {"step_s": 1.0, "kept_in_model": 0.2},
+           "attn": {"attn_dense_s": 0.4, "attn_sparse_s": 0.1, "kept_fraction": 0.1}}
+    am = be.add_speedup_and_bounds(row, 4)["amdahl"]        # f = 4 * 0.4 / 2 = 0.8, s = 4
+    assert row["speedup"] == 2.0 and am["f"] == pytest.approx(0.8) and am["s"] == pytest.approx(4.0)
+    assert am["bound"] == pytest.approx(1 / (0.2 + 0.8 / 4))
+    assert am["s_model"] == pytest.approx(2.0) and am["bound_model"] == pytest.approx(1 / (0.2 + 0.8 / 2))
+    assert am["achieved_over_bound_model"] == pytest.approx(2.0 * (0.2 + 0.4))
+    del row["mtraining"]["kept_in_model"]                     # without the trainer's value: no model bound
+    row.pop("amdahl")
+    assert "bound_model" not in be.add_speedup_and_bounds(row, 4)["amdahl"]
