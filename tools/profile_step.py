@@ -217,15 +217,16 @@ def run_one(a, mode: str) -> dict:
     for _ in range(a.warmup):
         iteration()
     sync()
-    plan.track_kept_fraction()
-    plan.take_kept_fraction()                 # the timed iterations' kept work only
+    if plan is not None:
+        plan.track_kept_fraction()
+        plan.take_kept_fraction()             # the timed iterations' kept work only
     times, kept = [], []
     for _ in range(a.timed):
         t0 = time.perf_counter()
         loss_sum, n_tok = iteration()
         sync()
         times.append(time.perf_counter() - t0)
-        kept.append(plan.take_kept_fraction())      # after the timing: its host sync is not timed
+        kept.append(plan.take_kept_fraction() if plan is not None else None)   # after the timing: not timed
     kept = ({k: statistics.mean(x[k] for x in kept) for k in ("mean", "min", "max")} | {"layers": kept[0]["layers"]}
             if kept and all(kept) else None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
