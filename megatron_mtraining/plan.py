@@ -369,7 +369,7 @@ class CPPlan:
             error = cuda_graphs_error(q, documents)
             if error is None:
                 backend = self._backend_for(q, packed=False)
-                if backend.name not in ("triton", "fa4"):
+                if not backend.triton_steps:
                     error = (f"cuda_graphs: true needs the Triton sparse kernels, but these inputs run kernel backend "
                              f"{backend.name!r} (dtype {q.dtype}, head_dim {q.shape[-1]}, length {q.shape[1]}), whose "
                              "torch reference reads values back to the host; use kernel_backend auto or triton with "

@@ -112,6 +112,30 @@ class KernelBackend:
     deterministic: bool = True
     packed_cp1: Optional[Callable[..., torch.Tensor]] = None
 
+    # what the kernels can do, so that no caller decides by the backend's name
+    @property
+    def triton_steps(self) -> bool:
+        """The ring's step kernels run Triton (``"triton"``; ``"fa4"``, whose fallbacks are Triton) and need
+        the Triton limits (:func:`triton_unsupported`) of the inputs themselves."""
+        return self.name in ("triton", "fa4")
+
+    @property
+    def document_steps(self) -> bool:
+        """Packed documents can run: the dense step kernels have a document mask (torch, Triton), or
+        ``packed_cp1`` runs them at CP=1."""
+        return self.name in ("torch", "triton") or self.packed_cp1 is not None
+
+    @property
+    def sparse_documents(self) -> bool:
+        """The sparse step kernels have a document mask (torch, Triton; not FA4's block-sparse kernels)."""
+        return self.sparse_step is not None and self.name != "fa4"
+
+    @property
+    def group_indices(self) -> bool:
+        """The sparse step kernels read per-KV-group indices (``share_pattern: kv_group``) directly; the
+        others take them expanded per query head."""
+        return self.name == "triton"
+
 
 def triton_unsupported(*, device, dtype: torch.dtype, head_dim: int, seq_len_local: Optional[int] = None,
                        triton_available: Optional[bool] = None) -> List[str]:

@@ -163,7 +163,7 @@ def backend_input_error(backend: KernelBackend, q: torch.Tensor) -> Optional[str
     length at selection; without it, this check names the rule instead of a reshape error inside the
     kernels. The inputs' shapes and dtypes are compared across ranks first, so every rank gives the
     same verdict."""
-    if backend.name not in ("triton", "fa4"):
+    if not backend.triton_steps:
         return None
     why = triton_unsupported(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], seq_len_local=q.shape[1])
     if not why:
@@ -207,7 +207,7 @@ def dense_step_kernel(backend: KernelBackend, layout: Layout, rank: int, seq_len
     """
     if documents is None:
         return backend.dense_step(layout, rank, seq_len, scale, causal, device=device)
-    if backend.name not in ("torch", "triton") and backend.packed_cp1 is None:
+    if not backend.document_steps:
         raise ValueError(f"packed sequences (document masks) run on the torch or Triton step kernels; kernel backend "
                          f"{backend.name!r} has none (use kernel_backend='auto', 'triton' or 'torch')")
     return backend.dense_step(layout, rank, seq_len, scale, causal, device=device, documents=documents)

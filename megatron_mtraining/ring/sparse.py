@@ -295,7 +295,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                            **sparse_agreement_fields(config, columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
     backend = backend_for(q, cp, backend, sparse=True, packed=documents is not None)
-    if documents is not None and backend.name == "fa4":
+    if documents is not None and backend.sparse_step is not None and not backend.sparse_documents:
         raise NotImplementedError("sparse_ring_attention: packed documents (document masks) with the vertical-slash "
                                   "pattern run on the torch or Triton sparse step kernels; the FA4 sparse kernels "
                                   "have no document mask (use kernel_backend 'auto', 'triton' or 'torch')")
@@ -309,7 +309,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     steps = convert_pattern(pattern, layout, group_rank(group), impl=backend.convert_impl)
     if documents is not None:
         steps = restrict_to_documents(steps, documents, layout, group_rank(group))
-    if backend.name != "triton":      # only the Triton kernels read per-group indices (kv_group) directly
+    if not backend.group_indices:     # only the Triton kernels read per-group indices (kv_group) directly
         steps = [st.per_query_head(q.shape[2]) for st in steps]
     rank = group_rank(group)
     with record_function(REGION_PLAN):

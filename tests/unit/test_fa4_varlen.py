@@ -246,6 +246,20 @@ def test_self_check_for_packed_runs_the_varlen_check(monkeypatch):
     assert select_backend("auto", packed=False, **CUDA).name == "fa4" and asked[0][0] == "steps"
 
 
+def test_backend_capabilities():
+    """What the ring and the plan ask of a backend (instead of its name), for each kind of backend."""
+    def caps(b):
+        return b.name, b.triton_steps, b.document_steps, b.sparse_documents, b.group_indices
+
+    assert caps(select_backend("auto", packed=False, fa4_available=True, **CUDA)) == ("fa4", True, False, False, False)
+    assert caps(select_backend("auto", packed=True, fa4_available=True, **CUDA)) == ("fa4", True, True, False, False)
+    assert caps(select_backend("auto", packed=True, fa4_available=True, sparse=True, **CUDA)) == \
+        ("triton", True, True, True, True)
+    assert caps(select_backend("sdpa", **{**CUDA, "triton_available": False})) == ("sdpa", False, False, False, False)
+    assert caps(select_backend("torch", device="cpu", dtype=torch.float32, head_dim=64)) == \
+        ("torch", False, True, True, False)
+
+
 def test_front_doors_agree(monkeypatch):
     """kernel_backend_error (and the command line's kernel_backend_problem) accept 'fa4' with packed
     documents at CP=1 and refuse it at CP>1 and with the sparse pattern, as select_backend does."""
