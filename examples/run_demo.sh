@@ -41,7 +41,7 @@ export TOKENIZER_MODEL="$DATA_DIR/tokenizer/mistral_v1.model"
 # untied 32k-vocab embeddings; ~19M parameters) trained on 4096-token sequences that are split over
 # CP=2 CPU processes (gloo): striped layout (granularity 64), exact ring attention
 # (--cp-attention mtraining). One sequence per iteration; the loss falls from ~10.4 (= ln 32000)
-# to ~7 (noisy, single sequences) within 30 iterations; ~10-15 s per iteration on 2 cores.
+# to about 6.5 (noisy, single sequences) within 30 iterations.
 # The final checkpoint (megatron.core dist_checkpointing: model + optimizer + LR schedule +
 # iteration) goes to checkpoints/demo.
 #   DEMO_TRAIN_ITERS  iterations (default 30)      DEMO_CKPT  checkpoint directory (default checkpoints/demo)

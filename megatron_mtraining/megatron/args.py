@@ -188,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "validation loss) here (rank 0)")
     g.add_argument("--metrics-file", default=None,
                    help="(not a Megatron-LM flag) rank 0 writes one JSON line per iteration (iteration, lm_loss, "
-                        "grad_norm, lr, tokens, time_s, model_flops, max_memory_allocated; full precision). An "
+                        "grad_norm, lr, tokens, time_s, model_flops, max_memory_allocated; with sparse layers "
+                        "also attention_kept, attention_kept_min, attention_kept_max, attention_kept_layers; "
+                        "full precision). An "
                         "existing file is appended to, never truncated, and the run logs that it appends "
                         "('> --metrics-file FILE: appending to an existing file ...'): a run resumed with --load "
                         "adds its rows after the earlier run's, and iterations repeated after a resume appear "
