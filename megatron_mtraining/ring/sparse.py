@@ -295,13 +295,13 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                            **sparse_agreement_fields(config, columns))
     check_block_layout(layout, q.shape[1] * cp, config.block_size)
     backend = backend_for(q, cp, backend, sparse=True, packed=documents is not None)
-    if documents is not None and backend.sparse_step is not None and not backend.sparse_documents:
-        raise NotImplementedError("sparse_ring_attention: packed documents (document masks) with the vertical-slash "
-                                  "pattern run on the torch or Triton sparse step kernels; the FA4 sparse kernels "
-                                  "have no document mask (use kernel_backend 'auto', 'triton' or 'torch')")
     if backend.sparse_step is None:
         raise ValueError(f"kernel_backend={backend.name!r} has no sparse kernels: sparse_ring_attention needs "
                          "'auto', 'fa4', 'triton' or 'torch'")
+    if documents is not None and not backend.sparse_documents:
+        raise NotImplementedError("sparse_ring_attention: packed documents (document masks) with the vertical-slash "
+                                  "pattern run on the torch or Triton sparse step kernels; the FA4 sparse kernels "
+                                  "have no document mask (use kernel_backend 'auto', 'triton' or 'torch')")
     q, k, v = last_dim_contiguous(q, k, v)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale,
