@@ -494,6 +494,16 @@ def _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, MASKED: tl.const
 
 
 @triton.jit
+def _dkdv_update(dk, dv, k, v, q, do, lse2, delta, scale_log2, valid, MASKED: tl.constexpr, FP32: tl.constexpr):
+    """One query tile's share of ``dk``, ``dv`` for a key block (``valid``: its mask when ``MASKED``).
+    Returns ``(dk, dv, dsT)``; ``dsT`` [keys, rows] fp32 for the tile's dQ."""
+    pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, MASKED, FP32)
+    dv += _dot(pT.to(do.dtype), do, FP32)
+    dk += _dot(dsT.to(q.dtype), q, FP32)
+    return dk, dv, dsT
+
+
+@triton.jit
 def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Lse, Delta, DQ, KvEntries, QPos,
                 DocLo, DocHi, scale_log2, sm_scale, s_qb, s_qs, s_qh, s_dob, s_dos, s_doh, s_dqb, s_dqs, s_dqh,
                 s_lb, s_lh, s_dlb, num_q_blocks, rep,
@@ -529,11 +539,9 @@ def _dkdv_entry(e, dk, dv, k, v, k_pos, offs_n, offs_d, offs_r, g, bz, Q, DO, Ls
                     valid = valid & (k_pos[:, None] >= q_lo[None, :])
             if DOC:
                 valid = valid & inside
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
     else:
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
-    dv += _dot(pT.to(do.dtype), do, FP32)
-    dk += _dot(dsT.to(q.dtype), q, FP32)
+        valid = None
+    dk, dv, dsT = _dkdv_update(dk, dv, k, v, q, do, lse2, delta, scale_log2, valid, MASKED, FP32)
     if DQ_ATOMIC:
         dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
         if DQ_TMA:     # DQ: a descriptor over dQ as [b * sq, hq * d] (one bulk reduction per tile)
@@ -587,11 +595,9 @@ def _dkdv_pair(e, end, dk, dv, k, v, k_pos, offs_n, offs_d, offs_p, g, bz, Q, DO
             d_lo = tl.load(DocLo + bz * s_dlb + offs_m)
             d_hi = tl.load(DocHi + bz * s_dlb + offs_m)
             valid = valid & (k_pos[:, None] >= d_lo[None, :]) & (k_pos[:, None] <= d_hi[None, :])
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
     else:
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
-    dv += _dot(pT.to(do.dtype), do, FP32)
-    dk += _dot(dsT.to(q.dtype), q, FP32)
+        valid = None
+    dk, dv, dsT = _dkdv_update(dk, dv, k, v, q, do, lse2, delta, scale_log2, valid, MASKED, FP32)
     if DQ_ATOMIC:
         dq_part = _dot(tl.trans(dsT.to(k.dtype)), k, FP32) * sm_scale
         if DQ_TMA:     # one bulk reduction per entry (see _dkdv_entry)
@@ -713,11 +719,9 @@ def _col_tile_dkdv(k, v, dk, dv, Q, DO, Lse, Delta, qb, h, bz, cols, member, sca
                 valid = valid & inside
         else:
             valid = inside
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
+        dk, dv, _ = _dkdv_update(dk, dv, k, v, q, do, lse2, delta, scale_log2, valid, True, FP32)
     else:
-        pT, dsT = _bwd_tile_dkdv(k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
-    dv += _dot(pT.to(do.dtype), do, FP32)
-    dk += _dot(dsT.to(q.dtype), q, FP32)
+        dk, dv, _ = _dkdv_update(dk, dv, k, v, q, do, lse2, delta, scale_log2, None, False, FP32)
     return dk, dv
 
 
