@@ -42,17 +42,12 @@ import sys
 import tempfile
 import time
 
-from megatron_mtraining.bench import kept_fraction, measure, result_record, structured_qkv, write_json  # noqa: F401
+from megatron_mtraining.bench import (QWEN25_3B_LAYER_FLAGS, kept_fraction, measure, result_record,  # noqa: F401
+                                      structured_qkv, write_json)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODEL_FLAGS = [
-    "--hidden-size", "2048", "--ffn-hidden-size", "11008", "--swiglu",
-    "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2",
-    "--position-embedding-type", "rope", "--rotary-base", "1000000", "--normalization", "RMSNorm",
-    "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--attention-dropout", "0", "--hidden-dropout", "0",
-]
+MODEL_FLAGS = [*QWEN25_3B_LAYER_FLAGS, "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def build_cmd(args, seq: int, layers: int, mode: str, metrics: str) -> list[str]:

@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from megatron_mtraining.bench.inputs import QWEN25_3B_LAYER_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: model flags of the shapes (``examples/pretrain_gpt.py`` / Megatron-LM names) and their vocabulary
@@ -55,11 +57,7 @@ SHAPES = {
                       "--make-vocab-size-divisible-by", "128"], 49152),
     # the Qwen2.5-3B-shaped layers of tools/bench_e2e.py, 4 layers (16 query / 2 KV heads of 128, untied), the
     # Mistral v1 vocabulary that tool's data uses
-    "qwen2.5-3b-4l": (["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "11008", "--swiglu",
-                       "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2",
-                       "--position-embedding-type", "rope", "--rotary-base", "1000000", "--normalization", "RMSNorm",
-                       "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights", "--disable-bias-linear"],
-                      32000),
+    "qwen2.5-3b-4l": (["--num-layers", "4", *QWEN25_3B_LAYER_FLAGS], 32000),
     # a CPU-sized GQA model (the test's)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
               "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",

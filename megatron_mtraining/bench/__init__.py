@@ -15,7 +15,7 @@ Imports only torch, the standard library and the package's layers up to the kern
 ``patterns``, ``ops``); never ``ring``, ``megatron`` or ``training``.
 """
 
-from .inputs import kept_fraction, structured_qkv
+from .inputs import QWEN25_3B_LAYER_FLAGS, kept_fraction, structured_qkv
 from .metrics import read_metrics, read_metrics_rows
 from .plotting import draw_niah_grid, pyplot, save_figure
 from .record import environment, result_record, to_jsonable, write_json
@@ -24,4 +24,4 @@ from .timer import Timing, measure
 
 __all__ = ["Timing", "measure", "SpeedComparison", "compare_speed", "time_forward_backward", "environment",
            "result_record", "to_jsonable", "write_json", "pyplot", "save_figure", "draw_niah_grid",
-           "read_metrics_rows", "read_metrics", "structured_qkv", "kept_fraction"]
+           "read_metrics_rows", "read_metrics", "structured_qkv", "kept_fraction", "QWEN25_3B_LAYER_FLAGS"]

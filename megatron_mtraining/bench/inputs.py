@@ -1,12 +1,22 @@
-"""Synthetic attention inputs with vertical-slash structure, and the exact kept fraction of a pattern
-(MTraining §3.2: the estimator looks for vertical lines and slash lines; these inputs have both).
+"""Synthetic attention inputs with vertical-slash structure, the exact kept fraction of a pattern
+(MTraining §3.2: the estimator looks for vertical lines and slash lines; these inputs have both), and
+the model shape the end-to-end benchmarks train.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["structured_qkv", "kept_fraction"]
+__all__ = ["structured_qkv", "kept_fraction", "QWEN25_3B_LAYER_FLAGS"]
+
+#: ``pretrain_gpt.py`` flags of Qwen2.5-3B-shaped layers (hidden 2048, 16 query / 2 KV heads of 128, SwiGLU
+#: ffn 11008, RMSNorm, RoPE base 1e6, untied embeddings, no biases); the number of layers is the caller's.
+QWEN25_3B_LAYER_FLAGS = (
+    "--hidden-size", "2048", "--ffn-hidden-size", "11008", "--swiglu",
+    "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2",
+    "--position-embedding-type", "rope", "--rotary-base", "1000000", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+)
 
 
 def structured_qkv(s: int, hq: int, hkv: int, d: int, device, seed: int = 0, n_vertical: int = 256):
