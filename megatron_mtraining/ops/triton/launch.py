@@ -597,6 +597,13 @@ def _dq_descriptor(dq: torch.Tensor, rows: int):
     return TensorDescriptor.from_tensor(dq.view(b * sq, hq * d), [rows, d])
 
 
+def _use_tma(cfg: KernelConfig, t: torch.Tensor) -> bool:
+    """Whether the kernels take ``KernelConfig.tma_loads`` bulk copies for tensors like ``t`` (``None``:
+    on CUDA tensors; :func:`_tma_descriptors` still falls back to pointer loads where TMA cannot
+    address them)."""
+    return t.is_cuda if cfg.tma_loads is None else cfg.tma_loads
+
+
 def _tma_descriptors(rows: int, *tensors):
     """Tensor descriptors over ``tensors`` (each ``[b, s, h, d]``) in ``[1, rows, 1, d]`` boxes: the bulk
     tensor copies of ``KernelConfig.tma_loads``. ``None`` for all when one of them cannot be addressed
@@ -700,9 +707,12 @@ class KernelConfig:
     col_chunk: int = 64            # vertical columns gathered per loop step in the forward and dQ (64 or 128)
     dq_tma: bool = False           # with dq_atomic_fast on CUDA: each tile's dQ is one bulk (TMA) reduction
                                    # through a tensor descriptor, not one atomic per element
-    tma_loads: bool = False        # listed blocks' K/V (forward, dQ) and query tiles' q/dO (dK/dV) by bulk
+    tma_loads: Optional[bool] = None  # listed blocks' K/V (forward, dQ) and query tiles' q/dO (dK/dV) by bulk
                                    # tensor copies (TMA on Hopper) through tensor descriptors, where the
-                                   # tensors' strides allow it (else pointer loads); unpaired loops only
+                                   # tensors' strides allow it (else pointer loads); unpaired loops only.
+                                   # None: on for CUDA tensors (H200, 128K, 95 %: fwd+bwd 38.8 against
+                                   # 40.3 ms at d 128, 12.5 against 12.8 at d 64); True: also in the
+                                   # Triton interpreter; False: pointer loads
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
@@ -738,7 +748,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqb, cfg.column_split)
     grid = (nqb * hd.num_hp, b)
     tile = hd.hpp * bm
-    kd, vd = _tma_descriptors(BLOCK, k, v) if cfg.tma_loads else (None, None)
+    kd, vd = _tma_descriptors(BLOCK, k, v) if _use_tma(cfg, k) else (None, None)
     _record(stats, "_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
         q, k, v, out, lse, *tensors,
         softmax_scale * K.LOG2E,
@@ -813,7 +823,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
     dq_tma = dq_atomic and cfg.dq_tma and dq.is_cuda
     dq_arg = _dq_descriptor(dq, BLOCK) if dq_tma else dq
-    qd, dod = _tma_descriptors(BLOCK, q, dout) if cfg.tma_loads else (None, None)
+    qd, dod = _tma_descriptors(BLOCK, q, dout) if _use_tma(cfg, q) else (None, None)
     _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
         q, k, v, dout, lse, delta, dq_arg, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
         scale_log2, softmax_scale, *common,
@@ -833,7 +843,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     tile = hd.hpp * bm
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
-        kd, vd = _tma_descriptors(BLOCK, k, v) if cfg.tma_loads else (None, None)
+        kd, vd = _tma_descriptors(BLOCK, k, v) if _use_tma(cfg, k) else (None, None)
         _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hd.num_hp, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
