@@ -766,6 +766,7 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
                                                               dkdv_warps=8, dkdv_stages=2), False),
                  ("fast pair fwd+dq w8", dict(fwd_pair=True, fwd_warps=8, fwd_stages=3, dq_pair=True, dq_warps=8,
                                               dq_stages=2), False)]
+    variants += [("pointer loads", dict(tma_loads=False), True), ("fast pointer loads", dict(tma_loads=False), False)]
     variants += [("tma loads", dict(tma_loads=True), True), ("fast tma loads", dict(tma_loads=True), False),
                  ("tma loads fwd w8 s2", dict(tma_loads=True, fwd_warps=8, fwd_stages=2), True),
                  ("tma loads s3", dict(tma_loads=True, fwd_stages=4, dq_stages=3, dkdv_stages=3), True)]

@@ -520,3 +520,18 @@ def test_tma_descriptors_fall_back_to_pointer_loads():
     off = torch.zeros(x.numel() + 1)[1:].view(x.shape)            # base 4 bytes past an aligned address
     assert launch._tma_descriptors(64, x, off) == (None, None)
     assert launch._tma_descriptors(64, x[:, :0]) == (None,)
+
+
+def test_tma_default_follows_the_device_and_the_triton_version(monkeypatch):
+    """``tma_loads=None`` takes the descriptors for CUDA tensors only (CPU tensors: pointer loads unless forced);
+    a Triton without host-side tensor descriptors (before 3.4) gets none, so the default still runs there."""
+    import sys
+
+    x = torch.zeros(1, 128, 2, 64)
+    assert launch.DEFAULT_CONFIG.tma_loads is None
+    assert not launch._use_tma(launch.DEFAULT_CONFIG, x)
+    assert launch._use_tma(launch.KernelConfig(tma_loads=True), x)
+    assert not launch._use_tma(launch.KernelConfig(tma_loads=False), x)
+    assert launch._tma_descriptors(64, x)[0] is not None
+    monkeypatch.setitem(sys.modules, "triton.tools.tensor_descriptor", None)     # import fails
+    assert launch._tma_descriptors(64, x) == (None,)

@@ -608,19 +608,23 @@ def _tma_descriptors(rows: int, *tensors):
     """Tensor descriptors over ``tensors`` (each ``[b, s, h, d]``) in ``[1, rows, 1, d]`` boxes: the bulk
     tensor copies of ``KernelConfig.tma_loads``. ``None`` for all when one of them cannot be addressed
     that way (a stride that is zero, negative or not a multiple of 16 bytes, a base address not a multiple
-    of 16 bytes, a last dimension that is not contiguous, an empty tensor, rows over 256 bytes on CUDA) or
-    the device has no tensor memory accelerator (CUDA before compute capability 9; ROCm);
-    the kernels then load through pointers. The Triton interpreter (CPU) runs them too."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    of 16 bytes, a last dimension that is not contiguous, an empty tensor, rows over 256 bytes on CUDA),
+    the device has no tensor memory accelerator (CUDA before compute capability 9; ROCm) or Triton has
+    no host-side tensor descriptors (before 3.4); the kernels then load through pointers. The Triton
+    interpreter (CPU) runs them too."""
+    none = (None,) * len(tensors)
     for t in tensors:
         es = t.element_size()
         if t.is_cuda and (torch.version.hip is not None or torch.cuda.get_device_capability(t.device)[0] < 9
                           or t.shape[-1] * es > 256):     # one box row: at most 256 bytes (bf16/fp16 d 128)
-            return (None,) * len(tensors)
+            return none
         if (t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16
                 or any(t.stride(i) <= 0 or (t.stride(i) * es) % 16 for i in range(t.dim() - 1))):
-            return (None,) * len(tensors)
+            return none
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:             # Triton before 3.4
+        return none
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]]) for t in tensors)
 
 
@@ -709,10 +713,10 @@ class KernelConfig:
                                    # through a tensor descriptor, not one atomic per element
     tma_loads: Optional[bool] = None  # listed blocks' K/V (forward, dQ) and query tiles' q/dO (dK/dV) by bulk
                                    # tensor copies (TMA on Hopper) through tensor descriptors, where the
-                                   # tensors' strides allow it (else pointer loads); unpaired loops only.
-                                   # None: on for CUDA tensors (H200, 128K, 95 %: fwd+bwd 38.8 against
-                                   # 40.3 ms at d 128, 12.5 against 12.8 at d 64); True: also in the
-                                   # Triton interpreter; False: pointer loads
+                                   # tensors and the device allow it (else pointer loads); unpaired loops only.
+                                   # None: on for CUDA tensors (H200, 128K, 95 %: fwd+bwd 38.78 against
+                                   # 40.52 ms at d 128, 12.50 against 12.83 at d 64); True: also for CPU
+                                   # tensors (the Triton interpreter); False: pointer loads
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
