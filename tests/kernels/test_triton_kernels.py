@@ -523,13 +523,19 @@ def test_tma_descriptors_fall_back_to_pointer_loads():
 
 
 def test_tma_default_follows_the_device_and_the_triton_version(monkeypatch):
-    """``tma_loads=None`` takes the descriptors for CUDA tensors only (CPU tensors: pointer loads unless forced);
-    a Triton without host-side tensor descriptors (before 3.4) gets none, so the default still runs there."""
+    """``tma_loads=None`` takes the descriptors for CUDA bf16/fp16 tensors of head_dim 64 or 128 only (CPU
+    tensors, fp32 and other head dims: pointer loads unless forced); a Triton without host-side tensor
+    descriptors (before 3.4) gets none, so the default still runs there."""
     import sys
+    from unittest import mock
 
     x = torch.zeros(1, 128, 2, 64)
     assert launch.DEFAULT_CONFIG.tma_loads is None
     assert not launch._use_tma(launch.DEFAULT_CONFIG, x)
+    for dtype, d, want in [(torch.bfloat16, 64, True), (torch.float16, 128, True), (torch.float32, 64, False),
+                           (torch.bfloat16, 32, False), (torch.bfloat16, 256, False)]:
+        cuda_like = mock.Mock(is_cuda=True, dtype=dtype, shape=(1, 128, 2, d))
+        assert launch._use_tma(launch.DEFAULT_CONFIG, cuda_like) is want, (dtype, d)
     assert launch._use_tma(launch.KernelConfig(tma_loads=True), x)
     assert not launch._use_tma(launch.KernelConfig(tma_loads=False), x)
     assert launch._tma_descriptors(64, x)[0] is not None

@@ -598,10 +598,13 @@ def _dq_descriptor(dq: torch.Tensor, rows: int):
 
 
 def _use_tma(cfg: KernelConfig, t: torch.Tensor) -> bool:
-    """Whether the kernels take ``KernelConfig.tma_loads`` bulk copies for tensors like ``t`` (``None``:
-    on CUDA tensors; :func:`_tma_descriptors` still falls back to pointer loads where TMA cannot
-    address them)."""
-    return t.is_cuda if cfg.tma_loads is None else cfg.tma_loads
+    """Whether the kernels take ``KernelConfig.tma_loads`` bulk copies for tensors like ``t``. ``None``: for
+    CUDA tensors of bf16/fp16 with head_dim 64 or 128, the inputs measured and checked on an H200 (others:
+    pointer loads unless forced); :func:`_tma_descriptors` still falls back to pointer loads where TMA
+    cannot address them."""
+    if cfg.tma_loads is not None:
+        return cfg.tma_loads
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.shape[-1] in (64, 128)
 
 
 def _tma_descriptors(rows: int, *tensors):
@@ -714,9 +717,10 @@ class KernelConfig:
     tma_loads: Optional[bool] = None  # listed blocks' K/V (forward, dQ) and query tiles' q/dO (dK/dV) by bulk
                                    # tensor copies (TMA on Hopper) through tensor descriptors, where the
                                    # tensors and the device allow it (else pointer loads); unpaired loops only.
-                                   # None: on for CUDA tensors (H200, 128K, 95 %: fwd+bwd 38.78 against
-                                   # 40.52 ms at d 128, 12.50 against 12.83 at d 64); True: also for CPU
-                                   # tensors (the Triton interpreter); False: pointer loads
+                                   # None: on for CUDA bf16/fp16 tensors of head_dim 64 or 128 (H200, 128K,
+                                   # 95 %: fwd+bwd 38.78 against 40.52 ms at d 128, 12.50 against 12.83 at
+                                   # d 64); True: for every tensor (CPU: the Triton interpreter) where the
+                                   # descriptors can address it; False: pointer loads
     fwd128_warps: int = 8          # 128-row tiles (dense plans)
     fwd128_stages: int = 2
     dq128_warps: int = 8
