@@ -771,7 +771,7 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
                  ("tma loads fwd w8 s2", dict(tma_loads=True, fwd_warps=8, fwd_stages=2), True),
                  ("tma loads s3", dict(tma_loads=True, fwd_stages=4, dq_stages=3, dkdv_stages=3), True)]
     variants += [(f"fast dq w{w} s{st}", dict(dq_warps=w, dq_stages=st), False) for w, st in [(8, 1), (8, 2)]]
-    # stages and warps with the tensor-descriptor loads (the default on CUDA)
+    # stages and warps with the tensor-descriptor loads (the default for CUDA bf16/fp16 at head_dim 64 / 128)
     variants += [(f"tma+ {k} w{w} s{st}", {f"{k}_warps": w, f"{k}_stages": st}, True)
                  for k, w, st in [("fwd", 4, 2), ("dq", 4, 3), ("dkdv", 4, 1), ("dkdv", 4, 3), ("dkdv", 8, 2)]]
     variants += [("fast tma+ dq w4 s3", dict(dq_stages=3), False)]
