@@ -607,6 +607,12 @@ def _use_tma(cfg: KernelConfig, t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.shape[-1] in (64, 128)
 
 
+def _tma_args(cfg: KernelConfig, *tensors):
+    """The kernels' descriptor arguments for ``tensors`` (``[b, s, h, d]``, one dtype and head_dim): their
+    :func:`_tma_descriptors` in 64-row boxes where :func:`_use_tma` takes them, else ``None`` for each."""
+    return _tma_descriptors(BLOCK, *tensors) if _use_tma(cfg, tensors[0]) else (None,) * len(tensors)
+
+
 def _tma_descriptors(rows: int, *tensors):
     """Tensor descriptors over ``tensors`` (each ``[b, s, h, d]``) in ``[1, rows, 1, d]`` boxes: the bulk
     tensor copies of ``KernelConfig.tma_loads``. ``None`` for all when one of them cannot be addressed
@@ -756,7 +762,7 @@ def sparse_forward(q, k, v, plan: SparsePlan, softmax_scale: float, out_dtype=to
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqb, cfg.column_split)
     grid = (nqb * hd.num_hp, b)
     tile = hd.hpp * bm
-    kd, vd = _tma_descriptors(BLOCK, k, v) if _use_tma(cfg, k) else (None, None)
+    kd, vd = _tma_args(cfg, k, v)
     _record(stats, "_sparse_fwd_kernel", K._sparse_fwd_kernel[grid](
         q, k, v, out, lse, *tensors,
         softmax_scale * K.LOG2E,
@@ -831,7 +837,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
     dq_tma = dq_atomic and cfg.dq_tma and dq.is_cuda
     dq_arg = _dq_descriptor(dq, BLOCK) if dq_tma else dq
-    qd, dod = _tma_descriptors(BLOCK, q, dout) if _use_tma(cfg, q) else (None, None)
+    qd, dod = _tma_args(cfg, q, dout)
     _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
         q, k, v, dout, lse, delta, dq_arg, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
         scale_log2, softmax_scale, *common,
@@ -851,7 +857,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     tile = hd.hpp * bm
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqt, cfg.column_split and not col_atomic)
     if (not dq_atomic) or plan.has_columns:
-        kd, vd = _tma_descriptors(BLOCK, k, v) if _use_tma(cfg, k) else (None, None)
+        kd, vd = _tma_args(cfg, k, v)
         _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hd.num_hp, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
