@@ -18,7 +18,8 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
       inner: 8
       outer: 4
     columns: out_of_ring           # in_ring | out_of_ring (sparse only; where vertical columns are computed)
-    dense_layers: [1]              # sparse only: these layers (1-based, global) run the exact dense ring
+    dense_layers: [1]              # sparse only: these layers (1-based, global) run the exact dense ring;
+                                   # auto: each layer runs whichever of sparse/dense its first call measures faster
     layer_overrides:               # sparse only: per-layer vertical_slash fields (a layer "3" or a range "2-4")
       "2-4": {recall: 0.98}
     deterministic: false
@@ -107,13 +108,20 @@ def _range_text(r: LayerRange) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
 
 
+#: the value of ``dense_layers`` that chooses each layer's attention by measurement
+AUTO = "auto"
+
+
 def _normalize_dense_layers(value: Any) -> Optional[tuple[int, ...]]:
-    """``None`` / ``[]`` -> ``None``; a list of layer numbers and ranges -> sorted tuple of ints."""
+    """``None`` / ``[]`` -> ``None``; a list of layer numbers and ranges -> sorted tuple of ints
+    (``"auto"`` is handled by the caller)."""
     if value is None:
         return None
     if isinstance(value, (int, str)) and not isinstance(value, bool):
-        raise _ConfigError(f"'dense_layers' must be a list of 1-based layer numbers or ranges (e.g. [1, 2] or "
-                           f"['1-4']), got {value!r}; write [{value!r}] for one layer")
+        one = (f"; write [{value!r}] for one layer" if isinstance(value, int) or re.fullmatch(r"\d+(-\d+)?", value)
+               else "")
+        raise _ConfigError(f"'dense_layers' must be {AUTO!r} or a list of 1-based layer numbers or ranges (e.g. "
+                           f"[1, 2] or ['1-4']), got {value!r}{one}")
     if not isinstance(value, (list, tuple)):
         raise _ConfigError(f"'dense_layers' must be a list of 1-based layer numbers or ranges, got "
                            f"{type(value).__name__} {value!r}")
@@ -213,7 +221,11 @@ class MTrainingConfig:
             1-based *global* layer numbers (Megatron's ``layer_number``; with pipeline parallelism the
             number counts from the model's first layer, not the stage's) and ``"first-last"``
             ranges, e.g. ``[1, "30-32"]``; stored as a sorted tuple of ints. ``None``: every layer is
-            sparse. Only with ``pattern: vertical_slash``.
+            sparse. ``"auto"``: the measured layer policy (:mod:`megatron_mtraining.layer_policy`): each
+            layer's first call with a sequence length times its sparse attention (with its budgets)
+            against the dense attention, forward and backward, summed over the ranks that hold the layer,
+            and the layer runs the faster one at that length from then on (stored as
+            ``dense_layers=None, auto_dense_layers=True``). Only with ``pattern: vertical_slash``.
         layer_overrides: per-layer ``vertical_slash`` fields, a mapping of a layer (``"3"``) or a
             range (``"2-4"``) to fields of :data:`LAYER_OVERRIDE_KEYS` (``block_size`` is one per
             run), e.g. ``{"2-4": {"recall": 0.98}}``; the other fields come from
@@ -232,6 +244,7 @@ class MTrainingConfig:
             hundreds. Needs CUDA, ``cp_size == 1`` and no document mask, and one forward in flight
             per layer (no pipeline schedule that runs several forwards before their backwards).
             Dense layers run as without it.
+        auto_dense_layers: ``True`` for ``dense_layers: auto`` (set by it; not a file key).
 
     Raises:
         ValueError: naming the offending key (``mtraining config: ...``).
@@ -248,10 +261,19 @@ class MTrainingConfig:
     deterministic: bool = False
     kernel_backend: str = "auto"
     cuda_graphs: bool = False
+    auto_dense_layers: bool = field(default=False, metadata={"file_key": False})   # set by dense_layers: auto
 
     def __post_init__(self) -> None:
         try:
+            if isinstance(self.dense_layers, str) and self.dense_layers == AUTO:
+                object.__setattr__(self, "dense_layers", None)
+                object.__setattr__(self, "auto_dense_layers", True)
+            if not isinstance(self.auto_dense_layers, bool):
+                raise _ConfigError(f"'auto_dense_layers' must be true or false, got {self.auto_dense_layers!r}")
             object.__setattr__(self, "dense_layers", _normalize_dense_layers(self.dense_layers))
+            if self.auto_dense_layers and self.dense_layers is not None:
+                raise _ConfigError(f"'dense_layers' is either {AUTO!r} or a list of layers, not both "
+                                   f"(auto_dense_layers=True with dense_layers={list(self.dense_layers)})")
             object.__setattr__(self, "layer_overrides", _normalize_overrides(self.layer_overrides))
             self._validate()
         except _ConfigError as e:
@@ -300,6 +322,10 @@ class MTrainingConfig:
         self._validate_layer_policy()
 
     def _validate_layer_policy(self) -> None:
+        if self.auto_dense_layers and self.pattern != "vertical_slash":
+            raise _ConfigError(f"'dense_layers: {AUTO}' applies to the sparse pattern only, but 'pattern' is "
+                               f"{self.pattern!r} (every layer is dense already; set pattern: vertical_slash or "
+                               "remove 'dense_layers')")
         for key in ("dense_layers", "layer_overrides"):
             if getattr(self, key) is not None and self.pattern != "vertical_slash":
                 raise _ConfigError(f"'{key}' applies to the sparse pattern only, but 'pattern' is {self.pattern!r} "
@@ -319,7 +345,9 @@ class MTrainingConfig:
     # ------------------------------------------------------------------ per-layer policy
     def layer_pattern(self, layer_number: int) -> Optional[VerticalSlashConfig]:
         """The estimator budgets of layer ``layer_number`` (1-based, global), or ``None`` when the
-        layer runs the exact dense ring (``pattern: dense``, or the layer is in ``dense_layers``).
+        layer runs the exact dense ring (``pattern: dense``, or the layer is in ``dense_layers``). With
+        ``dense_layers: auto`` every layer has its budgets here: which layers run dense is measured
+        while the run trains (:mod:`megatron_mtraining.layer_policy`).
 
         Raises:
             ValueError: ``layer_number`` is not an int >= 1.
@@ -336,13 +364,16 @@ class MTrainingConfig:
 
     @property
     def has_layer_policy(self) -> bool:
-        """True when some layers differ from the others (``dense_layers`` or ``layer_overrides``)."""
-        return self.dense_layers is not None or self.layer_overrides is not None
+        """True when some layers may differ from the others (``dense_layers``, ``auto`` included, or
+        ``layer_overrides``)."""
+        return self.dense_layers is not None or self.auto_dense_layers or self.layer_overrides is not None
 
     def layer_policy_text(self) -> str:
         """A canonical one-line description of ``dense_layers`` and ``layer_overrides`` (``""``: none);
         the CP ranks compare it, and logs print it."""
         parts = []
+        if self.auto_dense_layers:
+            parts.append(f"dense {AUTO} (measured)")
         if self.dense_layers:
             parts.append("dense " + ",".join(map(str, self.dense_layers)))
         for rng, items in self.layer_overrides or ():
@@ -353,6 +384,7 @@ class MTrainingConfig:
         """This config with ``layers`` (1-based global layer numbers) added to ``dense_layers``: a
         per-layer policy chosen by measurement (``tools/pattern_recall.py --write-policy``). A
         ``layer_overrides`` range that holds one of them keeps its other layers (it is split around it).
+        On a ``dense_layers: auto`` config the fixed list replaces ``auto``.
 
         Raises:
             ValueError: a config with ``pattern: dense``, or a layer number that is not an int >= 1.
@@ -543,6 +575,8 @@ class MTrainingConfig:
             out["columns"] = self.columns
         if self.dense_layers is not None:
             out["dense_layers"] = list(self.dense_layers)
+        if self.auto_dense_layers:
+            out["dense_layers"] = AUTO
         if self.layer_overrides is not None:
             out["layer_overrides"] = {_range_text(r): dict(items) for r, items in self.layer_overrides}
         out["deterministic"] = self.deterministic
@@ -554,7 +588,7 @@ class MTrainingConfig:
 
 
 # ---------------------------------------------------------------------------------- loading
-_TOP_KEYS = tuple(f.name for f in dataclasses.fields(MTrainingConfig))
+_TOP_KEYS = tuple(f.name for f in dataclasses.fields(MTrainingConfig) if f.metadata.get("file_key", True))
 _VS_KEYS = tuple(f.name for f in dataclasses.fields(VerticalSlashConfig))
 _H_KEYS = tuple(f.name for f in dataclasses.fields(HierarchicalConfig))
 

@@ -28,11 +28,12 @@ This module does not import megatron.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -136,6 +137,7 @@ class CPPlan:
     _backends: dict = field(default_factory=dict, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, repr=False, compare=False)
     _kept: dict = field(default_factory=dict, repr=False, compare=False)
+    _policy: dict = field(default_factory=dict, repr=False, compare=False)
 
     def for_layer(self, layer_number: int, num_layers: Optional[int] = None) -> "CPPlan":
         """The plan of one layer: the same layout, groups, kernels and input checks, with ``pattern``
@@ -168,8 +170,22 @@ class CPPlan:
             pattern = self.config.layer_pattern(layer_number)
             view = dataclasses.replace(root, pattern=pattern, layer_number=layer_number,
                                        num_layers=n, _checked=root._checked, _backends=root._backends,
-                                       _layers={"root": root}, _kept=root._kept)
+                                       _layers={"root": root}, _kept=root._kept, _policy=root._policy)
             root._layers[layer_number] = view
+        return view
+
+    def dense_view(self) -> "CPPlan":
+        """This per-layer view with the dense attention in place of the sparse pattern (the same layout,
+        groups, kernels and caches): what ``dense_layers`` would make of the layer."""
+        if self.layer_number is None:
+            raise ValueError("dense_view() is a per-layer view; call for_layer(n) first")
+        if not self.sparse:
+            return self
+        root = self._layers["root"]
+        key = (self.layer_number, "dense")
+        view = root._layers.get(key)
+        if view is None:
+            view = root._layers[key] = dataclasses.replace(self, pattern=None)
         return view
 
     @property
@@ -269,6 +285,65 @@ class CPPlan:
             return
         layers[self.layer_number] = pattern.kept_fraction().mean()
 
+    @contextlib.contextmanager
+    def kept_fraction_paused(self):
+        """A context in which sparse calls record no kept work (:meth:`track_kept_fraction`): timing calls."""
+        was = self._kept.get("on", False)
+        self._kept["on"] = False
+        try:
+            yield
+        finally:
+            self._kept["on"] = was
+
+    # ---------------------------------------------------------------- dense_layers: auto
+    def layer_decision(self, seq_len: int):
+        """This layer's :class:`~megatron_mtraining.layer_policy.LayerDecision` at global length ``seq_len``
+        (``dense_layers: auto``), or ``None`` before it is measured or restored."""
+        return self._policy.get("decisions", {}).get((self.layer_number, int(seq_len)))
+
+    def record_layer_decision(self, decision) -> None:
+        """Store a :class:`~megatron_mtraining.layer_policy.LayerDecision` in the run plan (shared by all
+        its per-layer views); :meth:`take_new_layer_decisions` reports it once."""
+        self._policy.setdefault("decisions", {})[(decision.layer_number, decision.seq_len)] = decision
+        self._policy.setdefault("new", []).append(decision)
+
+    def layer_decisions(self, group=None) -> list:
+        """Every :class:`~megatron_mtraining.layer_policy.LayerDecision` of the run so far, sorted by layer
+        and length.
+
+        Args:
+            group: a process group whose ranks hold different layers (the whole world for a checkpoint,
+                the pipeline-parallel group for a log): the result covers all its ranks (one
+                ``all_gather_object``, so every rank of ``group`` must call this together). ``None``: this
+                rank's layers.
+        """
+        mine = list(self._policy.get("decisions", {}).values())
+        return _gather_decisions(mine, group)
+
+    def take_new_layer_decisions(self, group=None) -> list:
+        """The decisions made since the last call (measured, not restored), gathered over ``group`` as in
+        :meth:`layer_decisions`; for the run's log."""
+        new = self._policy.pop("new", [])
+        return _gather_decisions(new, group)
+
+    def restore_layer_decisions(self, records) -> int:
+        """Take the decisions of a checkpoint (``LayerDecision.to_dict`` records) so that the layers do
+        not measure again; returns how many were taken. Decisions already made in this run are kept.
+
+        Raises:
+            ValueError: a malformed record.
+        """
+        from megatron_mtraining.layer_policy import LayerDecision
+
+        decisions = self._policy.setdefault("decisions", {})
+        n = 0
+        for rec in records or ():
+            d = LayerDecision.from_dict(rec)
+            if (d.layer_number, d.seq_len) not in decisions:
+                decisions[(d.layer_number, d.seq_len)] = d
+                n += 1
+        return n
+
     def kernel_summary(self) -> str:
         """The kernels this plan's layers have chosen so far, for a run's log (``""`` before the first forward).
 
@@ -343,7 +418,7 @@ class CPPlan:
         return ring_attention(q, k, v, layout=self.layout, group=self.cp_group, softmax_scale=softmax_scale,
                               causal=True, check_inputs=False, backend=backend, documents=documents)
 
-    def attention_runner(self):
+    def attention_runner(self, policy_groups: Sequence[Any] = ()):
         """The attention of one layer module: ``run(q, k, v, *, softmax_scale, documents=None) -> out``.
 
         :meth:`attention` itself, or with ``cuda_graphs: true`` in a sparse layer a runner that
@@ -356,7 +431,22 @@ class CPPlan:
         inputs whose kernels are not the Triton ones: the torch reference reads values back to the host)
         and ``RuntimeError`` for a second forward of the layer before the backward of the first, or a
         second backward of one forward (:mod:`megatron_mtraining.ring.graphs`).
+
+        With ``dense_layers: auto``, a sparse layer's runner is an
+        :class:`~megatron_mtraining.layer_policy.AutoLayerRunner` that measures, at the first call per
+        sequence length, whether the sparse or the dense attention is faster, agreed over
+        ``policy_groups`` (the groups whose ranks hold the layer: data-parallel × context-parallel, then
+        tensor-parallel; default: the CP group), and runs that one.
         """
+        if self.config.auto_dense_layers and self.sparse and self.layer_number is not None:
+            from megatron_mtraining.layer_policy import AutoLayerRunner
+
+            return AutoLayerRunner(self, self.dense_view(), policy_groups)
+        return self.fixed_attention_runner()
+
+    def fixed_attention_runner(self):
+        """:meth:`attention_runner` without the measured layer policy: this view's own attention (CUDA
+        graphs where configured), whatever ``dense_layers: auto`` would choose."""
         if not (self.config.cuda_graphs and self.sparse):
             return self.attention
         from megatron_mtraining.ring.graphs import CUDAGraphedAttention, cuda_graphs_error
@@ -462,6 +552,18 @@ class CPPlan:
         problem = sparse_packed_problem(self.config) if not documents.single_document else None
         if problem is not None:
             raise NotImplementedError(f"{what}: {problem}")
+
+
+def _gather_decisions(decisions: list, group) -> list:
+    """``decisions`` of every rank of ``group`` (``None``: this rank's), one per (layer, length), sorted."""
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        parts: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(parts, [d.to_dict() for d in decisions], group=group)
+        from megatron_mtraining.layer_policy import LayerDecision
+
+        decisions = [LayerDecision.from_dict(r) for part in parts for r in part]
+    unique = {(d.layer_number, d.seq_len): d for d in decisions}
+    return [unique[key] for key in sorted(unique)]
 
 
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,

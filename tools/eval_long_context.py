@@ -454,9 +454,11 @@ class Evaluator:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
             spec = get_gpt_layer_local_spec(normalization=args.normalization)
-        model = pg.build_model(args, config, self.vocab, self.device, layer_spec=spec)
+        plan = pg.build_plan(args) if args.eval_attention == "mtraining" else None
+        model = pg.build_model(args, config, self.vocab, self.device, layer_spec=spec, plan=plan)
+        # dense_layers: auto: the layers run the attention the checkpoint's training measured
         self.ckpt_dir, self.iteration = pg.load_model_weights(args.checkpoint, model, args.ckpt_format,
-                                                              args.iteration)
+                                                              args.iteration, plan=plan)
         model.eval()
         self.model = model
         self.eod = self.tokenizer.eod

@@ -186,7 +186,7 @@ def run_one(a, mode: str) -> dict:
     if args.load:          # weights only, before the optimizer copies them (fp32 main weights)
         from megatron_mtraining.training.checkpoint import load_model_weights
 
-        load_model_weights(args.load, model, args.ckpt_format)
+        load_model_weights(args.load, model, args.ckpt_format, plan=plan)
     model, optimizer, scheduler = build_optimizer(args, config, model)
     gpt = _unwrap(model)
     _label(gpt.output_layer, "forward", REGION_LM_HEAD_LOSS)

@@ -31,7 +31,8 @@ from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
 from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
 from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
 
-__all__ = ["MTrainingAttention", "get_cp_group", "get_hierarchical_groups", "plan_for_model"]
+__all__ = ["MTrainingAttention", "get_cp_group", "get_hierarchical_groups", "get_layer_policy_groups",
+           "plan_for_model"]
 
 
 def get_cp_group(pg_collection: Any = None) -> Optional[dist.ProcessGroup]:
@@ -56,6 +57,22 @@ def get_hierarchical_groups(pg_collection: Any = None) -> Optional[tuple]:
         raise ValueError(f"the hierarchical ring needs two levels of hierarchical CP groups (inner, outer), got "
                          f"{len(groups)} (--hierarchical-context-parallel-sizes INNER OUTER)")
     return groups[0], groups[1]
+
+
+def get_layer_policy_groups(pg_collection: Any = None) -> tuple:
+    """The groups over which ``dense_layers: auto`` agrees on a layer's decision: every rank holding the
+    layer. Megatron's data-parallel group with CP (``pg_collection.dp_cp``, else ``parallel_state``'s),
+    then the tensor-parallel group (``pg_collection.tp``, else ``parallel_state``'s); pipeline stages hold
+    other layers and are not included. ``()`` without ``torch.distributed``."""
+    groups = []
+    for name, getter in (("dp_cp", lambda: parallel_state.get_data_parallel_group(with_context_parallel=True)),
+                         ("tp", lambda: parallel_state.get_tensor_model_parallel_group(check_initialized=False))):
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is None and dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+            group = getter()
+        if group is not None:
+            groups.append(group)
+    return tuple(groups)
 
 
 def plan_for_model(mtraining_config: Union[MTrainingConfig, CPPlan, None], pg_collection: Any = None,
@@ -170,7 +187,10 @@ class MTrainingAttention(MegatronModule):
             )
         self.layout = self.plan.layout
         self.hierarchical_groups = self.plan.hierarchical_groups
-        self._attention = self.plan.attention_runner()   # this layer's own (CUDA graphs: its own graphs)
+        # this layer's own runner (CUDA graphs: its own graphs; dense_layers: auto: its own measurement, agreed
+        # by every rank that holds the layer)
+        policy_groups = get_layer_policy_groups(pg_collection) if self.mtraining_config.auto_dense_layers else ()
+        self._attention = self.plan.attention_runner(policy_groups)
 
     @staticmethod
     def _check_mask_type(mask_type: Any, what: str) -> None:

@@ -67,6 +67,12 @@ __all__ = [
 ]
 
 CP_ATTENTION_CHOICES = ("te", "mtraining")
+#: why Megatron-LM's pretrain_gpt.py refuses ``dense_layers: auto``
+AUTO_LAYERS_MEGATRON_LM_RULE = (
+    "'dense_layers: auto' is not supported through the Megatron-LM patch: Megatron-LM's checkpoints do not keep "
+    "the measured decisions, so a resumed run would measure again and could train differently. Fix the dense "
+    "layers instead (tools/pattern_recall.py --write-policy POLICY.yaml --policy-min-speedup 1.0 writes them), or "
+    "train with examples/pretrain_gpt.py")
 
 
 def mtraining_config_file(value: str) -> str:
@@ -178,6 +184,8 @@ def mtraining_config_from_args(args: Any) -> MTrainingConfig:
             inner, outer = cfg.hierarchical.sizes
             raise ValueError(f"mtraining config {path}: implementation 'hierarchical' needs Megatron's inner/outer "
                              f"CP groups: pass --hierarchical-context-parallel-sizes {inner} {outer}")
+        if cfg.auto_dense_layers:
+            raise ValueError(f"mtraining config {path}: {AUTO_LAYERS_MEGATRON_LM_RULE}")
         _CONFIGS[key] = cfg
     return cfg
 

@@ -28,7 +28,7 @@ from .runtime import log0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "resolve_checkpoint", "is_complete_checkpoint",
            "load_model_weights", "check_release_args", "check_checkpoint_args", "check_resume_schedule",
-           "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX"]
+           "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX", "LAYER_DECISIONS_KEY"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"                       # iter_XXXXXXX.tmp: a save in progress (or killed)
@@ -101,9 +101,17 @@ def _remove_incomplete(save_dir: str) -> None:
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
-def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
+#: the checkpoint entry that holds the measured layer decisions of ``dense_layers: auto``
+LAYER_DECISIONS_KEY = "mtraining_layer_decisions"
+
+
+def save_checkpoint(args, iteration: int, model, optimizer, scheduler, plan=None) -> str:
     """Save model, optimizer, scheduler and ``iteration`` into ``--save``/``iter_XXXXXXX`` (every rank
     takes part) and then point ``latest_checkpointed_iteration.txt`` at it; returns the directory.
+
+    ``plan``: the run's :class:`~megatron_mtraining.plan.CPPlan`; with ``dense_layers: auto`` its measured
+    layer decisions, gathered from every rank (each pipeline stage holds its own layers), are saved too
+    (``LAYER_DECISIONS_KEY``), so that :func:`load_checkpoint` resumes with the same attention per layer.
 
     Atomic (see the module docstring): the data goes to ``iter_XXXXXXX.tmp``, which is flushed and
     renamed once complete; the tracker is replaced after the rename. Leftover ``*.tmp`` directories
@@ -121,6 +129,8 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
     dist.barrier()
     meta = {"iteration": iteration, "checkpoint_version": 3.0, "ckpt_format": args.ckpt_format,
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}}
+    if plan is not None and plan.config.auto_dense_layers:
+        meta[LAYER_DECISIONS_KEY] = [d.to_dict() for d in plan.layer_decisions(dist.group.WORLD)]
     if args.ckpt_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
@@ -284,8 +294,11 @@ def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:
                       f"the command line ({type(e).__name__}: {str(e)[:500]})")
 
 
-def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None) -> int:
+def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None, plan=None) -> int:
     """Restore from ``--load``; returns the iteration (0 if nothing to load).
+
+    ``plan``: the run's :class:`~megatron_mtraining.plan.CPPlan`; with ``dense_layers: auto`` the
+    checkpoint's measured layer decisions are restored into it (the layers do not measure again).
 
     The checkpoint is chosen by :func:`resolve_checkpoint` (on rank 0, the same on every rank) and
     its notes are logged. Its network must match the flags (:func:`check_checkpoint_args`, before
@@ -349,12 +362,14 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             saved_schedule = common["opt_param_scheduler"]
+            saved_decisions = common.get(LAYER_DECISIONS_KEY)
         else:
             state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
             check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             saved_schedule = state["opt_param_scheduler"]
+            saved_decisions = state.get(LAYER_DECISIONS_KEY)
     except SystemExit:
         raise
     except Exception as e:
@@ -362,6 +377,13 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
     check_resume_schedule(args, scheduler, saved_schedule, ckpt_dir)
     scheduler.load_state_dict(saved_schedule)
     log0(f" > loaded checkpoint {ckpt_dir} (iteration {iteration})")
+    if plan is not None and plan.config.auto_dense_layers:
+        try:
+            n = plan.restore_layer_decisions(saved_decisions)
+        except ValueError as e:
+            raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir}: {e}") from None
+        log0(f" > dense_layers: auto: {n} measured layer decisions restored from the checkpoint"
+             + ("" if n else " (none saved: the layers measure at their first call)"))
     return iteration
 
 
@@ -387,7 +409,7 @@ def checkpoint_dir(load_dir: str, iteration: Optional[int] = None) -> tuple[str,
 
 
 def load_model_weights(load_dir: str, model, ckpt_format: str = "torch_dist",
-                       iteration: Optional[int] = None) -> tuple[str, Any]:
+                       iteration: Optional[int] = None, plan=None) -> tuple[str, Any]:
     """Load only the model weights of a checkpoint (evaluation; see :func:`checkpoint_dir`).
 
     Args:
@@ -395,6 +417,8 @@ def load_model_weights(load_dir: str, model, ckpt_format: str = "torch_dist",
         model: the unwrapped model of :func:`build_model` (GPTModel or Float16Module, no DDP).
         ckpt_format: ``torch_dist`` or ``torch`` (as saved; any CP/DP size at TP=1).
         iteration: which ``iter_XXXXXXX`` to load (default: the latest).
+        plan: the model's :class:`~megatron_mtraining.plan.CPPlan`; with ``dense_layers: auto`` the
+            checkpoint's measured layer decisions are restored into it (the layers run as in training).
 
     Returns:
         ``(checkpoint directory, iteration)``.
@@ -406,10 +430,15 @@ def load_model_weights(load_dir: str, model, ckpt_format: str = "torch_dist",
         from megatron.core import dist_checkpointing
 
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
+        decisions = (dist_checkpointing.load_common_state_dict(ckpt_dir).get(LAYER_DECISIONS_KEY)
+                     if plan is not None and plan.config.auto_dense_layers else None)
     else:  # every CP/DP rank holds the full model at TP=1: take TP 0 / CP 0 / DP 0's file
         state = torch.load(os.path.join(ckpt_dir, "mp_rank_00_cp_00_dp_000.pt"), map_location="cpu",
                            weights_only=False)
+        decisions = state.get(LAYER_DECISIONS_KEY)
     model.load_state_dict(state["model"])
+    if plan is not None and plan.config.auto_dense_layers:
+        plan.restore_layer_decisions(decisions)
     return ckpt_dir, iteration
 
 

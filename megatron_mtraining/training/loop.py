@@ -7,6 +7,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from megatron_mtraining.layer_policy import layer_decision_lines
+
 from .build import (build_model, build_optimizer, build_plan, build_tokenizer, count_params,
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -131,7 +133,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     n_params = count_params(model)
     model, optimizer, scheduler = build_optimizer(args, config, model)
     gbs = args.global_batch_size
-    start_iter = load_checkpoint(args, model, optimizer, scheduler, vocab) if args.load else 0
+    start_iter = load_checkpoint(args, model, optimizer, scheduler, vocab, plan=plan) if args.load else 0
 
     pp = args.pipeline_model_parallel_size
     log0(f" > world {args.world_size} = TP {args.tensor_model_parallel_size} x CP {args.context_parallel_size}"
@@ -197,10 +199,13 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
         kernels = plan.kernel_summary() if iteration == start_iter + 1 and plan is not None else ""
         if kernels:
             log0(f" > attention kernels: {kernels}")
+        if plan is not None and plan.config.auto_dense_layers:
+            for line in layer_decision_lines(plan.take_new_layer_decisions(pp_group)):
+                log0(f" > {line}")
         if args.eval_iters > 0 and valid_iter is not None and iteration % args.eval_interval == 0:
             metrics.validation(iteration, evaluate(args, model, optimizer, valid_iter, split, device))
         if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.train_iters:
-            log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler)}")
+            log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler, plan)}")
             saved_iter = iteration
         stop_reason = stop.reason(IterationInfo(iteration, start_iter, args.train_iters, loss, dt))
         if stop_reason:
@@ -209,7 +214,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
 
     log0(f" > training done: {iteration - start_iter} iterations in {time.perf_counter() - t_train:.1f} s")
     if args.save and iteration > saved_iter:
-        log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler)}")
+        log0(f" > saved checkpoint {save_checkpoint(args, iteration, model, optimizer, scheduler, plan)}")
     metrics.close()
     dist.barrier()
     ps.destroy_model_parallel()

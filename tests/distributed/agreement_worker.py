@@ -29,6 +29,8 @@ Scenarios:
     plan_gqa_one_rank       the plan's check, rank 1 passes bad heads
     layer_policy_one_rank   rank 1's config keeps another layer dense (per-layer policy); the check
                             runs from the view of layer 2, which is sparse on both ranks
+    auto_policy_timings_differ  dense_layers: auto where the two ranks' own times point different ways:
+                            one decision (from the summed times) on both ranks
 """
 
 from __future__ import annotations
@@ -192,9 +194,42 @@ def run(scenario: str) -> dict:
         plan = resolve(cfg, cp_group=world, seq_len=64 * dist.get_world_size(), num_layers=3)
         q, k, v = _qkv()
         plan.for_layer(2).check_inputs(q, k, v, softmax_scale=0.25)
+    elif scenario == "auto_policy_timings_differ":
+        extra.update(_auto_policy_decisions())
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     return extra
+
+
+def _auto_policy_decisions() -> dict:
+    """dense_layers: auto with per-rank times that point different ways: rank 0 measures its sparse
+    attention faster (1 ms against 3), rank 1 its dense one (5 against 2); the sums (6 against 5) choose
+    dense on both ranks, which then run the same dense ring. A second call does not measure again."""
+    from megatron_mtraining.layer_policy import AutoLayerRunner
+    from megatron_mtraining.plan import resolve
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    cfg = {"granularity": 64, "pattern": "vertical_slash", "dense_layers": "auto", "kernel_backend": "torch",
+           "vertical_slash": {"last_q": 64, "block_size": 64, "sink_tokens": 0, "local_blocks": 1,
+                              "max_vertical": 64, "max_slash": 2, "recall": 0.5}}
+    plan = resolve(cfg, cp_group=world, seq_len=128 * dist.get_world_size(), num_layers=1)
+    view = plan.for_layer(1)
+    mine = {0: (1.0, 3.0), 1: (5.0, 2.0)}[rank]
+    timed = []
+
+    def timer(attention, q, k, v):
+        attention(q, k, v)                 # the real ring runs (a collective): every rank calls it alike
+        timed.append(1)
+        return mine[(len(timed) - 1) % 2]
+
+    runner = AutoLayerRunner(view, view.dense_view(), (), timer=timer)
+    q, k, v = _qkv(s_local=128)
+    out = runner(q, k, v, softmax_scale=0.25)
+    again = runner(q, k, v, softmax_scale=0.25)
+    dense = ring_attention(q, k, v, layout=plan.layout, group=world, softmax_scale=0.25)
+    d = plan.layer_decisions(world)
+    return {"decisions": [x.to_dict() for x in d], "timed": len(timed), "groups": len(runner.groups),
+            "is_dense_ring": bool(torch.equal(out, dense) and torch.equal(again, dense))}
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from tests.helpers.dist import result_rows, shared_torchrun
 WORKER = "tests/distributed/agreement_worker.py"
 SCENARIOS = {
     2: ["gqa_one_rank", "length_one_rank", "layout_cp_one_rank", "scale_one_rank", "sparse_scale_one_rank",
-        "plan_once", "plan_gqa_one_rank", "layer_policy_one_rank"],
+        "plan_once", "plan_gqa_one_rank", "layer_policy_one_rank", "auto_policy_timings_differ"],
     4: ["hier_swapped", "hier_swapped_sparse", "hier_gqa_one_rank", "hier_ok"],
 }
 
@@ -104,3 +104,14 @@ def test_layer_policy_mismatch_is_an_error():
     rows = _run("layer_policy_one_rank", 2)
     _same_error_everywhere(rows, "ranks of the CP group disagree")
     assert "layer_policy" in rows[0]["error"], rows[0]["error"]
+
+
+def test_auto_layer_policy_is_one_decision_on_every_rank():
+    """dense_layers: auto sums the ranks' times: rank 0 alone would run sparse, rank 1 alone dense; both run
+    the dense ring (6 ms sparse against 5 dense summed), measured once."""
+    rows = _run("auto_policy_timings_differ", 2)
+    assert all(r["error"] is None for r in rows), rows
+    for r in rows:
+        assert r["timed"] == 2 and r["groups"] == 1 and r["is_dense_ring"], r
+        assert r["decisions"] == [{"layer_number": 1, "seq_len": 256, "dense": True, "sparse_ms": 6.0,
+                                   "dense_ms": 5.0, "ranks": 2}], r

@@ -233,3 +233,139 @@ def test_pipeline_stage_layers_take_their_global_layer_number(monkeypatch):
         core = [layer.self_attention.core_attention for layer in stage]
         assert [a.layer_number for a in core] == [3, 4]
         assert core[0].plan.pattern is None and core[1].plan.pattern.recall == 0.99
+
+
+# ------------------------------------------------------------------------------ dense_layers: auto
+AUTO = dict(pattern="vertical_slash", vertical_slash=VerticalSlashConfig(**SPARSE), dense_layers="auto",
+            kernel_backend="torch")
+
+
+def _fake_timer(times: dict, log: list):
+    """A timer that runs the attention once (as the real one does) and returns the given times:
+    ``times[layer] = (sparse_ms, dense_ms)``, in the runner's order (sparse first)."""
+    def timer_for(layer):
+        def timer(attention, q, k, v):
+            log.append((layer, torch.is_grad_enabled()))
+            attention(q, k, v)
+            n = sum(1 for entry in log if entry[0] == layer)
+            return times[layer][(n - 1) % 2]
+        return timer
+    return timer_for
+
+
+def test_auto_policy_runs_the_measured_attention_once_per_length_and_restores():
+    from megatron_mtraining.layer_policy import layer_decision_lines
+
+    plan = resolve(MTrainingConfig(**AUTO), cp_group=None, seq_len=SEQ, num_layers=2)
+    plan.track_kept_fraction(True)
+    log: list = []
+    timer_for = _fake_timer({1: (2.0, 1.0), 2: (1.0, 2.0)}, log)     # layer 1: dense is faster; layer 2: sparse
+    runners = {}
+    for n in (1, 2):
+        runners[n] = plan.for_layer(n).attention_runner()
+        runners[n].timer = timer_for(n)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, SEQ, h, 16, generator=g) for h in (4, 2, 2))
+    rng = torch.get_rng_state()
+    with torch.no_grad():                                     # as recomputation's first forward
+        out = {n: runners[n](q, k, v, softmax_scale=0.25) for n in (1, 2)}
+    assert log == [(1, True), (1, True), (2, True), (2, True)]       # measured with autograd on, once each
+    assert torch.equal(torch.get_rng_state(), rng)
+    dense = ring_attention(q, k, v, layout=plan.layout, group=None, softmax_scale=0.25, causal=True)
+    sparse = sparse_ring_attention(q, k, v, layout=plan.layout, group=None, config=AUTO["vertical_slash"],
+                                   softmax_scale=0.25)
+    assert torch.equal(out[1], dense) and torch.equal(out[2], sparse)
+    assert (dense - sparse).abs().max() > 1e-3                 # negative control: the two attentions differ
+    # the kept work counts the sparse layer's own call only (not the timing calls, not the dense layer)
+    kept = plan.take_kept_fraction()
+    assert kept["layers"] == 1 and plan.take_kept_fraction() is None
+    # later calls follow the decision without measuring; a new length is measured anew
+    assert torch.equal(runners[1](q, k, v, softmax_scale=0.25), dense) and len(log) == 4
+    half = tuple(t[:, :SEQ // 2].contiguous() for t in (q, k, v))
+    runners[1](*half, softmax_scale=0.25)
+    assert len(log) == 6
+    decisions = plan.layer_decisions()
+    assert [(d.layer_number, d.seq_len, d.dense) for d in decisions] == [(1, SEQ // 2, True), (1, SEQ, True),
+                                                                         (2, SEQ, False)]
+    assert decisions[1].sparse_ms == 2.0 and decisions[1].dense_ms == 1.0 and decisions[1].ranks == 1
+    lines = layer_decision_lines(plan.take_new_layer_decisions())
+    assert lines == [f"dense_layers: auto at {SEQ // 2} tokens: dense 1; sparse none | fwd+bwd ms sparse/dense: "
+                     "1: 2.00/1.00",
+                     f"dense_layers: auto at {SEQ} tokens: dense 1; sparse 2 | fwd+bwd ms sparse/dense: 1: 2.00/1.00, "
+                     "2: 1.00/2.00"]
+    assert plan.take_new_layer_decisions() == []
+    # a new run restores them (a checkpoint's records): nothing is measured, the same attention runs
+    again = resolve(MTrainingConfig(**AUTO), cp_group=None, seq_len=SEQ, num_layers=2)
+    assert again.restore_layer_decisions([d.to_dict() for d in decisions]) == 3
+    log.clear()
+    runner = again.for_layer(1).attention_runner()
+    runner.timer = timer_for(1)
+    assert torch.equal(runner(q, k, v, softmax_scale=0.25), dense) and log == []
+    assert again.take_new_layer_decisions() == []
+    with pytest.raises(ValueError, match="needs layer_number, seq_len and dense"):
+        again.restore_layer_decisions([{"layer_number": 1}])
+
+
+def test_auto_policy_through_megatron_core_matches_the_fixed_policy_it_chose(monkeypatch):
+    """A GPTModel with dense_layers: auto whose measurement picks dense for layer 1 and sparse for layer 2
+    computes exactly what dense_layers: [1] computes; the real timer measures with autograd on."""
+    import megatron_mtraining.layer_policy as lp
+
+    log: list = []
+    timer_for = _fake_timer({1: (2.0, 1.0), 2: (1.0, 2.0)}, log)
+    real_timer = lp._time_fwd_bwd
+    monkeypatch.setattr(lp, "_time_fwd_bwd", lambda attention, q, k, v: timer_for(len(log) // 2 + 1)(attention, q, k, v))
+    with one_rank_megatron():
+        auto_io, plan, _ = _gpt_core_attention_io(MTrainingConfig(**AUTO))
+        fixed_io, _, _ = _gpt_core_attention_io(MTrainingConfig(**{**AUTO, "dense_layers": [1]}))
+    assert [(d.layer_number, d.dense) for d in plan.layer_decisions()] == [(1, True), (2, False)]
+    for n in (1, 2):
+        assert torch.equal(auto_io[n][3], fixed_io[n][3]), n
+    # the real timer: a positive time of a forward and backward, with the caller's tensors untouched
+    q, k, v = (t.clone() for t in auto_io[2][:3])
+    ms = real_timer(lambda a, b, c: plan.for_layer(2).attention(a, b, c, softmax_scale=0.25), q, k, v)
+    assert ms > 0 and not q.requires_grad and torch.equal(q, auto_io[2][0])
+
+
+def test_megatron_lm_patch_refuses_dense_layers_auto(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_mtraining.megatron import megatron_lm
+
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text("pattern: vertical_slash\ndense_layers: auto\n")
+    args = SimpleNamespace(mtraining_config=str(cfg), context_parallel_size=1, seq_length=256, num_layers=2)
+    with pytest.raises(ValueError, match="'dense_layers: auto' is not supported through the Megatron-LM patch"):
+        megatron_lm.mtraining_config_from_args(args)
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_measured_layers_and_resumes_with_the_saved_decisions(tmp_path):
+    """The example trainer with dense_layers: auto: the log names the layers that run dense, the checkpoint
+    keeps the decisions, and a run resumed from iteration 1 takes them (it measures nothing) and trains
+    iteration 2 exactly as the uninterrupted run did."""
+    import json
+    import shutil
+
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.9, max_slash: 4}\ndense_layers: auto\n")
+    m1, m2 = tmp_path / "m1.jsonl", tmp_path / "m2.jsonl"
+    first = run_python(SCRIPT, _argv(prefix, tok, cfg, **{"--data-cache-path": tmp_path / "c", "--save-interval": 1,
+                                                          "--save": tmp_path / "ckpt", "--metrics-file": m1}),
+                       timeout=300)
+    assert first.returncode == 0, first.tail()
+    assert first.stdout.count("dense_layers: auto at 256 tokens: dense ") == 1, first.stdout
+    assert "fwd+bwd ms sparse/dense: 1: " in first.stdout and ", 2: " in first.stdout
+    resume = tmp_path / "resume"                      # the iteration-1 checkpoint on its own
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000001", resume / "iter_0000001")
+    (resume / "latest_checkpointed_iteration.txt").write_text("1")
+    rest = run_python(SCRIPT, _argv(prefix, tok, cfg, **{"--data-cache-path": tmp_path / "c", "--load": resume,
+                                                         "--metrics-file": m2}), timeout=300)
+    assert rest.returncode == 0, rest.tail()
+    assert "dense_layers: auto: 2 measured layer decisions restored from the checkpoint" in rest.stdout, rest.stdout
+    assert "dense_layers: auto at" not in rest.stdout                  # nothing measured again
+    a = [json.loads(line) for line in m1.read_text().splitlines()]
+    b = [json.loads(line) for line in m2.read_text().splitlines()]
+    assert [r["iteration"] for r in a] == [1, 2] and [r["iteration"] for r in b] == [2]
+    assert b[0]["lm_loss"] == a[1]["lm_loss"] and b[0]["grad_norm"] == a[1]["grad_norm"], (a, b)

@@ -265,6 +265,9 @@ def test_layer_policy_resolves_per_layer_and_round_trips(tmp_path):
     ({"pattern": "dense", "vertical_slash": None, "layer_overrides": {"1": {"recall": 0.9}}},
      "'layer_overrides' applies to the sparse pattern only"),
     ({"dense_layers": 2}, "write [2] for one layer"),
+    ({"dense_layers": "Auto"}, "'dense_layers' must be 'auto' or a list of 1-based layer numbers or ranges"),
+    ({"pattern": "dense", "vertical_slash": None, "dense_layers": "auto"},
+     "'dense_layers: auto' applies to the sparse pattern only"),
     ({"dense_layers": [0]}, "1-based"),
     ({"dense_layers": [True]}, "1-based layer number or a range"),
     ({"dense_layers": ["4-2"]}, "is empty (first > last)"),
@@ -288,6 +291,27 @@ def test_layer_policy_errors_name_the_rule(extra, needle):
     with pytest.raises(ValueError):                                  # the direct API: the same rule
         MTrainingConfig(**{k: (load_mtraining_config(SPARSE).vertical_slash if k == "vertical_slash" else v)
                            for k, v in data.items()})
+
+
+def test_dense_layers_auto_keeps_every_layer_sparse_in_the_config_and_round_trips(tmp_path):
+    path = tmp_path / "auto.yaml"
+    path.write_text("pattern: vertical_slash\ndense_layers: auto\nlayer_overrides: {2: {recall: 0.99}}\n")
+    cfg = load_mtraining_config(path)
+    assert cfg.auto_dense_layers and cfg.dense_layers is None and cfg.has_layer_policy
+    assert cfg.layer_pattern(1) == cfg.vertical_slash and cfg.layer_pattern(2).recall == 0.99   # measured at run time
+    assert cfg.to_dict()["dense_layers"] == "auto" and load_mtraining_config(cfg.to_dict()) == cfg
+    assert load_mtraining_config(dump_mtraining_config(cfg, tmp_path / "o.yaml") and tmp_path / "o.yaml") == cfg
+    assert cfg.layer_policy_text() == "dense auto (measured); layers 2: recall=0.99"
+    assert MTrainingConfig(pattern="vertical_slash", dense_layers="auto") == load_mtraining_config(
+        {"pattern": "vertical_slash", "dense_layers": "auto"})
+    fixed = cfg.with_dense_layers([3])                  # a measured list replaces auto
+    assert fixed.dense_layers == (3,) and not fixed.auto_dense_layers
+    with pytest.raises(ValueError, match="either 'auto' or a list of layers"):
+        MTrainingConfig(pattern="vertical_slash", dense_layers=[1], auto_dense_layers=True)
+    with pytest.raises(ValueError, match="unknown key 'auto_dense_layers'"):      # a file says dense_layers: auto
+        load_mtraining_config({"pattern": "vertical_slash", "auto_dense_layers": True})
+    with pytest.raises(ValueError, match="'auto_dense_layers' must be true or false"):
+        MTrainingConfig(pattern="vertical_slash", auto_dense_layers="yes")
 
 
 def test_layer_numbers_are_checked_against_num_layers():

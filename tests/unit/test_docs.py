@@ -45,6 +45,8 @@ def config_fields(cls: type = MTrainingConfig, prefix: str = "") -> dict[str, ob
     hints = typing.get_type_hints(cls)
     out: dict[str, object] = {}
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("file_key", True):      # set through another key (dense_layers: auto)
+            continue
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:

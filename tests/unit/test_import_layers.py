@@ -21,7 +21,7 @@ LAYERS = [
     ("ops",),
     ("bench",),
     ("ring",),
-    ("config", "plan"),
+    ("config", "plan", "layer_policy"),
     ("megatron",),
     ("training",),
     ("cli", "__main__"),
