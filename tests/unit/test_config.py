@@ -32,6 +32,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "e2e_sparse.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r095.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r098.yaml": ("striped", "vertical_slash", 0.98, 64),
+    "long_context_r098_auto.yaml": ("striped", "vertical_slash", 0.98, 64),
     "fa4_128k.yaml": ("striped", "vertical_slash", 0.9, 128),
     "packed_documents_r090.yaml": ("striped", "vertical_slash", 0.9, 64),
 }
@@ -64,6 +65,12 @@ def test_shipped_config_loads_and_round_trips(path, tmp_path):
     assert load_mtraining_config(cfg.to_dict()) == cfg
     dump_mtraining_config(cfg, tmp_path / "again.yaml")
     assert load_mtraining_config(tmp_path / "again.yaml") == cfg
+
+
+def test_the_auto_config_is_r098_with_the_measured_layer_policy():
+    auto, fixed = (load_mtraining_config(ROOT / "configs" / n) for n in ("long_context_r098_auto.yaml",
+                                                                         "long_context_r098.yaml"))
+    assert auto.auto_dense_layers and dataclasses.replace(auto, auto_dense_layers=False) == fixed
 
 
 def test_paper_main_run_settings():
