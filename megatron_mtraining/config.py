@@ -222,9 +222,9 @@ class MTrainingConfig:
             number counts from the model's first layer, not the stage's) and ``"first-last"``
             ranges, e.g. ``[1, "30-32"]``; stored as a sorted tuple of ints. ``None``: every layer is
             sparse. ``"auto"``: the measured layer policy (:mod:`megatron_mtraining.layer_policy`): each
-            layer's first call with a sequence length times its sparse attention (with its budgets)
-            against the dense attention, forward and backward, summed over the ranks that hold the layer,
-            and the layer runs the faster one at that length from then on (stored as
+            layer's first call times its sparse attention (with its budgets) against the dense attention,
+            forward and backward, summed over the ranks that hold the layer, and the layer runs the faster
+            one for the rest of the run (a decision per run sequence length and CP size; stored as
             ``dense_layers=None, auto_dense_layers=True``). Only with ``pattern: vertical_slash``.
         layer_overrides: per-layer ``vertical_slash`` fields, a mapping of a layer (``"3"``) or a
             range (``"2-4"``) to fields of :data:`LAYER_OVERRIDE_KEYS` (``block_size`` is one per
@@ -396,7 +396,7 @@ class MTrainingConfig:
             add.append(int(n))
         add = sorted(set(add))
         if not add:
-            return self
+            return dataclasses.replace(self, auto_dense_layers=False) if self.auto_dense_layers else self
         if not self.sparse:
             raise ValueError(f"{_PREFIX}: dense_layers needs pattern: vertical_slash (every layer is dense already)")
         data = self.to_dict()

@@ -3,29 +3,31 @@
 MTraining's sparse attention pays only where a layer's pattern skips enough work to cover the
 estimation, index conversion and plans (MTraining §3.2; at short lengths a layer whose heads keep
 most of the causal work is slower sparse than dense). With ``dense_layers: auto`` in the config, the
-first call of each layer at a sequence length decides, and every later call at that length follows the
-decision:
+first call of each layer decides, and every later call follows the decision. A decision belongs to the
+run's sequence length and CP size (the plan's ``seq_len`` and ``cp_size``, the same on every rank): a run
+resumed at another ``--seq-length`` or CP size decides again, while calls of one run at other lengths
+(packed THD streams, evaluation at other lengths) keep it, so that every rank makes the same collectives.
 
 1. **Time both.** The layer's sparse attention (its own budgets, its kernels, CUDA graphs where the
    config asks for them) and the dense attention the config would run in its place are each timed on
-   this call's ``q, k, v``: forward and backward of a fixed random output gradient, ``TIMING_WARMUP``
+   the first call's ``q, k, v``: forward and backward of a fixed random output gradient, ``TIMING_WARMUP``
    untimed calls then the median of ``TIMING_REPEATS``
    (:func:`~megatron_mtraining.bench.speed.time_forward_backward`; CUDA events on a GPU, the wall clock
    on the CPU). Autograd is on for the timing even when the call itself runs without gradients
-   (activation recomputation's first forward). The timing calls work on detached copies: the call's
-   tensors, the autograd graph, the global RNG streams and the kept-work statistics
-   (:meth:`~megatron_mtraining.plan.CPPlan.track_kept_fraction`) are untouched.
+   (activation recomputation's first forward) or under ``torch.inference_mode``. The timing calls work
+   on detached copies: the call's tensors, the autograd graph, the global RNG streams and the kept-work
+   statistics (:meth:`~megatron_mtraining.plan.CPPlan.track_kept_fraction`) are untouched.
 2. **Agree.** The two times are summed over the process groups given (every rank that holds the layer:
    data-parallel × context-parallel, then tensor-parallel); the layer runs dense where the summed dense
    time is below the summed sparse time, and a MAX all-reduce of that verdict makes it one decision on
    every rank. The CP ranks time together (each timing call is one ring), so warm-up and repeat counts
    are fixed, never budgeted by the clock.
 3. **Keep.** The decision is stored in the run plan (:meth:`~megatron_mtraining.plan.CPPlan.layer_decisions`),
-   which the example trainer saves in its checkpoints and restores on ``--load``: a resumed run takes
-   the saved decisions instead of timing again, so it continues exactly.
+   which the example trainer saves in its checkpoints and restores on ``--load``: a resumed run (same
+   sequence length and CP size) takes the saved decisions instead of timing again, so it continues exactly.
 
 The cost is one-time: ``2 × (TIMING_WARMUP + TIMING_REPEATS)`` forward and backward calls of the layer's
-attention at its first call per length.
+attention at its first call.
 
 This module does not import megatron.
 """
@@ -53,20 +55,29 @@ class LayerDecision:
 
     Attributes:
         layer_number: 1-based global layer number.
-        seq_len: the global sequence length in tokens (this rank's length × cp_size; packed THD
-            streams: the stream's length).
-        dense: ``True``: the layer runs the dense attention at this length; ``False``: sparse.
+        seq_len: the run's global sequence length in tokens (the plan's ``seq_len``; ``None`` for a plan
+            resolved without one), which the decision belongs to.
+        cp_size: the run's CP size, which the decision belongs to.
+        dense: ``True``: the layer runs the dense attention; ``False``: sparse.
         sparse_ms, dense_ms: forward and backward time of one call in milliseconds, summed over the
             agreeing ranks (``nan`` for a decision restored without its times).
         ranks: the number of ranks whose times were summed.
+        tokens: the global length of the call that was timed.
     """
 
     layer_number: int
-    seq_len: int
+    seq_len: Optional[int]
+    cp_size: int
     dense: bool
     sparse_ms: float
     dense_ms: float
     ranks: int
+    tokens: int
+
+    @property
+    def key(self) -> tuple:
+        """``(layer_number, seq_len, cp_size)``: what the decision is stored under."""
+        return (self.layer_number, self.seq_len, self.cp_size)
 
     @property
     def speedup(self) -> float:
@@ -84,11 +95,14 @@ class LayerDecision:
             ValueError: a record without ``layer_number``, ``seq_len`` and ``dense``.
         """
         try:
-            return cls(layer_number=int(d["layer_number"]), seq_len=int(d["seq_len"]), dense=bool(d["dense"]),
+            seq_len = d["seq_len"]
+            return cls(layer_number=int(d["layer_number"]), seq_len=None if seq_len is None else int(seq_len),
+                       cp_size=int(d["cp_size"]), dense=bool(d["dense"]),
                        sparse_ms=float(d.get("sparse_ms", math.nan)), dense_ms=float(d.get("dense_ms", math.nan)),
-                       ranks=int(d.get("ranks", 0)))
+                       ranks=int(d.get("ranks", 0)), tokens=int(d.get("tokens", seq_len or 0)))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"layer policy record {d!r}: needs layer_number, seq_len and dense ({e})") from None
+            raise ValueError(f"layer policy record {d!r}: needs layer_number, seq_len, cp_size and dense "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def _ranges(numbers: Sequence[int]) -> str:
@@ -105,17 +119,18 @@ def _ranges(numbers: Sequence[int]) -> str:
 
 
 def layer_decision_lines(decisions: Sequence[LayerDecision]) -> list[str]:
-    """Log lines for ``decisions``, one per sequence length, e.g.
-    ``"dense_layers: auto at 32768 tokens: dense 1-3,7; sparse 4-6 | fwd+bwd ms sparse/dense: 1: 15.3/7.7, ..."``
+    """Log lines for ``decisions``, one per (sequence length, CP size), e.g.
+    ``"dense_layers: auto at 32768 tokens, CP=1: dense 1-3,7; sparse 4-6 | fwd+bwd ms sparse/dense: 1: 15.3/7.7, ..."``
     (times summed over the agreeing ranks)."""
     lines = []
-    for seq_len in sorted({d.seq_len for d in decisions}):
-        ds = sorted((d for d in decisions if d.seq_len == seq_len), key=lambda d: d.layer_number)
+    for seq_len, cp in sorted({(d.seq_len, d.cp_size) for d in decisions}, key=lambda t: (t[0] or 0, t[1])):
+        ds = sorted((d for d in decisions if (d.seq_len, d.cp_size) == (seq_len, cp)), key=lambda d: d.layer_number)
         dense = [d.layer_number for d in ds if d.dense]
         sparse = [d.layer_number for d in ds if not d.dense]
         times = ", ".join(f"{d.layer_number}: {d.sparse_ms:.2f}/{d.dense_ms:.2f}" for d in ds)
-        lines.append(f"dense_layers: auto at {seq_len} tokens: dense {_ranges(dense)}; sparse {_ranges(sparse)} "
-                     f"| fwd+bwd ms sparse/dense: {times}")
+        tokens = seq_len if seq_len is not None else ds[0].tokens
+        lines.append(f"dense_layers: auto at {tokens} tokens, CP={cp}: dense {_ranges(dense)}; "
+                     f"sparse {_ranges(sparse)} | fwd+bwd ms sparse/dense: {times}")
     return lines
 
 
@@ -154,20 +169,21 @@ class AutoLayerRunner:
     """One layer's attention under ``dense_layers: auto``: ``run(q, k, v, *, softmax_scale, documents=None)``.
 
     Built by :meth:`~megatron_mtraining.plan.CPPlan.attention_runner` for a sparse layer of a config with
-    ``dense_layers: auto``. The first call at a global sequence length decides as the module docstring
-    describes (unless the run plan already holds a decision for this layer and length, e.g. restored from a
-    checkpoint); every call then runs the chosen attention.
+    ``dense_layers: auto``. The layer's first call decides as the module docstring describes (unless the run
+    plan already holds a decision for this layer at the run's sequence length and CP size, e.g. restored
+    from a checkpoint); every call then runs the chosen attention.
 
     Args:
         sparse_plan: the layer's sparse view of the run plan (:meth:`~megatron_mtraining.plan.CPPlan.for_layer`).
         dense_plan: the same layer's dense view.
         groups: the process groups whose ranks hold this layer, summed in turn (e.g. Megatron's
-            data-parallel group with CP, then the tensor-parallel group). The CP group is added when no
-            group is given; every CP rank must reach the same decision, or the ring would hang.
+            data-parallel group with CP, then the tensor-parallel group). The CP group goes first unless a
+            given group holds all its ranks: every CP rank must reach the same decision, or the ring would
+            hang. Ranks outside these groups decide on their own (give every group that holds the layer).
         timer: ``timer(attention, q, k, v) -> milliseconds`` (default: the median of
             :func:`~megatron_mtraining.bench.speed.time_forward_backward`); tests pass fake ones.
 
-    Every rank of the groups must call the layer together at its first call per length (as training does).
+    Every rank of the groups must make the layer's first call together (as the first training step does).
     """
 
     def __init__(self, sparse_plan, dense_plan, groups: Sequence[Any] = (),
@@ -183,25 +199,22 @@ class AutoLayerRunner:
         self._sparse = sparse_plan.fixed_attention_runner()      # cuda_graphs: this layer's own graphs
         self._dense = dense_plan.attention
 
-    def seq_len(self, q: torch.Tensor) -> int:
-        """The global sequence length of inputs ``q`` (``[b, s_local, h, d]``)."""
-        return int(q.shape[1]) * int(self.sparse_plan.cp_size)
-
     def decision(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                  documents=None) -> LayerDecision:
-        """This layer's decision at the length of ``q``: the stored one, else measured and stored now."""
-        seq_len = self.seq_len(q)
-        found = self.sparse_plan.layer_decision(seq_len)
+        """This layer's decision: the stored one, else measured on this call's inputs and stored now."""
+        found = self.sparse_plan.layer_decision()
         if found is not None:
             return found
         kw = dict(softmax_scale=softmax_scale, documents=documents)
-        with self.sparse_plan.kept_fraction_paused(), torch.enable_grad():
+        with self.sparse_plan.kept_fraction_paused(), torch.inference_mode(False), torch.enable_grad():
             sparse_ms = float(self.timer(lambda a, b, c: self._sparse(a, b, c, **kw), q, k, v))
             dense_ms = float(self.timer(lambda a, b, c: self._dense(a, b, c, **kw), q, k, v))
         dense, sparse_sum, dense_sum, ranks = _agree(sparse_ms, dense_ms, self.groups)
-        decided = LayerDecision(layer_number=int(self.sparse_plan.layer_number), seq_len=seq_len, dense=dense,
-                                sparse_ms=sparse_sum, dense_ms=dense_sum, ranks=ranks)
-        self.sparse_plan.record_layer_decision(decided)
+        plan = self.sparse_plan
+        decided = LayerDecision(layer_number=int(plan.layer_number), seq_len=plan.seq_len, cp_size=int(plan.cp_size),
+                                dense=dense, sparse_ms=sparse_sum, dense_ms=dense_sum, ranks=ranks,
+                                tokens=int(q.shape[1]) * int(plan.cp_size))
+        plan.record_layer_decision(decided)
         return decided
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,

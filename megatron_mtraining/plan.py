@@ -296,20 +296,20 @@ class CPPlan:
             self._kept["on"] = was
 
     # ---------------------------------------------------------------- dense_layers: auto
-    def layer_decision(self, seq_len: int):
-        """This layer's :class:`~megatron_mtraining.layer_policy.LayerDecision` at global length ``seq_len``
-        (``dense_layers: auto``), or ``None`` before it is measured or restored."""
-        return self._policy.get("decisions", {}).get((self.layer_number, int(seq_len)))
+    def layer_decision(self):
+        """This layer's :class:`~megatron_mtraining.layer_policy.LayerDecision` (``dense_layers: auto``) for the
+        plan's ``seq_len`` and ``cp_size``, or ``None`` before it is measured or restored."""
+        return self._policy.get("decisions", {}).get((self.layer_number, self.seq_len, self.cp_size))
 
     def record_layer_decision(self, decision) -> None:
         """Store a :class:`~megatron_mtraining.layer_policy.LayerDecision` in the run plan (shared by all
         its per-layer views); :meth:`take_new_layer_decisions` reports it once."""
-        self._policy.setdefault("decisions", {})[(decision.layer_number, decision.seq_len)] = decision
+        self._policy.setdefault("decisions", {})[decision.key] = decision
         self._policy.setdefault("new", []).append(decision)
 
     def layer_decisions(self, group=None) -> list:
-        """Every :class:`~megatron_mtraining.layer_policy.LayerDecision` of the run so far, sorted by layer
-        and length.
+        """Every :class:`~megatron_mtraining.layer_policy.LayerDecision` of the run so far (restored ones
+        included), sorted by length, CP size and layer.
 
         Args:
             group: a process group whose ranks hold different layers (the whole world for a checkpoint,
@@ -326,9 +326,10 @@ class CPPlan:
         new = self._policy.pop("new", [])
         return _gather_decisions(new, group)
 
-    def restore_layer_decisions(self, records) -> int:
+    def restore_layer_decisions(self, records) -> list:
         """Take the decisions of a checkpoint (``LayerDecision.to_dict`` records) so that the layers do
-        not measure again; returns how many were taken. Decisions already made in this run are kept.
+        not measure again; returns those that apply to this plan (its ``seq_len`` and ``cp_size``: a run at
+        another length or CP size measures again). Decisions already made in this run are kept.
 
         Raises:
             ValueError: a malformed record.
@@ -336,13 +337,14 @@ class CPPlan:
         from megatron_mtraining.layer_policy import LayerDecision
 
         decisions = self._policy.setdefault("decisions", {})
-        n = 0
+        taken = []
         for rec in records or ():
             d = LayerDecision.from_dict(rec)
-            if (d.layer_number, d.seq_len) not in decisions:
-                decisions[(d.layer_number, d.seq_len)] = d
-                n += 1
-        return n
+            if d.key not in decisions:
+                decisions[d.key] = d
+                if (d.seq_len, d.cp_size) == (self.seq_len, self.cp_size):
+                    taken.append(d)
+        return sorted(taken, key=lambda d: d.layer_number)
 
     def kernel_summary(self) -> str:
         """The kernels this plan's layers have chosen so far, for a run's log (``""`` before the first forward).
@@ -433,8 +435,8 @@ class CPPlan:
         second backward of one forward (:mod:`megatron_mtraining.ring.graphs`).
 
         With ``dense_layers: auto``, a sparse layer's runner is an
-        :class:`~megatron_mtraining.layer_policy.AutoLayerRunner` that measures, at the first call per
-        sequence length, whether the sparse or the dense attention is faster, agreed over
+        :class:`~megatron_mtraining.layer_policy.AutoLayerRunner` that measures, at the layer's first call,
+        whether the sparse or the dense attention is faster, agreed over
         ``policy_groups`` (the groups whose ranks hold the layer: data-parallel × context-parallel, then
         tensor-parallel; default: the CP group), and runs that one.
         """
@@ -562,8 +564,8 @@ def _gather_decisions(decisions: list, group) -> list:
         from megatron_mtraining.layer_policy import LayerDecision
 
         decisions = [LayerDecision.from_dict(r) for part in parts for r in part]
-    unique = {(d.layer_number, d.seq_len): d for d in decisions}
-    return [unique[key] for key in sorted(unique)]
+    unique = {d.key: d for d in decisions}
+    return [unique[key] for key in sorted(unique, key=lambda t: (t[1] or 0, t[2], t[0]))]
 
 
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,

@@ -123,7 +123,7 @@ def bench_mode(mode: str, cfg, q, k, v, *, warmup: int, repeats: int) -> dict:
     elif mode == "graphs":
         cfg = dataclasses.replace(cfg, cuda_graphs=True)
     plan = resolve(cfg, cp_group=None, seq_len=q.shape[1]).for_layer(1)
-    run = plan.attention_runner()
+    run = plan.fixed_attention_runner()
     scale = q.shape[-1] ** -0.5
     fn = lambda a, b, c: run(a, b, c, softmax_scale=scale)  # noqa: E731
     cuda = q.is_cuda

@@ -461,6 +461,7 @@ class Evaluator:
                                                               args.iteration, plan=plan)
         model.eval()
         self.model = model
+        self.plan = plan
         self.eod = self.tokenizer.eod
         self.multiple = pad_multiple(args)
         self._torch = torch
@@ -732,7 +733,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "mean": {"greedy_score", "ll_score", "answer_token_acc"}, "lengths", "depths",
                   "control_no_needle": [{"length", "ll_score", "answer_logprob", "answer_token_acc"}],
                   "template", ...} | null,
-         "plots": [paths]}
+         "plots": [paths],
+         "layer_decisions": [...]}   # dense_layers: auto only: LayerDecision.to_dict() of every layer
     """
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -775,6 +777,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"gold-token top-1 {niah['mean']['answer_token_acc']:.1f}%", flush=True)
     except ValueError as e:
         parser.error(str(e))
+    if ev.plan is not None and ev.plan.config.auto_dense_layers:    # which attention each layer ran, and why
+        from megatron_mtraining.layer_policy import layer_decision_lines
+
+        decisions = ev.plan.layer_decisions()
+        results["layer_decisions"] = [d.to_dict() for d in decisions]
+        measured = {d.key for d in ev.plan.take_new_layer_decisions()}
+        for line in layer_decision_lines(decisions):
+            print(f" > {line}", flush=True)
+        if measured:
+            print(f" > dense_layers: auto: {len(measured)} layer decisions measured by this evaluation (the checkpoint "
+                  f"has none for --seq-length {args.seq_length} at CP=1)", flush=True)
     if args.plots:
         results["plots"] = make_plots(args.plots, results, args.loss_curves)
         print(" > plots: " + ", ".join(results["plots"]))

@@ -693,7 +693,7 @@ def layer_speed(q, k, v, sparse_plan, dense_plan, scale: float, *, repeats: int,
     dtype = speed_dtype(q.device)
     q, k, v = (t[:1].to(dtype).contiguous() for t in (q, k, v))
     kw = {} if timer is None else {"timer": timer}
-    sparse = sparse_plan.attention_runner()          # as the layer runs it (cuda_graphs: through its graphs)
+    sparse = sparse_plan.fixed_attention_runner()    # as a sparse layer runs (cuda_graphs: through its graphs)
     cmp = compare_speed(lambda *a: sparse(*a, softmax_scale=scale),
                         lambda *a: dense_plan.attention(*a, softmax_scale=scale), q, k, v,
                         device=q.device, warmup=warmup, repeats=repeats, **kw)

@@ -298,7 +298,9 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
     """Restore from ``--load``; returns the iteration (0 if nothing to load).
 
     ``plan``: the run's :class:`~megatron_mtraining.plan.CPPlan`; with ``dense_layers: auto`` the
-    checkpoint's measured layer decisions are restored into it (the layers do not measure again).
+    checkpoint's measured layer decisions are restored into it (the layers do not measure again at the
+    sequence length and CP size they were measured at). A ``release`` checkpoint starts a new run: its
+    decisions, if any, are not used.
 
     The checkpoint is chosen by :func:`resolve_checkpoint` (on rank 0, the same on every rank) and
     its notes are logged. Its network must match the flags (:func:`check_checkpoint_args`, before
@@ -378,12 +380,17 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
     scheduler.load_state_dict(saved_schedule)
     log0(f" > loaded checkpoint {ckpt_dir} (iteration {iteration})")
     if plan is not None and plan.config.auto_dense_layers:
+        from megatron_mtraining.layer_policy import layer_decision_lines
+
         try:
-            n = plan.restore_layer_decisions(saved_decisions)
+            taken = plan.restore_layer_decisions(saved_decisions)
         except ValueError as e:
             raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir}: {e}") from None
-        log0(f" > dense_layers: auto: {n} measured layer decisions restored from the checkpoint"
-             + ("" if n else " (none saved: the layers measure at their first call)"))
+        log0(f" > dense_layers: auto: {len(taken)} measured layer decisions restored from the checkpoint"
+             + (" (none for this --seq-length and CP size: the layers measure at their first call)" if not taken
+                else ""))
+        for line in layer_decision_lines(taken):
+            log0(f" > {line} (restored)")
     return iteration
 
 

@@ -199,7 +199,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
         kernels = plan.kernel_summary() if iteration == start_iter + 1 and plan is not None else ""
         if kernels:
             log0(f" > attention kernels: {kernels}")
-        if plan is not None and plan.config.auto_dense_layers:
+        if plan is not None and plan.config.auto_dense_layers and iteration == start_iter + 1:   # decided by now
             for line in layer_decision_lines(plan.take_new_layer_decisions(pp_group)):
                 log0(f" > {line}")
         if args.eval_iters > 0 and valid_iter is not None and iteration % args.eval_interval == 0:

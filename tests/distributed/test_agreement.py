@@ -113,5 +113,5 @@ def test_auto_layer_policy_is_one_decision_on_every_rank():
     assert all(r["error"] is None for r in rows), rows
     for r in rows:
         assert r["timed"] == 2 and r["groups"] == 1 and r["is_dense_ring"], r
-        assert r["decisions"] == [{"layer_number": 1, "seq_len": 256, "dense": True, "sparse_ms": 6.0,
-                                   "dense_ms": 5.0, "ranks": 2}], r
+        assert r["decisions"] == [{"layer_number": 1, "seq_len": 256, "cp_size": 2, "dense": True, "sparse_ms": 6.0,
+                                   "dense_ms": 5.0, "ranks": 2, "tokens": 256}], r

@@ -253,7 +253,7 @@ def _fake_timer(times: dict, log: list):
     return timer_for
 
 
-def test_auto_policy_runs_the_measured_attention_once_per_length_and_restores():
+def test_auto_policy_runs_the_measured_attention_and_restores_it():
     from megatron_mtraining.layer_policy import layer_decision_lines
 
     plan = resolve(MTrainingConfig(**AUTO), cp_group=None, seq_len=SEQ, num_layers=2)
@@ -267,7 +267,7 @@ def test_auto_policy_runs_the_measured_attention_once_per_length_and_restores():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, SEQ, h, 16, generator=g) for h in (4, 2, 2))
     rng = torch.get_rng_state()
-    with torch.no_grad():                                     # as recomputation's first forward
+    with torch.inference_mode():                 # as an inference engine (and recomputation's first forward)
         out = {n: runners[n](q, k, v, softmax_scale=0.25) for n in (1, 2)}
     assert log == [(1, True), (1, True), (2, True), (2, True)]       # measured with autograd on, once each
     assert torch.equal(torch.get_rng_state(), rng)
@@ -279,31 +279,47 @@ def test_auto_policy_runs_the_measured_attention_once_per_length_and_restores():
     # the kept work counts the sparse layer's own call only (not the timing calls, not the dense layer)
     kept = plan.take_kept_fraction()
     assert kept["layers"] == 1 and plan.take_kept_fraction() is None
-    # later calls follow the decision without measuring; a new length is measured anew
+    # later calls follow the decision without measuring, at other lengths too (packed streams, evaluation)
     assert torch.equal(runners[1](q, k, v, softmax_scale=0.25), dense) and len(log) == 4
     half = tuple(t[:, :SEQ // 2].contiguous() for t in (q, k, v))
-    runners[1](*half, softmax_scale=0.25)
-    assert len(log) == 6
+    half_dense = ring_attention(*half, layout=plan.layout, group=None, softmax_scale=0.25, causal=True)
+    assert torch.equal(runners[1](*half, softmax_scale=0.25), half_dense) and len(log) == 4
     decisions = plan.layer_decisions()
-    assert [(d.layer_number, d.seq_len, d.dense) for d in decisions] == [(1, SEQ // 2, True), (1, SEQ, True),
-                                                                         (2, SEQ, False)]
-    assert decisions[1].sparse_ms == 2.0 and decisions[1].dense_ms == 1.0 and decisions[1].ranks == 1
+    assert [(d.layer_number, d.seq_len, d.cp_size, d.dense) for d in decisions] == [(1, SEQ, 1, True),
+                                                                                    (2, SEQ, 1, False)]
+    assert decisions[0].sparse_ms == 2.0 and decisions[0].dense_ms == 1.0 and decisions[0].ranks == 1
     lines = layer_decision_lines(plan.take_new_layer_decisions())
-    assert lines == [f"dense_layers: auto at {SEQ // 2} tokens: dense 1; sparse none | fwd+bwd ms sparse/dense: "
-                     "1: 2.00/1.00",
-                     f"dense_layers: auto at {SEQ} tokens: dense 1; sparse 2 | fwd+bwd ms sparse/dense: 1: 2.00/1.00, "
-                     "2: 1.00/2.00"]
+    assert lines == [f"dense_layers: auto at {SEQ} tokens, CP=1: dense 1; sparse 2 | fwd+bwd ms sparse/dense: "
+                     "1: 2.00/1.00, 2: 1.00/2.00"]
     assert plan.take_new_layer_decisions() == []
     # a new run restores them (a checkpoint's records): nothing is measured, the same attention runs
+    records = [d.to_dict() for d in decisions]
     again = resolve(MTrainingConfig(**AUTO), cp_group=None, seq_len=SEQ, num_layers=2)
-    assert again.restore_layer_decisions([d.to_dict() for d in decisions]) == 3
+    assert again.restore_layer_decisions(records) == decisions
     log.clear()
     runner = again.for_layer(1).attention_runner()
     runner.timer = timer_for(1)
     assert torch.equal(runner(q, k, v, softmax_scale=0.25), dense) and log == []
     assert again.take_new_layer_decisions() == []
-    with pytest.raises(ValueError, match="needs layer_number, seq_len and dense"):
+    # a run at another sequence length keeps the records but measures its own
+    other = resolve(MTrainingConfig(**AUTO), cp_group=None, seq_len=SEQ // 2, num_layers=2)
+    assert other.restore_layer_decisions(records) == [] and len(other.layer_decisions()) == 2
+    runner = other.for_layer(1).attention_runner()
+    runner.timer = timer_for(1)
+    runner(*half, softmax_scale=0.25)
+    assert len(log) == 2 and len(other.layer_decisions()) == 3
+    with pytest.raises(ValueError, match="needs layer_number, seq_len, cp_size and dense"):
         again.restore_layer_decisions([{"layer_number": 1}])
+
+
+def test_tools_time_the_sparse_attention_of_an_auto_config_and_write_a_fixed_list():
+    """pattern_recall's speed policy and bench_layer time a layer's sparse attention, not the measured policy's
+    choice; a policy written from an auto config is a fixed list (the Megatron-LM patch takes it)."""
+    cfg = MTrainingConfig(**AUTO)
+    view = resolve(cfg, cp_group=None, seq_len=SEQ, num_layers=2).for_layer(1)
+    assert view.fixed_attention_runner() == view.attention
+    fixed = cfg.with_dense_layers([])
+    assert not fixed.auto_dense_layers and fixed.dense_layers is None and fixed.sparse
 
 
 def test_auto_policy_through_megatron_core_matches_the_fixed_policy_it_chose(monkeypatch):
@@ -355,7 +371,7 @@ def test_trainer_logs_the_measured_layers_and_resumes_with_the_saved_decisions(t
                                                           "--save": tmp_path / "ckpt", "--metrics-file": m1}),
                        timeout=300)
     assert first.returncode == 0, first.tail()
-    assert first.stdout.count("dense_layers: auto at 256 tokens: dense ") == 1, first.stdout
+    assert first.stdout.count("dense_layers: auto at 256 tokens, CP=1: dense ") == 1, first.stdout
     assert "fwd+bwd ms sparse/dense: 1: " in first.stdout and ", 2: " in first.stdout
     resume = tmp_path / "resume"                      # the iteration-1 checkpoint on its own
     shutil.copytree(tmp_path / "ckpt" / "iter_0000001", resume / "iter_0000001")
@@ -364,7 +380,8 @@ def test_trainer_logs_the_measured_layers_and_resumes_with_the_saved_decisions(t
                                                          "--metrics-file": m2}), timeout=300)
     assert rest.returncode == 0, rest.tail()
     assert "dense_layers: auto: 2 measured layer decisions restored from the checkpoint" in rest.stdout, rest.stdout
-    assert "dense_layers: auto at" not in rest.stdout                  # nothing measured again
+    restored = [line for line in rest.stdout.splitlines() if "dense_layers: auto at" in line]
+    assert len(restored) == 1 and restored[0].endswith("(restored)"), restored       # nothing measured again
     a = [json.loads(line) for line in m1.read_text().splitlines()]
     b = [json.loads(line) for line in m2.read_text().splitlines()]
     assert [r["iteration"] for r in a] == [1, 2] and [r["iteration"] for r in b] == [2]

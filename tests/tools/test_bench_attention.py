@@ -11,11 +11,11 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 
 def _pattern(path, rows: int, seq: int = 512):
-    """Row r: the diagonal plus r far diagonals (offsets 1..r), no columns: row r has
-    8 + (8-1) + ... + (8-r) block tiles at 8 query blocks, a distinct count per row."""
+    """Row r: the diagonal plus r far diagonals (offsets 1..r, at most the last block's), no columns: row r
+    has nb + (nb-1) + ... + (nb-r) block tiles at nb = seq / 64 query blocks."""
     from megatron_mtraining.patterns.io import pattern_from_arrays, save_pattern
 
-    slash = [np.arange(r + 1) for r in range(rows)]
+    slash = [np.arange(min(r, seq // 64 - 1) + 1) for r in range(rows)]
     vertical = [np.zeros(0, dtype=np.int64) for _ in range(rows)]
     save_pattern(str(path), pattern_from_arrays(seq, slash, vertical), {"test": True})
 
@@ -30,7 +30,7 @@ def _bench(tmp_path, pat, *extra):
 
 def test_regroup_heads_runs_the_rows_as_layers_of_another_shape(tmp_path):
     pat = tmp_path / "p.npz"
-    _pattern(pat, rows=6)
+    _pattern(pat, rows=6, seq=256)
     res, out = _bench(tmp_path, pat, "--heads", "4", "--kv-heads", "2", "--regroup-heads")
     assert res.returncode == 0, res.tail()
     rows = json.loads(out.read_text())["rows"]
@@ -38,8 +38,8 @@ def test_regroup_heads_runs_the_rows_as_layers_of_another_shape(tmp_path):
     assert [r["layer"] for r in det] == [0]                 # 6 rows, 4 per layer: one layer, 2 rows left over
     (total,) = [r for r in rows if r["impl"] == "ours_det_all_layers"]
     assert total["layers"] == 1 and "2 rows left over" in total["note"]
-    tiles = [sum(8 - o for o in range(r + 1)) for r in range(6)]      # 8, 15, 21, 26, 30, 33
-    assert det[0]["block_tiles"] == sum(tiles[:4])           # rows 0-3, not any other four
+    tiles = [sum(4 - o for o in range(min(r, 3) + 1)) for r in range(6)]     # 4, 7, 9, 10, 10, 10
+    assert det[0]["block_tiles"] == sum(tiles[:4]) == 30      # rows 0-3: any other four sum to more
     assert det[0]["column_tiles"] == 0
 
 

@@ -373,9 +373,9 @@ def test_estimate_matches_frozen_oracle_triton_impl():
     except ValueError as e:
         pytest.skip(str(e))
     rng = random.Random(7)
-    # one probe query block (L = 32, 64: fp32 column scores) and two (96), on both layouts (pairwise)
-    for layout, L in ((Layout("striped", 1, 64), 64), (Layout("striped", 1, 64), 96), (Layout("zigzag", 1), 64),
-                      (Layout("zigzag", 1), 32)):
+    # two probe query blocks (L = 96) on the striped layout, part of one (L = 32: fp32 column scores) on zigzag;
+    # the torch impl covers the other (layout, L) pairs above, and tests/kernels the scores kernels themselves
+    for layout, L in ((Layout("striped", 1, 64), 96), (Layout("zigzag", 1), 32)):
         cfg = random_config(rng, 256, 64, L)
         new = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="triton")
         old = old_estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="triton")
