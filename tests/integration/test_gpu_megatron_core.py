@@ -118,6 +118,30 @@ def test_example_trainer_trains_on_one_gpu(tmp_path, config):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
 
 
+def test_example_trainer_measures_its_layers_on_one_gpu(tmp_path):
+    """dense_layers: auto on the GPU (bf16, the Triton or FA4 kernels auto picks), under full recomputation (the
+    first forward of each layer runs without gradients): every layer is measured once, the log names the
+    decisions with their CUDA-event times, and training goes on with finite, falling losses."""
+    prefix, tok = make_tiny_dataset(tmp_path / "data")
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.9, max_slash: 8}\ndense_layers: auto\n")
+    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
+            "--num-query-groups", "2", "--seq-length", "1024", "--position-embedding-type", "rope",
+            "--normalization", "RMSNorm", "--swiglu", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "6", "--lr", "3e-3", "--lr-warmup-iters", "2", "--bf16", "--cp-attention", "mtraining",
+            "--mtraining-config", str(cfg), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-model", tok,
+            "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache"),
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    r = run_torchrun("examples/pretrain_gpt.py", argv, nproc=1, timeout=300)
+    assert r.returncode == 0, r.tail()
+    lines = re.findall(r"dense_layers: auto at 1024 tokens, CP=1: dense ([0-9,-]+|none); sparse ([0-9,-]+|none) "
+                       r"\| fwd\+bwd ms sparse/dense: 1: ([0-9.]+)/([0-9.]+), 2: ([0-9.]+)/([0-9.]+)", r.stdout)
+    assert len(lines) == 1, r.stdout[-3000:]
+    assert all(float(t) > 0 for t in lines[0][2:]), lines
+    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", r.stdout)]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full --recompute-method uniform --recompute-num-layers 1"])
 def test_recompute_matches_no_recompute_on_one_gpu_bf16(tmp_path, recompute):
     """bf16, deterministic kernels: recomputing replays the same forward, so the first iteration's loss
