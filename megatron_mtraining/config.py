@@ -123,8 +123,11 @@ def _normalize_dense_layers(value: Any) -> Optional[tuple[int, ...]]:
         raise _ConfigError(f"'dense_layers' must be {AUTO!r} or a list of 1-based layer numbers or ranges (e.g. "
                            f"[1, 2] or ['1-4']), got {value!r}{one}")
     if not isinstance(value, (list, tuple)):
-        raise _ConfigError(f"'dense_layers' must be a list of 1-based layer numbers or ranges, got "
+        raise _ConfigError(f"'dense_layers' must be {AUTO!r} or a list of 1-based layer numbers or ranges, got "
                            f"{type(value).__name__} {value!r}")
+    if AUTO in value:
+        raise _ConfigError(f"'dense_layers': write dense_layers: {AUTO} (no brackets) for the measured layer policy; "
+                           f"it does not combine with layer numbers, got {list(value)!r}")
     seen: set[int] = set()
     for item in value:
         first, last = _layer_range(item, "'dense_layers'")

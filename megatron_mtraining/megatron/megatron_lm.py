@@ -71,7 +71,7 @@ CP_ATTENTION_CHOICES = ("te", "mtraining")
 AUTO_LAYERS_MEGATRON_LM_RULE = (
     "'dense_layers: auto' is not supported through the Megatron-LM patch: Megatron-LM's checkpoints do not keep "
     "the measured decisions, so a resumed run would measure again and could train differently. Fix the dense "
-    "layers instead (tools/pattern_recall.py --write-policy POLICY.yaml --policy-min-speedup 1.0 writes them), or "
+    "layers instead (tools/pattern_recall.py --write-policy POLICY.yaml --policy-min-speedup 1.05 writes them), or "
     "train with examples/pretrain_gpt.py")
 
 

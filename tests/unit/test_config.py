@@ -273,6 +273,8 @@ def test_layer_policy_resolves_per_layer_and_round_trips(tmp_path):
      "'layer_overrides' applies to the sparse pattern only"),
     ({"dense_layers": 2}, "write [2] for one layer"),
     ({"dense_layers": "Auto"}, "'dense_layers' must be 'auto' or a list of 1-based layer numbers or ranges"),
+    ({"dense_layers": ["auto"]}, "write dense_layers: auto (no brackets)"),
+    ({"dense_layers": True}, "'dense_layers' must be 'auto' or a list"),
     ({"pattern": "dense", "vertical_slash": None, "dense_layers": "auto"},
      "'dense_layers: auto' applies to the sparse pattern only"),
     ({"dense_layers": [0]}, "1-based"),
