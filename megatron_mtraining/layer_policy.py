@@ -40,8 +40,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["LayerDecision", "AutoLayerRunner", "TIMING_WARMUP", "TIMING_REPEATS", "collective_device",
-           "layer_decision_lines"]
+from megatron_mtraining.distributed import collective_device
+
+__all__ = ["LayerDecision", "AutoLayerRunner", "TIMING_WARMUP", "TIMING_REPEATS", "layer_decision_lines"]
 
 #: untimed forward and backward calls of each attention before the samples (Triton compilation, plan caches)
 TIMING_WARMUP = 2
@@ -78,11 +79,6 @@ class LayerDecision:
     def key(self) -> tuple:
         """``(layer_number, seq_len, cp_size)``: what the decision is stored under."""
         return (self.layer_number, self.seq_len, self.cp_size)
-
-    @property
-    def speedup(self) -> float:
-        """Dense time / sparse time (> 1: sparse is faster)."""
-        return self.dense_ms / self.sparse_ms if self.sparse_ms > 0 else math.nan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,14 +128,6 @@ def layer_decision_lines(decisions: Sequence[LayerDecision]) -> list[str]:
         lines.append(f"dense_layers: auto at {tokens} tokens, CP={cp}: dense {_ranges(dense)}; "
                      f"sparse {_ranges(sparse)} | fwd+bwd ms sparse/dense: {times}")
     return lines
-
-
-def collective_device(group) -> torch.device:
-    """Where a small tensor for a collective over ``group`` lives: the current CUDA device for NCCL,
-    the CPU otherwise."""
-    if torch.distributed.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _covers(group, sub) -> bool:

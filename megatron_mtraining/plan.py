@@ -44,7 +44,7 @@ from megatron_mtraining.config import (
     config_for_run,
     load_mtraining_config,
 )
-from megatron_mtraining.distributed import group_rank, group_size
+from megatron_mtraining.distributed import collective_device, group_rank, group_size
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 from megatron_mtraining.ring.graphs import DOCUMENTS_RULE as GRAPHS_DOCUMENTS_RULE
@@ -266,8 +266,7 @@ class CPPlan:
         total, n = float(vals.sum()), vals.numel()
         lo, hi = (float(vals.min()), float(vals.max())) if n else (math.inf, -math.inf)
         if group is not None and torch.distributed.get_world_size(group) > 1:
-            dev = (torch.device("cuda", torch.cuda.current_device())
-                   if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
+            dev = collective_device(group)
             sums = torch.tensor([total, float(n)], dtype=torch.float64, device=dev)
             ext = torch.tensor([-lo, hi], dtype=torch.float64, device=dev)
             torch.distributed.all_reduce(sums, group=group)

@@ -35,7 +35,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "group_rank", "RingComm", "CommError", "comm_context", "wait_all", "group_timeout",
+__all__ = ["group_size", "group_rank", "collective_device", "RingComm", "CommError", "comm_context", "wait_all", "group_timeout",
            "agree_across_ranks", "check_consistent_across_ranks",
            "hierarchical_numbering_error", "check_hierarchical_consistent"]
 
@@ -46,6 +46,14 @@ def group_size(group: ProcessGroup) -> int:
     if group is None:
         return 1
     return dist.get_world_size(group)
+
+
+def collective_device(group: ProcessGroup) -> torch.device:
+    """Where a small tensor for a collective over ``group`` lives: the current CUDA device for NCCL,
+    the CPU otherwise (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_rank(group: ProcessGroup) -> int:
@@ -225,9 +233,7 @@ def agree_across_ranks(group: ProcessGroup, what: str, error: Optional[str] = No
         buf[:len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
     mine = torch.cat([torch.tensor([int(error is not None), len(msg)] + vec, dtype=torch.int64),
                       buf.view(torch.int64)])
-    backend = dist.get_backend(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = mine.to(dev)
+    mine = mine.to(collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
     with comm_context(f"{what}: all_gather of the input check", group):
         dist.all_gather(gathered, mine, group=group)

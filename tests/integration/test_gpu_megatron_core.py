@@ -102,15 +102,23 @@ def test_mtraining_attention_matches_stock_attention_in_bf16(world1):
     assert _rel(bad, loss32) > 2 * err16 + 1e-6
 
 
+def _trainer_argv(tmp_path, prefix, tok, *, train_iters: int, micro_batch: int = 2, global_batch: int = 4,
+                  extra=()) -> list:
+    """examples/pretrain_gpt.py flags of the tiny bf16 GQA model these tests train (2 layers, hidden 128, 1024
+    tokens, --cp-attention mtraining, tiny data), plus ``extra``."""
+    return ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
+            "--num-query-groups", "2", "--seq-length", "1024", "--position-embedding-type", "rope",
+            "--normalization", "RMSNorm", "--swiglu", "--micro-batch-size", str(micro_batch),
+            "--global-batch-size", str(global_batch), "--train-iters", str(train_iters), "--lr", "3e-3", "--bf16",
+            "--cp-attention", "mtraining", "--data-path", prefix, "--split", "100,0,0", "--tokenizer-model", tok,
+            "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache"), *extra]
+
+
 @pytest.mark.parametrize("config", ["configs/demo.yaml", "configs/demo_sparse.yaml"])
 def test_example_trainer_trains_on_one_gpu(tmp_path, config):
     prefix, tok = make_tiny_dataset(tmp_path / "data")
-    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
-            "--num-query-groups", "2", "--seq-length", "1024", "--position-embedding-type", "rope",
-            "--normalization", "RMSNorm", "--swiglu", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--train-iters", "8", "--lr", "3e-3", "--lr-warmup-iters", "2", "--bf16", "--cp-attention", "mtraining",
-            "--mtraining-config", config, "--data-path", prefix, "--split", "100,0,0", "--tokenizer-model", tok,
-            "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache")]
+    argv = _trainer_argv(tmp_path, prefix, tok, train_iters=8,
+                         extra=["--lr-warmup-iters", "2", "--mtraining-config", config])
     r = run_torchrun("examples/pretrain_gpt.py", argv, nproc=1, timeout=300)
     assert r.returncode == 0, r.tail()
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", r.stdout)]
@@ -125,13 +133,9 @@ def test_example_trainer_measures_its_layers_on_one_gpu(tmp_path):
     prefix, tok = make_tiny_dataset(tmp_path / "data")
     cfg = tmp_path / "auto.yaml"
     cfg.write_text("pattern: vertical_slash\nvertical_slash: {recall: 0.9, max_slash: 8}\ndense_layers: auto\n")
-    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
-            "--num-query-groups", "2", "--seq-length", "1024", "--position-embedding-type", "rope",
-            "--normalization", "RMSNorm", "--swiglu", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--train-iters", "6", "--lr", "3e-3", "--lr-warmup-iters", "2", "--bf16", "--cp-attention", "mtraining",
-            "--mtraining-config", str(cfg), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-model", tok,
-            "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache"),
-            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    argv = _trainer_argv(tmp_path, prefix, tok, train_iters=6,
+                         extra=["--lr-warmup-iters", "2", "--mtraining-config", str(cfg), "--recompute-granularity",
+                                "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     r = run_torchrun("examples/pretrain_gpt.py", argv, nproc=1, timeout=300)
     assert r.returncode == 0, r.tail()
     lines = re.findall(r"dense_layers: auto at 1024 tokens, CP=1: dense ([0-9,-]+|none); sparse ([0-9,-]+|none) "
@@ -152,12 +156,7 @@ def test_recompute_matches_no_recompute_on_one_gpu_bf16(tmp_path, recompute):
     prefix, tok = make_tiny_dataset(tmp_path / "data")
     cfg = tmp_path / "dense_deterministic.yaml"
     cfg.write_text("implementation: striped\ngranularity: 64\npattern: dense\ndeterministic: true\n")
-    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
-            "--num-query-groups", "2", "--seq-length", "1024", "--position-embedding-type", "rope",
-            "--normalization", "RMSNorm", "--swiglu", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--train-iters", "2", "--lr", "3e-3", "--adam-eps", "1e-3", "--bf16", "--cp-attention", "mtraining",
-            "--mtraining-config", str(cfg), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-model", tok,
-            "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache")]
+    argv = _trainer_argv(tmp_path, prefix, tok, train_iters=2, extra=["--adam-eps", "1e-3", "--mtraining-config", str(cfg)])
     runs = {}
     for name, extra in (("plain", []), ("recompute", ["--recompute-granularity", *recompute.split()])):
         out, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
@@ -188,12 +187,8 @@ def test_cuda_graphs_match_eager_in_the_trainer(tmp_path, recompute):
     prefix, tok = make_tiny_dataset(tmp_path / "data")
     base = ("implementation: striped\ngranularity: 64\npattern: vertical_slash\ndeterministic: true\n"
             "vertical_slash: {recall: 0.9, max_vertical: 256, max_slash: 4}\n")
-    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
-            "--num-query-groups", "2", "--seq-length", "1024", "--position-embedding-type", "rope",
-            "--normalization", "RMSNorm", "--swiglu", "--micro-batch-size", "1", "--global-batch-size", "2",
-            "--train-iters", "2", "--lr", "3e-3", "--adam-eps", "1e-3", "--bf16", "--cp-attention", "mtraining",
-            "--data-path", prefix, "--split", "100,0,0", "--tokenizer-model", tok, "--eval-iters", "0",
-            "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache")]
+    argv = _trainer_argv(tmp_path, prefix, tok, train_iters=2, micro_batch=1, global_batch=2,
+                         extra=["--adam-eps", "1e-3"])
     if recompute:
         argv += ["--recompute-granularity", recompute]
     runs = {}
