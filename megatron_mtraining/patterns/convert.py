@@ -41,7 +41,7 @@ import torch
 from ..common import REGION_CONVERT, record_function, triton_runs_on
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
-from .indices import KnownMax, StepIndices, packed_index_lists
+from .indices import DiagonalBlocks, KnownMax, StepIndices, packed_index_lists
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
            "without_columns", "refine_indices", "step_column_positions", "column_phase_indices",
@@ -180,10 +180,12 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         b_cnt, b_idx, c_cnt, c_idx = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
-        return [StepIndices(block_count=b_cnt, block_index=b_idx[..., :max(1, mb)].contiguous(), column_count=c_cnt,
+        b_idx = b_idx[..., :max(1, mb)].contiguous()
+        return [StepIndices(block_count=b_cnt, block_index=b_idx, column_count=c_cnt,
                             column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
                             known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
-                                                                 union=mc if static_widths else None))]
+                                                                 union=mc if static_widths else None),
+                            diagonal=DiagonalBlocks.of(b_cnt, b_idx))]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
@@ -248,7 +250,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
             block_count=b_cnt, block_index=kb, column_count=c_cnt,
             column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
             causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
-                                                                 union=mc if static_widths else None)))
+                                                                 union=mc if static_widths else None),
+            diagonal=DiagonalBlocks.of(b_cnt, kb) if cp == 1 else None))    # cp 1: local blocks are global
     return steps
 
 
@@ -290,7 +293,7 @@ def without_columns(idx: StepIndices) -> StepIndices:
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(idx.block_count, idx.block_index, cc,
                        torch.full((b, hq, nqb, 1), -1, dtype=idx.column_index.dtype, device=idx.column_index.device),
-                       idx.causal, idx.block_size, known_max=known)
+                       idx.causal, idx.block_size, known_max=known, diagonal=idx.diagonal)
 
 
 def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:

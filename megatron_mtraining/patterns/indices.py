@@ -55,7 +55,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BLOCK_SIZE", "KnownMax", "StepIndices", "packed_index_lists"]
+__all__ = ["BLOCK_SIZE", "DiagonalBlocks", "KnownMax", "StepIndices", "packed_index_lists"]
 
 BLOCK_SIZE = 64
 
@@ -121,12 +121,45 @@ class KnownMax:
                 and self._versions == (block_count._version, column_count._version))
 
 
+class DiagonalBlocks:
+    """Host record that the block lists of one :class:`StepIndices` are block diagonals: every index
+    row ``(b, h)`` has one set ``D`` of offsets ``d >= 0`` and query block ``i`` lists exactly the key
+    blocks ``i - d`` for ``d in D`` with ``d <= i``, ascending, in a step whose query and key blocks
+    share one index space (``nqb == nkb``; MTraining §3.2's slash rule at ``cp_size == 1``, where local
+    blocks are global ones). The last query block then lists every offset of its row. The Triton
+    backward builds its inverted block index from these offsets without a sort
+    (:func:`~megatron_mtraining.ops.triton.launch.plan_from_indices`).
+
+    Valid only while ``block_count`` and ``block_index`` are the very tensors it was made for, unmodified
+    (identity and version counter), like :class:`KnownMax`."""
+
+    __slots__ = ("_refs", "_versions")
+
+    def __init__(self, block_count: torch.Tensor, block_index: torch.Tensor):
+        self._refs = (weakref.ref(block_count), weakref.ref(block_index))
+        self._versions = (block_count._version, block_index._version)
+
+    @classmethod
+    def of(cls, block_count: torch.Tensor, block_index: torch.Tensor) -> Optional["DiagonalBlocks"]:
+        """A record, or ``None`` for inference tensors (they keep no version counter) and for steps whose
+        query and key blocks differ in number."""
+        if block_count.is_inference() or block_index.is_inference() or block_index.dim() != 4:
+            return None
+        return cls(block_count, block_index)
+
+    def valid_for(self, block_count: torch.Tensor, block_index: torch.Tensor) -> bool:
+        return (self._refs[0]() is block_count and self._refs[1]() is block_index
+                and self._versions == (block_count._version, block_index._version))
+
+
 @dataclass
 class StepIndices:
     """Sparse work of one (query rank, K/V owner) pair; see the module docstring for shapes.
 
     ``known_max`` (optional, set by the converter): the counts' maxima on the host, so that
-    :meth:`is_empty` needs no device read while they are valid (:class:`KnownMax`)."""
+    :meth:`is_empty` needs no device read while they are valid (:class:`KnownMax`). ``diagonal``
+    (optional, set by the converter at ``cp_size == 1``): the block lists are block diagonals
+    (:class:`DiagonalBlocks`), which the Triton backward's plan uses."""
 
     block_count: torch.Tensor
     block_index: torch.Tensor
@@ -138,6 +171,12 @@ class StepIndices:
     doc_lo: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     doc_hi: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     key_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    diagonal: Optional[DiagonalBlocks] = field(default=None, compare=False, repr=False)
+
+    @property
+    def diagonal_blocks(self) -> bool:
+        """True when the block lists are known block diagonals (a valid :class:`DiagonalBlocks`)."""
+        return self.diagonal is not None and self.diagonal.valid_for(self.block_count, self.block_index)
 
     @property
     def has_documents(self) -> bool:
@@ -171,6 +210,8 @@ class StepIndices:
                           doc_lo=self.doc_lo, doc_hi=self.doc_hi, key_pos=self.key_pos)
         if k is not None and k.valid_for(self.block_count, self.column_count):
             out.known_max = KnownMax.of(out.block_count, out.column_count, k.block, k.column, k.exact, k.union)
+        if self.diagonal_blocks:                     # repeated rows keep their offsets
+            out.diagonal = DiagonalBlocks.of(out.block_count, out.block_index)
         return out
 
     def is_empty(self) -> bool:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .estimator import VerticalSlashPattern
-from .indices import StepIndices
+from .indices import DiagonalBlocks, StepIndices
 from .io import pattern_from_arrays
 
 __all__ = ["BLOCK", "PatternStats", "vertical_slash_indices", "SyntheticConfig", "synthetic_pattern",
@@ -192,6 +192,7 @@ def vertical_slash_indices(seq_len: int, num_heads: int, sparsity: float, batch:
     bc, bi, cc, ci, st = result
     expand = lambda t: t[None].expand(batch, *t.shape)
     idx = StepIndices(expand(bc), expand(bi), expand(cc), expand(ci), True)
+    idx.diagonal = DiagonalBlocks.of(idx.block_count, idx.block_index)     # key blocks qb - d: block diagonals
     if batch > 1:
         st = PatternStats(st.keep, st.block_tiles * batch, st.column_pairs * batch, st.column_tiles * batch,
                           st.mean_offsets, st.mean_columns)

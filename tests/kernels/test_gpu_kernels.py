@@ -101,3 +101,24 @@ def test_corrupted_output_fails_the_criterion(monkeypatch):
     row = gk.sparse_case("negative control", s=128, hq=2, hkv=1, d=64, dtype=torch.float16, sparsity=0, seed=5,
                          rand=True, device="cpu")
     assert not row["ok"] and row["ratio"]["out"] > 2.0, row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,heads,hq,hkv", [(131072, 9, 9, 3), (32768, 2, 16, 2)])   # per query head; per group
+def test_diagonal_plan_equals_the_sorted_plan_on_gpu(s, heads, hq, hkv):
+    """The inverted block index of diagonal block lists (compiled kernel) equals the sorted one at
+    long lengths, static (the CUDA default) and data dependent."""
+    from megatron_mtraining.ops.triton import launch, plan_for
+    from megatron_mtraining.patterns.synthetic import vertical_slash_indices
+
+    idx, _ = vertical_slash_indices(s, heads, 0.9, device="cuda")
+    nkb = s // 64
+    for static in (True, False):
+        diag = plan_for(idx, static=static)
+        ref = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True,
+                                       static=static)
+        assert diag.diagonal and not ref.diagonal and torch.equal(diag.block_split, ref.block_split)
+        got, want = launch._kv_csr(diag, nkb, hq, hkv), launch._kv_csr(ref, nkb, hq, hkv)
+        n = int(want[0][-1])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[3:] == want[3:]
+        assert torch.equal(got[2][:n], want[2][:n])

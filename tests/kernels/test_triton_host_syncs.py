@@ -227,6 +227,7 @@ def test_sparse_ring_with_static_plans_without_host_reads(columns, share, monkey
     base, pat_d, kern_d = _ring(q, k, v, dout, columns, share, False, monkeypatch)
     plans = [p for _, p in kern._plans.values()]
     assert plans and all(p.static for p in plans) and not any(p.static for _, p in kern_d._plans.values())
+    assert all(p.diagonal for _, p in kern_d._plans.values() if p.block_index.shape[-1] > 1)   # cp 1 steps
     assert all(p._kv for p in plans)                        # the backward plans were built (under the trap)
     assert (kern.column_phase is not None) == (columns == "out_of_ring")
     if columns == "out_of_ring":
@@ -268,3 +269,65 @@ def test_data_dependent_column_phase_trips_the_trap():
     with HostReadTrap():
         phase = ColumnPhase(*args, static=True)
     assert not phase.empty and phase.indices.known_max is not None
+
+
+def _csr(plan, nkb, hq, hkv):
+    off, mid, ent, *shape = launch._kv_csr(plan, nkb, hq, hkv)
+    return off, mid, ent[:int(off[-1])], shape
+
+
+@pytest.mark.parametrize("heads,hq,hkv", [(4, 4, 2), (2, 6, 2), (1, 2, 1)])     # per query head, per group, shared
+def test_diagonal_plans_equal_the_sorted_ones(heads, hq, hkv):
+    """Block lists known to be block diagonals (:class:`DiagonalBlocks`: the converter at cp 1, the
+    synthetic patterns) build the causal split and the inverted block index from each row's offsets,
+    without a sort and, static, without a host read: the same split, offsets, mids and entries as the
+    sorted plans. Negative controls: an index edited in place loses the record; a non-diagonal index
+    forced through the diagonal path gives another index."""
+    from megatron_mtraining.patterns.synthetic import vertical_slash_indices
+
+    s = 640
+    nkb = s // 64
+    idx, _ = vertical_slash_indices(s, heads, 0.6, batch=2)
+    assert idx.diagonal_blocks
+    for static in (True, False):
+        with HostReadTrap():
+            diag = plan_for(idx, static=static)
+            launch._kv_csr(diag, nkb, hq, hkv)              # cached on the plan
+        assert diag.diagonal
+        got = _csr(diag, nkb, hq, hkv)
+        ref = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True,
+                                       static=static)
+        assert not ref.diagonal and torch.equal(diag.block_split, ref.block_split)
+        want = _csr(ref, nkb, hq, hkv)
+        for name, g, w in zip(("offsets", "mids", "entries"), got, want):
+            assert torch.equal(g, w), name
+        assert got[3] == want[3]
+    edited = dataclasses.replace(idx, block_index=idx.block_index.clone())
+    edited.block_index[0, 0, -1, 0] += 0          # an in-place write bumps the version
+    assert not edited.diagonal_blocks and not plan_for(edited).diagonal
+    gen = torch.Generator().manual_seed(5)
+    rnd = random_step_indices(1, hq, nkb, nkb, True, gen)
+    forced = launch.plan_from_indices(rnd.block_count, rnd.block_index.clamp(min=-1), rnd.column_count,
+                                      rnd.column_index, True, diagonal=True)
+    plain = launch.plan_from_indices(rnd.block_count, rnd.block_index.clamp(min=-1), rnd.column_count,
+                                     rnd.column_index, True)
+    assert not all(torch.equal(a, b) for a, b in zip(_csr(forced, nkb, hq, hkv)[:3], _csr(plain, nkb, hq, hkv)[:3]))
+
+
+def test_converter_marks_diagonal_blocks_at_cp1_only():
+    """The conversion at cp 1 (torch and Triton) records its block lists as diagonals; at cp 2 the
+    local blocks of the ring steps are not, and no step carries the record."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.patterns.convert import convert_pattern, without_columns
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+    from tests.workers.vs_data import make_qkv
+
+    q, k, _ = make_qkv(1, 512, 2, 1, 16, seed=4)
+    cfg = VerticalSlashConfig(recall=0.9, last_q=64, sink_tokens=16, local_blocks=1, max_vertical=40, max_slash=4)
+    pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, 64), config=cfg, impl="torch")
+    for impl in ("torch", "triton"):
+        (st,) = convert_pattern(pat, Layout("striped", 1, 64), 0, impl=impl)
+        assert st.diagonal_blocks and without_columns(st).diagonal_blocks
+        assert st.per_query_head(4).diagonal_blocks
+    steps = convert_pattern(pat, Layout("striped", 2, 64), 0, impl="torch")
+    assert len(steps) == 2 and not any(x.diagonal_blocks for x in steps)

@@ -85,7 +85,8 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
     union = union if static else None
     return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
                              bool(indices.causal), static=static, column_union_max=union,
-                             doc_lo=indices.doc_lo, doc_hi=indices.doc_hi, key_pos=indices.key_pos)
+                             doc_lo=indices.doc_lo, doc_hi=indices.doc_hi, key_pos=indices.key_pos,
+                             diagonal=indices.diagonal_blocks)
 
 
 def _scale(q, softmax_scale):

@@ -849,3 +849,44 @@ def _delta_kernel(DO, O, Delta, s_db, s_ds, s_dh, s_ob, s_os, s_oh, s_lb, s_lh, 
     do = tl.load(DO + bz * s_db + h * s_dh + offs_s[:, None] * s_ds + offs_d[None, :], mask=m[:, None], other=0.0)
     o = tl.load(O + bz * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :], mask=m[:, None], other=0.0)
     tl.store(Delta + bz * s_lb + h * s_lh + offs_s, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=m)
+
+
+@triton.jit
+def _kv_csr_diagonal_kernel(Last, N, Lo, H0, Offsets, Mids, Entries, width, num_kb, num_q_blocks, rep, num_rows,
+                            ROWS: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Entries of the inverted block index of diagonal block lists (``launch._kv_csr_diagonal``): one
+    program per (key block, KV head, batch entry) segment. ``Last [B', H', width]``: the key blocks of
+    each row's last query tile, ascending (``d = num_q_blocks - 1 - kb'``; padding past ``N``);
+    ``Lo [B', H', num_kb]``: the first slot of ``Last`` at or past the key block, so the row's tiles
+    listing key block ``kb`` are ``kb + d`` for the slots ``[Lo, N)``, the highest slot (offset 0) being
+    the masked diagonal tile where ``H0``. For each query head ``r`` of the group (index row: 0 with
+    ``ROWS == 0``, the group with 1, ``g * rep + r`` with 2) the unmasked entries ``r * num_q_blocks + qb``
+    go in ascending ``qb`` from ``Offsets[seg]``, the masked ones from ``Mids[seg]``."""
+    kb = tl.program_id(0)
+    g = tl.program_id(1)
+    bz = tl.program_id(2)
+    seg = (bz * tl.num_programs(1) + g) * num_kb + kb
+    pos = tl.load(Offsets + seg)
+    mpos = tl.load(Mids + seg)
+    offs = tl.arange(0, BLOCK_J)
+    for r in range(rep):
+        if ROWS == 0:
+            row = bz * num_rows
+        elif ROWS == 1:
+            row = bz * num_rows + g
+        else:
+            row = bz * num_rows + g * rep + r
+        n = tl.load(N + row)
+        h0 = tl.load(H0 + row)
+        lo = tl.load(Lo + row * num_kb + kb)
+        u = n - h0 - lo                                  # unmasked tiles listing kb
+        top = n - 1 - h0                                 # their slots: top, top - 1, ... (ascending qb)
+        base = r * num_q_blocks + kb + num_q_blocks - 1  # entry = base - Last[slot]
+        for j0 in range(0, u, BLOCK_J):
+            jj = j0 + offs
+            ok = jj < u
+            kbp = tl.load(Last + row * width + top - jj, mask=ok, other=0)
+            tl.store(Entries + pos + jj, base - kbp, mask=ok)
+        pos += u
+        tl.store(Entries + mpos, r * num_q_blocks + kb, mask=h0 != 0)
+        mpos += h0

@@ -9,7 +9,9 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
 * dK/dV side (built on the first backward, or ahead of it by :func:`prebuild_backward_plans`):
   the *inverted* block index in CSR form
   (``kv_offsets``, ``kv_entries``: for each (batch, KV head, key block) the ascending list of
-  ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block);
+  ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block), sorted
+  from the block lists, or for block diagonals (``diagonal``, the slash blocks at cp 1) written from
+  each row's offsets by one kernel;
 * deterministic vertical-column side (built on the first deterministic backward): per query head
   the union ``U`` of its columns (ascending), and per (query tile, 64-column chunk of ``U``) a
   64-bit mask of the columns the tile lists.
@@ -63,6 +65,7 @@ class SparsePlan:
     column_union_max: Optional[int] = None  # host bound of the distinct columns of one index row (static plans)
     doc_lo: Optional[torch.Tensor] = None  # [B'', sq] int32 document key bounds (packed documents), with k_pos
     doc_hi: Optional[torch.Tensor] = None  # [B'', sq] int32 (a padding query: lo > hi)
+    diagonal: bool = False                # block lists are block diagonals (StepIndices.diagonal_blocks)
 
     @property
     def has_documents(self) -> bool:
@@ -136,7 +139,7 @@ def _tile_bounds(doc_lo: torch.Tensor, doc_hi: torch.Tensor):
 def plan_from_indices(block_count, block_index, column_count, column_index, causal: bool,
                       static: bool = False, column_union_max: Optional[int] = None,
                       doc_lo: Optional[torch.Tensor] = None, doc_hi: Optional[torch.Tensor] = None,
-                      key_pos: Optional[torch.Tensor] = None) -> SparsePlan:
+                      key_pos: Optional[torch.Tensor] = None, diagonal: bool = False) -> SparsePlan:
     """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask).
 
     ``static``: the backward plans get sizes known on the host (no device read, the CUDA default of
@@ -148,12 +151,21 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     (``StepIndices.has_documents``; key ``t`` visible to query ``i`` iff ``doc_lo[i] <= key_pos[t] <=
     doc_hi[i]``, global positions below 2**31). A block or column runs unmasked only if it lies
     inside the bounds of every row of the tile (and, causally, left of the tile); all others are
-    masked by the bounds too."""
+    masked by the bounds too.
+
+    ``diagonal``: the block lists are block diagonals (:class:`~megatron_mtraining.patterns.indices.DiagonalBlocks`:
+    query tile ``i`` lists ``i - d`` for one offset set ``d in D`` per index row, ascending, with as
+    many query tiles as key blocks). Then the causal split and the backward's inverted block index
+    come from each row's offsets (:func:`_diagonal_rows`) without a sort; the plan is the same.
+    Ignored with documents."""
     block_count, block_index = _i32(block_count), _i32(block_index)
     docs = doc_lo is not None
     if docs and (doc_hi is None or key_pos is None):
         raise ValueError("packed documents need doc_lo, doc_hi and key_pos together")
-    if causal or docs:
+    diagonal = bool(diagonal) and not docs and block_index.dim() == 4 and block_index.shape[-2] > 0
+    if diagonal and causal:      # the diagonal tile (offset 0, the last slot) is the only masked one
+        split = block_count - _diagonal_rows(block_index, block_count, True)[2][..., None]
+    elif causal or docs:
         nqb = block_count.shape[-1]
         ok = torch.ones_like(block_index, dtype=torch.bool)
         if causal:
@@ -173,7 +185,8 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     return SparsePlan(block_count, split, block_index,
                       _i32(column_count) if has_cols else None, _i32(column_index) if has_cols else None,
                       1 if causal else 0, k_pos=bound(key_pos), static=bool(static),
-                      column_union_max=column_union_max, doc_lo=bound(doc_lo), doc_hi=bound(doc_hi))
+                      column_union_max=column_union_max, doc_lo=bound(doc_lo), doc_hi=bound(doc_hi),
+                      diagonal=diagonal)
 
 
 def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
@@ -326,6 +339,9 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     key = ("kv", nkb, hq, hkv)
     if key in plan._kv:
         return plan._kv[key]
+    if plan.diagonal and plan.mask_mode < 2 and not plan.has_documents and nkb == plan.block_index.shape[-2]:
+        res = plan._kv[key] = _kv_csr_diagonal(plan, nkb, hq, hkv)
+        return res
     bi, bc = plan.block_index, plan.block_count
     B_, H_, nqb, max_nb = bi.shape
     rep = hq // hkv
@@ -352,6 +368,57 @@ def _kv_csr(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     res = plan._kv[key] = (*_csr_entries((bb * G_ + g) * nkb + kb, r * nqb + qq, masked, B_ * G_ * nkb, rep * nqb),
                            B_, G_)
     return res
+
+
+def _diagonal_rows(bi: torch.Tensor, bc: torch.Tensor, causal: bool):
+    """The offsets of diagonal block lists (``plan_from_indices(..., diagonal=True)``), row by row:
+    ``(last, n, h0)`` with ``last [B', H', W]`` int32 the key blocks of the last query tile ascending
+    (``kb = nqb - 1 - d`` for every offset ``d`` of the row; padding: int32 max, so rows stay sorted),
+    ``n [B', H']`` int32 the number of offsets and ``h0 [B', H']`` int32 1 where the row has offset 0
+    and ``causal`` (its diagonal tile is the one masked slot of every query tile), else 0."""
+    nqb, width = bi.shape[-2], bi.shape[-1]
+    last = bi[:, :, nqb - 1, :]
+    n = bc[:, :, nqb - 1]
+    slot = torch.arange(width, device=bi.device, dtype=torch.int32)
+    lastp = torch.where(slot < n[..., None], last, torch.iinfo(torch.int32).max).contiguous()
+    if not causal:
+        return lastp, n.contiguous(), torch.zeros_like(n)
+    top = last.gather(-1, (n.long() - 1).clamp(min=0)[..., None])[..., 0]
+    return lastp, n.contiguous(), ((n > 0) & (top == nqb - 1)).to(torch.int32)
+
+
+def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
+    """:func:`_kv_csr` of a diagonal plan (``plan.diagonal``): the same offsets, mids and entries (in
+    ``entries[:offsets[-1]]``; the buffer is sized by a host bound, nothing is read back) without a
+    sort. Key block ``kb`` of row ``(b', h)`` is listed by the query tiles ``kb + d`` for the row's offsets
+    ``d <= nqb - 1 - kb``: a prefix of the row's offsets taken from the last tile's list (one
+    ``searchsorted``). Segment sizes come from these counts (a cumsum gives the offsets), and one
+    Triton launch (:func:`~.kernels._kv_csr_diagonal_kernel`) writes each segment's entries: per query head
+    of the group the unmasked tiles in ascending order, then the masked diagonal tiles (offset 0, causal)."""
+    bi, bc = plan.block_index, plan.block_count
+    B_, H_, nqb, width = bi.shape
+    rep = hq // hkv
+    dev = bi.device
+    lastp, n, h0 = _diagonal_rows(bi, bc, plan.mask_mode == 1)
+    kbs = torch.arange(nkb, device=dev, dtype=torch.int32).expand(B_, H_, nkb).contiguous()
+    lo = torch.searchsorted(lastp, kbs, out_int32=True)              # offsets too large for kb: [0, lo)
+    cnt = n[..., None] - lo                                          # [B', H', nkb] tiles listing kb
+    unm = cnt - h0[..., None]
+    if H_ == 1 or _grouped(H_, hq, hkv):     # one row serves every head of the group: rep entries per tile
+        G_, rows = (1 if H_ == 1 else hkv), (0 if H_ == 1 else 1)
+        total, unm = cnt * rep, unm * rep
+    else:
+        G_, rows = hkv, 2
+        total, unm = cnt.view(B_, hkv, rep, nkb).sum(2), unm.view(B_, hkv, rep, nkb).sum(2)
+    nseg = B_ * G_ * nkb
+    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(total.reshape(-1), 0, dtype=torch.int32, out=offsets[1:])
+    mids = offsets[:-1] + unm.reshape(-1)
+    entries = torch.empty(max(1, nseg * rep * width), dtype=torch.int32, device=dev)
+    _kernels()._kv_csr_diagonal_kernel[(nkb, G_, B_)](
+        lastp, n, lo, h0, offsets, mids, entries, width, nkb, nqb, rep, H_,
+        ROWS=rows, BLOCK_J=64, num_warps=1)
+    return offsets, mids, entries, B_, G_
 
 
 def _csr_entries(seg: torch.Tensor, val: torch.Tensor, masked: torch.Tensor, nseg: int, span: int):
@@ -521,7 +588,9 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
 
     The plans (the inverted block index in CSR form, and for the deterministic mode the column
-    union and its per-tile bit masks) take about 75 small torch ops. With ``plan.static`` (the
+    union and its per-tile bit masks) take about 75 small torch ops and a sort over every listed
+    block; for diagonal block lists (``plan.diagonal``) the inverted index takes a few ops on
+    ``[B', H', nkb]`` counts and one kernel launch instead. With ``plan.static`` (the
     CUDA default, :func:`~megatron_mtraining.ops.triton.plan_for`) their sizes are host bounds and
     they read nothing back from the device; otherwise they read 1 (block index: ``nonzero``) plus
     3 (column plan: the union width, ``nonzero``, boolean indexing) values back. Built here, right after the forward kernel is launched, their host
