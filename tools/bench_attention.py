@@ -12,7 +12,8 @@ All in one process, same inputs (bf16, batch 1, Qwen2.5-3B attention: 16 query h
   tile or a vertical column; full blocks run unmasked, the others apply the exact mask
   (causal & (slash tile or vertical column)) through a ``mask_mod``;
 * ``ours``: :func:`megatron_mtraining.ops.triton.sparse_forward` / ``sparse_backward`` (plan built
-  once, outside the timing; its build time is reported as ``prep_ms``), deterministic backward
+  once, outside the timing; the time to build it as training does, from the block diagonals, is
+  reported as ``prep_ms``, and from sorted lists as ``prep_sorted_ms``), deterministic backward
   and the fast (atomic) one;
 * ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``);
 * ``fa4_dense``: FlashAttention-4 dense causal (``--impls ...,fa4``);
@@ -334,12 +335,16 @@ def kv_group_rows(q, k, v, dout, idx_g, scale, budget, emit, base, cud=None):
     return out
 
 
-def prep_ms(idx, q_shape, k_shape):
-    """Time to build the deterministic backward's index plans (inverted block index, column union) of a fresh
-    plan of ``idx``: once per step in training, cached on the plan."""
-    plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True)
+def prep_ms(idx, q_shape, k_shape, union: int, diagonal: bool = True):
+    """Time to build a fresh plan of ``idx`` as training does, once per step: the forward plan and its
+    column split, then the deterministic backward's index plans (inverted block index, column union) at
+    static sizes (``union``: the most columns of one head). ``diagonal``: from the block diagonals'
+    offsets (the training path of patterns converted at cp 1); False: the sorted plans of any lists."""
     torch.cuda.synchronize()
     t = time.perf_counter()
+    plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True,
+                                    static=True, column_union_max=max(1, union), diagonal=diagonal)
+    plan.column_split()
     launch.prebuild_backward_plans(plan, q_shape, k_shape, deterministic=True)
     torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e3
@@ -476,8 +481,11 @@ def main():
                 useful = st.keep * dense_pairs
                 plan = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count,
                                                 idx.column_index, True)
-                prep_ms(idx, q.shape, k.shape)                     # first call: lazy CUDA module loads
-                pms = prep_ms(idx, q.shape, k.shape)
+                union = max(int(c.numel()) for _, c in pats)
+                pms = {}
+                for diag in (True, False):
+                    prep_ms(idx, q.shape, k.shape, union, diag)       # first call: lazy CUDA module loads
+                    pms[diag] = prep_ms(idx, q.shape, k.shape, union, diag)
                 pattern = dict(keep=st.keep, mean_offsets=st.mean_offsets, mean_columns=st.mean_columns,
                                block_tiles=st.block_tiles, column_tiles=st.column_tiles, gen_s=round(gen_s, 1))
                 if args.once:
@@ -499,7 +507,7 @@ def main():
                                       tflops_fwd_bwd=tflops(3.5 * 4 * d * pairs, t2),
                                       tflops_useful_fwd_bwd=tflops(3.5 * 4 * d * useful, t2),
                                       speedup_fwd_bwd_vs_cudnn=(cud / t2) if cud else None, reps=n2,
-                                      prep_ms=pms, pattern=pattern))
+                                      prep_ms=pms[True], prep_sorted_ms=pms[False], pattern=pattern))
                         except Exception as e:
                             traceback.print_exc()
                             emit(dict(impl="ours", seq=s, d=d, sparsity=sp, error=repr(e)[:300]))

@@ -122,3 +122,20 @@ def test_diagonal_plan_equals_the_sorted_plan_on_gpu(s, heads, hq, hkv):
         n = int(want[0][-1])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[3:] == want[3:]
         assert torch.equal(got[2][:n], want[2][:n])
+
+
+@pytest.mark.gpu
+def test_column_plan_kernels_equal_the_torch_ops_on_gpu(monkeypatch):
+    """The deterministic column plan by the compiled kernels (present columns, chunk masks by atomic
+    OR) equals the torch ops over every slot at 32K, static and data dependent."""
+    from megatron_mtraining.ops.triton import launch, plan_for
+    from megatron_mtraining.patterns.synthetic import vertical_slash_indices
+
+    idx, _ = vertical_slash_indices(32768, 9, 0.9, device="cuda")
+    for static in (True, False):
+        got = launch._col_plan(plan_for(idx, static=static), 32768, 1, 9)
+        with monkeypatch.context() as mp:
+            mp.setattr(launch, "triton_runs_on", lambda device: False)
+            want = launch._col_plan(plan_for(idx, static=static), 32768, 1, 9)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, (i, static)

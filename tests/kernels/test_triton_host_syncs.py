@@ -13,6 +13,7 @@ control: the data-dependent plans trip the trap. See tests/kernels/test_triton_k
 the interpreter is set here and how a pre-imported triton is handled.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -331,3 +332,56 @@ def test_converter_marks_diagonal_blocks_at_cp1_only():
         assert st.per_query_head(4).diagonal_blocks
     steps = convert_pattern(pat, Layout("striped", 2, 64), 0, impl="torch")
     assert len(steps) == 2 and not any(x.diagonal_blocks for x in steps)
+
+
+def test_leading_below_kernel_equals_the_torch_split():
+    """The causal splits (blocks left of the tile, columns left of its first row) by the kernel that
+    reads each row only up to its first failing slot equal the torch ``_leading_split`` of the same
+    rule, for ascending and shuffled lists, garbage padding, empty rows and a batch expanded from one
+    row, without a host read. Negative control: a split one too long differs."""
+    gen = torch.Generator().manual_seed(9)
+    idx = random_step_indices(2, 3, 6, 6, True, gen, p_col=0.1, above_diag=True)
+    shuffled = idx.column_index.clone()
+    perm = torch.randperm(shuffled.shape[-1], generator=gen)
+    shuffled[..., :] = shuffled[..., perm]
+    one = random_step_indices(1, 2, 5, 5, True, gen, p_col=0.1)
+    cases = [(idx.block_index, idx.block_count, 1), (idx.column_index, idx.column_count, 64),
+             (shuffled, idx.column_count, 64), (one.column_index.expand(3, -1, -1, -1), one.column_count, 64)]
+    cut = []
+    for index, count, scale in cases:
+        with HostReadTrap():
+            got = launch._leading_below(index, count, scale)
+        nqb = index.shape[-2]
+        tile = torch.arange(nqb, dtype=torch.int32)[:, None] * scale
+        want = launch._leading_split(index, count.expand(index.shape[:-1]), index < tile)
+        assert torch.equal(got, want) and not torch.equal(got + 1, want)
+        cut.append(bool((got < count).any()))
+    assert cut[:3] == [True, True, True]          # slots that fail the rule inside the count
+
+
+def test_column_plan_kernels_equal_the_torch_ops(monkeypatch):
+    """The deterministic column plan built by the kernels that read only the listed slots (present
+    columns, per-tile chunk masks by atomic OR) equals the torch ops over every slot: the union, its
+    size, the CSR offsets and the entries, static and data dependent; for GQA rows with garbage
+    padding, shuffled lists, a non-causal step and a batch shared by one index."""
+    from megatron_mtraining.patterns.synthetic import vertical_slash_indices
+
+    gen = torch.Generator().manual_seed(3)
+    rnd = random_step_indices(2, 3, 6, 6, True, gen, p_col=0.1, above_diag=True)
+    slot = torch.arange(rnd.column_index.shape[-1])
+    cc = rnd.column_count[..., None].long()
+    rev = torch.where(slot < cc, cc - 1 - slot, slot)            # each row's listed columns in reverse order
+    shuffled = dataclasses.replace(rnd, column_index=rnd.column_index.gather(-1, rev))
+    cases = [(vertical_slash_indices(768, 2, 0.6, batch=2)[0], 2, 4), (rnd, 2, 6), (shuffled, 2, 3),
+             (random_step_indices(1, 2, 5, 5, False, gen, p_col=0.2), 1, 2)]
+    for idx, b, hq in cases:
+        sk = idx.block_index.shape[-2] * 64
+        for static in (True, False):
+            with HostReadTrap() if static else contextlib.nullcontext():
+                got = launch._col_plan(plan_for(idx, static=static), sk, b, hq)
+            with monkeypatch.context() as mp:
+                mp.setattr(launch, "triton_runs_on", lambda device: False)
+                want = launch._col_plan(plan_for(idx, static=static), sk, b, hq)
+            assert len(got) == len(want)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, (i, static)

@@ -890,3 +890,69 @@ def _kv_csr_diagonal_kernel(Last, N, Lo, H0, Offsets, Mids, Entries, width, num_
         pos += u
         tl.store(Entries + mpos, r * num_q_blocks + kb, mask=h0 != 0)
         mpos += h0
+
+
+@triton.jit
+def _leading_below_kernel(Index, Count, Out, s_ib, s_ih, s_iq, s_is, s_cb, s_ch, s_cq, num_heads, num_q,
+                          SCALE: tl.constexpr, BLOCK_J: tl.constexpr):
+    """``launch._leading_below``: per (query tile, index row, batch entry) the number of leading slots
+    ``j < Count`` with ``Index[j] < tile * SCALE``, i.e. the first slot that fails (or the count),
+    reading the row's slots in chunks only up to that slot (any order of the lists)."""
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    bz = tl.program_id(2)
+    cnt = tl.load(Count + bz * s_cb + h * s_ch + qb * s_cq)
+    limit = qb * SCALE
+    base = Index + bz * s_ib + h * s_ih + qb * s_iq
+    offs = tl.arange(0, BLOCK_J)
+    split = cnt
+    j0 = cnt * 0
+    while j0 < split:
+        slot = j0 + offs
+        live = slot < cnt
+        idx = tl.load(base + slot * s_is, mask=live, other=0)
+        split = tl.minimum(split, tl.min(tl.where(live & (idx >= limit), slot, cnt)))
+        j0 += BLOCK_J
+    tl.store(Out + (bz * num_heads + h) * num_q + qb, split)
+
+
+@triton.jit
+def _col_present_kernel(Cols, Count, Present, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh, s_nq, width,
+                        BLOCK_J: tl.constexpr):
+    """``launch._col_plan``: ``Present[b, h, t] = 1`` for every column ``t`` that query tile ``qb`` of row
+    ``(b, h)`` lists (slots ``< Count``); one program per (tile, row, batch entry). Programs that list
+    the same column store the same value."""
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    bz = tl.program_id(2)
+    cnt = tl.load(Count + bz * s_nb + h * s_nh + qb * s_nq)
+    base = Cols + bz * s_cb + h * s_ch + qb * s_cq
+    dst = Present + (bz * tl.num_programs(1) + h) * width
+    offs = tl.arange(0, BLOCK_J)
+    for j0 in range(0, cnt, BLOCK_J):
+        live = j0 + offs < cnt
+        t = tl.load(base + (j0 + offs) * s_cs, mask=live, other=0)
+        tl.store(dst + t, tl.full([BLOCK_J], 1, tl.int32), mask=live)
+
+
+@triton.jit
+def _col_bits_kernel(Cols, Count, Rank, Bits, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh, s_nq, width, num_chunks,
+                     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``launch._col_plan``: per query tile the 64-bit masks of the union chunks it lists, ``Bits[b, h, qb,
+    slot // BLOCK_C] |= 1 << (slot % BLOCK_C)`` with ``slot = Rank[b, h, t]`` the union slot of each listed
+    column ``t`` (``Bits`` zeroed before; an OR, so the order of the updates does not matter)."""
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    bz = tl.program_id(2)
+    cnt = tl.load(Count + bz * s_nb + h * s_nh + qb * s_nq)
+    base = Cols + bz * s_cb + h * s_ch + qb * s_cq
+    row = (bz * tl.num_programs(1) + h)
+    rank = Rank + row * width
+    dst = Bits + (row * tl.num_programs(0) + qb) * num_chunks
+    offs = tl.arange(0, BLOCK_J)
+    for j0 in range(0, cnt, BLOCK_J):
+        live = j0 + offs < cnt
+        t = tl.load(base + (j0 + offs) * s_cs, mask=live, other=0)
+        slot = tl.load(rank + t, mask=live, other=0)
+        bit = tl.full([BLOCK_J], 1, tl.int64) << (slot % BLOCK_C).to(tl.int64)
+        tl.atomic_or(dst + slot // BLOCK_C, bit, mask=live)

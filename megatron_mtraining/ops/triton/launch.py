@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ...common import triton_runs_on
+
 BLOCK = 64          # query tile rows = key block width (the StepIndices block size)
 BLOCK_C = 64        # vertical columns gathered per tile
 _SPREAD = 64        # sentinel slots that padding entries of the plans' scatters are spread over
@@ -95,6 +97,8 @@ class SparsePlan:
             ci, cc = self.column_index, self.column_count
             if self.mask_mode == 0 and not self.has_documents:
                 self._column_split = cc
+            elif self.mask_mode == 1 and not self.has_documents:
+                self._column_split = _leading_below(ci, cc, BLOCK)
             else:
                 ok = torch.ones_like(ci, dtype=torch.bool)
                 if self.mask_mode == 1:
@@ -123,6 +127,22 @@ def _leading_split(block_index: torch.Tensor, block_count: torch.Tensor, unmaske
     bad = ~(unmasked & (slot < block_count[..., None]))
     first = bad.to(torch.uint8).argmax(-1)                               # 0 when no slot fails ...
     return torch.where(bad.any(-1), first, n).to(torch.int32)            # ... then every slot passes
+
+
+def _leading_below(index: torch.Tensor, count: torch.Tensor, scale: int) -> torch.Tensor:
+    """:func:`_leading_split` of the causal rule ``index < tile * scale`` (``scale`` 1: key blocks left of
+    the tile; ``BLOCK``: key columns left of its first row): ``[B', H', nqb]`` int32, any order of the
+    lists. Where Triton runs, one kernel reads each row's slots only up to its first failing one
+    (about the listed entries) instead of several passes over the whole ``[B', H', nqb, width]`` index."""
+    B_, H_, nqb, width = index.shape
+    count = count.expand(B_, H_, nqb) if count.shape != (B_, H_, nqb) else count
+    if width == 0 or nqb == 0 or not triton_runs_on(index.device):
+        tile = torch.arange(nqb, device=index.device, dtype=torch.int32)[:, None] * scale
+        return _leading_split(index, count, index < tile)
+    out = torch.empty((B_, H_, nqb), dtype=torch.int32, device=index.device)
+    _kernels()._leading_below_kernel[(nqb, H_, B_)](
+        index, count, out, *index.stride(), *count.stride(), H_, nqb, SCALE=scale, BLOCK_J=64, num_warps=1)
+    return out
 
 
 def _tile_bounds(doc_lo: torch.Tensor, doc_hi: torch.Tensor):
@@ -165,6 +185,8 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     diagonal = bool(diagonal) and not docs and block_index.dim() == 4 and block_index.shape[-2] > 0
     if diagonal and causal:      # the diagonal tile (offset 0, the last slot) is the only masked one
         split = block_count - _diagonal_rows(block_index, block_count, True)[2][..., None]
+    elif causal and not docs:
+        split = _leading_below(block_index, block_count, 1)
     elif causal or docs:
         nqb = block_count.shape[-1]
         ok = torch.ones_like(block_index, dtype=torch.bool)
@@ -479,13 +501,21 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     if key in plan._col:
         return plan._col[key]
     dev = ci.device
-    slot = torch.arange(max_nc, device=dev)
-    valid = slot < cc[..., None]
-    # padding slots write to SPREAD sentinels past sk (one shared sentinel serialises the scatters)
-    cidx = torch.where(valid, ci.long(), sk + slot % _SPREAD)
+    # where Triton runs, two kernels read only the listed slots (present columns, then the tiles' chunk
+    # masks); else torch ops over every slot of the index
+    fused = triton_runs_on(dev)
+    cc = cc.expand(B_, H_, nqb)
     width = sk + _SPREAD
     present = torch.zeros(B_, H_, width, dtype=torch.int32, device=dev)
-    present.scatter_(2, cidx.view(B_, H_, -1), 1)
+    if fused:
+        _kernels()._col_present_kernel[(nqb, H_, B_)](ci, cc, present, *ci.stride(), *cc.stride(), width,
+                                                      BLOCK_J=64, num_warps=2)
+    else:
+        slot = torch.arange(max_nc, device=dev)
+        valid = slot < cc[..., None]
+        # padding slots write to SPREAD sentinels past sk (one shared sentinel serialises the scatters)
+        cidx = torch.where(valid, ci.long(), sk + slot % _SPREAD)
+        present.scatter_(2, cidx.view(B_, H_, -1), 1)
     present[..., sk:] = 0
     rank = torch.cumsum(present, -1, dtype=torch.int32) - 1                    # slot of column p in U
     ucount = present.sum(-1, dtype=torch.int32)                               # [B', H']
@@ -500,13 +530,18 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     dst = torch.where(present.bool(), rank.long(), upad + (pos % _SPREAD).long())
     col_u.scatter_(2, dst, pos.expand(B_, H_, width))   # non-present positions land past slot upad (dropped)
     col_u = col_u[..., :upad].contiguous()
-    slots = rank.gather(2, cidx.view(B_, H_, -1)).view(B_, H_, nqb, max_nc).long()
-    chunk = torch.where(valid, slots // BLOCK_C, nchunks + slot % _SPREAD)
-    bit = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(slots), slots % BLOCK_C),
-                      torch.zeros_like(slots))
-    bits = torch.zeros(B_, H_, nqb, nchunks + _SPREAD, dtype=torch.int64, device=dev)
-    bits.scatter_add_(3, chunk, bit)                  # distinct powers of two: the sum is the OR
-    bits = bits[..., :nchunks]
+    if fused:
+        bits = torch.zeros(B_, H_, nqb, nchunks, dtype=torch.int64, device=dev)
+        _kernels()._col_bits_kernel[(nqb, H_, B_)](ci, cc, rank, bits, *ci.stride(), *cc.stride(), width, nchunks,
+                                                   BLOCK_J=64, BLOCK_C=BLOCK_C, num_warps=2)
+    else:
+        slots = rank.gather(2, cidx.view(B_, H_, -1)).view(B_, H_, nqb, max_nc).long()
+        chunk = torch.where(valid, slots // BLOCK_C, nchunks + slot % _SPREAD)
+        bit = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(slots), slots % BLOCK_C),
+                          torch.zeros_like(slots))
+        bits = torch.zeros(B_, H_, nqb, nchunks + _SPREAD, dtype=torch.int64, device=dev)
+        bits.scatter_add_(3, chunk, bit)                  # distinct powers of two: the sum is the OR
+        bits = bits[..., :nchunks]
     # split the query tiles so that there are enough programs to fill the GPU
     qbps = max(16, min(nqb, 256))
     while qbps > 16 and b * hq * nchunks * math.ceil(nqb / qbps) < 4 * 132:
