@@ -241,6 +241,10 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
             bounds += [min(ns, nkb) if seen else 0, min(own_cols[o].shape[-1], S // cp) if seen else 0]
     maxima = _maxima([x for p in pending for x in (p[3], p[5])],       # the host sync (unless static)
                      bounds if static_widths else None)
+    # cp 1, or striped with one block per stripe (QB_i = i * cp + rank): QB_i - KB_j = (i - j) * cp + rank - owner
+    # is an offset d >= 0 only for i - j >= 0, so every step lists local diagonals i - j >= 0. (Contiguous
+    # chunks are not: a later rank sees an earlier owner's blocks j > i.)
+    affine = cp == 1 or (layout.kind == "striped" and layout.granularity == bs)
     steps = []
     for j, (o, table, b_cs, b_cnt, c_cs, c_cnt, loc) in enumerate(pending):
         mb, mc = maxima[2 * j], maxima[2 * j + 1]
@@ -251,7 +255,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
             column_index=_pick(c_cs, loc.to(i32)[:, :, None, :], -1, max(1, mc)),
             causal=(o == rank), block_size=bs, known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
                                                                  union=mc if static_widths else None),
-            diagonal=DiagonalBlocks.of(b_cnt, kb) if cp == 1 else None))    # cp 1: local blocks are global
+            diagonal=DiagonalBlocks.of(b_cnt, kb) if affine else None))
     return steps
 
 

@@ -124,9 +124,10 @@ class KnownMax:
 class DiagonalBlocks:
     """Host record that the block lists of one :class:`StepIndices` are block diagonals: every index
     row ``(b, h)`` has one set ``D`` of offsets ``d >= 0`` and query block ``i`` lists exactly the key
-    blocks ``i - d`` for ``d in D`` with ``d <= i``, ascending, in a step whose query and key blocks
-    share one index space (``nqb == nkb``; MTraining §3.2's slash rule at ``cp_size == 1``, where local
-    blocks are global ones). The last query block then lists every offset of its row. The Triton
+    blocks ``i - d`` for ``d in D`` with ``d <= i``, ascending, with as many query as key blocks
+    (MTraining §3.2's slash rule at ``cp_size == 1``, and on every ring step of the striped layout with one
+    block per stripe, where global offset ``d`` between local blocks ``i`` and ``j`` is ``(i - j) * cp +
+    rank - owner``). The last query block then lists every offset of its row. The Triton
     backward builds its inverted block index from these offsets without a sort
     (:func:`~megatron_mtraining.ops.triton.launch.plan_from_indices`).
 
@@ -158,7 +159,7 @@ class StepIndices:
 
     ``known_max`` (optional, set by the converter): the counts' maxima on the host, so that
     :meth:`is_empty` needs no device read while they are valid (:class:`KnownMax`). ``diagonal``
-    (optional, set by the converter at ``cp_size == 1``): the block lists are block diagonals
+    (optional, set by the converter where the layout allows it): the block lists are block diagonals
     (:class:`DiagonalBlocks`), which the Triton backward's plan uses."""
 
     block_count: torch.Tensor

@@ -315,23 +315,43 @@ def test_diagonal_plans_equal_the_sorted_ones(heads, hq, hkv):
     assert not all(torch.equal(a, b) for a, b in zip(_csr(forced, nkb, hq, hkv)[:3], _csr(plain, nkb, hq, hkv)[:3]))
 
 
-def test_converter_marks_diagonal_blocks_at_cp1_only():
-    """The conversion at cp 1 (torch and Triton) records its block lists as diagonals; at cp 2 the
-    local blocks of the ring steps are not, and no step carries the record."""
+@pytest.mark.parametrize("kind,cp,gran,marked", [("striped", 1, 64, True), ("striped", 4, 64, True),
+                                                  ("contiguous", 4, 64, False), ("striped", 2, 128, False),
+                                                  ("zigzag", 2, 64, False)])
+def test_converter_marks_diagonal_blocks_where_the_layout_keeps_them(kind, cp, gran, marked):
+    """The conversion records its block lists as diagonals at cp 1 and on every ring step of the striped
+    layout with one block per stripe, and the plans built from the record equal the sorted ones (causal
+    own step, non-causal steps of the other owners); it records nothing for the other layouts (negative
+    control: some of their steps are not diagonals, e.g. contiguous chunks, where a later rank lists an
+    earlier owner's key blocks right of the query block). torch and Triton conversions at cp 1."""
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns.convert import convert_pattern, without_columns
     from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
     from tests.workers.vs_data import make_qkv
 
-    q, k, _ = make_qkv(1, 512, 2, 1, 16, seed=4)
-    cfg = VerticalSlashConfig(recall=0.9, last_q=64, sink_tokens=16, local_blocks=1, max_vertical=40, max_slash=4)
+    s = 1024
+    q, k, _ = make_qkv(1, s, 2, 1, 16, seed=4)
+    cfg = VerticalSlashConfig(recall=0.95, last_q=64, sink_tokens=16, local_blocks=1, max_vertical=40, max_slash=6)
+    layout = Layout(kind, cp, gran)
     pat = estimate_vertical_slash(q, k, layout=Layout("striped", 1, 64), config=cfg, impl="torch")
-    for impl in ("torch", "triton"):
-        (st,) = convert_pattern(pat, Layout("striped", 1, 64), 0, impl=impl)
-        assert st.diagonal_blocks and without_columns(st).diagonal_blocks
-        assert st.per_query_head(4).diagonal_blocks
-    steps = convert_pattern(pat, Layout("striped", 2, 64), 0, impl="torch")
-    assert len(steps) == 2 and not any(x.diagonal_blocks for x in steps)
+    differ = []
+    for impl in (("torch", "triton") if cp == 1 else ("torch",)):
+        for rank in range(cp):
+            steps = convert_pattern(pat, layout, rank, impl=impl)
+            assert [x.diagonal_blocks for x in steps] == [marked] * cp
+            for st in steps:
+                nkb = st.block_index.shape[-2]
+                forced = launch.plan_from_indices(st.block_count, st.block_index, st.column_count, st.column_index,
+                                                  st.causal, diagonal=True)
+                ref = launch.plan_from_indices(st.block_count, st.block_index, st.column_count, st.column_index,
+                                               st.causal)
+                same = torch.equal(forced.block_split, ref.block_split) and all(
+                    torch.equal(a, b) for a, b in zip(_csr(forced, nkb, 2, 1)[:3], _csr(ref, nkb, 2, 1)[:3]))
+                if marked:
+                    assert same and plan_for(st).diagonal
+                    assert without_columns(st).diagonal_blocks and st.per_query_head(4).diagonal_blocks
+                differ.append(not same)
+    assert any(differ) != marked
 
 
 def test_leading_below_kernel_equals_the_torch_split():

@@ -10,7 +10,7 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
   the *inverted* block index in CSR form
   (``kv_offsets``, ``kv_entries``: for each (batch, KV head, key block) the ascending list of
   ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block), sorted
-  from the block lists, or for block diagonals (``diagonal``, the slash blocks at cp 1) written from
+  from the block lists, or for block diagonals (``diagonal``: the slash blocks of most layouts) written from
   each row's offsets by one kernel;
 * deterministic vertical-column side (built on the first deterministic backward): per query head
   the union ``U`` of its columns (ascending), and per (query tile, 64-column chunk of ``U``) a
