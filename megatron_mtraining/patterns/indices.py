@@ -142,8 +142,8 @@ class DiagonalBlocks:
 
     @classmethod
     def of(cls, block_count: torch.Tensor, block_index: torch.Tensor) -> Optional["DiagonalBlocks"]:
-        """A record, or ``None`` for inference tensors (they keep no version counter) and for steps whose
-        query and key blocks differ in number."""
+        """A record, or ``None`` for inference tensors (they keep no version counter). Writes that bypass
+        the version counter (``.data``, NumPy views) are not seen, as for :class:`KnownMax`."""
         if block_count.is_inference() or block_index.is_inference() or block_index.dim() != 4:
             return None
         return cls(block_count, block_index)

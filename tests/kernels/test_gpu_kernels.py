@@ -126,16 +126,24 @@ def test_diagonal_plan_equals_the_sorted_plan_on_gpu(s, heads, hq, hkv):
 
 @pytest.mark.gpu
 def test_column_plan_kernels_equal_the_torch_ops_on_gpu(monkeypatch):
-    """The deterministic column plan by the compiled kernels (present columns, chunk masks by atomic
-    OR) equals the torch ops over every slot at 32K, static and data dependent."""
+    """The causal splits and the deterministic column plan by the compiled kernels (present columns,
+    chunk masks by atomic OR, entries by prefix sums) equal the torch ops over every slot at 32K,
+    static and data dependent."""
     from megatron_mtraining.ops.triton import launch, plan_for
     from megatron_mtraining.patterns.synthetic import vertical_slash_indices
 
     idx, _ = vertical_slash_indices(32768, 9, 0.9, device="cuda")
+    for index, count, scale in ((idx.column_index, idx.column_count, 64), (idx.block_index, idx.block_count, 1)):
+        tile = torch.arange(index.shape[-2], device="cuda", dtype=torch.int32)[:, None] * scale
+        assert torch.equal(launch._leading_below(index, count, scale),
+                           launch._leading_split(index, count, index < tile))      # the causal splits
     for static in (True, False):
         got = launch._col_plan(plan_for(idx, static=static), 32768, 1, 9)
         with monkeypatch.context() as mp:
             mp.setattr(launch, "triton_runs_on", lambda device: False)
             want = launch._col_plan(plan_for(idx, static=static), 32768, 1, 9)
+        n = int(want[2][-1])
+        got, want = list(got), list(want)
+        got[4:6], want[4:6] = [t[:n] for t in got[4:6]], [t[:n] for t in want[4:6]]   # the entries (buffers padded)
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, (i, static)

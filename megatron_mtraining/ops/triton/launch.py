@@ -404,9 +404,9 @@ def _diagonal_rows(bi: torch.Tensor, bc: torch.Tensor, causal: bool):
     slot = torch.arange(width, device=bi.device, dtype=torch.int32)
     lastp = torch.where(slot < n[..., None], last, torch.iinfo(torch.int32).max).contiguous()
     if not causal:
-        return lastp, n.contiguous(), torch.zeros_like(n)
+        return lastp, n.contiguous(), torch.zeros(n.shape, dtype=torch.int32, device=n.device)
     top = last.gather(-1, (n.long() - 1).clamp(min=0)[..., None])[..., 0]
-    return lastp, n.contiguous(), ((n > 0) & (top == nqb - 1)).to(torch.int32)
+    return lastp, n.contiguous(), ((n > 0) & (top == nqb - 1)).to(torch.int32).contiguous()
 
 
 def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
@@ -548,6 +548,10 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         qbps //= 2
     nsplit = math.ceil(nqb / qbps)
     nseg = B_ * H_ * nchunks * nsplit
+    if fused:
+        res = plan._col[key] = (col_u, ucount.contiguous(), *_col_entries(plan, bits, col_u, nchunks, nsplit, qbps),
+                                upad, nchunks, nsplit, B_, H_)
+        return res
     if plan.static:
         res = plan._col[key] = (col_u, ucount.contiguous(),
                                 *_col_entries_static(plan, bits, col_u, nchunks, nsplit, qbps),
@@ -569,6 +573,37 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     res = (col_u, ucount.contiguous(), offsets, mid, entries_qb, entries_bits, upad, nchunks, nsplit, B_, H_)
     plan._col[key] = res
     return res
+
+
+def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchunks: int, nsplit: int, qbps: int):
+    """The entries of :func:`_col_plan` by two kernels where Triton runs (no sort, no device read): per
+    segment the counts of its listed and of its whole-chunk tiles (a cumsum gives the offsets and mid),
+    then each segment's entries by prefix sums of its tiles' flags. The offsets, mid and
+    ``entries[:offsets[-1]]`` are those of :func:`_col_entries_static`; the entry buffers hold one slot
+    per (row, tile, chunk)."""
+    B_, H_, nqb, _ = bits.shape
+    dev = bits.device
+    bits = bits.contiguous()
+    nseg = B_ * H_ * nchunks * nsplit
+    counts = torch.empty(nseg, dtype=torch.int32, device=dev)
+    fulls = torch.empty(nseg, dtype=torch.int32, device=dev)
+    args = (qbps, nqb, nchunks, col_u.shape[-1])
+    meta = dict(CAUSAL=plan.mask_mode == 1, QBPS=triton_next_power_of_2(qbps), BLOCK_C=BLOCK_C, num_warps=4)
+    grid = (nsplit, nchunks, B_ * H_)
+    K = _kernels()
+    K._col_entry_count_kernel[grid](bits, col_u, counts, fulls, *args, **meta)
+    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
+    mid = offsets[:-1] + fulls
+    size = max(1, bits.numel())
+    entries_qb = torch.empty(size, dtype=torch.int32, device=dev)
+    entries_bits = torch.empty(size, dtype=torch.int64, device=dev)
+    K._col_entry_fill_kernel[grid](bits, col_u, offsets, mid, entries_qb, entries_bits, *args, **meta)
+    return offsets, mid, entries_qb, entries_bits
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _col_entries_static(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchunks: int, nsplit: int,
