@@ -366,14 +366,15 @@ def test_leading_below_kernel_equals_the_torch_split():
     shuffled[..., :] = shuffled[..., perm]
     one = random_step_indices(1, 2, 5, 5, True, gen, p_col=0.1)
     cases = [(idx.block_index, idx.block_count, 1), (idx.column_index, idx.column_count, 64),
-             (shuffled, idx.column_count, 64), (one.column_index.expand(3, -1, -1, -1), one.column_count, 64)]
+             (shuffled, idx.column_count, 64), (one.column_index.expand(3, -1, -1, -1), one.column_count, 64),
+             (one.column_index[:, :1], one.column_count, 64)]            # one shared row, counts per head
     cut = []
     for index, count, scale in cases:
         with HostReadTrap():
             got = launch._leading_below(index, count, scale)
         nqb = index.shape[-2]
         tile = torch.arange(nqb, dtype=torch.int32)[:, None] * scale
-        want = launch._leading_split(index, count.expand(index.shape[:-1]), index < tile)
+        want = launch._leading_split(index, count, index < tile)
         assert torch.equal(got, want) and not torch.equal(got + 1, want)
         cut.append(bool((got < count).any()))
     assert cut[:3] == [True, True, True]          # slots that fail the rule inside the count
@@ -410,3 +411,16 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch):
             got[4:6], want[4:6] = [t[:n] for t in got[4:6]], [t[:n] for t in want[4:6]]   # the entries (buffers padded)
             for i, (g, w) in enumerate(zip(got, want)):
                 assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, (i, static)
+    # a union bound below the real union drops the columns past it (never another tile's chunk)
+    nqb, cols = 3, torch.arange(100, dtype=torch.int32)
+    ci, cc = torch.zeros(1, 1, nqb, 100, dtype=torch.int32), torch.zeros(1, 1, nqb, dtype=torch.int32)
+    ci[0, 0, 0], cc[0, 0, 0] = cols, 100
+    bc, bi = torch.zeros(1, 1, nqb, dtype=torch.int32), torch.zeros(1, 1, nqb, 1, dtype=torch.int32)
+    small = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True, column_union_max=64)  # noqa: E731
+    got = launch._col_plan(small(), nqb * 64, 1, 1)
+    with monkeypatch.context() as mp:
+        mp.setattr(launch, "triton_runs_on", lambda device: False)
+        want = launch._col_plan(small(), nqb * 64, 1, 1)
+    n = int(want[2][-1])
+    assert n == 1 and torch.equal(got[2], want[2]) and torch.equal(got[4][:n], want[4][:n])
+    assert torch.equal(got[5][:n], want[5][:n])

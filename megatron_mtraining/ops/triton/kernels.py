@@ -955,7 +955,8 @@ def _col_bits_kernel(Cols, Count, Rank, Bits, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh
         t = tl.load(base + (j0 + offs) * s_cs, mask=live, other=0)
         slot = tl.load(rank + t, mask=live, other=0)
         bit = tl.full([BLOCK_J], 1, tl.int64) << (slot % BLOCK_C).to(tl.int64)
-        tl.atomic_or(dst + slot // BLOCK_C, bit, mask=live)
+        # a union slot past the buffer (a union bound below the real union) is dropped, as by the torch ops
+        tl.atomic_or(dst + slot // BLOCK_C, bit, mask=live & (slot < num_chunks * BLOCK_C))
 
 
 @triton.jit

@@ -134,8 +134,12 @@ def _leading_below(index: torch.Tensor, count: torch.Tensor, scale: int) -> torc
     the tile; ``BLOCK``: key columns left of its first row): ``[B', H', nqb]`` int32, any order of the
     lists. Where Triton runs, one kernel reads each row's slots only up to its first failing one
     (about the listed entries) instead of several passes over the whole ``[B', H', nqb, width]`` index."""
+    lead = torch.broadcast_shapes(index.shape[:-1], count.shape)
+    if len(lead) != 3:
+        tile = torch.arange(index.shape[-2], device=index.device, dtype=torch.int32)[:, None] * scale
+        return _leading_split(index, count, index < tile)
+    index, count = index.expand(*lead, index.shape[-1]), count.expand(lead)
     B_, H_, nqb, width = index.shape
-    count = count.expand(B_, H_, nqb) if count.shape != (B_, H_, nqb) else count
     if width == 0 or nqb == 0 or not triton_runs_on(index.device):
         tile = torch.arange(nqb, device=index.device, dtype=torch.int32)[:, None] * scale
         return _leading_split(index, count, index < tile)
