@@ -265,21 +265,22 @@ def test_document_bounds_shifted_by_one_are_caught():
     assert col[0, :, 149].abs().min() > 0 and max_rel(col, col_r) > 1e-2
 
 
-@pytest.mark.parametrize("probes", ["stream", "document"])
-def test_estimator_triton_selects_the_torch_pattern_with_documents(probes):
+@pytest.mark.parametrize("probes,cfg", [            # each probe mode with one of the two settings (interpreter time)
+    ("document", dict(recall=0.9, sink_tokens=4, last_q=100)),
+    ("stream", dict(recall=0.9, sink_tokens=8, share_pattern="kv_group"))])
+def test_estimator_triton_selects_the_torch_pattern_with_documents(probes, cfg):
     from megatron_mtraining.layout import PackedDocuments
 
     q, k, _ = make_qkv(2, 512, 4, 2, 32, seed=4, dtype=torch.float32)
     docs = PackedDocuments.from_cu_seqlens(torch.tensor([0, 37, 300, 470, 512, 700, 1000]), 512, batch_size=2)
-    for cfg in (dict(recall=0.9, sink_tokens=4, last_q=100), dict(recall=0.9, sink_tokens=8, share_pattern="kv_group")):
-        config = VerticalSlashConfig(**cfg, probes=probes)
-        one = Layout("striped", 1, 64)
-        got = estimate_vertical_slash(q, k, layout=one, config=config, impl="triton", documents=docs)
-        ref = estimate_vertical_slash(q, k, layout=one, config=config, impl="torch", documents=docs)
-        assert got.same_selection(ref)
-        assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
-        assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
-        assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
+    config = VerticalSlashConfig(**cfg, probes=probes)
+    one = Layout("striped", 1, 64)
+    got = estimate_vertical_slash(q, k, layout=one, config=config, impl="triton", documents=docs)
+    ref = estimate_vertical_slash(q, k, layout=one, config=config, impl="torch", documents=docs)
+    assert got.same_selection(ref)
+    assert torch.equal(got.slash_count, ref.slash_count) and torch.equal(got.vertical_count, ref.vertical_count)
+    assert max_rel(got.est_slash_mass, ref.est_slash_mass) <= TOL
+    assert max_rel(got.est_vertical_mass, ref.est_vertical_mass) <= TOL
 
 
 # ------------------------------------------------------------------------------ per-document probes
