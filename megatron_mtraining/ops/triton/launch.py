@@ -592,7 +592,7 @@ def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchu
     counts = torch.empty(nseg, dtype=torch.int32, device=dev)
     fulls = torch.empty(nseg, dtype=torch.int32, device=dev)
     args = (qbps, nqb, nchunks, col_u.shape[-1])
-    meta = dict(CAUSAL=plan.mask_mode == 1, QBPS=triton_next_power_of_2(qbps), BLOCK_C=BLOCK_C, num_warps=4)
+    meta = dict(CAUSAL=plan.mask_mode == 1, QBPS=_next_power_of_2(qbps), BLOCK_C=BLOCK_C, num_warps=4)
     grid = (nsplit, nchunks, B_ * H_)
     K = _kernels()
     K._col_entry_count_kernel[grid](bits, col_u, counts, fulls, *args, **meta)
@@ -606,7 +606,7 @@ def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchu
     return offsets, mid, entries_qb, entries_bits
 
 
-def triton_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -662,11 +662,12 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
 
     The plans (the inverted block index in CSR form, and for the deterministic mode the column
-    union and its per-tile bit masks) take about 75 small torch ops and a sort over every listed
-    block; for diagonal block lists (``plan.diagonal``) the inverted index takes a few ops on
-    ``[B', H', nkb]`` counts and one kernel launch instead. With ``plan.static`` (the
+    union and its per-tile bit masks) take a few small torch ops and kernels that read only the listed
+    slots (the inverted index of diagonal block lists, ``plan.diagonal``, from each row's offsets; of
+    other lists by a sort of every listed block); where Triton does not run, about 75 torch ops and
+    sorts over every slot of the indices. With ``plan.static`` (the
     CUDA default, :func:`~megatron_mtraining.ops.triton.plan_for`) their sizes are host bounds and
-    they read nothing back from the device; otherwise they read 1 (block index: ``nonzero``) plus
+    they read nothing back from the device; otherwise they read up to 1 (block index: ``nonzero``) plus
     3 (column plan: the union width, ``nonzero``, boolean indexing) values back. Built here, right after the forward kernel is launched, their host
     work overlaps that kernel. On CUDA they run on a high-priority side stream that first waits for
     ``after`` (a ``torch.cuda.Event`` recorded on the current stream once the index tensors were
