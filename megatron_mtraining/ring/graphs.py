@@ -7,8 +7,9 @@ the layer's attention, forward and backward, once per input signature with
 :class:`torch.cuda.CUDAGraph` and then replays the two graphs: one launch each, whatever the
 number of kernels inside. The pattern is still estimated online from each call's q/k: a replay
 runs the same kernels on the new inputs (copied into the graph's input buffers). This pays only where
-the host, not the GPU, bounds training; on one H200 with SmolLM2-135M at 32K and 64K it did not
-(docs/results.md, CUDA graphs of the sparse layers).
+the host, not the GPU, bounds training: on one H200 with the SmolLM2-135M shape it pays at 32K
+(docs/results.md, sparse plans without sorts); at 64K, where the GPU bounds training, it measured 1-2 %
+slower (docs/results.md, CUDA graphs of the sparse layers).
 
 Rules (each refused with an error naming it, never a silent wrong answer):
 
