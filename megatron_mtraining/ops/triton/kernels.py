@@ -960,10 +960,14 @@ def _col_bits_kernel(Cols, Count, Rank, Bits, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh
 
 
 @triton.jit
-def _col_tiles(Bits, ColU, row, c, sp, qbps, num_q_blocks, num_chunks, upad,
+def _col_tiles(Bits, ColU, qbps, num_q_blocks, num_chunks, upad,
                CAUSAL: tl.constexpr, QBPS: tl.constexpr, BLOCK_C: tl.constexpr):
-    # the query tiles of split sp: their chunk-c masks, which list a column of the chunk, which list all
-    # BLOCK_C of them left of the tile's first row (computed unmasked)
+    # this program's segment (split sp, chunk c, index row) and its query tiles: their chunk-c masks, which
+    # list a column of the chunk, which list all BLOCK_C of them left of the tile's first row (run unmasked)
+    sp = tl.program_id(0)
+    c = tl.program_id(1)
+    row = tl.program_id(2)
+    seg = (row * num_chunks + c) * tl.num_programs(0) + sp
     offs = tl.arange(0, QBPS)
     qb = sp * qbps + offs
     live = (offs < qbps) & (qb < num_q_blocks)
@@ -973,7 +977,7 @@ def _col_tiles(Bits, ColU, row, c, sp, qbps, num_q_blocks, num_chunks, upad,
     if CAUSAL:
         last = tl.load(ColU + row * upad + c * BLOCK_C + BLOCK_C - 1)
         full = full & (last < qb * BLOCK_C)
-    return qb, bits, listed, full
+    return seg, qb, bits, listed, full
 
 
 @triton.jit
@@ -981,12 +985,7 @@ def _col_entry_count_kernel(Bits, ColU, Counts, Fulls, qbps, num_q_blocks, num_c
                             CAUSAL: tl.constexpr, QBPS: tl.constexpr, BLOCK_C: tl.constexpr):
     """``launch._col_entries``: per segment (row, chunk, split) the number of its query tiles that list a
     column of the chunk and of those that list all of it (one program per segment)."""
-    sp = tl.program_id(0)
-    c = tl.program_id(1)
-    row = tl.program_id(2)
-    qb, bits, listed, full = _col_tiles(Bits, ColU, row, c, sp, qbps, num_q_blocks, num_chunks, upad,
-                                        CAUSAL, QBPS, BLOCK_C)
-    seg = (row * num_chunks + c) * tl.num_programs(0) + sp
+    seg, qb, bits, listed, full = _col_tiles(Bits, ColU, qbps, num_q_blocks, num_chunks, upad, CAUSAL, QBPS, BLOCK_C)
     tl.store(Counts + seg, tl.sum(listed.to(tl.int32), 0))
     tl.store(Fulls + seg, tl.sum(full.to(tl.int32), 0))
 
@@ -996,12 +995,7 @@ def _col_entry_fill_kernel(Bits, ColU, Offsets, Mids, EntriesQb, EntriesBits, qb
                            CAUSAL: tl.constexpr, QBPS: tl.constexpr, BLOCK_C: tl.constexpr):
     """``launch._col_entries``: a segment's entries, the tiles that list the whole chunk from ``Offsets`` and
     the others from ``Mids``, each group in ascending tile order (prefix sums of the flags)."""
-    sp = tl.program_id(0)
-    c = tl.program_id(1)
-    row = tl.program_id(2)
-    qb, bits, listed, full = _col_tiles(Bits, ColU, row, c, sp, qbps, num_q_blocks, num_chunks, upad,
-                                        CAUSAL, QBPS, BLOCK_C)
-    seg = (row * num_chunks + c) * tl.num_programs(0) + sp
+    seg, qb, bits, listed, full = _col_tiles(Bits, ColU, qbps, num_q_blocks, num_chunks, upad, CAUSAL, QBPS, BLOCK_C)
     part = listed & (full == 0)
     full_i = full.to(tl.int32)
     part_i = part.to(tl.int32)

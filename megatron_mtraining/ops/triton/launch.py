@@ -68,6 +68,7 @@ class SparsePlan:
     doc_lo: Optional[torch.Tensor] = None  # [B'', sq] int32 document key bounds (packed documents), with k_pos
     doc_hi: Optional[torch.Tensor] = None  # [B'', sq] int32 (a padding query: lo > hi)
     diagonal: bool = False                # block lists are block diagonals (StepIndices.diagonal_blocks)
+    _diag_rows: Optional[tuple] = field(default=None, repr=False)  # their _diagonal_rows (causal plans)
 
     @property
     def has_documents(self) -> bool:
@@ -135,14 +136,11 @@ def _leading_below(index: torch.Tensor, count: torch.Tensor, scale: int) -> torc
     lists. Where Triton runs, one kernel reads each row's slots only up to its first failing one
     (about the listed entries) instead of several passes over the whole ``[B', H', nqb, width]`` index."""
     lead = torch.broadcast_shapes(index.shape[:-1], count.shape)
-    if len(lead) != 3:
+    if len(lead) != 3 or 0 in index.shape[-2:] or not triton_runs_on(index.device):
         tile = torch.arange(index.shape[-2], device=index.device, dtype=torch.int32)[:, None] * scale
         return _leading_split(index, count, index < tile)
     index, count = index.expand(*lead, index.shape[-1]), count.expand(lead)
     B_, H_, nqb, width = index.shape
-    if width == 0 or nqb == 0 or not triton_runs_on(index.device):
-        tile = torch.arange(nqb, device=index.device, dtype=torch.int32)[:, None] * scale
-        return _leading_split(index, count, index < tile)
     out = torch.empty((B_, H_, nqb), dtype=torch.int32, device=index.device)
     _kernels()._leading_below_kernel[(nqb, H_, B_)](
         index, count, out, *index.stride(), *count.stride(), H_, nqb, SCALE=scale, BLOCK_J=64, num_warps=1)
@@ -187,8 +185,9 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     if docs and (doc_hi is None or key_pos is None):
         raise ValueError("packed documents need doc_lo, doc_hi and key_pos together")
     diagonal = bool(diagonal) and not docs and block_index.dim() == 4 and block_index.shape[-2] > 0
-    if diagonal and causal:      # the diagonal tile (offset 0, the last slot) is the only masked one
-        split = block_count - _diagonal_rows(block_index, block_count, True)[2][..., None]
+    diag_rows = _diagonal_rows(block_index, block_count, True) if diagonal and causal else None
+    if diag_rows is not None:    # the diagonal tile (offset 0, the last slot) is the only masked one
+        split = block_count - diag_rows[2][..., None]
     elif causal and not docs:
         split = _leading_below(block_index, block_count, 1)
     elif causal or docs:
@@ -212,7 +211,7 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
                       _i32(column_count) if has_cols else None, _i32(column_index) if has_cols else None,
                       1 if causal else 0, k_pos=bound(key_pos), static=bool(static),
                       column_union_max=column_union_max, doc_lo=bound(doc_lo), doc_hi=bound(doc_hi),
-                      diagonal=diagonal)
+                      diagonal=diagonal, _diag_rows=diag_rows)
 
 
 def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
@@ -425,7 +424,7 @@ def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     B_, H_, nqb, width = bi.shape
     rep = hq // hkv
     dev = bi.device
-    lastp, n, h0 = _diagonal_rows(bi, bc, plan.mask_mode == 1)
+    lastp, n, h0 = plan._diag_rows or _diagonal_rows(bi, bc, plan.mask_mode == 1)
     kbs = torch.arange(nkb, device=dev, dtype=torch.int32).expand(B_, H_, nkb).contiguous()
     lo = torch.searchsorted(lastp, kbs, out_int32=True)              # offsets too large for kb: [0, lo)
     cnt = n[..., None] - lo                                          # [B', H', nkb] tiles listing kb
