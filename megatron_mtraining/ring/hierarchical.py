@@ -55,11 +55,18 @@ __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "Dela
 class DelayedComm(RingComm):
     """A :class:`RingComm` whose transfers take at least ``delay_s`` seconds from posting to
     completion: a slow inter-node link for overlap tests and simulations (the transfer itself
-    runs at once; ``wait()`` returns no earlier than ``post time + delay_s``)."""
+    runs at once; ``wait()`` returns no earlier than ``post time + delay_s``).
+
+    Two counters, in seconds, for measurements (reset them to 0.0 between measurements):
+    ``blocked_s`` is the time callers spent inside ``wait()`` (the transfer itself, including
+    waiting for a late peer, plus the injected delay); ``exposed_delay_s`` is the part of the
+    injected delay that ``wait()`` slept, i.e. the slow-link time not hidden behind other work."""
 
     def __init__(self, group, delay_s: float, name: str = "flat"):
         super().__init__(group, name)
         self.delay_s = float(delay_s)
+        self.blocked_s = 0.0
+        self.exposed_delay_s = 0.0
 
     def exchange(self, send, recv, where: str = "exchange"):
         pending = super().exchange(send, recv, where)
@@ -67,10 +74,13 @@ class DelayedComm(RingComm):
         inner_wait = pending.wait
 
         def wait():
+            t0 = time.perf_counter()
             res = inner_wait()
             left = ready_at - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+                self.exposed_delay_s += left
+            self.blocked_s += time.perf_counter() - t0
             return res
 
         pending.wait = wait

@@ -80,19 +80,17 @@ def test_hierarchical_sparse_matches_flat_sparse_and_fp64_masked(inner, outer, c
     assert r["vs_flat"] <= 1e-5, r
 
 
-@pytest.mark.serial          # a wall-time comparison: `make test` runs it alone, not beside other tests
+@pytest.mark.serial          # measures time spent blocked: `make test` runs it alone, not beside other tests
 def test_outer_transfer_is_hidden_behind_inner_ring():
-    """With a slow outer link (delay D per transfer) the forward time tracks max(inner work, D)
-    per outer step, not their sum; the flat ring over the same slow links pays D on every step."""
-    r = _result("tests/workers/hier_overlap.py", ["--seq-local", 512], nproc=4, timeout=400)
-    d, inner = r["delay_s"], r["inner_only"]
-    max_model = max(inner / 2, d) + inner / 2          # 2 outer steps, the first transfer hidden
-    sum_model = d + inner
-    mid = (max_model + sum_model) / 2
-    print("overlap measurement:", r, "max-model", max_model, "sum-model", sum_model)
-    assert r["hier_overlap"] < mid, r
-    assert r["hier_serial"] > mid, r
-    assert r["hier_overlap"] < r["flat"], r
+    """With a slow outer link (every transfer takes D seconds) the overlapped schedule posts the
+    transfer before the inner ring, which hides the link time; the serial schedule (negative
+    control) waits for the transfer first and is blocked for at least D per forward."""
+    r = _result("tests/workers/hier_overlap.py", ["--seq-local", 512, "--reps", 5], nproc=4, timeout=400)
+    d = r["delay_s"]
+    print("overlap measurement:", r)
+    assert d > 0.0, r
+    assert r["overlap_exposed"] < 0.5 * d, r
+    assert r["serial_blocked"] > 0.9 * d, r
 
 
 def test_degenerate_levels_are_errors():
