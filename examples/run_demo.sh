@@ -17,6 +17,10 @@ DATA_DIR="${MTRAINING_DATA:-$REPO_ROOT/data}"
 SOURCES="${DEMO_SOURCES:-books}"
 WORKERS="${DEMO_WORKERS:-2}"
 CORPUS_NAME="${SOURCES//,/_}"
+if ! [[ "${DEMO_TRAIN_ITERS:-30}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "run_demo.sh: DEMO_TRAIN_ITERS must be a positive integer, got '${DEMO_TRAIN_ITERS}'" >&2
+    exit 2
+fi
 
 echo "== data 1/2: corpus + tokenizer ($SOURCES) -> $DATA_DIR"
 "$PYTHON" tools/prepare_corpus.py --sources "$SOURCES" --name "$CORPUS_NAME" --out-dir "$DATA_DIR"
@@ -48,21 +52,33 @@ export TOKENIZER_MODEL="$DATA_DIR/tokenizer/mistral_v1.model"
 #   DEMO_CONFIG       an MTraining config, e.g. configs/demo_sparse.yaml (online vertical-slash sparsity);
 #                     default: none (the exact dense striped ring)
 TRAIN_ITERS="${DEMO_TRAIN_ITERS:-30}"
-CONFIG_ARGS=()
+WARMUP_ITERS=$(( TRAIN_ITERS > 3 ? 3 : TRAIN_ITERS - 1 ))   # the warm-up must end before the decay does
+# Without a config: the dense striped ring, granularity 64. A config sets the layout itself.
+CONFIG_ARGS=(--cp-layout striped --cp-granularity 64)
 if [ -n "${DEMO_CONFIG:-}" ]; then
     CONFIG_ARGS=(--mtraining-config "$DEMO_CONFIG")
 fi
 CKPT_DIR="${DEMO_CKPT:-$REPO_ROOT/checkpoints/demo}"
+# The demo replaces only a checkpoint directory it made itself (marked by this file).
+MARKER=".mtraining_demo_checkpoint"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # 2 ranks on 2 cores
 # glibc malloc: keep freed large blocks instead of unmapping them after every op (the attention
 # and logit buffers would be page-faulted in again each step; ~2x faster on CPU, same results).
 export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-17179869184}"
 export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-17179869184}"
 export MALLOC_TOP_PAD_="${MALLOC_TOP_PAD_:-1073741824}"
-if [ -d "$CKPT_DIR" ]; then
-    echo "== train: removing the previous demo checkpoint $CKPT_DIR"
-    rm -rf "$CKPT_DIR"
+if [ -e "$CKPT_DIR" ]; then
+    if [ -f "$CKPT_DIR/$MARKER" ]; then
+        echo "== train: removing the previous demo checkpoint $CKPT_DIR"
+        rm -rf "$CKPT_DIR"
+    elif [ -n "$(ls -A "$CKPT_DIR" 2>/dev/null)" ] || [ ! -d "$CKPT_DIR" ]; then
+        echo "run_demo.sh: DEMO_CKPT=$CKPT_DIR exists and was not made by this demo; choose an empty or new" \
+             "directory (the demo replaces its own checkpoint on every run)" >&2
+        exit 2
+    fi
 fi
+mkdir -p "$CKPT_DIR"
+touch "$CKPT_DIR/$MARKER"
 echo "== train: $TRAIN_ITERS iterations, seq 4096, CP=2 (2 processes) -> $CKPT_DIR"
 start=$(date +%s)
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 examples/pretrain_gpt.py \
@@ -72,9 +88,9 @@ start=$(date +%s)
     --position-embedding-type rope --rotary-base 10000 --normalization RMSNorm \
     --untie-embeddings-and-output-weights --disable-bias-linear \
     --tensor-model-parallel-size 1 --context-parallel-size 2 \
-    --cp-attention mtraining --cp-layout striped --cp-granularity 64 \
+    --cp-attention mtraining \
     --micro-batch-size 1 --global-batch-size 1 --train-iters "$TRAIN_ITERS" \
-    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3 \
+    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --seed 1234 \
     --data-path "$DATA_PREFIX" --split 90,10,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \

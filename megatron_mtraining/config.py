@@ -23,7 +23,7 @@ files are in ``configs/``. Example (``configs/qwen2.5-3b-512k.yaml``)::
     layer_overrides:               # sparse only: per-layer vertical_slash fields (a layer "3" or a range "2-4")
       "2-4": {recall: 0.98}
     deterministic: false
-    kernel_backend: auto           # auto | torch | triton | sdpa (per-step attention kernels)
+    kernel_backend: auto           # auto | torch | triton | fa4 | sdpa (per-step attention kernels; sdpa: dense, CP=1)
     cuda_graphs: false             # true: CUDA graphs of each sparse layer's attention (CP=1, no document mask)
 
 Sections must match the choices: ``vertical_slash:`` only with ``pattern: vertical_slash`` and
@@ -308,6 +308,10 @@ class MTrainingConfig:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _ConfigError(f"'kernel_backend' must be one of {', '.join(KERNEL_BACKENDS)}, "
                                f"got {self.kernel_backend!r}")
+        if self.kernel_backend == "sdpa" and self.pattern == "vertical_slash":
+            raise _ConfigError("'kernel_backend: sdpa' has no sparse kernels (SDPA runs dense causal attention at "
+                               "context-parallel size 1), but 'pattern' is 'vertical_slash'; use kernel_backend "
+                               "auto, triton, fa4 or torch")
         if self.columns not in COLUMN_SCHEDULES:
             raise _ConfigError(f"'columns' must be one of {', '.join(COLUMN_SCHEDULES)}, got {self.columns!r}")
         if self.columns != "in_ring" and self.pattern != "vertical_slash":
@@ -502,8 +506,10 @@ class MTrainingConfig:
         Raises:
             ValueError: naming the config key and the rule.
         """
-        if cp_size < 1:
-            raise ValueError(f"{_PREFIX}: context-parallel size must be >= 1, got {cp_size}")
+        for name, val in (("context-parallel size", cp_size), ("sequence length", seq_len)):
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+                raise ValueError(f"{_PREFIX}: {name} must be an int >= 1, got {val!r}")
+        cp_size, seq_len = int(cp_size), int(seq_len)
         layout = self.make_layout(cp_size)
         try:
             layout.check_seq_len(seq_len)
@@ -621,9 +627,25 @@ def _vertical_slash(sec: Mapping[str, Any]) -> VerticalSlashConfig:
         raise _ConfigError(msg) from None
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with NumPy scalars (e.g. ``np.float32(0.9)``, ``np.int64(64)``) as Python numbers, in
+    mappings and lists too; everything else unchanged (and checked by the fields' own rules)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
 def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
+    if isinstance(d, (bytes, bytearray)):
+        raise _ConfigError(f"expected a YAML file path (str or os.PathLike), a mapping or an MTrainingConfig, got "
+                           f"{type(d).__name__} (decode a bytes path first)")
     if not isinstance(d, Mapping):
         raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
+    d = _plain(d)
     _check_keys(d, _TOP_KEYS, "")
     kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic",
                                             "kernel_backend", "cuda_graphs", "dense_layers", "layer_overrides") if k in d}
@@ -691,6 +713,8 @@ def load_mtraining_config(
     where = _PREFIX
     if isinstance(path_or_dict, (str, os.PathLike)):
         path = Path(path_or_dict)
+        if path.is_dir():
+            raise ValueError(f"{_PREFIX} {path}: is a directory, not a YAML config file")
         if not path.is_file():
             raise FileNotFoundError(f"{_PREFIX}: file not found: {path}")
         where = f"{_PREFIX} {path}"
@@ -698,6 +722,8 @@ def load_mtraining_config(
 
         try:
             data = _yaml_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (a YAML config file is expected): {e}") from None
         except _ConfigError as e:
             raise ValueError(f"{where}: {e}") from None
         except yaml.YAMLError as e:
@@ -748,14 +774,18 @@ def config_for_run(
     ``--hierarchical-context-parallel-sizes`` select the dense hierarchical ring (MTraining §4.2). A
     config given explicitly fixes the implementation: hierarchical sizes with a flat config are an
     error (the run would silently use a flat ring), as is ``implementation: hierarchical`` with
-    no sizes anywhere.
+    no sizes anywhere; it fixes the layout too (``cp_layout`` / ``granularity`` given with a config
+    must agree with it). The kernel backend's rules depend on the run's device, dtype and shape:
+    the command-line front doors check them with :func:`megatron_mtraining.plan.kernel_backend_problem`,
+    the direct API at the first forward (:func:`megatron_mtraining.ops.backends.select_backend`).
 
     Args:
         config: a YAML path, mapping or :class:`MTrainingConfig`; ``None``: no config given.
         cp_size: the context-parallel size.
         seq_len: the sequence length (checked against the layout and sparse blocks when given).
         megatron_hierarchical_sizes: ``--hierarchical-context-parallel-sizes`` (``None``: not given).
-        cp_layout, granularity: the layout flags of a run without a config (ignored with one).
+        cp_layout, granularity: the layout flags (``None``: not given). Without a config they choose
+            the layout; with one they must agree with it (the config fixes the layout).
         num_layers: the model's number of layers (``--num-layers``, the whole model); when given,
             ``dense_layers`` and ``layer_overrides`` must name layers ``1 .. num_layers``.
 
@@ -778,6 +808,12 @@ def config_for_run(
     else:
         cfg = load_mtraining_config(config)
         src = f"{config}" if isinstance(config, (str, os.PathLike)) else "the mtraining config"
+        if cp_layout is not None and cp_layout != cfg.layout_kind:
+            raise ValueError(f"--cp-layout {cp_layout} disagrees with {src} (implementation '{cfg.implementation}' "
+                             f"uses the {cfg.layout_kind} layout); the config fixes the layout: drop the flag")
+        if granularity is not None and int(granularity) != cfg.granularity:
+            raise ValueError(f"--cp-granularity {granularity} disagrees with {src} (granularity {cfg.granularity}); "
+                             "the config fixes the layout: drop the flag or change 'granularity' in the config")
     if hcp and cfg.implementation != "hierarchical":
         raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} is given but {src} has "
                          f"implementation '{cfg.implementation}' (the run would use a flat ring); use a config "

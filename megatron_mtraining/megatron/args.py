@@ -84,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="core attention under CP: mtraining (ring attention, striped layout; runs on CPU "
                         "and GPU) or te (Transformer Engine's TEDotProductAttention, zigzag layout; needs TE)")
     g.add_argument("--cp-layout", choices=CP_LAYOUT_CHOICES, default=None,
-                   help="sequence layout across CP ranks (default: striped for mtraining; te needs zigzag)")
-    g.add_argument("--cp-granularity", type=int, default=64, help="striped chunk size in tokens")
+                   help="sequence layout across CP ranks (default: striped for mtraining; te needs zigzag; a "
+                        "--mtraining-config sets it, and a different explicit value is an error)")
+    g.add_argument("--cp-granularity", type=int, default=None,
+                   help="striped chunk size in tokens (default 64; a --mtraining-config sets it, and a different "
+                        "explicit value is an error)")
     g.add_argument("--mtraining-config", default=None, metavar="YAML",
                    help="MTraining config (configs/*.yaml): implementation striped|zigzag|hierarchical, "
                         "pattern dense|vertical_slash and its budgets, granularity; sets the CP layout")
@@ -288,7 +291,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                       ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
                       ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
                       ("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
-                      ("--cp-granularity", args.cp_granularity), ("--log-interval", args.log_interval),
+                      ("--cp-granularity", 64 if args.cp_granularity is None else args.cp_granularity),
+                      ("--log-interval", args.log_interval),
                       ("--distributed-timeout-minutes", args.distributed_timeout_minutes)):
         if val is None or val < 1:
             raise E(f"{flag} must be >= 1, got {val}")
@@ -361,13 +365,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             raise E("--cp-attention te requires Transformer Engine (transformer_engine.pytorch), which is "
                     f"not importable here{' (context-parallel size ' + str(cp) + ')' if cp > 1 else ''}; "
                     "use --cp-attention mtraining")
-    else:
-        if args.cp_layout is None:
-            args.cp_layout = "striped"
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
     apply_mtraining_config(args, cp)          # mtraining: the layout rules are checked there
     if args.mtraining is None:
+        args.cp_granularity = 64 if args.cp_granularity is None else args.cp_granularity
         try:
             Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
         except ValueError as e:
@@ -387,6 +389,12 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must satisfy 0 <= min-lr <= lr")
     if args.lr_warmup_iters < 0:
         raise E(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_decay_iters < 1:
+        raise E(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise E(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --lr-decay-iters ({args.lr_decay_iters}"
+                f"{', the default: --train-iters' if args.lr_decay_iters == args.train_iters else ''}): the "
+                "schedule warms up, then decays")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise E(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     if args.exit_signal is not None and not args.exit_signal_handler:
@@ -480,11 +488,9 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
         msg = str(e)
         if msg.startswith("--"):
             raise E(msg) from None
-        src = args.mtraining_config or f"--cp-layout {args.cp_layout} --cp-granularity {args.cp_granularity}"
+        src = args.mtraining_config or (f"--cp-layout {args.cp_layout or 'striped'} --cp-granularity "
+                                        f"{64 if args.cp_granularity is None else args.cp_granularity}")
         raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp} and {src}: {msg}") from None
-    if args.mtraining_config and args.cp_layout not in (None, cfg.layout_kind) and args.cp_layout != "striped":
-        raise E(f"--cp-layout {args.cp_layout} disagrees with {args.mtraining_config} "
-                f"(implementation '{cfg.implementation}' uses the {cfg.layout_kind} layout)")
     args.cp_layout, args.cp_granularity = cfg.layout_kind, cfg.granularity
     sizes = cfg.hierarchical.sizes if cfg.implementation == "hierarchical" else None
     if sizes is not None:

@@ -73,6 +73,8 @@ def _argv(prefix: str, tok: str, **over) -> list[str]:
         # the vocabulary padded to the same 256 rows at TP=1 and TP=2 (multiple of 128 x TP)
         "--make-vocab-size-divisible-by": 256 // int(over.get("--tensor-model-parallel-size", 1)),
     }
+    if "--mtraining-config" in over:
+        opts["--cp-granularity"] = False      # a config fixes the layout (an explicit, different flag is an error)
     opts.update(over)
     argv: list[str] = []
     for k, v in opts.items():

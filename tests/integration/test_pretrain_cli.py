@@ -38,6 +38,8 @@ def _argv(prefix: str, tok: str, **over) -> list[str]:
         "--data-path": prefix, "--split": "90,10,0", "--tokenizer-model": tok, "--cp-granularity": 32,
         "--eod-mask-loss": None, "--log-interval": 1, "--eval-iters": 0, "--seed": 7,
     }
+    if "--mtraining-config" in over:
+        opts["--cp-granularity"] = False      # a config fixes the layout (an explicit, different flag is an error)
     opts.update(over)
     argv: list[str] = []
     for k, v in opts.items():
@@ -104,6 +106,13 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--exit-interval": 0}, 1, "--exit-interval must be >= 1"),
     ({"--distributed-timeout-minutes": 0}, 1, "--distributed-timeout-minutes must be >= 1"),
     ({"--recompute-granularity": "full"}, 1, "--recompute-method"),
+    ({"--lr-warmup-iters": 3}, 1, "--lr-warmup-iters (3) must be < --lr-decay-iters (3"),
+    ({"--lr-warmup-iters": 2, "--lr-decay-iters": 2}, 1, "--lr-warmup-iters (2) must be < --lr-decay-iters (2)"),
+    # a config fixes the layout: an explicit, different --cp-layout / --cp-granularity is an error
+    ({"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml", "--cp-layout": "striped"},
+     2, "--cp-layout striped disagrees with configs/zigzag_sparse.yaml"),
+    ({"--mtraining-config": "configs/demo_sparse.yaml", "--cp-granularity": 128}, 1,
+     "--cp-granularity 128 disagrees with configs/demo_sparse.yaml"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
     with pytest.raises(ArgumentValidationError) as e:
@@ -118,6 +127,12 @@ def test_validation_fills_derived_values(tiny):
     assert a.ffn_hidden_size == 128  # swiglu: 8/3 * 64 rounded down to a multiple of 64
     assert a.lr_decay_iters == 3 and a.max_position_embeddings == 256
     assert _validate(tiny, te=True, **{"--cp-attention": "te"}).cp_layout == "zigzag"
+    # flags that agree with the config are accepted; the config sets them when not given
+    a = _validate(tiny, **{"--mtraining-config": "configs/demo_sparse.yaml", "--cp-layout": "striped",
+                           "--cp-granularity": 64})
+    assert (a.cp_layout, a.cp_granularity) == ("striped", 64)
+    a = _validate(tiny, world_size=2, **{"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml"})
+    assert a.cp_layout == "zigzag"
 
 
 # ------------------------------------------------------------------------------ end to end

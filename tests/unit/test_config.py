@@ -142,6 +142,8 @@ def test_unknown_keys_are_errors_naming_the_key(data, key):
     ({"hierarchical": {"inner": 8, "outer": 4}}, "'hierarchical' section given but 'implementation' is 'striped'"),
     ({"implementation": "hierarchical", "hierarchical": {"inner": 8}}, "'hierarchical.inner' and 'hierarchical.outer'"),
     ({"implementation": "hierarchical", "hierarchical": {"inner": 1, "outer": 8}}, "'hierarchical.inner' must be an int >= 2"),
+    ({"pattern": "vertical_slash", "kernel_backend": "sdpa"}, "'kernel_backend: sdpa' has no sparse kernels"),
+    ({"pattern": "vertical_slash", "kernel_backend": "sdpa", "cuda_graphs": True}, "'kernel_backend: sdpa'"),
 ])
 def test_bad_values_are_errors_naming_the_key(data, key):
     with pytest.raises(ValueError, match=r"^mtraining config: ") as ei:
@@ -168,6 +170,23 @@ def test_file_errors_name_the_file_and_key(tmp_path):
         load_mtraining_config(p)
     with pytest.raises(FileNotFoundError, match="missing.yaml"):
         load_mtraining_config(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match=r"is a directory, not a YAML config file"):
+        load_mtraining_config(tmp_path)
+    p.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=r"^mtraining config .*bad\.yaml: not UTF-8 text"):
+        load_mtraining_config(p)
+    with pytest.raises(ValueError, match=r"got bytes \(decode a bytes path first\)"):
+        load_mtraining_config(b"configs/demo.yaml")
+
+
+def test_numpy_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    cfg = load_mtraining_config({"granularity": np.int64(128), "pattern": "vertical_slash",
+                                 "vertical_slash": {"recall": np.float64(0.9), "max_slash": np.int32(64)}})
+    assert (cfg.granularity, cfg.vertical_slash.recall, cfg.vertical_slash.max_slash) == (128, 0.9, 64)
+    assert type(cfg.granularity) is int and type(cfg.vertical_slash.max_slash) is int
+    with pytest.raises(ValueError, match="'granularity' must be an int >= 1"):
+        load_mtraining_config({"granularity": np.float64(64.0)})
 
 
 def test_hierarchical_sizes_resolution():
@@ -200,6 +219,20 @@ def test_check_run_names_the_rule():
     with pytest.raises(ValueError, match=r"'vertical_slash.last_q' \(64\) exceeds"):
         load_mtraining_config({"pattern": "vertical_slash", "vertical_slash": {"block_size": 16},
                                "granularity": 16}).check_run(cp_size=1, seq_len=32)
+    for cp, seq in ((2, 4096.0), (2, 0), (0, 4096), (True, 4096)):
+        with pytest.raises(ValueError, match=r"must be an int >= 1"):
+            cfg.check_run(cp_size=cp, seq_len=seq)
+
+
+def test_run_rule_layout_flags():
+    """config_for_run: layout flags that disagree with a config are errors (the config fixes the layout)."""
+    zz, sparse = ROOT / "configs" / "zigzag_sparse.yaml", ROOT / "configs" / "demo_sparse.yaml"
+    assert config_for_run(zz, cp_size=2, cp_layout="zigzag").layout_kind == "zigzag"
+    assert config_for_run(sparse, cp_size=2, cp_layout="striped", granularity=64).granularity == 64
+    with pytest.raises(ValueError, match=r"--cp-layout striped disagrees with .*zigzag_sparse\.yaml"):
+        config_for_run(zz, cp_size=2, cp_layout="striped")
+    with pytest.raises(ValueError, match=r"--cp-granularity 128 disagrees with .*demo_sparse\.yaml \(granularity 64\)"):
+        config_for_run(sparse, cp_size=2, granularity=128)
 
 
 def test_attention_kwargs():
