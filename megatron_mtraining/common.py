@@ -120,8 +120,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_softmax_scale(head_dim: int) -> float:
-    """The default attention logit scale ``1 / sqrt(head_dim)``."""
-    return 1.0 / math.sqrt(head_dim)
+    """The default attention logit scale ``1 / sqrt(head_dim)`` (NaN for a ``head_dim < 1``, which the
+    entry points' input checks reject by name on every rank)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim >= 1 else float("nan")
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mtraining.common import REGION_COPIES, check_softmax_scale, record_function, resolve_softmax_scale
 from megatron_mtraining.config import MTrainingConfig, load_mtraining_config
 from megatron_mtraining.megatron.packed import documents_from_packed_seq_params
+from megatron_mtraining.megatron.rope import rope_layout_error
 from megatron_mtraining.plan import CPPlan, DocumentPacking, resolve
 
 __all__ = ["MTrainingAttention", "get_cp_group", "get_hierarchical_groups", "get_layer_policy_groups",
@@ -191,6 +192,7 @@ class MTrainingAttention(MegatronModule):
         # by every rank that holds the layer)
         policy_groups = get_layer_policy_groups(pg_collection) if self.mtraining_config.auto_dense_layers else ()
         self._attention = self.plan.attention_runner(policy_groups)
+        self._rope_checked = False
 
     @staticmethod
     def _check_mask_type(mask_type: Any, what: str) -> None:
@@ -243,9 +245,17 @@ class MTrainingAttention(MegatronModule):
                 ``cuda_graphs: true``, packed documents or CPU inputs.
             RuntimeError: with ``cuda_graphs: true``, a second forward of this layer before the backward
                 of the previous one.
+            ValueError: at CP > 1 with a layout other than zigzag, before
+                :func:`~megatron_mtraining.megatron.rope.install_layout_rope` was called in this process
+                (megatron-core's RoPE rows would be the zigzag positions).
         """
         if attention_bias is not None:
             raise NotImplementedError("MTrainingAttention does not support attention_bias")
+        if not self._rope_checked:          # CP > 1, striped: the RoPE rows must follow the layout
+            error = rope_layout_error(self.plan)
+            if error is not None:
+                raise ValueError(error)
+            self._rope_checked = True
         thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
         if thd:
             if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:

@@ -29,7 +29,26 @@ from torch import Tensor
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.plan import ROPE_FUSION_RULE, CPPlan
 
-__all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope"]
+__all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope", "rope_layout_error"]
+
+#: calls of :func:`install_layout_rope` in this process (read by :func:`rope_layout_error`)
+_INSTALL_CALLS = 0
+
+
+def rope_layout_error(plan: CPPlan) -> Optional[str]:
+    """Why a CP run's attention must not start yet, or ``None``: at ``cp_size > 1`` with a layout other
+    than zigzag, :func:`install_layout_rope` has not been called in this process. megatron-core's
+    ``RotaryEmbedding`` then keeps the zigzag rows of the RoPE table, which are the wrong positions
+    for striped shards: the model would train silently on wrong positions. Every rank runs the same
+    program, so every rank reaches the same verdict. A model without RoPE is left unchanged by
+    :func:`install_layout_rope`, so calling it is the one fix for every model."""
+    if plan.cp_size == 1 or plan.layout.kind == "zigzag" or _INSTALL_CALLS:
+        return None
+    return (f"MTrainingAttention: context-parallel size {plan.cp_size} with the {plan.layout.kind} layout, but "
+            "install_layout_rope(model, plan) was not called: megatron-core's RotaryEmbedding keeps the zigzag rows "
+            f"of the RoPE table, which are wrong positions for {plan.layout.kind} shards. Call "
+            "megatron_mtraining.megatron.rope.install_layout_rope(model, plan) before the first forward (it leaves a "
+            "model without RoPE unchanged)")
 
 
 class LayoutRotaryEmbedding(RotaryEmbedding):
@@ -222,10 +241,15 @@ def install_layout_rope(
     Raises:
         NotImplementedError: YaRN or multimodal RoPE (their CP slicing is zigzag-specific).
         ValueError: ``layout.cp_size`` differs from the CP group size.
+
+    ``MTrainingAttention`` refuses its first forward at CP > 1 with a non-zigzag layout until this
+    has been called (:func:`rope_layout_error`).
     """
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+    global _INSTALL_CALLS
+    _INSTALL_CALLS += 1
     follow_positions = False
     if isinstance(layout, CPPlan):
         if cp_group is None:

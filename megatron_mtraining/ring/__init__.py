@@ -272,6 +272,27 @@ class RingAttentionFunc(torch.autograd.Function):
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_api_arguments(what: str, q, k, v, layout, backend) -> None:
+    """Types of an entry point's arguments (the same code runs on every rank, so these are local
+    errors): tensors for ``q, k, v``, a :class:`~megatron_mtraining.layout.Layout`, and a
+    :class:`~megatron_mtraining.ops.backends.KernelBackend` or ``None``.
+
+    Raises:
+        TypeError: naming the argument and what it takes.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor [b, s_local, h, d], got {type(t).__name__}")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what}: layout must be a megatron_mtraining.layout.Layout (e.g. Layout('striped', cp_size, "
+                        f"64)), got {layout!r}")
+    if backend is not None and not isinstance(backend, KernelBackend):
+        raise TypeError(f"{what}: backend must be a KernelBackend or None, got {backend!r}; for a backend by name use "
+                        f"megatron_mtraining.ops.backends.select_backend({backend!r}, device=..., dtype=..., "
+                        "head_dim=...)" if isinstance(backend, str) else
+                        f"{what}: backend must be a KernelBackend or None, got {type(backend).__name__}")
+
+
 def ring_input_error(q, k, v, layout: Layout, cp: int) -> Optional[str]:
     """This rank's verdict on ring inputs (no communication): the error text, or ``None``."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -279,6 +300,8 @@ def ring_input_error(q, k, v, layout: Layout, cp: int) -> Optional[str]:
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
                 "and share batch, sequence and head_dim with q")
+    if q.shape[3] < 1:
+        return f"head_dim must be >= 1, got q {tuple(q.shape)}"
     if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
         return f"GQA needs num query heads ({q.shape[2]}) divisible by num kv heads ({k.shape[2]})"
     if not (q.dtype == k.dtype == v.dtype):
@@ -373,8 +396,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
             group size, a global length ``s_local * cp_size`` the layout cannot split, documents that
             do not match the inputs or differ across ranks, documents with a backend that has no
             document masks, or a NaN or infinite ``softmax_scale`` (on any rank).
-        TypeError: a ``softmax_scale`` that is not a number.
+        TypeError: a ``softmax_scale`` that is not a number; ``q``/``k``/``v`` that are not tensors,
+            a ``layout`` that is not a :class:`~megatron_mtraining.layout.Layout` or a ``backend``
+            that is not a :class:`~megatron_mtraining.ops.backends.KernelBackend` (e.g. a name).
     """
+    check_api_arguments("ring_attention", q, k, v, layout, backend)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     documents = packed_documents(documents)
     cp = check_ring_inputs(q, k, v, layout, group, "ring_attention", check_inputs, causal=bool(causal),

@@ -45,8 +45,8 @@ from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.merge import merge_attention
 from ..ops.reference import attention_delta_torch
-from . import (_empty_out_lse, backend_for, begin_backward, column_phase_of, dense_step_kernel, documents_error,
-               end_backward, last_dim_contiguous, packed_documents, ring_input_error,
+from . import (_empty_out_lse, backend_for, begin_backward, check_api_arguments, column_phase_of, dense_step_kernel,
+               documents_error, end_backward, last_dim_contiguous, packed_documents, ring_input_error,
                ring_pass_backward, ring_pass_forward)
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
@@ -206,6 +206,7 @@ def hierarchical_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             on any rank, or shapes/dtypes/parameters that disagree across ranks; documents with a
             sparse ``kernel`` or a backend without document masks.
     """
+    check_api_arguments("hierarchical_ring_attention", q, k, v, layout, backend)
     n_in, n_out = group_size(inner_group), group_size(outer_group)
     if n_in < 2 or n_out < 2:
         raise ValueError(f"hierarchical ring needs inner and outer rings of >= 2 ranks, got inner={n_in}, "

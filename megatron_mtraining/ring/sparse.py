@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ from ..patterns.convert import (check_block_layout, column_phase_indices, conver
                                 restrict_to_documents, without_columns)
 from ..patterns.estimator import PROBES, SHARE_PATTERNS, VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
-from . import RingAttentionFunc, backend_for, check_ring_inputs, last_dim_contiguous, packed_documents
+from . import RingAttentionFunc, backend_for, check_api_arguments, check_ring_inputs, last_dim_contiguous, packed_documents
 
 __all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention",
            "sparse_agreement_fields"]
@@ -230,6 +230,29 @@ def sparse_agreement_fields(config: VerticalSlashConfig, columns: str) -> dict:
                 probes=PROBES.index(config.probes))
 
 
+def vertical_slash_config(config, what: str) -> VerticalSlashConfig:
+    """``config`` as a :class:`VerticalSlashConfig`: one as is, ``None`` for the defaults, or a mapping of
+    its fields (e.g. ``{"recall": 0.9}``).
+
+    Raises:
+        TypeError: anything else, or a mapping with a key that is not a field.
+        ValueError: a field's value outside its rule (:class:`VerticalSlashConfig`).
+    """
+    if config is None:
+        return VerticalSlashConfig()
+    if isinstance(config, VerticalSlashConfig):
+        return config
+    if isinstance(config, Mapping):
+        names = set(VerticalSlashConfig.__dataclass_fields__)
+        unknown = sorted(map(str, set(config) - names))
+        if unknown:
+            raise TypeError(f"{what}: config has unknown key(s) {', '.join(unknown)}; VerticalSlashConfig fields are "
+                            f"{', '.join(sorted(names))}")
+        return VerticalSlashConfig(**config)
+    raise TypeError(f"{what}: config must be a VerticalSlashConfig, a mapping of its fields or None, got "
+                    f"{type(config).__name__}")
+
+
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, group=None,
                           config: VerticalSlashConfig = VerticalSlashConfig(),
                           softmax_scale: Optional[float] = None, check_inputs: bool = True,
@@ -243,7 +266,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         layout: the CP layout of the shards; must keep ``config.block_size`` blocks whole (striped
             with granularity a multiple of the block size, or zigzag with chunks that are).
         group: the CP process group (``None``: one rank).
-        config: estimator budgets (:class:`VerticalSlashConfig`).
+        config: estimator budgets (:class:`VerticalSlashConfig`, a mapping of its fields, or ``None``
+            for the defaults).
         softmax_scale: defaults to ``1/sqrt(d)``.
         check_inputs: compare shapes/dtypes/layout/config across ranks first (one small all_gather).
         return_pattern: also return the estimated global :class:`VerticalSlashPattern`.
@@ -282,7 +306,11 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
             backend without sparse kernels (``"sdpa"``), or a NaN or infinite ``softmax_scale``.
         NotImplementedError: packed documents with ``columns="out_of_ring"`` or with the FA4 sparse
             step kernels (no document mask).
+        TypeError: ``q``/``k``/``v`` that are not tensors, a ``layout`` that is not a ``Layout``, a
+            ``backend`` that is not a ``KernelBackend``, or a ``config`` that is none of the above.
     """
+    check_api_arguments("sparse_ring_attention", q, k, v, layout, backend)
+    config = vertical_slash_config(config, "sparse_ring_attention")
     documents = packed_documents(documents)
     if documents is not None and columns == "out_of_ring":
         raise NotImplementedError("sparse_ring_attention: packed documents need columns='in_ring' (the "

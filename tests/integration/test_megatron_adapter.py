@@ -455,6 +455,26 @@ def test_install_layout_rope_replaces_and_rejects_yarn():
 
 # ------------------------------------------------------------------------------------ cpu shims
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are inactive on CUDA machines")
+def test_striped_cp_forward_needs_install_layout_rope(monkeypatch):
+    """At CP > 1 with a striped layout, a forward before install_layout_rope is an error naming the fix
+    (megatron-core's RoPE would keep the zigzag rows: silently wrong positions); zigzag and CP=1 need nothing."""
+    from types import SimpleNamespace
+
+    from megatron_mtraining.megatron import rope
+
+    monkeypatch.setattr(rope, "_INSTALL_CALLS", 0)
+    striped2 = SimpleNamespace(cp_size=2, layout=Layout("striped", 2, 64))
+    assert "install_layout_rope(model, plan) was not called" in rope.rope_layout_error(striped2)
+    assert rope.rope_layout_error(SimpleNamespace(cp_size=2, layout=Layout("zigzag", 2))) is None
+    assert rope.rope_layout_error(SimpleNamespace(cp_size=1, layout=Layout("striped", 1))) is None
+    attn = _attn()
+    attn.plan = striped2
+    with pytest.raises(ValueError, match=r"context-parallel size 2 with the striped layout, but install_layout_rope"):
+        attn(*_qkv(), None)
+    assert rope.install_layout_rope(torch.nn.Linear(2, 2), Layout("striped", 1)) == 0   # a model without RoPE
+    assert rope.rope_layout_error(striped2) is None
+
+
 def test_cpu_patches_idempotent_and_scoped():
     first = apply_cpu_patches()
     assert first == apply_cpu_patches() and "param_and_grad_buffer" in first
