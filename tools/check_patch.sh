@@ -32,11 +32,16 @@ supported_tags() {
   echo "${tags[*]}"
 }
 
-if [ -z "$DIR" ] || [ ! -d "$DIR" ]; then
+usage() {
   echo "usage: $0 MEGATRON_LM_DIR [PATCH]   (MEGATRON_LM_DIR: a checkout of NVIDIA/Megatron-LM at one of: $(supported_tags))" >&2
-  exit 2
-fi
-if [ -n "$PATCH" ] && [ ! -f "$PATCH" ]; then echo "patch not found: $PATCH" >&2; exit 2; fi
+}
+# bad usage: the usage line, then one error line naming the argument (exit 2)
+usage_error() { usage; echo "$(basename "$0"): error: $*" >&2; exit 2; }
+
+if [ -z "$DIR" ]; then usage; exit 2; fi
+if [ ! -e "$DIR" ]; then usage_error "MEGATRON_LM_DIR $DIR: directory not found"; fi
+if [ ! -d "$DIR" ]; then usage_error "MEGATRON_LM_DIR $DIR: not a directory (give the Megatron-LM checkout)"; fi
+if [ -n "$PATCH" ] && [ ! -f "$PATCH" ]; then usage_error "PATCH $PATCH: patch not found"; fi
 for f in pretrain_gpt.py gpt_builders.py; do
   [ -f "$DIR/$f" ] || { echo "FAIL: $DIR/$f not found: is $DIR a Megatron-LM checkout?"; exit 1; }
 done

@@ -83,6 +83,11 @@ Examples::
     python tools/imbalance.py --sweep --seq-len 524288 --pattern synthetic --png sweep.png
     python tools/imbalance.py --model gpu --cp 8 --seq-len 524288 --layout striped --granularity 64 \\
         --pattern synthetic --json gpu_cp8.json          # on one H200
+
+``--cps``, ``--layouts`` and ``--verticals`` choose the rows of ``--sweep`` and are refused without it
+(a single configuration is ``--cp``, ``--layout``/``--granularity``, ``--vertical``). Bad values and
+combinations end with ``error: ...`` naming the flag (exit 2) before any work; the corpus file of
+``--doc-lengths corpus`` is checked after the other flags.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -109,6 +115,8 @@ BLOCK = 64
 TILE = BLOCK * BLOCK
 UNITS = ("tiles", "pairs")
 VERTICAL_MODES = ("in-ring", "out-of-ring", "deferred")
+SWEEP_DEFAULTS = {"cps": "8,16,32", "layouts": "zigzag,striped-1,striped-64,striped-128",
+                  "verticals": "in-ring,out-of-ring,deferred"}
 
 
 # ============================================================================ FLOP model
@@ -610,11 +618,7 @@ def packed_result(doc_lengths: List[int], seq_len: int, layout: Layout, unit: st
 
 def packed_main(args, argv) -> int:
     t0 = time.perf_counter()
-    if args.model != "flops":
-        raise SystemExit("error: --pattern packed uses the FLOP model (--model flops)")
     args.seq_len = 131072 if args.seq_len is None else args.seq_len
-    if args.seq_len < BLOCK or args.seq_len % BLOCK:
-        raise SystemExit(f"error: --seq-len must be a positive multiple of {BLOCK}")
     docs, source = packed_lengths(args)
     print(f"packed: {len(docs)} documents ({min(docs)}..{max(docs)} tokens) in {args.seq_len} tokens", flush=True)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "png")}
@@ -674,12 +678,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--doc-lengths corpus: tokenized corpus prefix (default DATA/megatron/books_text_document)")
     pk.add_argument("--doc-offset", type=int, default=0, help="first corpus document used")
     pk.add_argument("--max-doc-len", type=int, default=None, help="split documents into pieces of at most N tokens")
-    sw = ap.add_argument_group("sweep (FLOP model)")
+    sw = ap.add_argument_group("sweep (FLOP model; --cps/--layouts/--verticals are refused without --sweep)")
     sw.add_argument("--sweep", action="store_true", help="table over --cps x --layouts x --verticals")
-    sw.add_argument("--cps", default="8,16,32")
-    sw.add_argument("--layouts", default="zigzag,striped-1,striped-64,striped-128",
-                    help="comma list of zigzag, contiguous, striped-G")
-    sw.add_argument("--verticals", default="in-ring,out-of-ring,deferred")
+    sw.add_argument("--cps", default=None,
+                    help=f"--sweep: comma list of CP sizes >= 1 (default {SWEEP_DEFAULTS['cps']})")
+    sw.add_argument("--layouts", default=None,
+                    help="--sweep: comma list of zigzag, contiguous, striped (= striped-64), striped-G with G >= 1 "
+                         f"(default {SWEEP_DEFAULTS['layouts']})")
+    sw.add_argument("--verticals", default=None,
+                    help=f"--sweep: comma list of {', '.join(VERTICAL_MODES)} (default {SWEEP_DEFAULTS['verticals']}; "
+                         "not with --pattern packed)")
     gpu = ap.add_argument_group("gpu model")
     gpu.add_argument("--device", default="cuda", help="cuda (H200 run) or cpu (tiny code-path check)")
     gpu.add_argument("--kernel", choices=["auto", "triton", "reference"], default="auto",
@@ -698,16 +706,12 @@ def build_parser() -> argparse.ArgumentParser:
 def make_pattern(args) -> Tuple[VerticalSlashPattern, dict]:
     """The pattern the flags ask for and a description of its source."""
     if args.pattern == "file":
-        if not args.pattern_file:
-            raise SystemExit("error: --pattern file needs --pattern-file PATH")
         pattern, meta = load_pattern(args.pattern_file)
         if args.seq_len is not None and pattern.seq_len != args.seq_len:
             raise SystemExit(f"error: {args.pattern_file} holds a pattern for seq_len {pattern.seq_len}, "
                              f"--seq-len is {args.seq_len}")
         return pattern, {"file": args.pattern_file, "meta": meta}
     args.seq_len = 524288 if args.seq_len is None else args.seq_len
-    if args.seq_len % BLOCK:
-        raise SystemExit(f"error: --seq-len must be a multiple of {BLOCK}")
     if args.pattern == "dense":
         return dense_pattern(args.seq_len, args.heads), {}
     cfg = SyntheticConfig(heads=args.heads, sparsity=args.sparsity, sinks=args.sinks, window=args.window_blocks,
@@ -715,9 +719,90 @@ def make_pattern(args) -> Tuple[VerticalSlashPattern, dict]:
     return synthetic_pattern(args.seq_len, cfg), {"synthetic": asdict(cfg)}
 
 
+def _int_list(ap: argparse.ArgumentParser, flag: str, text: str) -> List[int]:
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        ap.error(f"{flag} {text!r}: expected a comma list of integers >= 1")
+    return vals
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad values and combinations before any work (``ap.error``: one line naming the flag,
+    exit 2) and fill in the sweep defaults. Cheap checks first; the corpus file last."""
+    for flag, val, lo in (("--cp", args.cp, 1), ("--granularity", args.granularity, 1), ("--heads", args.heads, 1),
+                          ("--sinks", args.sinks, 0), ("--window-blocks", args.window_blocks, 1),
+                          ("--max-vertical", args.max_vertical, 0), ("--doc-offset", args.doc_offset, 0),
+                          ("--kv-heads", args.kv_heads, 1), ("--head-dim", args.head_dim, 1),
+                          ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+        if val < lo:
+            ap.error(f"{flag} must be >= {lo}, got {val}")
+    if not 0.0 <= args.sparsity <= 1.0:                 # NaN fails too
+        ap.error(f"--sparsity must be in [0, 1], got {args.sparsity}")
+    if args.max_doc_len is not None and args.max_doc_len < 1:
+        ap.error(f"--max-doc-len must be >= 1, got {args.max_doc_len}")
+    if args.seq_len is not None and (args.seq_len < BLOCK or args.seq_len % BLOCK):
+        ap.error(f"--seq-len must be a positive multiple of {BLOCK}, got {args.seq_len}")
+    if args.model != "flops" and (args.sweep or args.pattern == "packed"):
+        ap.error(f"{'--sweep' if args.sweep else '--pattern packed'} uses the FLOP model (--model flops)")
+    if args.model == "gpu" and args.vertical == "deferred":
+        ap.error("--vertical deferred: --model gpu times in-ring and out-of-ring; 'deferred' is a FLOP-model schedule")
+    if args.pattern == "file":
+        if not args.pattern_file:
+            ap.error("--pattern file needs --pattern-file PATH")
+        if not os.path.isfile(args.pattern_file):
+            ap.error(f"--pattern-file: file not found: {args.pattern_file}")
+    given = [f"--{k}" for k in SWEEP_DEFAULTS if getattr(args, k) is not None]
+    if given and not args.sweep:
+        ap.error(f"{'/'.join(given)} {'apply' if len(given) > 1 else 'applies'} to --sweep only (one configuration: "
+                 "--cp, --layout/--granularity, --vertical)")
+    if args.pattern == "packed" and args.verticals is not None:
+        ap.error("--verticals does not apply to --pattern packed (dense attention within documents, no columns)")
+    for k, default in SWEEP_DEFAULTS.items():
+        setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+    if args.sweep:
+        _int_list(ap, "--cps", args.cps)
+        for spec in args.layouts.split(","):
+            try:
+                layout_from_spec(spec, 1)
+            except (ValueError, TypeError):
+                ap.error(f"--layouts: {spec!r} is not zigzag, contiguous, striped or striped-G with an integer G >= 1")
+        for mode in args.verticals.split(","):
+            if mode not in VERTICAL_MODES:
+                ap.error(f"--verticals: {mode!r} is not one of {', '.join(VERTICAL_MODES)}")
+    else:
+        seq_len = args.seq_len                          # the defaults of packed_main / make_pattern
+        if seq_len is None and args.pattern != "file":
+            seq_len = 131072 if args.pattern == "packed" else 524288
+        if seq_len is not None:
+            try:
+                Layout(args.layout, args.cp, args.granularity).check_seq_len(seq_len)
+            except ValueError as e:
+                ap.error(f"--seq-len {seq_len} with --cp {args.cp}, --layout {args.layout}, --granularity "
+                         f"{args.granularity}: {e}")
+    if args.pattern == "packed":
+        from megatron_mtraining.bench.packing import parse_length_spec
+
+        try:
+            kind, _ = parse_length_spec(args.doc_lengths)
+        except ValueError as e:
+            ap.error(str(e))
+        if kind == "corpus":                            # the file system, after the flags
+            from megatron_mtraining.data.corpus import default_data_dir
+
+            prefix = args.data_path or str(default_data_dir() / "megatron" / "books_text_document")
+            for ext in (".idx", ".bin"):
+                if not os.path.isfile(prefix + ext):
+                    ap.error(f"--data-path: {prefix}{ext} not found (a tokenized corpus prefix, e.g. "
+                             "data/megatron/books_text_document; or --doc-lengths fixed:N / list:A,B,...)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    check_args(ap, args)
     if args.pattern == "packed":
         return packed_main(args, argv)
     t0 = time.perf_counter()
@@ -733,14 +818,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"({t_pat:.2f} s)", flush=True)
 
     if args.sweep:
-        if args.model != "flops":
-            raise SystemExit("error: --sweep uses the FLOP model")
         cps = [int(x) for x in args.cps.split(",")]
         specs = args.layouts.split(",")
-        modes = [m for m in args.verticals.split(",")]
-        for m in modes:
-            if m not in VERTICAL_MODES:
-                raise SystemExit(f"error: unknown vertical mode {m!r}")
+        modes = args.verticals.split(",")
         rows = []
         print(HEADER)
         for cp in cps:
@@ -769,6 +849,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                  ncols=len(specs) * len(modes))
     else:
         layout = Layout(args.layout, args.cp, args.granularity)
+        if args.pattern == "file":                      # its length is known only now (others: check_args)
+            try:
+                layout.check_seq_len(pattern.seq_len)
+            except ValueError as e:
+                ap.error(f"--pattern-file {args.pattern_file} (seq_len {pattern.seq_len}) with --cp {args.cp}, "
+                         f"--layout {args.layout}, --granularity {args.granularity}: {e}")
         flops = flop_model(pattern, layout, args.unit, args.vertical)
         if args.model == "flops":
             result = flops

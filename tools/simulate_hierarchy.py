@@ -16,8 +16,15 @@ tool's JSON (``--imbalance-json``: the mean over steps of the slowest worker's t
 sparse-attention time of the whole sequence on one GPU divided evenly over ``cp × cp`` cells
 (balanced striped layout). Defaults: Qwen2.5-3B attention (2 KV heads, head_dim 128, bf16),
 NVLink 300 GB/s intra-node, InfiniBand HDR 25 GB/s inter-node (per GPU), and a one-GPU
-fwd / fwd+bwd time at 512K and 95 % sparsity from ../shared/docs/gpu_anchors.md
-(FlexAttention 147.3 / 548.4 ms; pass ``--fwd-ms/--fwdbwd-ms`` with a faster kernel's numbers).
+fwd / fwd+bwd time at 512K and 95 % sparsity of FlexAttention, 147.3 / 548.4 ms (the "FlexAttention
+anchor" rows of docs/results.md#hierarchy-model, record docs/results/70_hierarchy_model.json; pass
+``--fwd-ms/--fwdbwd-ms`` with another kernel's numbers, e.g. 190.88 / 714.37 ms for this project's
+kernels in the same record).
+
+Bad values (a count below 1, a non-positive or non-finite bandwidth or time, ``--fwdbwd-ms`` below
+``--fwd-ms``, a ``--seq-len`` that the ``nodes x gpus_per_node`` ranks cannot split evenly, an
+unreadable ``--imbalance-json`` or one measured at another CP size) end with ``error: ...`` naming
+the flag (exit 2).
 
     python tools/simulate_hierarchy.py --nodes 4 --gpus-per-node 8 --seq-len 524288
     python tools/simulate_hierarchy.py --nodes 8 --gpus-per-node 8 --json out.json
@@ -27,6 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+from typing import List, Optional, Tuple
 
 
 def simulate(nodes: int, gpus_per_node: int, seq_len: int, kv_heads: int, head_dim: int, bytes_per_el: int,
@@ -65,11 +75,53 @@ def simulate(nodes: int, gpus_per_node: int, seq_len: int, kv_heads: int, head_d
     return res
 
 
-def main() -> None:
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse values the model cannot use (``ap.error``: one line naming the flag, exit 2)."""
+    for flag, vals in (("--nodes", args.nodes), ("--gpus-per-node", [args.gpus_per_node]),
+                       ("--seq-len", [args.seq_len]), ("--kv-heads", [args.kv_heads]), ("--head-dim", [args.head_dim]),
+                       ("--bytes-per-element", [args.bytes_per_element])):
+        for v in vals:
+            if v < 1:
+                ap.error(f"{flag} must be >= 1, got {v}")
+    for flag, v in (("--intra-gbs", args.intra_gbs), ("--inter-gbs", args.inter_gbs), ("--fwd-ms", args.fwd_ms),
+                    ("--fwdbwd-ms", args.fwdbwd_ms)):
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"{flag} must be a finite number > 0, got {v}")
+    if args.fwdbwd_ms < args.fwd_ms:
+        ap.error(f"--fwdbwd-ms ({args.fwdbwd_ms}) must be >= --fwd-ms ({args.fwd_ms}): it is forward + backward")
+    for nodes in args.nodes:
+        cp = nodes * args.gpus_per_node
+        if args.seq_len % cp:
+            ap.error(f"--seq-len {args.seq_len} must be divisible by --nodes x --gpus-per-node = {nodes} x "
+                     f"{args.gpus_per_node} = {cp} (every rank holds seq_len / cp tokens)")
+    if args.imbalance_json and not os.path.isfile(args.imbalance_json):
+        ap.error(f"--imbalance-json: file not found: {args.imbalance_json}")
+
+
+def imbalance_step_ms(ap: argparse.ArgumentParser, path: str, cp: int) -> Tuple[float, float]:
+    """``(fwd, bwd)``: the mean over ring steps of the slowest worker's kernel ms in ``path``
+    (tools/imbalance.py --model gpu JSON of a virtual CP of size ``cp``)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        fwd, bwd = [float(x) for x in data["step_ms_fwd_max"]], [float(x) for x in data["step_ms_bwd_max"]]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        ap.error(f"--imbalance-json {path}: not a tools/imbalance.py --model gpu JSON with step_ms_fwd_max / "
+                 f"step_ms_bwd_max lists ({type(e).__name__}: {e})")
+    if not fwd or len(bwd) != len(fwd) or not all(math.isfinite(x) and x >= 0 for x in fwd + bwd):
+        ap.error(f"--imbalance-json {path}: step_ms_fwd_max / step_ms_bwd_max must be equally long, non-empty "
+                 "lists of finite times >= 0")
+    if len(fwd) != cp:
+        ap.error(f"--imbalance-json {path} was measured with cp={len(fwd)}, but --nodes x --gpus-per-node = {cp}")
+    return sum(fwd) / len(fwd), sum(bwd) / len(bwd)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=524288)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8], help="node counts, one table row each (>= 1)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (>= 1)")
+    ap.add_argument("--seq-len", type=int, default=524288,
+                    help="tokens; a multiple of nodes x gpus-per-node")
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--bytes-per-element", type=int, default=2, help="K/V dtype size (bf16: 2)")
@@ -80,20 +132,15 @@ def main() -> None:
     ap.add_argument("--imbalance-json", default=None,
                     help="tools/imbalance.py --model gpu JSON: per-step kernel ms (max over workers) replace the even split")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
 
     rows = []
     for nodes in args.nodes:
         step_ms = None
         if args.imbalance_json:
-            with open(args.imbalance_json) as f:
-                data = json.load(f)
             # per-step slowest-worker times of a virtual CP of the same size; the model uses their mean
-            fwd, bwd = data["step_ms_fwd_max"], data["step_ms_bwd_max"]
-            if len(fwd) != nodes * args.gpus_per_node:
-                raise ValueError(f"{args.imbalance_json} was measured with cp={len(fwd)}, "
-                                 f"but nodes x gpus_per_node = {nodes * args.gpus_per_node}")
-            step_ms = (sum(fwd) / len(fwd), sum(bwd) / len(bwd))
+            step_ms = imbalance_step_ms(ap, args.imbalance_json, nodes * args.gpus_per_node)
         rows.append(simulate(nodes, args.gpus_per_node, args.seq_len, args.kv_heads, args.head_dim,
                              args.bytes_per_element, args.intra_gbs, args.inter_gbs, args.fwd_ms, args.fwdbwd_ms,
                              step_ms))

@@ -42,7 +42,9 @@
 #                      with `sbatch --dependency=singleton` chains.
 #   SRUN_EXTRA_ARGS    more srun options (word-split), e.g. "--mpi=pmix --container-image=..."
 #   EXTRA_ARGS         more flags for the training script (word-split)
-#   DRY_RUN=1          print the launch command and exit 0 without starting anything
+#   DRY_RUN=1          check the training script's arguments as its ranks would (examples/pretrain_gpt.py:
+#                      e.g. a SEQ_LENGTH the CP layout cannot split is an error), print the launch
+#                      command and exit 0 without starting or creating anything (no run folders)
 
 mt_die() { echo "mtraining sbatch: error: $*" >&2; exit 1; }
 mt_log() { echo "mtraining sbatch: $*"; }
@@ -123,7 +125,11 @@ mt_init() {
   fi
   LOG_DIR=$RUN_DIR/logs
   CKPT_DIR=${CKPT_DIR:-$RUN_DIR/checkpoints}
-  mkdir -p "$LOG_DIR" "$CKPT_DIR" || mt_die "cannot create $LOG_DIR / $CKPT_DIR"
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    mt_log "nothing is created in a dry run (a run creates $LOG_DIR and $CKPT_DIR)"
+  else
+    mkdir -p "$LOG_DIR" "$CKPT_DIR" || mt_die "cannot create $LOG_DIR / $CKPT_DIR"
+  fi
   RESUME_ITER=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || true)
 
   # Rendezvous: rank 0 runs on the first node of the allocation.
@@ -184,7 +190,8 @@ mt_build_args() {
       MODEL_ARGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention
                   --num-query-groups 2 --ffn-hidden-size 128 --normalization RMSNorm --swiglu
                   --position-embedding-type rope --disable-bias-linear)
-      : "${SEQ_LENGTH:=256}" ;;
+      # 256 tokens, or the smallest multiple of CP x 64 above it (64-token stripes and zigzag split it)
+      : "${SEQ_LENGTH:=$(( (256 + 64 * CP - 1) / (64 * CP) * 64 * CP ))}" ;;
     qwen2.5-0.5b)  # Qwen2.5-0.5B shape (random init): 24 layers, 14 q / 2 kv heads, head_dim 64
       MODEL_ARGS=(--num-layers 24 --hidden-size 896 --ffn-hidden-size 4864 --num-attention-heads 14
                   --group-query-attention --num-query-groups 2 --kv-channels 64 --normalization RMSNorm
@@ -327,12 +334,40 @@ print(c.implementation, *(c.hierarchical.sizes or ()))' "$MTRAINING_CONFIG") || 
   mt_log "command: $PYTHON $PRETRAIN ${ARGS[*]}"
 }
 
+# DRY_RUN=1: the checks examples/pretrain_gpt.py makes before it starts
+# (megatron_mtraining.megatron.args.validate_args, with the launch's world size), so that a dry run
+# refuses what the ranks would refuse, e.g. a SEQ_LENGTH the CP layout cannot split. Transformer
+# Engine is taken as importable (the compute nodes may have it where the dry run does not). Another
+# PRETRAIN (a patched Megatron-LM pretrain_gpt.py) has its own rules: not checked here.
+mt_check_args() {
+  if ! [ "$PRETRAIN" -ef "$MTRAINING_REPO/examples/pretrain_gpt.py" ]; then
+    mt_log "$PRETRAIN is not examples/pretrain_gpt.py: its arguments are not checked in a dry run"
+    return 0
+  fi
+  local err
+  err=$("$PYTHON" -c 'import sys
+from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
+parser = build_parser()
+def refuse(message):
+    print(message)
+    sys.exit(2)
+parser.error = refuse                     # one line (no usage) for the shell to report
+args = parser.parse_args(sys.argv[2:])
+try:
+    validate_args(args, world_size=int(sys.argv[1]), te_importable=True)
+except ArgumentValidationError as e:
+    refuse(str(e))' "$WORLD" "${ARGS[@]}") \
+    || mt_die "$(basename "$PRETRAIN") would refuse this command line (dry run): ${err:-its check failed (see above)}"
+  mt_log "the arguments pass the checks of $(basename "$PRETRAIN") (world size $WORLD; dry run)"
+}
+
 # Runs the launch command "$@" (srun ...) with its output copied to LOG_DIR/train.log, then
 # requeues the job when the run stopped cleanly before TRAIN_ITERS (time limit, signal) and made
 # progress. Returns at once when the checkpoint is at TRAIN_ITERS already (a finished run, e.g. the
-# last job of a chain). DRY_RUN=1: prints the command and returns.
+# last job of a chain). DRY_RUN=1: checks the arguments (mt_check_args), prints the command and returns.
 mt_launch() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
+    mt_check_args
     printf 'mtraining sbatch: dry run:'; printf ' %q' "$@"; printf '\n'
     return 0
   fi

@@ -567,6 +567,13 @@ def test_check_patch_script_usage_errors(tmp_path):
     r = subprocess.run(["bash", str(CHECK), str(tmp_path), str(tmp_path / "none.patch")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "patch not found" in r.stderr
+    # a directory that is not there, or a file: the usage line and an error line saying which
+    (tmp_path / "file").write_text("")
+    for arg, rule in ((tmp_path / "none", "directory not found"), (tmp_path / "file", "not a directory")):
+        r = subprocess.run(["bash", str(CHECK), str(arg)], capture_output=True, text=True, timeout=60)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and r.stderr.startswith("usage:"), r.stderr
+        assert last.startswith(f"check_patch.sh: error: MEGATRON_LM_DIR {arg}: {rule}"), r.stderr
 
 
 def _git(cwd: Path, *args: str) -> None:

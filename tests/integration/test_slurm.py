@@ -109,6 +109,8 @@ def test_dry_run_4_nodes_x_8_gpus(tiny_files, tmp_path):
     r = _dry_run(tiny_files, tmp_path, "train_multinode.sbatch", MTRAINING_CONFIG="configs/qwen2.5-3b-512k.yaml", **job)
     line = _launch_line(r)
     assert "world 32 = TP 1 x CP 32 x DP 1" in r.stdout
+    assert "the arguments pass the checks of pretrain_gpt.py (world size 32; dry run)" in r.stdout
+    assert not (tmp_path / "out").exists()               # a dry run creates no run folder
     assert "--nodes=4 --ntasks=4 --ntasks-per-node=1 --mpi=pmix --container-image=img.sqsh bash" in line
     assert "--context-parallel-size 32" in line and "--hierarchical-context-parallel-sizes 8 4" in line
     assert "--exit-duration-in-mins 1430 --exit-signal-handler --exit-signal SIGUSR1" in line
@@ -151,6 +153,7 @@ def test_dry_run_outputs_outside_the_repository_and_load_when_a_checkpoint_exist
     line = _launch_line(r)
     ckpt = tmp_path / "home" / "mtraining-runs" / "qwen-512k" / "checkpoints"
     assert f"--save {ckpt}" in line and "--load" not in line, line
+    assert not (tmp_path / "home").exists()              # a dry run creates nothing
     assert "OUTPUT_DIR not set: runs go to" in r.stdout
     r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", SCRATCH=str(tmp_path / "scratch"),
                  RUN_NAME="run-a", **job)
@@ -166,6 +169,31 @@ def test_dry_run_outputs_outside_the_repository_and_load_when_a_checkpoint_exist
     r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **{**job, "DRY_RUN": "0", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "is at iteration 1000 of 1000 already: nothing to train" in r.stdout
+
+
+def test_dry_run_refuses_what_the_trainer_would_and_creates_nothing(tiny_files, tmp_path):
+    """CPU mode, SEQ_LENGTH=1000 on CP 2: pretrain_gpt.py's own argument check refuses it in the dry run
+    (the striped layout cannot split it), before the launch line, and no run folder appears."""
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", MTRAINING_CPU="1", SLURM_NNODES="1",
+                 SLURM_NTASKS_PER_NODE="2", SEQ_LENGTH="1000", OUTPUT_DIR=str(tmp_path / "out"), EXIT_DURATION_MINS="0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ("mtraining sbatch: error: pretrain_gpt.py would refuse this command line (dry run): --seq-length 1000 "
+            "with --context-parallel-size 2") in r.stderr and "divisible by" in r.stderr, r.stderr
+    assert "dry run:" not in r.stdout                    # no launch line
+    assert not (tmp_path / "out").exists()
+
+
+def test_cpu_mode_default_seq_length_splits_for_every_cp():
+    """The tiny model's default SEQ_LENGTH: 256, or the smallest multiple of CP x 64 above it (CP 8 of
+    8 CPU tasks cannot split 256 tokens in 64-token stripes). mt_build_args itself, with a stub interpreter."""
+    script = (f"source {ROOT / 'examples/slurm/common.sh'}; "
+              "for cp in 1 2 3 4 8; do (CP=$cp; mt_build_args >/dev/null; echo $SEQ_LENGTH); done")
+    env = {"PATH": os.environ["PATH"], "PYTHON": "true", "PRETRAIN": "pretrain_gpt.py", "MTRAINING_CPU": "1",
+           "TP": "1", "DP": "1", "BACKEND": "gloo", "DATA_PREFIX": "d", "TOKENIZER_MODEL": "t", "CKPT_DIR": "c",
+           "RESUME_ITER": "", "EXIT_DURATION_MINS": "0"}
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["256", "256", "384", "256", "512"]
 
 
 def _skip_reason() -> str | None:

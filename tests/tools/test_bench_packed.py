@@ -139,7 +139,7 @@ def test_imbalance_packed_single_document_equals_the_dense_pattern(tmp_path):
         assert packed["work_fraction_of_causal"] == 1.0
 
 
-def test_imbalance_cli_packed_rows(tmp_path):
+def test_imbalance_cli_packed_rows(tmp_path, capsys):
     from tools.imbalance import main
 
     js = tmp_path / "imb.json"
@@ -155,12 +155,19 @@ def test_imbalance_cli_packed_rows(tmp_path):
     rows = json.loads(js2.read_text())["rows"]
     assert {(x["cp"], x["layout"]) for x in rows} == {(c, l) for c in (2, 4) for l in ("zigzag", "striped-64",
                                                                                          "striped-1")}
-    for bad, needle in ((["--doc-lengths", "nope"], "--doc-lengths"), (["--seq-len", "100"], "--seq-len"),
-                        (["--model", "gpu"], "FLOP model"), (["--data-path", str(tmp_path / "none")], "not found"),
-                        (["--layout", "striped", "--granularity", "16", "--doc-lengths", "fixed:100"], "64-token blocks whole")):
+    # flag errors: argparse's error line (exit 2); the model's refusal: SystemExit('error: ...') (exit 1)
+    for bad, needle, flag_error in ((["--doc-lengths", "nope"], "--doc-lengths", True),
+                                    (["--seq-len", "100"], "--seq-len", True), (["--model", "gpu"], "FLOP model", True),
+                                    (["--data-path", str(tmp_path / "none")], "not found", True),
+                                    (["--layout", "striped", "--granularity", "16", "--doc-lengths", "fixed:100"],
+                                     "64-token blocks whole", False)):
         with pytest.raises(SystemExit) as e:
             main(["--pattern", "packed", "--seq-len", "4096", "--cp", "2"] + bad)
-        assert needle in str(e.value), (bad, e.value)
+        err = capsys.readouterr().err
+        if flag_error:
+            assert e.value.code == 2 and "error: " in err and needle in err, (bad, err)
+        else:
+            assert str(e.value).startswith("error: ") and needle in str(e.value), (bad, e.value)
 
 
 # ------------------------------------------------------------------------------ timing tool

@@ -237,3 +237,51 @@ def test_gpu_model_runs_on_cpu(tmp_path, vertical):
     W = np.asarray(res["W_fwd_ms"])
     assert W.shape == (2, 3 if vertical == "out-of-ring" else 2) and (W[:, 0] > 0).all()
     assert "flop_model" in res and res["kernel"] in ("triton", "torch-reference")
+
+
+BAD_ARGS = [(["--sweep", "--cps", "0"], "--cps '0': expected a comma list of integers >= 1"),
+            (["--sweep", "--cps", "8,,16"], "--cps '8,,16'"),
+            (["--sweep", "--layouts", "foo"], "--layouts: 'foo' is not zigzag, contiguous, striped or striped-G"),
+            (["--sweep", "--layouts", "zigzag,striped-0"], "--layouts: 'striped-0'"),
+            (["--sweep", "--verticals", "sideways"], "--verticals: 'sideways' is not one of"),
+            (["--cp", "0"], "--cp must be >= 1"),
+            (["--granularity", "0"], "--granularity must be >= 1"),
+            (["--heads", "0"], "--heads must be >= 1"),
+            (["--window-blocks", "0"], "--window-blocks must be >= 1"),
+            (["--sparsity", "nan"], "--sparsity must be in [0, 1]"),
+            (["--seq-len", "-64"], "--seq-len must be a positive multiple of 64"),
+            (["--cp", "3", "--seq-len", "4096"], "--seq-len 4096 with --cp 3, --layout striped, --granularity 64: "
+                                                 "cannot split"),
+            (["--cps", "2,4"], "--cps applies to --sweep only"),
+            (["--layouts", "zigzag", "--verticals", "in-ring"], "--layouts/--verticals apply to --sweep only"),
+            (["--model", "gpu", "--sweep"], "--sweep uses the FLOP model"),
+            (["--model", "gpu", "--vertical", "deferred"], "--vertical deferred: --model gpu"),
+            (["--pattern", "file"], "--pattern file needs --pattern-file"),
+            (["--pattern", "file", "--pattern-file", "/nonexistent/p.npz"], "--pattern-file: file not found"),
+            # the cheap flags before the corpus file of --doc-lengths corpus (default --data-path)
+            (["--pattern", "packed", "--sweep", "--cps", "0"], "--cps '0'"),
+            (["--pattern", "packed", "--cp", "0", "--data-path", "/nonexistent/corpus"], "--cp must be >= 1"),
+            (["--pattern", "packed", "--sweep", "--verticals", "in-ring"],
+             "--verticals does not apply to --pattern packed"),
+            (["--pattern", "packed", "--data-path", "/nonexistent/corpus"],
+             "--data-path: /nonexistent/corpus.idx not found")]
+
+
+@pytest.mark.parametrize("argv,needle", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_are_one_line_errors_before_any_work(argv, needle, capsys):
+    """A bad flag ends with argparse's 'error: ...' line naming the flag and the rule (exit 2), before a
+    pattern is built: no traceback from Layout, and --cps/--layouts/--verticals are refused without --sweep."""
+    with pytest.raises(SystemExit) as exc:
+        im.main(argv)
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and ": error: " in last and needle in last, captured.err
+    assert captured.out == ""                          # nothing ran
+
+
+def test_pattern_file_length_the_layout_cannot_split(tmp_path, capsys):
+    path = str(tmp_path / "p.npz")
+    im.save_pattern(path, small_synthetic(), {})
+    with pytest.raises(SystemExit) as exc:
+        im.main(["--pattern", "file", "--pattern-file", path, "--cp", "3"])
+    assert exc.value.code == 2 and "(seq_len 1024) with --cp 3" in capsys.readouterr().err
