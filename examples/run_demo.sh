@@ -21,6 +21,16 @@ if ! [[ "${DEMO_TRAIN_ITERS:-30}" =~ ^[1-9][0-9]*$ ]]; then
     echo "run_demo.sh: DEMO_TRAIN_ITERS must be a positive integer, got '${DEMO_TRAIN_ITERS}'" >&2
     exit 2
 fi
+# The demo replaces only a checkpoint directory it made itself (marked by MARKER; at the default
+# location also one an earlier demo left without the marker), checked before any work starts.
+CKPT_DIR="${DEMO_CKPT:-$REPO_ROOT/checkpoints/demo}"
+MARKER=".mtraining_demo_checkpoint"
+if [ -e "$CKPT_DIR" ] && [ ! -f "$CKPT_DIR/$MARKER" ] && [ "$CKPT_DIR" != "$REPO_ROOT/checkpoints/demo" ] \
+        && { [ ! -d "$CKPT_DIR" ] || [ -n "$(ls -A "$CKPT_DIR" 2>/dev/null)" ]; }; then
+    echo "run_demo.sh: DEMO_CKPT=$CKPT_DIR exists and was not made by this demo; choose an empty or new" \
+         "directory (the demo replaces its own checkpoint on every run)" >&2
+    exit 2
+fi
 
 echo "== data 1/2: corpus + tokenizer ($SOURCES) -> $DATA_DIR"
 "$PYTHON" tools/prepare_corpus.py --sources "$SOURCES" --name "$CORPUS_NAME" --out-dir "$DATA_DIR"
@@ -48,7 +58,8 @@ export TOKENIZER_MODEL="$DATA_DIR/tokenizer/mistral_v1.model"
 # to about 6.5 (noisy, single sequences) within 30 iterations.
 # The final checkpoint (megatron.core dist_checkpointing: model + optimizer + LR schedule +
 # iteration) goes to checkpoints/demo.
-#   DEMO_TRAIN_ITERS  iterations (default 30)      DEMO_CKPT  checkpoint directory (default checkpoints/demo)
+#   DEMO_TRAIN_ITERS  iterations (default 30)      DEMO_CKPT  checkpoint directory (default checkpoints/demo;
+#                     replaced on every run, so it must be new, empty or an earlier demo checkpoint)
 #   DEMO_CONFIG       an MTraining config, e.g. configs/demo_sparse.yaml (online vertical-slash sparsity);
 #                     default: none (the exact dense striped ring)
 TRAIN_ITERS="${DEMO_TRAIN_ITERS:-30}"
@@ -58,9 +69,7 @@ CONFIG_ARGS=(--cp-layout striped --cp-granularity 64)
 if [ -n "${DEMO_CONFIG:-}" ]; then
     CONFIG_ARGS=(--mtraining-config "$DEMO_CONFIG")
 fi
-CKPT_DIR="${DEMO_CKPT:-$REPO_ROOT/checkpoints/demo}"
-# The demo replaces only a checkpoint directory it made itself (marked by this file).
-MARKER=".mtraining_demo_checkpoint"
+
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # 2 ranks on 2 cores
 # glibc malloc: keep freed large blocks instead of unmapping them after every op (the attention
 # and logit buffers would be page-faulted in again each step; ~2x faster on CPU, same results).
@@ -68,14 +77,8 @@ export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-17179869184}"
 export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-17179869184}"
 export MALLOC_TOP_PAD_="${MALLOC_TOP_PAD_:-1073741824}"
 if [ -e "$CKPT_DIR" ]; then
-    if [ -f "$CKPT_DIR/$MARKER" ]; then
-        echo "== train: removing the previous demo checkpoint $CKPT_DIR"
-        rm -rf "$CKPT_DIR"
-    elif [ -n "$(ls -A "$CKPT_DIR" 2>/dev/null)" ] || [ ! -d "$CKPT_DIR" ]; then
-        echo "run_demo.sh: DEMO_CKPT=$CKPT_DIR exists and was not made by this demo; choose an empty or new" \
-             "directory (the demo replaces its own checkpoint on every run)" >&2
-        exit 2
-    fi
+    echo "== train: removing the previous demo checkpoint $CKPT_DIR"
+    rm -rf "$CKPT_DIR"
 fi
 mkdir -p "$CKPT_DIR"
 touch "$CKPT_DIR/$MARKER"

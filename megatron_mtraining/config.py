@@ -811,7 +811,8 @@ def config_for_run(
         if cp_layout is not None and cp_layout != cfg.layout_kind:
             raise ValueError(f"--cp-layout {cp_layout} disagrees with {src} (implementation '{cfg.implementation}' "
                              f"uses the {cfg.layout_kind} layout); the config fixes the layout: drop the flag")
-        if granularity is not None and int(granularity) != cfg.granularity:
+        if granularity is not None and (isinstance(granularity, bool) or not isinstance(granularity, numbers.Integral)
+                                        or int(granularity) != cfg.granularity):
             raise ValueError(f"--cp-granularity {granularity} disagrees with {src} (granularity {cfg.granularity}); "
                              "the config fixes the layout: drop the flag or change 'granularity' in the config")
     if hcp and cfg.implementation != "hierarchical":

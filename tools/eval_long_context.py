@@ -348,6 +348,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.context_parallel_size = 1           # the evaluation is one process
     args.hierarchical_context_parallel_sizes = None
     args.global_batch_size = None
+    args.lr_warmup_iters, args.lr_decay_iters = 0, None    # no LR schedule here (training-only flags)
     data = args.data_path
     text_file = None
     if data and len(data) == 1 and not _is_indexed_prefix(data[0]) and Path(data[0]).is_file():

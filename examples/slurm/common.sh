@@ -220,7 +220,7 @@ mt_build_args() {
         --cp-attention "${CP_ATTENTION:-mtraining}" --distributed-backend "$BACKEND"
         --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
         --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr 0.0 --lr-decay-style cosine
-        --lr-warmup-iters "$([ "$cpu" = 1 ] && echo 0 || echo 20)" --clip-grad 1.0 --weight-decay 0.1
+        --lr-warmup-iters "$([ "$cpu" = 1 ] && echo 0 || echo $(( TRAIN_ITERS > 20 ? 20 : TRAIN_ITERS - 1 )))" --clip-grad 1.0 --weight-decay 0.1
         --data-path "$DATA_PREFIX" --split 90,10,0 --tokenizer-type SentencePieceTokenizer
         --tokenizer-model "$TOKENIZER_MODEL" --no-create-attention-mask-in-dataloader
         --calculate-per-token-loss

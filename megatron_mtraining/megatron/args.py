@@ -472,6 +472,7 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
                 raise E(f"--{flag.replace('_', '-')}: packed documents need --cp-attention mtraining (the te "
                         "path of this trainer has no document masks)")
         args.mtraining = None
+        args.cp_granularity = 64 if args.cp_granularity is None else args.cp_granularity
         return
     if args.mtraining_config:
         try:

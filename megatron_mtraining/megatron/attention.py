@@ -192,6 +192,7 @@ class MTrainingAttention(MegatronModule):
         # by every rank that holds the layer)
         policy_groups = get_layer_policy_groups(pg_collection) if self.mtraining_config.auto_dense_layers else ()
         self._attention = self.plan.attention_runner(policy_groups)
+        self.rope_installed = False     # set by install_layout_rope on the model holding this layer
         self._rope_checked = False
 
     @staticmethod
@@ -245,14 +246,14 @@ class MTrainingAttention(MegatronModule):
                 ``cuda_graphs: true``, packed documents or CPU inputs.
             RuntimeError: with ``cuda_graphs: true``, a second forward of this layer before the backward
                 of the previous one.
-            ValueError: at CP > 1 with a layout other than zigzag, before
-                :func:`~megatron_mtraining.megatron.rope.install_layout_rope` was called in this process
-                (megatron-core's RoPE rows would be the zigzag positions).
+            ValueError: at CP > 1 with a layout other than zigzag, or with positions that restart at
+                documents, before :func:`~megatron_mtraining.megatron.rope.install_layout_rope` ran on
+                this layer's model (the RoPE rows would be wrong positions).
         """
         if attention_bias is not None:
             raise NotImplementedError("MTrainingAttention does not support attention_bias")
-        if not self._rope_checked:          # CP > 1, striped: the RoPE rows must follow the layout
-            error = rope_layout_error(self.plan)
+        if not self._rope_checked:          # CP > 1 striped, or reset positions: the RoPE rows must follow them
+            error = rope_layout_error(self.plan, self.rope_installed)
             if error is not None:
                 raise ValueError(error)
             self._rope_checked = True

@@ -31,22 +31,26 @@ from megatron_mtraining.plan import ROPE_FUSION_RULE, CPPlan
 
 __all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope", "rope_layout_error"]
 
-#: calls of :func:`install_layout_rope` in this process (read by :func:`rope_layout_error`)
-_INSTALL_CALLS = 0
+def rope_layout_error(plan: CPPlan, installed: bool) -> Optional[str]:
+    """Why a layer's attention must not start yet, or ``None``: its model needs
+    :func:`install_layout_rope` and it has not run on it (``installed``: the call reached this layer).
 
-
-def rope_layout_error(plan: CPPlan) -> Optional[str]:
-    """Why a CP run's attention must not start yet, or ``None``: at ``cp_size > 1`` with a layout other
-    than zigzag, :func:`install_layout_rope` has not been called in this process. megatron-core's
-    ``RotaryEmbedding`` then keeps the zigzag rows of the RoPE table, which are the wrong positions
-    for striped shards: the model would train silently on wrong positions. Every rank runs the same
-    program, so every rank reaches the same verdict. A model without RoPE is left unchanged by
-    :func:`install_layout_rope`, so calling it is the one fix for every model."""
-    if plan.cp_size == 1 or plan.layout.kind == "zigzag" or _INSTALL_CALLS:
+    Needed at ``cp_size > 1`` with a layout other than zigzag (megatron-core's ``RotaryEmbedding``
+    keeps the zigzag rows of the RoPE table: wrong positions for striped shards), and whenever the
+    plan's packing resets positions (``--reset-position-ids``: without the hook RoPE uses positions
+    that do not restart at documents). Both would train silently on wrong positions. Every rank
+    builds the same model, so every rank reaches the same verdict. A model without RoPE is left
+    unchanged by :func:`install_layout_rope`, so calling it is the one fix for every model."""
+    if installed:
         return None
+    resets = plan.packing is not None and plan.packing.reset_position_ids
+    if not resets and (plan.cp_size == 1 or plan.layout.kind == "zigzag"):
+        return None
+    why = ("positions that restart at every document (--reset-position-ids) need its hook" if resets else
+           f"megatron-core's RotaryEmbedding keeps the zigzag rows of the RoPE table, which are wrong positions for "
+           f"{plan.layout.kind} shards")
     return (f"MTrainingAttention: context-parallel size {plan.cp_size} with the {plan.layout.kind} layout, but "
-            "install_layout_rope(model, plan) was not called: megatron-core's RotaryEmbedding keeps the zigzag rows "
-            f"of the RoPE table, which are wrong positions for {plan.layout.kind} shards. Call "
+            f"install_layout_rope(model, plan) was not called on this layer's model: {why}. Call "
             "megatron_mtraining.megatron.rope.install_layout_rope(model, plan) before the first forward (it leaves a "
             "model without RoPE unchanged)")
 
@@ -242,14 +246,13 @@ def install_layout_rope(
         NotImplementedError: YaRN or multimodal RoPE (their CP slicing is zigzag-specific).
         ValueError: ``layout.cp_size`` differs from the CP group size.
 
-    ``MTrainingAttention`` refuses its first forward at CP > 1 with a non-zigzag layout until this
-    has been called (:func:`rope_layout_error`).
+    Marks the model's ``MTrainingAttention`` layers (``rope_installed``): at CP > 1 with a layout other
+    than zigzag, or with positions that restart at documents, a layer refuses its first forward
+    until then (:func:`rope_layout_error`).
     """
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    global _INSTALL_CALLS
-    _INSTALL_CALLS += 1
     follow_positions = False
     if isinstance(layout, CPPlan):
         if cp_group is None:
@@ -270,6 +273,9 @@ def install_layout_rope(
             replaced += 1
             if follow_positions:
                 module.register_forward_pre_hook(_positions_hook, with_kwargs=True)
+    for module in _unwrap(model).modules():     # the model's attention layers may now start (rope_layout_error)
+        if hasattr(module, "rope_installed"):
+            module.rope_installed = True
     return replaced
 
 

@@ -248,7 +248,8 @@ def vertical_slash_config(config, what: str) -> VerticalSlashConfig:
         if unknown:
             raise TypeError(f"{what}: config has unknown key(s) {', '.join(unknown)}; VerticalSlashConfig fields are "
                             f"{', '.join(sorted(names))}")
-        return VerticalSlashConfig(**config)
+        return VerticalSlashConfig(**{k: (v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0
+                                          else v) for k, v in config.items()})      # NumPy scalars as numbers
     raise TypeError(f"{what}: config must be a VerticalSlashConfig, a mapping of its fields or None, got "
                     f"{type(config).__name__}")
 

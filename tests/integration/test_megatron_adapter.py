@@ -455,24 +455,33 @@ def test_install_layout_rope_replaces_and_rejects_yarn():
 
 # ------------------------------------------------------------------------------------ cpu shims
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are inactive on CUDA machines")
-def test_striped_cp_forward_needs_install_layout_rope(monkeypatch):
-    """At CP > 1 with a striped layout, a forward before install_layout_rope is an error naming the fix
-    (megatron-core's RoPE would keep the zigzag rows: silently wrong positions); zigzag and CP=1 need nothing."""
+def test_striped_cp_forward_needs_install_layout_rope():
+    """At CP > 1 with a striped layout (or with positions reset at documents), a layer's forward before
+    install_layout_rope ran on its model is an error naming the fix (megatron-core's RoPE would keep the
+    zigzag rows: silently wrong positions); zigzag and plain CP=1 need nothing. The mark is per model: an
+    install on another module does not clear it."""
     from types import SimpleNamespace
 
     from megatron_mtraining.megatron import rope
+    from megatron_mtraining.plan import DocumentPacking
 
-    monkeypatch.setattr(rope, "_INSTALL_CALLS", 0)
-    striped2 = SimpleNamespace(cp_size=2, layout=Layout("striped", 2, 64))
-    assert "install_layout_rope(model, plan) was not called" in rope.rope_layout_error(striped2)
-    assert rope.rope_layout_error(SimpleNamespace(cp_size=2, layout=Layout("zigzag", 2))) is None
-    assert rope.rope_layout_error(SimpleNamespace(cp_size=1, layout=Layout("striped", 1))) is None
+    striped2 = SimpleNamespace(cp_size=2, layout=Layout("striped", 2, 64), packing=None)
+    assert "install_layout_rope(model, plan) was not called" in rope.rope_layout_error(striped2, False)
+    assert rope.rope_layout_error(striped2, True) is None
+    assert rope.rope_layout_error(SimpleNamespace(cp_size=2, layout=Layout("zigzag", 2), packing=None), False) is None
+    cp1 = SimpleNamespace(cp_size=1, layout=Layout("striped", 1), packing=None)
+    assert rope.rope_layout_error(cp1, False) is None
+    reset = SimpleNamespace(cp_size=1, layout=Layout("striped", 1), packing=DocumentPacking(True, True, eod_token=0))
+    assert "restart at every document" in rope.rope_layout_error(reset, False)
     attn = _attn()
     attn.plan = striped2
+    rope.install_layout_rope(torch.nn.Linear(2, 2), Layout("striped", 1))     # another model: no effect here
     with pytest.raises(ValueError, match=r"context-parallel size 2 with the striped layout, but install_layout_rope"):
         attn(*_qkv(), None)
-    assert rope.install_layout_rope(torch.nn.Linear(2, 2), Layout("striped", 1)) == 0   # a model without RoPE
-    assert rope.rope_layout_error(striped2) is None
+    holder = torch.nn.Sequential(attn)                                      # a model without RoPE holding the layer
+    assert rope.install_layout_rope(holder, Layout("striped", 1)) == 0 and attn.rope_installed
+    attn.plan = _attn().plan                                                # back to its CP=1 plan: it runs
+    assert attn(*_qkv(), None).shape == (128, 2, 32)
 
 
 def test_cpu_patches_idempotent_and_scoped():

@@ -108,6 +108,7 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--recompute-granularity": "full"}, 1, "--recompute-method"),
     ({"--lr-warmup-iters": 3}, 1, "--lr-warmup-iters (3) must be < --lr-decay-iters (3"),
     ({"--lr-warmup-iters": 2, "--lr-decay-iters": 2}, 1, "--lr-warmup-iters (2) must be < --lr-decay-iters (2)"),
+    ({"--lr-warmup-iters": 0, "--lr-decay-iters": 0}, 1, "--lr-decay-iters must be >= 1, got 0"),
     # a config fixes the layout: an explicit, different --cp-layout / --cp-granularity is an error
     ({"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml", "--cp-layout": "striped"},
      2, "--cp-layout striped disagrees with configs/zigzag_sparse.yaml"),

@@ -59,6 +59,9 @@ def test_sparse_config_as_mapping_or_none():
     q64 = torch.randn(1, 128, 2, 8, dtype=torch.float64)
     out = sparse_ring_attention(q64, q64[:, :, :1], q64[:, :, :1], layout=Layout("striped", 1, 64), config=None)
     assert out.shape == q64.shape and torch.isfinite(out).all()
+    np = pytest.importorskip("numpy")
+    numpy_cfg = {**SMALL, "max_slash": np.int64(4), "recall": np.float64(0.95)}
+    assert torch.equal(sparse_ring_attention(q, k, v, layout=LAY, config=numpy_cfg), ref)
     with pytest.raises(TypeError, match=r"config has unknown key\(s\) bogus"):
         sparse_ring_attention(q, k, v, layout=LAY, config={**SMALL, "bogus": 1})
     with pytest.raises(TypeError, match="config must be a VerticalSlashConfig, a mapping of its fields or None, got list"):
