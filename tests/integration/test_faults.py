@@ -367,7 +367,7 @@ def test_truncated_or_corrupt_files_are_an_error_before_training(tiny, tmp_path,
         raw = bytearray(Path(p + ".idx").read_bytes())
         raw[0:4] = b"JUNK"
         Path(p + ".idx").write_bytes(bytes(raw))
-    r = run_python(SCRIPT, _argv(tiny, tmp_path, **{"--data-path": p, "--train-iters": 1}), timeout=300)
+    r = run_python(SCRIPT, _argv(tiny, tmp_path, **{"--data-path": p, "--train-iters": 1, "--lr-warmup-iters": 0}), timeout=300)
     assert r.returncode == 1, r.tail()
     assert f"pretrain_gpt.py: error: --data-path {p}: {p}{needle}" in r.stderr, r.tail()
     assert "truncated" in r.stderr and "iteration" not in r.stdout, r.tail()
@@ -385,7 +385,8 @@ def test_data_from_another_tokenizer_stops_every_rank_before_training(tiny, tmp_
     p = str(tmp_path / "other_tok")
     _write_dataset(p, docs)
     r = run_reaped(SCRIPT, _argv(tiny, tmp_path, **{"--data-path": p, "--context-parallel-size": 2,
-                                                    "--train-iters": 1}), nproc=2, timeout=300)
+                                                    "--train-iters": 1, "--lr-warmup-iters": 0}), nproc=2,
+                         timeout=300)
     assert not r.timed_out and r.returncode not in (0, None), r.tail()
     needle = f"pretrain_gpt.py: error: --data-path {p}: {p}.bin: token id 1000"
     assert r.output.count(needle) == 2, r.tail()
