@@ -31,6 +31,7 @@ from megatron_mtraining.plan import ROPE_FUSION_RULE, CPPlan
 
 __all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope", "rope_layout_error"]
 
+
 def rope_layout_error(plan: CPPlan, installed: bool) -> Optional[str]:
     """Why a layer's attention must not start yet, or ``None``: its model needs
     :func:`install_layout_rope` and it has not run on it (``installed``: the call reached this layer).

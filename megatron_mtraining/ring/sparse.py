@@ -42,7 +42,8 @@ from ..patterns.convert import (check_block_layout, column_phase_indices, conver
                                 restrict_to_documents, without_columns)
 from ..patterns.estimator import PROBES, SHARE_PATTERNS, VerticalSlashConfig, VerticalSlashPattern, estimate_vertical_slash
 from ..patterns.indices import StepIndices
-from . import RingAttentionFunc, backend_for, check_api_arguments, check_ring_inputs, last_dim_contiguous, packed_documents
+from . import (RingAttentionFunc, backend_for, check_api_arguments, check_ring_inputs, last_dim_contiguous,
+               packed_documents)
 
 __all__ = ["SparseStepKernel", "ColumnPhase", "COLUMN_SCHEDULES", "sparse_ring_attention",
            "sparse_agreement_fields"]
