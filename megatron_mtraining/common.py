@@ -15,6 +15,7 @@ import functools
 import math
 import numbers
 import os
+from typing import Mapping
 
 import torch
 from torch.profiler import record_function
@@ -23,7 +24,7 @@ __all__ = ["acc_dtype", "default_softmax_scale", "TRITON_DTYPES", "triton_import
            "record_function", "REGIONS", "REGION_ESTIMATOR_SCORES", "REGION_ESTIMATOR_SELECTION", "REGION_CONVERT",
            "REGION_PLAN", "REGION_ATTENTION_FWD", "REGION_ATTENTION_BWD", "REGION_COPIES", "REGION_LM_HEAD_LOSS",
            "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled", "first_order_only", "DOUBLE_BACKWARD_RULE",
-           "softmax_scale_error", "check_softmax_scale", "resolve_softmax_scale"]
+           "softmax_scale_error", "check_softmax_scale", "resolve_softmax_scale", "plain_numbers"]
 
 # profiler ranges (record_function names) of one training iteration
 REGION_INPUT_CHECK = "mtraining.input_check"                  # cross-rank input check (once per signature)
@@ -117,6 +118,19 @@ def first_order_only(what: str):
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for inputs of ``dtype``: fp64 stays fp64, everything else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def plain_numbers(value):
+    """``value`` with NumPy scalars (e.g. ``np.float32(0.9)``, ``np.int64(64)``) as Python numbers, inside
+    mappings (returned as ``dict``) and lists / tuples too; everything else unchanged (the config
+    fields' own rules then check it)."""
+    if isinstance(value, Mapping):
+        return {k: plain_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_numbers(v) for v in value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def default_softmax_scale(head_dim: int) -> float:

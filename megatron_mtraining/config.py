@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from megatron_mtraining.common import plain_numbers
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.patterns.estimator import VerticalSlashConfig
 from megatron_mtraining.ring.sparse import COLUMN_SCHEDULES
@@ -627,25 +628,13 @@ def _vertical_slash(sec: Mapping[str, Any]) -> VerticalSlashConfig:
         raise _ConfigError(msg) from None
 
 
-def _plain(value: Any) -> Any:
-    """``value`` with NumPy scalars (e.g. ``np.float32(0.9)``, ``np.int64(64)``) as Python numbers, in
-    mappings and lists too; everything else unchanged (and checked by the fields' own rules)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        return value.item()
-    return value
-
-
 def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
     if isinstance(d, (bytes, bytearray)):
         raise _ConfigError(f"expected a YAML file path (str or os.PathLike), a mapping or an MTrainingConfig, got "
                            f"{type(d).__name__} (decode a bytes path first)")
     if not isinstance(d, Mapping):
         raise _ConfigError(f"top level must be a mapping of keys, got {type(d).__name__}")
-    d = _plain(d)
+    d = plain_numbers(d)
     _check_keys(d, _TOP_KEYS, "")
     kw: dict[str, Any] = {k: d[k] for k in ("implementation", "granularity", "pattern", "columns", "deterministic",
                                             "kernel_backend", "cuda_graphs", "dense_layers", "layer_overrides") if k in d}

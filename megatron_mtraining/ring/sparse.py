@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..common import REGION_PLAN, record_function, resolve_softmax_scale
+from ..common import REGION_PLAN, plain_numbers, record_function, resolve_softmax_scale
 from ..distributed import comm_context, group_rank, wait_all
 from ..layout import Layout
 from ..ops.backends import KernelBackend
@@ -249,8 +249,7 @@ def vertical_slash_config(config, what: str) -> VerticalSlashConfig:
         if unknown:
             raise TypeError(f"{what}: config has unknown key(s) {', '.join(unknown)}; VerticalSlashConfig fields are "
                             f"{', '.join(sorted(names))}")
-        return VerticalSlashConfig(**{k: (v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0
-                                          else v) for k, v in config.items()})      # NumPy scalars as numbers
+        return VerticalSlashConfig(**plain_numbers(config))
     raise TypeError(f"{what}: config must be a VerticalSlashConfig, a mapping of its fields or None, got "
                     f"{type(config).__name__}")
 
