@@ -591,7 +591,9 @@ def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchu
     counts = torch.empty(nseg, dtype=torch.int32, device=dev)
     fulls = torch.empty(nseg, dtype=torch.int32, device=dev)
     args = (qbps, nqb, nchunks, col_u.shape[-1])
-    meta = dict(CAUSAL=plan.mask_mode == 1, QBPS=_next_power_of_2(qbps), BLOCK_C=BLOCK_C, num_warps=4)
+    import triton       # where the kernels run (this path), Triton imports
+
+    meta = dict(CAUSAL=plan.mask_mode == 1, QBPS=triton.next_power_of_2(qbps), BLOCK_C=BLOCK_C, num_warps=4)
     grid = (nsplit, nchunks, B_ * H_)
     K = _kernels()
     K._col_entry_count_kernel[grid](bits, col_u, counts, fulls, *args, **meta)
@@ -603,10 +605,6 @@ def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchu
     entries_bits = torch.empty(size, dtype=torch.int64, device=dev)
     K._col_entry_fill_kernel[grid](bits, col_u, offsets, mid, entries_qb, entries_bits, *args, **meta)
     return offsets, mid, entries_qb, entries_bits
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _col_entries_static(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchunks: int, nsplit: int,
