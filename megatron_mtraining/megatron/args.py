@@ -181,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the signal of --exit-signal-handler (default SIGTERM; Slurm's --signal=USR1@SECONDS "
                         "sends SIGUSR1 before the time limit) (Megatron-LM)")
     g.add_argument("--load", default=None)
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="with --load: take the LR / weight-decay schedule of this command line (--lr, --min-lr, "
+                        "--lr-decay-style, --lr-decay-iters, --lr-warmup-iters, --weight-decay, --train-iters), not "
+                        "the checkpoint's; the step count is the checkpoint's. E.g. to extend a run with a larger "
+                        "--train-iters (Megatron-LM)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="with --load: keep the checkpoint's LR / weight-decay schedule whatever the schedule flags "
+                        "of this command line say (Megatron-LM). Without either flag, a schedule that differs from "
+                        "the checkpoint's is an error naming the flag")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="torch_dist: megatron.core dist_checkpointing; torch: one torch.save file per rank")
     g.add_argument("--log-interval", type=int, default=100)
@@ -407,6 +416,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             raise E(f"{flag} must be >= 1, got {val}")
     if args.eval_iters < 0:
         raise E(f"--eval-iters must be >= 0, got {args.eval_iters}")
+
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise E("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: the "
+                "first takes this command line's LR schedule, the second the checkpoint's")
 
     if args.use_distributed_optimizer and (args.save or args.load):
         raise E(f"{'--save' if args.save else '--load'} with --use-distributed-optimizer: the example trainer does "

@@ -189,6 +189,9 @@ def build_optimizer(args, config, model):
         lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        # --load: without either flag the schedules are equal (checkpoint.check_resume_schedule)
+        override_opt_param_scheduler=bool(getattr(args, "override_opt_param_scheduler", False)),
+        use_checkpoint_opt_param_scheduler=not getattr(args, "override_opt_param_scheduler", False),
     )
     return model, optimizer, scheduler
 

@@ -279,14 +279,21 @@ SCHEDULE_FLAGS = {"wd_incr_steps": "--train-iters", "lr_decay_steps": "--lr-deca
 def check_resume_schedule(args, scheduler, saved: dict, ckpt_dir: str) -> None:
     """Exit with a message naming the flag when resuming ``ckpt_dir`` with another LR / weight-decay
     schedule (megatron-core would silently take the checkpoint's; steps count samples, so
-    ``--global-batch-size`` enters them too)."""
+    ``--global-batch-size`` enters them too). Megatron-LM's ``--override-opt_param-scheduler`` (take
+    the command line's schedule) and ``--use-checkpoint-opt_param-scheduler`` (take the checkpoint's)
+    choose one side instead: no check."""
+    if getattr(args, "override_opt_param_scheduler", False) or getattr(args, "use_checkpoint_opt_param_scheduler",
+                                                                       False):
+        return
     mine = scheduler.state_dict()
     bad = [f"{flag} (run: {mine[k]!r}, checkpoint: {saved[k]!r})" for k, flag in SCHEDULE_FLAGS.items()
            if k in saved and k in mine and saved[k] != mine[k]]
     if bad:
         raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} was saved with another schedule: "
                          + "; ".join(bad) + " (steps are samples: iterations x --global-batch-size); resume with "
-                         "the flags of the run that saved it")
+                         "the flags of the run that saved it, or choose a side: --override-opt_param-scheduler "
+                         "(this command line's schedule, e.g. to extend a run with a larger --train-iters) or "
+                         "--use-checkpoint-opt_param-scheduler (the checkpoint's)")
 
 
 def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:

@@ -109,6 +109,8 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--lr-warmup-iters": 3}, 1, "--lr-warmup-iters (3) must be < --lr-decay-iters (3"),
     ({"--lr-warmup-iters": 2, "--lr-decay-iters": 2}, 1, "--lr-warmup-iters (2) must be < --lr-decay-iters (2)"),
     ({"--lr-warmup-iters": 0, "--lr-decay-iters": 0}, 1, "--lr-decay-iters must be >= 1, got 0"),
+    ({"--override-opt_param-scheduler": None, "--use-checkpoint-opt_param-scheduler": None}, 1,
+     "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
     # a config fixes the layout: an explicit, different --cp-layout / --cp-granularity is an error
     ({"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml", "--cp-layout": "striped"},
      2, "--cp-layout striped disagrees with configs/zigzag_sparse.yaml"),
@@ -134,6 +136,23 @@ def test_validation_fills_derived_values(tiny):
     assert (a.cp_layout, a.cp_granularity) == ("striped", 64)
     a = _validate(tiny, world_size=2, **{"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml"})
     assert a.cp_layout == "zigzag"
+
+
+def test_resume_schedule_check_and_the_flags_that_choose_a_side():
+    """Another schedule on --load is an error naming the flag, unless --override-opt_param-scheduler or
+    --use-checkpoint-opt_param-scheduler says which schedule wins (megatron-core then applies it)."""
+    from types import SimpleNamespace
+
+    from megatron_mtraining.training.checkpoint import check_resume_schedule
+
+    saved = {"wd_incr_steps": 16, "lr_decay_steps": 16, "max_lr": 3e-3}
+    sched = SimpleNamespace(state_dict=lambda: {**saved, "wd_incr_steps": 24, "lr_decay_steps": 24})
+    args = SimpleNamespace(load="ckpt", override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(SystemExit, match=r"--train-iters \(run: 24, checkpoint: 16\)"):
+        check_resume_schedule(args, sched, saved, "ckpt/iter_0000004")
+    check_resume_schedule(args, SimpleNamespace(state_dict=lambda: dict(saved)), saved, "ckpt/iter_0000004")
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        check_resume_schedule(SimpleNamespace(**{**vars(args), flag: True}), sched, saved, "ckpt/iter_0000004")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -225,17 +244,49 @@ def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
 
 
 
+def _cosine_lr(it: int, train_iters: int, gbs: int = 4, warmup: int = 1, lr: float = 3e-3, min_lr: float = 1e-4):
+    """Megatron's warm-up + cosine LR (steps = samples) logged with iteration ``it``: after ``it - 1``
+    steps of ``gbs`` samples, decaying over ``train_iters`` (the default --lr-decay-iters); the
+    flags of :func:`_argv`."""
+    import math
+
+    step, w, d = (it - 1) * gbs, warmup * gbs, train_iters * gbs
+    if step <= w:
+        return lr * step / w
+    if step > d:
+        return min_lr
+    return min_lr + 0.5 * (math.cos(math.pi * (step - w) / (d - w)) + 1) * (lr - min_lr)
+
+
 def test_exit_on_a_save_interval_saves_once_and_resume_needs_the_same_schedule(tiny, tmp_path):
     """--exit-interval on a --save-interval iteration writes that checkpoint once (not a second
     overwrite); resuming it with another --train-iters (a different LR/weight-decay schedule and data
-    order) is a clear error naming the flag, not a silent switch to the checkpoint's schedule."""
+    order) is a clear error naming the flag, not a silent switch to the checkpoint's schedule.
+    Megatron-LM's --override-opt_param-scheduler extends the run on the new schedule (the LR of the
+    added iterations follows --train-iters 6 from the checkpoint's step count)."""
     common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4, "--save": tmp_path / "ckpt"}
-    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--save-interval": 2, "--exit-interval": 2}), timeout=240)
+    m1 = tmp_path / "m1.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--save-interval": 2, "--exit-interval": 2,
+                                                     "--metrics-file": m1}), timeout=240)
     assert r.returncode == 0, r.tail()
     assert r.stdout.count("saved checkpoint") == 1, r.stdout
     assert "Overwriting" not in r.output, r.output
-    r = run_python(SCRIPT, _argv(*tiny, **{**common, "--train-iters": 6, "--load": tmp_path / "ckpt"}), timeout=240)
-    _fails(r, "--train-iters", "--load")
+    # the formula is the one the run used (negative control for the extension below)
+    assert [x["lr"] for x in _metrics(m1)] == pytest.approx([_cosine_lr(i, 4) for i in (1, 2)], rel=1e-12)
+    longer = {**common, "--train-iters": 6, "--load": tmp_path / "ckpt"}
+    r = run_python(SCRIPT, _argv(*tiny, **longer), timeout=240)
+    _fails(r, "--train-iters", "--load", "--override-opt_param-scheduler")
+    m2 = tmp_path / "m2.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **longer, **{"--override-opt_param-scheduler": None,
+                                                     "--metrics-file": m2}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    assert "loaded checkpoint" in r.stdout and "(iteration 2)" in r.stdout, r.stdout
+    rows = _metrics(m2)
+    assert [x["iteration"] for x in rows] == [3, 4, 5, 6]
+    lrs = [x["lr"] for x in rows]
+    assert lrs == pytest.approx([_cosine_lr(i, 6) for i in (3, 4, 5, 6)], rel=1e-12)
+    assert lrs != pytest.approx([_cosine_lr(i, 4) for i in (3, 4, 5, 6)], rel=1e-3)    # not the old schedule
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
 
 
 @pytest.mark.slow
