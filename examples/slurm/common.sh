@@ -268,11 +268,14 @@ mt_build_args() {
   local impl="" cfg_sizes=""
   if [ -n "${MTRAINING_CONFIG:-}" ]; then
     local desc
-    "$PYTHON" -m megatron_mtraining.config "$MTRAINING_CONFIG" >/dev/null || mt_die "bad MTRAINING_CONFIG=$MTRAINING_CONFIG"
-    # the implementation and the config's own hierarchical sizes (none: taken from the node layout)
+    # validated (the error names the key), then the implementation and the config's own hierarchical
+    # sizes (none: taken from the node layout)
     desc=$("$PYTHON" -c 'import sys
 from megatron_mtraining.config import load_mtraining_config
-c = load_mtraining_config(sys.argv[1])
+try:
+    c = load_mtraining_config(sys.argv[1])
+except (OSError, ValueError) as e:
+    sys.exit(f"error: {e}")
 print(c.implementation, *(c.hierarchical.sizes or ()))' "$MTRAINING_CONFIG") || mt_die "bad MTRAINING_CONFIG=$MTRAINING_CONFIG"
     read -r impl cfg_sizes <<<"$desc"
     if mt_has_flag --mtraining-config; then

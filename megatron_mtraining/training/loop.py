@@ -7,8 +7,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from megatron_mtraining.layer_policy import layer_decision_lines
-
 from .build import (build_model, build_optimizer, build_plan, build_tokenizer, count_params,
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -200,6 +198,8 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
         if kernels:
             log0(f" > attention kernels: {kernels}")
         if plan is not None and plan.config.auto_dense_layers and iteration == start_iter + 1:   # decided by now
+            from megatron_mtraining.layer_policy import layer_decision_lines   # torch: not at import (fast --help)
+
             for line in layer_decision_lines(plan.take_new_layer_decisions(pp_group)):
                 log0(f" > {line}")
         if args.eval_iters > 0 and valid_iter is not None and iteration % args.eval_interval == 0:

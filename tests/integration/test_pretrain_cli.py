@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,17 @@ def test_missing_tokenizer_file(tiny, tmp_path):
     missing = tmp_path / "nope.model"
     res = run_python(SCRIPT, _argv(tiny[0], str(missing)), timeout=60)
     _fails(res, "--tokenizer-model", str(missing))
+
+
+def test_help_does_not_import_torch():
+    """``--help`` (the Slurm scripts probe it on every launch) prints the flags without importing torch."""
+    code = ("import runpy, sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
+            "try:\n    runpy.run_path('examples/pretrain_gpt.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])     # a fresh interpreter (not the fork server)
+    assert res.returncode == 0 and "--override-opt_param-scheduler" in res.stdout, res.stdout + res.stderr
 
 
 def test_unknown_flag(tiny):

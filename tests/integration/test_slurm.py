@@ -181,6 +181,14 @@ def test_dry_run_refuses_what_the_trainer_would_and_creates_nothing(tiny_files, 
             "with --context-parallel-size 2") in r.stderr and "divisible by" in r.stderr, r.stderr
     assert "dry run:" not in r.stdout                    # no launch line
     assert not (tmp_path / "out").exists()
+    # a config the trainer would refuse: its error, naming the keys, before anything starts
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pattern: vertical_slash\nkernel_backend: sdpa\n")
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", MTRAINING_CPU="1", SLURM_NNODES="1",
+                 SLURM_NTASKS_PER_NODE="2", MTRAINING_CONFIG=str(bad), OUTPUT_DIR=str(tmp_path / "out"),
+                 EXIT_DURATION_MINS="0")
+    assert r.returncode == 1 and "'kernel_backend: sdpa' has no sparse kernels" in r.stderr, r.stdout + r.stderr
+    assert f"bad MTRAINING_CONFIG={bad}" in r.stderr and "dry run:" not in r.stdout
 
 
 def test_cpu_mode_default_seq_length_splits_for_every_cp():
