@@ -774,7 +774,8 @@ def config_for_run(
         seq_len: the sequence length (checked against the layout and sparse blocks when given).
         megatron_hierarchical_sizes: ``--hierarchical-context-parallel-sizes`` (``None``: not given).
         cp_layout, granularity: the layout flags (``None``: not given). Without a config they choose
-            the layout; with one they must agree with it (the config fixes the layout).
+            the layout; with one they must agree with it (the config fixes the layout). ``granularity``
+            with the zigzag layout is an error (zigzag has none).
         num_layers: the model's number of layers (``--num-layers``, the whole model); when given,
             ``dense_layers`` and ``layer_overrides`` must name layers ``1 .. num_layers``.
 
@@ -804,6 +805,9 @@ def config_for_run(
                                         or int(granularity) != cfg.granularity):
             raise ValueError(f"--cp-granularity {granularity} disagrees with {src} (granularity {cfg.granularity}); "
                              "the config fixes the layout: drop the flag or change 'granularity' in the config")
+    if granularity is not None and cfg.layout_kind == "zigzag":
+        raise ValueError(f"--cp-granularity {granularity} applies to the striped layout only; {src} uses the zigzag "
+                         "layout (2 x CP chunks per sequence, no granularity): drop the flag")
     if hcp and cfg.implementation != "hierarchical":
         raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} is given but {src} has "
                          f"implementation '{cfg.implementation}' (the run would use a flat ring); use a config "
@@ -825,6 +829,8 @@ def _pretrain_flags(cfg: MTrainingConfig) -> list[str]:
         need = "pattern: vertical_slash" if cfg.sparse else "implementation: hierarchical"
         raise ValueError(f"{_PREFIX}: {need} cannot be expressed with --cp-layout/--cp-granularity; this "
                          "pretrain_gpt.py needs --mtraining-config")
+    if cfg.layout_kind == "zigzag":                # no granularity: the flag is refused with zigzag
+        return ["--cp-layout", "zigzag"]
     return ["--cp-layout", cfg.layout_kind, "--cp-granularity", str(cfg.granularity)]
 
 

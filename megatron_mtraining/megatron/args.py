@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--mtraining-config sets it, and a different explicit value is an error)")
     g.add_argument("--cp-granularity", type=int, default=None,
                    help="striped chunk size in tokens (default 64; a --mtraining-config sets it, and a different "
-                        "explicit value is an error)")
+                        "explicit value is an error; an error with the zigzag layout, which has none)")
     g.add_argument("--mtraining-config", default=None, metavar="YAML",
                    help="MTraining config (configs/*.yaml): implementation striped|zigzag|hierarchical, "
                         "pattern dense|vertical_slash and its budgets, granularity; sets the CP layout")
@@ -368,6 +368,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         if args.cp_layout not in (None, "zigzag"):
             raise E(f"--cp-attention te uses Transformer Engine's zigzag (DualChunkSwap) layout; "
                     f"--cp-layout {args.cp_layout} is not supported with it")
+        if args.cp_granularity is not None:
+            raise E(f"--cp-granularity {args.cp_granularity} applies to --cp-attention mtraining's striped layout "
+                    "only; --cp-attention te uses the zigzag layout (no granularity): drop the flag")
         args.cp_layout = "zigzag"
         te_ok = _te_importable() if te_importable is None else te_importable
         if not te_ok:

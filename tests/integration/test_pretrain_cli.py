@@ -102,7 +102,7 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--global-batch-size": 2, "--micro-batch-size": 2}, 4, "data-parallel size (4 = world 4"),
     ({"--num-query-groups": 3}, 1, "--num-query-groups (3)"),
     ({"--num-attention-heads": 3, "--group-query-attention": False}, 1, "--hidden-size (64)"),
-    ({"--cp-attention": "te", "--context-parallel-size": 2}, 2, "requires Transformer Engine"),
+    ({"--cp-attention": "te", "--context-parallel-size": 2, "--cp-granularity": False}, 2, "requires Transformer Engine"),
     ({"--cp-attention": "te", "--cp-layout": "striped"}, 1, "zigzag"),
     ({"--context-parallel-size": 2}, 3, "world size 3"),
     ({"--data-path": "/nonexistent/prefix"}, 1, "--data-path"),
@@ -129,6 +129,12 @@ def _validate(tiny, world_size=1, te=False, **over):
      2, "--cp-layout striped disagrees with configs/zigzag_sparse.yaml"),
     ({"--mtraining-config": "configs/demo_sparse.yaml", "--cp-granularity": 128}, 1,
      "--cp-granularity 128 disagrees with configs/demo_sparse.yaml"),
+    # the zigzag layout has no granularity: the flag is refused, not ignored
+    ({"--cp-layout": "zigzag"}, 1, "--cp-granularity 32 applies to the striped layout only; the default config "
+                                   "uses the zigzag layout"),
+    ({"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml", "--cp-granularity": 64},
+     2, "--cp-granularity 64 applies to the striped layout only; configs/zigzag_sparse.yaml uses the zigzag"),
+    ({"--cp-attention": "te"}, 1, "--cp-granularity 32 applies to --cp-attention mtraining's striped layout only"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
     with pytest.raises(ArgumentValidationError) as e:
@@ -142,7 +148,8 @@ def test_validation_fills_derived_values(tiny):
     assert (a.data_parallel_size, a.num_microbatches, a.cp_layout, a.kv_channels) == (2, 4, "striped", 16)
     assert a.ffn_hidden_size == 128  # swiglu: 8/3 * 64 rounded down to a multiple of 64
     assert a.lr_decay_iters == 3 and a.max_position_embeddings == 256
-    assert _validate(tiny, te=True, **{"--cp-attention": "te"}).cp_layout == "zigzag"
+    assert _validate(tiny, te=True, **{"--cp-attention": "te", "--cp-granularity": False}).cp_layout == "zigzag"
+    assert _validate(tiny, **{"--cp-layout": "zigzag", "--cp-granularity": False}).cp_layout == "zigzag"
     # flags that agree with the config are accepted; the config sets them when not given
     a = _validate(tiny, **{"--mtraining-config": "configs/demo_sparse.yaml", "--cp-layout": "striped",
                            "--cp-granularity": 64})

@@ -233,6 +233,12 @@ def test_run_rule_layout_flags():
         config_for_run(zz, cp_size=2, cp_layout="striped")
     with pytest.raises(ValueError, match=r"--cp-granularity 128 disagrees with .*demo_sparse\.yaml \(granularity 64\)"):
         config_for_run(sparse, cp_size=2, granularity=128)
+    # the zigzag layout has no granularity: an explicit one is refused, with a config or without
+    with pytest.raises(ValueError, match=r"--cp-granularity 64 applies to the striped layout only; .*zigzag_sparse"):
+        config_for_run(zz, cp_size=2, granularity=64)
+    with pytest.raises(ValueError, match=r"--cp-granularity 64 applies to the striped layout only; the default"):
+        config_for_run(None, cp_size=2, cp_layout="zigzag", granularity=64)
+    assert config_for_run(None, cp_size=2, cp_layout="zigzag").layout_kind == "zigzag"
 
 
 def test_attention_kwargs():
@@ -265,7 +271,7 @@ def test_cli_validates_files_and_prints_pretrain_flags(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "--cp-layout striped --cp-granularity 64"
     (tmp_path / "zz.yaml").write_text("implementation: zigzag\n")
     assert main(["--pretrain-flags", str(tmp_path / "zz.yaml")]) == 0
-    assert capsys.readouterr().out.strip() == "--cp-layout zigzag --cp-granularity 64"
+    assert capsys.readouterr().out.strip() == "--cp-layout zigzag"       # zigzag has no granularity
     assert main(["--pretrain-flags", str(ROOT / "configs" / "demo_sparse.yaml")]) == 1
     assert "needs --mtraining-config" in capsys.readouterr().err
     (tmp_path / "bad.yaml").write_text("patern: dense\n")
