@@ -7,7 +7,8 @@ every document's (the per-document kernels against the fp64 torch per-document p
 within 1e-5 of the fp64 torch path (``col``/``slash``: max error relative to the largest value;
 ``lse``: absolute, scaled by ``max(1, max|lse|)``), with no NaN. Whether the two implementations
 select the same lines is recorded as a test property, not failed (near-ties may legitimately
-differ). On the CPU the same code runs at 1K (4/2 heads, head_dim 64, fp32) in the interpreter.
+differ). On the CPU the same code runs at 512 tokens (4/2 heads, head_dim 64, fp32; two packed documents) in the
+interpreter.
 """
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_estimator_scores_on_gpu(case, record_property):
 
 def _cpu_params():
     """CP=1 also estimates the pattern twice in the interpreter (tens of seconds): marked slow."""
-    for case in ge.cases([1024]):
+    for case in ge.cases([512]):
         yield pytest.param(case, id=_id(case), marks=[pytest.mark.slow] if case[1].cp_size == 1 else [])
 
 
