@@ -787,10 +787,18 @@ def config_for_run(
         FileNotFoundError: a config path that does not exist.
     """
     hcp = None if megatron_hierarchical_sizes is None else [int(x) for x in megatron_hierarchical_sizes]
+
+    def no_zigzag_granularity(what: str) -> None:          # zigzag has none: refused, not ignored
+        if granularity is not None:
+            raise ValueError(f"--cp-granularity {granularity} applies to the striped layout only; {what} splits each "
+                             "sequence into 2 x CP chunks and has no granularity: drop the flag")
+
     if config is None:
         if hcp and cp_layout == "zigzag":
             raise ValueError("--hierarchical-context-parallel-sizes selects the hierarchical ring, which uses the "
                              "striped layout; --cp-layout zigzag is not supported with it")
+        if cp_layout == "zigzag":
+            no_zigzag_granularity("--cp-layout zigzag")
         cfg = MTrainingConfig(implementation="hierarchical" if hcp else
                               ("zigzag" if cp_layout == "zigzag" else "striped"),
                               granularity=64 if granularity is None else granularity)
@@ -801,13 +809,12 @@ def config_for_run(
         if cp_layout is not None and cp_layout != cfg.layout_kind:
             raise ValueError(f"--cp-layout {cp_layout} disagrees with {src} (implementation '{cfg.implementation}' "
                              f"uses the {cfg.layout_kind} layout); the config fixes the layout: drop the flag")
+        if cfg.layout_kind == "zigzag":
+            no_zigzag_granularity(f"{src} (zigzag layout)")
         if granularity is not None and (isinstance(granularity, bool) or not isinstance(granularity, numbers.Integral)
                                         or int(granularity) != cfg.granularity):
             raise ValueError(f"--cp-granularity {granularity} disagrees with {src} (granularity {cfg.granularity}); "
                              "the config fixes the layout: drop the flag or change 'granularity' in the config")
-    if granularity is not None and cfg.layout_kind == "zigzag":
-        raise ValueError(f"--cp-granularity {granularity} applies to the striped layout only; {src} uses the zigzag "
-                         "layout (2 x CP chunks per sequence, no granularity): drop the flag")
     if hcp and cfg.implementation != "hierarchical":
         raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} is given but {src} has "
                          f"implementation '{cfg.implementation}' (the run would use a flat ring); use a config "

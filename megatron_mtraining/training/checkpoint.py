@@ -28,6 +28,7 @@ from .runtime import log0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "resolve_checkpoint", "is_complete_checkpoint",
            "load_model_weights", "check_release_args", "check_checkpoint_args", "check_resume_schedule",
+           "check_resume_position",
            "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX", "LAYER_DECISIONS_KEY"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -296,6 +297,20 @@ def check_resume_schedule(args, scheduler, saved: dict, ckpt_dir: str) -> None:
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's)")
 
 
+def check_resume_position(args, saved: dict, iteration: int, ckpt_dir: str) -> None:
+    """Exit when the run would read its data from another sample than the checkpoint's: the data
+    position is ``iteration x --global-batch-size`` and the checkpoint consumed ``num_steps`` samples
+    (its scheduler's step count), so a different ``--global-batch-size`` would skip or repeat
+    samples. Holds with ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` too."""
+    consumed = saved.get("num_steps")
+    gbs = args.global_batch_size
+    if consumed is not None and consumed != iteration * gbs:
+        was = f" (--global-batch-size {consumed // iteration})" if iteration and consumed % iteration == 0 else ""
+        raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} consumed {consumed} samples in "
+                         f"{iteration} iterations{was}, but --global-batch-size {gbs} reads from sample "
+                         f"{iteration * gbs}: resume with the checkpoint's --global-batch-size")
+
+
 def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:
     return SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} cannot be loaded into the model of "
                       f"the command line ({type(e).__name__}: {str(e)[:500]})")
@@ -383,8 +398,13 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         raise
     except Exception as e:
         raise _does_not_fit(args, ckpt_dir, e) from e
+    check_resume_position(args, saved_schedule, iteration, ckpt_dir)
     check_resume_schedule(args, scheduler, saved_schedule, ckpt_dir)
     scheduler.load_state_dict(saved_schedule)
+    # megatron-core's load_state_dict sets the optimizer's LR / weight decay before it restores the
+    # checkpoint's weight-decay values: apply them again, so that the first update after the resume
+    # uses the schedule chosen (--use-checkpoint-opt_param-scheduler: the checkpoint's)
+    scheduler.step(increment=0)
     log0(f" > loaded checkpoint {ckpt_dir} (iteration {iteration})")
     if plan is not None and plan.config.auto_dense_layers:
         from megatron_mtraining.layer_policy import layer_decision_lines

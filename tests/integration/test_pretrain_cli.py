@@ -130,10 +130,9 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--mtraining-config": "configs/demo_sparse.yaml", "--cp-granularity": 128}, 1,
      "--cp-granularity 128 disagrees with configs/demo_sparse.yaml"),
     # the zigzag layout has no granularity: the flag is refused, not ignored
-    ({"--cp-layout": "zigzag"}, 1, "--cp-granularity 32 applies to the striped layout only; the default config "
-                                   "uses the zigzag layout"),
+    ({"--cp-layout": "zigzag"}, 1, "--cp-granularity 32 applies to the striped layout only; --cp-layout zigzag"),
     ({"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml", "--cp-granularity": 64},
-     2, "--cp-granularity 64 applies to the striped layout only; configs/zigzag_sparse.yaml uses the zigzag"),
+     2, "--cp-granularity 64 applies to the striped layout only; configs/zigzag_sparse.yaml (zigzag layout)"),
     ({"--cp-attention": "te"}, 1, "--cp-granularity 32 applies to --cp-attention mtraining's striped layout only"),
 ])
 def test_validation_errors_name_the_flag(tiny, over, world, needle):
@@ -160,10 +159,11 @@ def test_validation_fills_derived_values(tiny):
 
 def test_resume_schedule_check_and_the_flags_that_choose_a_side():
     """Another schedule on --load is an error naming the flag, unless --override-opt_param-scheduler or
-    --use-checkpoint-opt_param-scheduler says which schedule wins (megatron-core then applies it)."""
+    --use-checkpoint-opt_param-scheduler says which schedule wins (megatron-core then applies it); another
+    --global-batch-size is an error in every case (the data would skip or repeat samples)."""
     from types import SimpleNamespace
 
-    from megatron_mtraining.training.checkpoint import check_resume_schedule
+    from megatron_mtraining.training.checkpoint import check_resume_position, check_resume_schedule
 
     saved = {"wd_incr_steps": 16, "lr_decay_steps": 16, "max_lr": 3e-3}
     sched = SimpleNamespace(state_dict=lambda: {**saved, "wd_incr_steps": 24, "lr_decay_steps": 24})
@@ -173,6 +173,12 @@ def test_resume_schedule_check_and_the_flags_that_choose_a_side():
     check_resume_schedule(args, SimpleNamespace(state_dict=lambda: dict(saved)), saved, "ckpt/iter_0000004")
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         check_resume_schedule(SimpleNamespace(**{**vars(args), flag: True}), sched, saved, "ckpt/iter_0000004")
+    # the data position (iterations x --global-batch-size) must be the samples the checkpoint consumed,
+    # whichever schedule wins
+    check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=4), {"num_steps": 16}, 4, "ckpt/i")
+    with pytest.raises(SystemExit, match=r"consumed 16 samples in 4 iterations \(--global-batch-size 4\), but "
+                                         r"--global-batch-size 8 reads from sample 32"):
+        check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=8), {"num_steps": 16}, 4, "ckpt/i")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -233,7 +239,8 @@ def _train(tiny, tmp_path, name, nproc, **over):
 
 def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
     """Megatron-LM's --exit-interval / --exit-duration-in-mins: the run stops after that iteration and
-    saves; resuming with the same --train-iters continues the uninterrupted run (schedule, data)."""
+    saves; resuming with the same --train-iters continues the uninterrupted run (schedule, data), and so
+    does a resume with --use-checkpoint-opt_param-scheduler and other --lr / --weight-decay flags."""
     common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4}
     full = tmp_path / "full.jsonl"
     r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
@@ -241,18 +248,21 @@ def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
     ckpt = tmp_path / "ckpt"
     part1 = tmp_path / "p1.jsonl"
     r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part1, "--save": ckpt,
-                                                     "--exit-interval": 2}), timeout=240)
+                                                     "--exit-interval": 1}), timeout=240)
     assert r.returncode == 0, r.tail()
-    assert "exiting after iteration 2 (--exit-interval 2)" in r.stdout, r.stdout
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    part2 = tmp_path / "p2.jsonl"          # a tiny duration: stops after its first iteration (3)
+    assert "exiting after iteration 1 (--exit-interval 1)" in r.stdout, r.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+    part2 = tmp_path / "p2.jsonl"          # a tiny duration: stops after its first iteration (2)
     r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part2, "--save": ckpt, "--load": ckpt,
                                                      "--exit-duration-in-mins": 1e-6}), timeout=240)
     assert r.returncode == 0, r.tail()
-    assert "exiting after iteration 3 (--exit-duration-in-mins" in r.stdout, r.stdout
+    assert "exiting after iteration 2 (--exit-duration-in-mins" in r.stdout, r.stdout
+    # iterations 3 and 4 on the checkpoint's schedule whatever the schedule flags say: the loss of 4 shows
+    # the first update after the resume (weight decay included)
     part3 = tmp_path / "p3.jsonl"
-    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part3, "--save": ckpt, "--load": ckpt}),
-                   timeout=240)
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part3, "--save": ckpt, "--load": ckpt,
+                                                     "--use-checkpoint-opt_param-scheduler": None,
+                                                     "--lr": 1e-2, "--weight-decay": 0.5}), timeout=240)
     assert r.returncode == 0, r.tail()
     a = _metrics(full)
     b = _metrics(part1) + _metrics(part2) + _metrics(part3)

@@ -234,9 +234,11 @@ def test_run_rule_layout_flags():
     with pytest.raises(ValueError, match=r"--cp-granularity 128 disagrees with .*demo_sparse\.yaml \(granularity 64\)"):
         config_for_run(sparse, cp_size=2, granularity=128)
     # the zigzag layout has no granularity: an explicit one is refused, with a config or without
-    with pytest.raises(ValueError, match=r"--cp-granularity 64 applies to the striped layout only; .*zigzag_sparse"):
-        config_for_run(zz, cp_size=2, granularity=64)
-    with pytest.raises(ValueError, match=r"--cp-granularity 64 applies to the striped layout only; the default"):
+    for g in (64, 32):                # the config's value or another: the same rule, not "change the config"
+        with pytest.raises(ValueError, match=rf"--cp-granularity {g} applies to the striped layout only; "
+                                             r".*zigzag_sparse\.yaml \(zigzag layout\) .* drop the flag"):
+            config_for_run(zz, cp_size=2, granularity=g)
+    with pytest.raises(ValueError, match=r"--cp-granularity 64 applies to the striped layout only; --cp-layout zigzag"):
         config_for_run(None, cp_size=2, cp_layout="zigzag", granularity=64)
     assert config_for_run(None, cp_size=2, cp_layout="zigzag").layout_kind == "zigzag"
 
