@@ -28,8 +28,7 @@ from .runtime import log0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "resolve_checkpoint", "is_complete_checkpoint",
            "load_model_weights", "check_release_args", "check_checkpoint_args", "check_resume_schedule",
-           "check_resume_position",
-           "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX", "LAYER_DECISIONS_KEY"]
+           "check_resume_position", "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX", "LAYER_DECISIONS_KEY"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"                       # iter_XXXXXXX.tmp: a save in progress (or killed)
@@ -326,7 +325,9 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
 
     The checkpoint is chosen by :func:`resolve_checkpoint` (on rank 0, the same on every rank) and
     its notes are logged. Its network must match the flags (:func:`check_checkpoint_args`, before
-    any tensor is read) and its LR schedule too (:func:`check_resume_schedule`).
+    any tensor is read), its LR schedule too (:func:`check_resume_schedule`; Megatron-LM's
+    ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` choose a side
+    instead) and its data position in every case (:func:`check_resume_position`).
 
     Megatron-LM's *release* convention is honoured: when ``latest_checkpointed_iteration.txt``
     reads ``release`` (converted weights, e.g. ``tools/convert_smollm2.py``), only the model is
