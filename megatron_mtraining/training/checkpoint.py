@@ -296,18 +296,19 @@ def check_resume_schedule(args, scheduler, saved: dict, ckpt_dir: str) -> None:
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's)")
 
 
-def check_resume_position(args, saved: dict, iteration: int, ckpt_dir: str) -> None:
-    """Exit when the run would read its data from another sample than the checkpoint's: the data
-    position is ``iteration x --global-batch-size`` and the checkpoint consumed ``num_steps`` samples
-    (its scheduler's step count), so a different ``--global-batch-size`` would skip or repeat
-    samples. Holds with ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` too."""
-    consumed = saved.get("num_steps")
+def check_resume_position(args, saved_args: dict, iteration: int, ckpt_dir: str) -> None:
+    """Exit when the run would read its data from another sample than the run that saved ``ckpt_dir``
+    would have: the data position is ``iteration x --global-batch-size``, so resuming with another
+    ``--global-batch-size`` than the saving run's (``saved_args``: the arguments stored in the
+    checkpoint; absent: no check) would skip or repeat samples. Holds with
+    ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` too."""
+    saved = saved_args.get("global_batch_size")
     gbs = args.global_batch_size
-    if consumed is not None and consumed != iteration * gbs:
-        was = f" (--global-batch-size {consumed // iteration})" if iteration and consumed % iteration == 0 else ""
-        raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} consumed {consumed} samples in "
-                         f"{iteration} iterations{was}, but --global-batch-size {gbs} reads from sample "
-                         f"{iteration * gbs}: resume with the checkpoint's --global-batch-size")
+    if saved is not None and saved != gbs:
+        raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} was saved by a run with "
+                         f"--global-batch-size {saved}; the data position is iterations x --global-batch-size, so "
+                         f"{gbs} would read from sample {iteration * gbs} instead of {iteration * saved} (skipping or "
+                         f"repeating samples): resume with --global-batch-size {saved}")
 
 
 def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:
@@ -380,7 +381,8 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             from megatron.core import dist_checkpointing
 
             common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-            check_checkpoint_args(args, common.get("args", {}), vocab, ckpt_dir)
+            saved_args = common.get("args", {})
+            check_checkpoint_args(args, saved_args, vocab, ckpt_dir)
             model_sd = model.module.sharded_state_dict()
             template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
             state = dist_checkpointing.load(template, ckpt_dir)
@@ -390,7 +392,8 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             saved_decisions = common.get(LAYER_DECISIONS_KEY)
         else:
             state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
-            check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
+            saved_args = state.get("args", {})
+            check_checkpoint_args(args, saved_args, vocab, ckpt_dir)
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             saved_schedule = state["opt_param_scheduler"]
@@ -399,7 +402,7 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         raise
     except Exception as e:
         raise _does_not_fit(args, ckpt_dir, e) from e
-    check_resume_position(args, saved_schedule, iteration, ckpt_dir)
+    check_resume_position(args, saved_args, iteration, ckpt_dir)
     check_resume_schedule(args, scheduler, saved_schedule, ckpt_dir)
     scheduler.load_state_dict(saved_schedule)
     # megatron-core's load_state_dict sets the optimizer's LR / weight decay before it restores the

@@ -173,12 +173,13 @@ def test_resume_schedule_check_and_the_flags_that_choose_a_side():
     check_resume_schedule(args, SimpleNamespace(state_dict=lambda: dict(saved)), saved, "ckpt/iter_0000004")
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         check_resume_schedule(SimpleNamespace(**{**vars(args), flag: True}), sched, saved, "ckpt/iter_0000004")
-    # the data position (iterations x --global-batch-size) must be the samples the checkpoint consumed,
-    # whichever schedule wins
-    check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=4), {"num_steps": 16}, 4, "ckpt/i")
-    with pytest.raises(SystemExit, match=r"consumed 16 samples in 4 iterations \(--global-batch-size 4\), but "
-                                         r"--global-batch-size 8 reads from sample 32"):
-        check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=8), {"num_steps": 16}, 4, "ckpt/i")
+    # the data position (iterations x --global-batch-size) must be the saving run's, whichever schedule
+    # wins; a checkpoint without saved arguments is not checked
+    check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=4), {"global_batch_size": 4}, 4, "ckpt/i")
+    check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=8), {}, 4, "ckpt/i")
+    with pytest.raises(SystemExit, match=r"saved by a run with --global-batch-size 4; .* so 8 would read from sample "
+                                         r"32 instead of 16 .* resume with --global-batch-size 4"):
+        check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=8), {"global_batch_size": 4}, 4, "ckpt/i")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -306,6 +307,9 @@ def test_exit_on_a_save_interval_saves_once_and_resume_needs_the_same_schedule(t
     longer = {**common, "--train-iters": 6, "--load": tmp_path / "ckpt"}
     r = run_python(SCRIPT, _argv(*tiny, **longer), timeout=240)
     _fails(r, "--train-iters", "--load", "--override-opt_param-scheduler")
+    r = run_python(SCRIPT, _argv(*tiny, **longer, **{"--override-opt_param-scheduler": None,
+                                                     "--global-batch-size": 8}), timeout=240)
+    _fails(r, "saved by a run with --global-batch-size 4", "resume with --global-batch-size 4")
     m2 = tmp_path / "m2.jsonl"
     r = run_python(SCRIPT, _argv(*tiny, **longer, **{"--override-opt_param-scheduler": None,
                                                      "--metrics-file": m2}), timeout=240)
