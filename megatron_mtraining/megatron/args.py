@@ -26,6 +26,7 @@ __all__ = ["build_parser", "parse_args", "validate_args", "apply_mtraining_confi
 
 CP_ATTENTION_CHOICES = ("mtraining", "te")
 CP_LAYOUT_CHOICES = ("striped", "zigzag")
+DEFAULT_CP_GRANULARITY = 64     # --cp-granularity when neither the flag nor a config gives one
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")   # Megatron-LM's --exit-signal choices
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
 # HuggingFaceTokenizer: --tokenizer-model is a tokenizer.json (or a directory holding one), loaded with the
@@ -210,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cp_granularity(args: argparse.Namespace) -> int:
+    """``--cp-granularity``, or its default when not given."""
+    return DEFAULT_CP_GRANULARITY if args.cp_granularity is None else args.cp_granularity
+
+
 def world_size_from_env() -> int:
     """``WORLD_SIZE`` as set by torchrun (1 when absent)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -300,7 +306,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                       ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
                       ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
                       ("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
-                      ("--cp-granularity", 64 if args.cp_granularity is None else args.cp_granularity),
+                      ("--cp-granularity", _cp_granularity(args)),
                       ("--log-interval", args.log_interval),
                       ("--distributed-timeout-minutes", args.distributed_timeout_minutes)):
         if val is None or val < 1:
@@ -380,8 +386,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
     apply_mtraining_config(args, cp)          # mtraining: the layout rules are checked there
-    if args.mtraining is None:
-        args.cp_granularity = 64 if args.cp_granularity is None else args.cp_granularity
+    if args.mtraining is None:                 # te: apply_mtraining_config gave the granularity its default
         try:
             Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
         except ValueError as e:
@@ -488,7 +493,7 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
                 raise E(f"--{flag.replace('_', '-')}: packed documents need --cp-attention mtraining (the te "
                         "path of this trainer has no document masks)")
         args.mtraining = None
-        args.cp_granularity = 64 if args.cp_granularity is None else args.cp_granularity
+        args.cp_granularity = _cp_granularity(args)
         return
     if args.mtraining_config:
         try:
@@ -506,7 +511,7 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
         if msg.startswith("--"):
             raise E(msg) from None
         src = args.mtraining_config or (f"--cp-layout {args.cp_layout or 'striped'} --cp-granularity "
-                                        f"{64 if args.cp_granularity is None else args.cp_granularity}")
+                                        f"{_cp_granularity(args)}")
         raise E(f"--seq-length {args.seq_length} with --context-parallel-size {cp} and {src}: {msg}") from None
     args.cp_layout, args.cp_granularity = cfg.layout_kind, cfg.granularity
     sizes = cfg.hierarchical.sizes if cfg.implementation == "hierarchical" else None
