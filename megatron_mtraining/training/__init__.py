@@ -36,8 +36,8 @@ from __future__ import annotations
 from .build import (build_model, build_optimizer, build_plan, build_tokenizer, count_params,
                     flops_per_iteration, padded_vocab_size, transformer_config)
 from .checkpoint import (checkpoint_dir, check_checkpoint_args, check_release_args, check_resume_position,
-                         check_resume_schedule, is_complete_checkpoint, load_checkpoint, load_model_weights, resolve_checkpoint,
-                         save_checkpoint)
+                         check_resume_schedule, is_complete_checkpoint, load_checkpoint, load_model_weights,
+                         resolve_checkpoint, save_checkpoint)
 from megatron_mtraining.megatron.args import build_parser, parse_args
 from .data import CPBatchSplit, MicroBatches, build_datasets, check_data, check_indexed_dataset, effective_split
 from .faults import NanGuard, ThroughputGuard, peak_tflops

@@ -184,14 +184,14 @@ def build_optimizer(args, config, model):
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
     gbs = args.global_batch_size
+    override = bool(getattr(args, "override_opt_param_scheduler", False))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
         # --load: without either flag the schedules are equal (checkpoint.check_resume_schedule)
-        override_opt_param_scheduler=bool(getattr(args, "override_opt_param_scheduler", False)),
-        use_checkpoint_opt_param_scheduler=not getattr(args, "override_opt_param_scheduler", False),
+        override_opt_param_scheduler=override, use_checkpoint_opt_param_scheduler=not override,
     )
     return model, optimizer, scheduler
 

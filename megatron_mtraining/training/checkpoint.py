@@ -381,8 +381,8 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             from megatron.core import dist_checkpointing
 
             common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-            saved_args = common.get("args", {})
-            check_checkpoint_args(args, saved_args, vocab, ckpt_dir)
+            check_checkpoint_args(args, common.get("args", {}), vocab, ckpt_dir)
+            check_resume_position(args, common.get("args", {}), iteration, ckpt_dir)   # before any tensor is read
             model_sd = model.module.sharded_state_dict()
             template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
             state = dist_checkpointing.load(template, ckpt_dir)
@@ -392,8 +392,8 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             saved_decisions = common.get(LAYER_DECISIONS_KEY)
         else:
             state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
-            saved_args = state.get("args", {})
-            check_checkpoint_args(args, saved_args, vocab, ckpt_dir)
+            check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
+            check_resume_position(args, state.get("args", {}), iteration, ckpt_dir)
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             saved_schedule = state["opt_param_scheduler"]
@@ -402,7 +402,6 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         raise
     except Exception as e:
         raise _does_not_fit(args, ckpt_dir, e) from e
-    check_resume_position(args, saved_args, iteration, ckpt_dir)
     check_resume_schedule(args, scheduler, saved_schedule, ckpt_dir)
     scheduler.load_state_dict(saved_schedule)
     # megatron-core's load_state_dict sets the optimizer's LR / weight decay before it restores the
