@@ -17,6 +17,7 @@ This module does not import megatron.core (fast ``--help`` and argument errors).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Optional, Sequence
@@ -132,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic for fp16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="--fp16 dynamic loss scaling: the first scale (default 2^32)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="--fp16 dynamic loss scaling: the scale never goes below this (default 1)")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="--fp16 dynamic loss scaling: double the scale after this many updates without "
+                        "overflow (default 1000)")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16 dynamic loss scaling: halve the scale after this many overflows (default 2)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted for compatibility: the loss is always the exact global per-token mean")
@@ -368,6 +378,16 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:
         raise E("--bf16 and --fp16 are mutually exclusive")
+    for flag, value in (("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale),
+                        ("--min-loss-scale", args.min_loss_scale)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise E(f"{flag} must be a positive finite number, got {value}")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise E(f"--min-loss-scale ({args.min_loss_scale}) must not exceed --initial-loss-scale "
+                f"({args.initial_loss_scale})")
+    for flag, value in (("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis)):
+        if value < 1:
+            raise E(f"{flag} must be >= 1, got {value}")
 
     # --- CP attention backend and layout
     if args.cp_attention == "te":

@@ -169,11 +169,13 @@ def _patch_optimizer_scalars() -> None:
 
 def _patch_grad_scalers() -> None:
     """``ConstantGradScaler`` / ``DynamicGradScaler`` keep their scale on ``device='cuda'``
-    (only --fp16, or --bf16 with an explicit loss scale)."""
+    (only --fp16, or --bf16 with an explicit loss scale), and ``DynamicGradScaler.load_state_dict``
+    moves a checkpoint's scale there (resuming an fp16 run)."""
     from megatron.core.optimizer import grad_scaler as gs
 
     for cls in (gs.ConstantGradScaler, gs.DynamicGradScaler):
         _wrap_attr(cls, "__init__")
+    _wrap_attr(gs.DynamicGradScaler, "load_state_dict")
 
 
 def _patch_clip_grads() -> None:

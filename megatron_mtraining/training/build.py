@@ -157,6 +157,20 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
     return model
 
 
+def _init_sgd_state(opt, config=None) -> None:
+    """The momentum buffers a checkpoint's SGD state loads into (``init_state_fn`` of megatron-core's
+    optimizer wrappers, which build none for SGD, so that ``sharded_state_dict(is_loading=True)``
+    fails): zeros for every parameter without state, where the momentum is non-zero."""
+    import torch
+
+    for group in opt.param_groups:
+        if not group.get("momentum"):
+            continue
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
 def build_optimizer(args, config, model):
     """Wrap ``model`` in megatron-core DDP and build the optimizer and LR/WD scheduler.
 
@@ -180,9 +194,13 @@ def build_optimizer(args, config, model):
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
-        loss_scale=args.loss_scale, use_distributed_optimizer=dist_opt,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, use_distributed_optimizer=dist_opt,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
+    if args.optimizer == "sgd":
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.init_state_fn = _init_sgd_state
     gbs = args.global_batch_size
     override = bool(getattr(args, "override_opt_param_scheduler", False))
     scheduler = OptimizerParamScheduler(

@@ -28,7 +28,8 @@ from .runtime import log0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "resolve_checkpoint", "is_complete_checkpoint",
            "load_model_weights", "check_release_args", "check_checkpoint_args", "check_resume_schedule",
-           "check_resume_position", "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX", "LAYER_DECISIONS_KEY"]
+           "check_resume_position", "optimizer_state_saved", "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX",
+           "LAYER_DECISIONS_KEY"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"                       # iter_XXXXXXX.tmp: a save in progress (or killed)
@@ -316,6 +317,17 @@ def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:
                       f"the command line ({type(e).__name__}: {str(e)[:500]})")
 
 
+def optimizer_state_saved(ckpt_dir: Union[str, Path]) -> bool:
+    """Whether the ``torch_dist`` checkpoint ``ckpt_dir`` holds optimizer state besides the fp32 main
+    weights (Adam's ``exp_avg`` / ``exp_avg_sq``): ``False`` for a run saved before its first optimizer
+    step, e.g. an fp16 run whose first updates were skipped for gradient overflow. Reads the metadata
+    file only."""
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    return any(k.startswith("optimizer.state.") and not k.startswith("optimizer.state.fp32_param.") for k in keys)
+
+
 def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None, plan=None) -> int:
     """Restore from ``--load``; returns the iteration (0 if nothing to load).
 
@@ -384,7 +396,11 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             check_checkpoint_args(args, common.get("args", {}), vocab, ckpt_dir)
             check_resume_position(args, common.get("args", {}), iteration, ckpt_dir)   # before any tensor is read
             model_sd = model.module.sharded_state_dict()
-            template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+            # is_loading=True creates the optimizer's moments (zeros) for the checkpoint's to fill; a run saved
+            # before its first optimizer step (fp16: the first updates are skipped while the loss scale comes
+            # down) holds none, and resumes with none, as the uninterrupted run has
+            stepped = optimizer_state_saved(ckpt_dir)
+            template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=stepped)}
             state = dist_checkpointing.load(template, ckpt_dir)
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])

@@ -193,7 +193,7 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
         throughput.check(iteration, dt)
         loss = (loss_sum / n_tok.clamp(min=1)).item()
         metrics.iteration(iteration, loss, grad_norm, lr, int(n_tok.item()), dt,
-                          kept=plan.take_kept_fraction(pp_group) if plan is not None else None)
+                          kept=plan.take_kept_fraction(pp_group) if plan is not None else None, skipped=not update_ok)
         kernels = plan.kernel_summary() if iteration == start_iter + 1 and plan is not None else ""
         if kernels:
             log0(f" > attention kernels: {kernels}")

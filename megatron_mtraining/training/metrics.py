@@ -79,17 +79,23 @@ class RunMetrics:
     def _reset(self) -> None:
         self.acc_loss, self.acc_n, self.acc_time, self.acc_iters = 0.0, 0, 0.0, 0
         self.acc_kept = []
+        self.acc_skipped = 0
 
     def iteration(self, iteration: int, loss: float, grad_norm, lr: float, tokens: int, dt: float,
-                  kept: Optional[dict] = None) -> None:
+                  kept: Optional[dict] = None, skipped: bool = False) -> None:
         """Record one training iteration (``dt`` seconds); prints the log line every ``--log-interval``
         iterations and at the last one (averages since the previous line). ``kept``: the sparse layers'
         share of causal attention work in this iteration's first micro-batch
-        (:meth:`~megatron_mtraining.plan.CPPlan.take_kept_fraction`; ``None``: no sparse layer ran)."""
+        (:meth:`~megatron_mtraining.plan.CPPlan.take_kept_fraction`; ``None``: no sparse layer ran).
+        ``skipped``: the optimizer skipped this update (``--fp16``: gradient overflow); with ``--fp16`` the
+        row has ``loss_scale`` (after this iteration's update) and ``skipped``, and the log line the
+        number of skipped iterations since the previous line, as Megatron-LM's."""
         import torch
 
         args, gbs = self.args, self.args.global_batch_size
         self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
+        self.acc_skipped += bool(skipped)
+        loss_scale = float(self.optimizer.get_loss_scale()) if args.fp16 else None
         self.acc_time, self.acc_iters = self.acc_time + dt, self.acc_iters + 1
         if kept is not None:
             self.acc_kept.append(kept["mean"])
@@ -98,6 +104,8 @@ class RunMetrics:
                    "time_s": dt, "model_flops": self.flops_iter,
                    "max_memory_allocated": (torch.cuda.max_memory_allocated(self.device)
                                             if self.device.type == "cuda" else None)}
+            if loss_scale is not None:
+                row.update(loss_scale=loss_scale, skipped=bool(skipped))
             if kept is not None:
                 row.update(attention_kept=kept["mean"], attention_kept_min=kept["min"],
                            attention_kept_max=kept["max"], attention_kept_layers=kept["layers"])
@@ -108,6 +116,8 @@ class RunMetrics:
             self.tb.add_scalar("learning-rate", lr, iteration)
             if grad_norm is not None:
                 self.tb.add_scalar("grad-norm", grad_norm, iteration)
+            if loss_scale is not None:
+                self.tb.add_scalar("loss-scale", loss_scale, iteration)
             self.tb.add_scalar("throughput/tokens-per-sec-per-gpu", gbs * args.seq_length / dt / args.world_size,
                                iteration)
             self.tb.add_scalar("throughput/tflops-per-gpu", self.flops_iter / dt / args.world_size / 1e12, iteration)
@@ -118,7 +128,8 @@ class RunMetrics:
             tok_s = gbs * args.seq_length / t_it / args.world_size
             tflops = self.flops_iter / t_it / args.world_size / 1e12
             gn = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
-            scale = f" loss scale: {self.optimizer.get_loss_scale().item():.1f} |" if args.fp16 else ""
+            scale = (f" loss scale: {loss_scale:.1f} | number of skipped iterations: {self.acc_skipped:3d} |"
+                     if loss_scale is not None else "")
             log0(f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
                  f" consumed samples: {iteration * gbs:12d} | elapsed time per iteration (ms): {t_it * 1000:.1f} |"
                  f" learning rate: {lr:.6E} | global batch size: {gbs:5d} | lm loss: {self.acc_loss / self.acc_n:.6E} |"

@@ -108,6 +108,12 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--data-path": "/nonexistent/prefix"}, 1, "--data-path"),
     ({"--attention-dropout": 0.1}, 1, "--attention-dropout"),
     ({"--bf16": None, "--fp16": None}, 1, "mutually exclusive"),
+    ({"--fp16": None, "--initial-loss-scale": 0}, 1, "--initial-loss-scale must be a positive finite number"),
+    ({"--fp16": None, "--loss-scale": "inf"}, 1, "--loss-scale must be a positive finite number, got inf"),
+    ({"--fp16": None, "--min-loss-scale": 1024, "--initial-loss-scale": 512}, 1,
+     "--min-loss-scale (1024.0) must not exceed --initial-loss-scale (512.0)"),
+    ({"--fp16": None, "--hysteresis": 0}, 1, "--hysteresis must be >= 1, got 0"),
+    ({"--fp16": None, "--loss-scale-window": 0}, 1, "--loss-scale-window must be >= 1, got 0"),
     ({"--split": "a,b"}, 1, "--split"),
     ({"--seq-length": 256, "--context-parallel-size": 4, "--cp-granularity": 128}, 4, "cp_size*granularity"),
     ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "2 1"}, 4, "INNER*OUTER"),
@@ -240,9 +246,10 @@ def _train(tiny, tmp_path, name, nproc, **over):
 
 def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
     """Megatron-LM's --exit-interval / --exit-duration-in-mins: the run stops after that iteration and
-    saves; resuming with the same --train-iters continues the uninterrupted run (schedule, data), and so
-    does a resume with --use-checkpoint-opt_param-scheduler and other --lr / --weight-decay flags."""
-    common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4}
+    saves; resuming with the same --train-iters continues the uninterrupted run (schedule, data, SGD's
+    momentum buffers), and so does a resume with --use-checkpoint-opt_param-scheduler and other --lr /
+    --weight-decay flags. (Adam's resume: the CP=2 -> CP=1 test and the fault tests.)"""
+    common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4, "--optimizer": "sgd"}
     full = tmp_path / "full.jsonl"
     r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
     assert r.returncode == 0, r.tail()
@@ -273,6 +280,39 @@ def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
         assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-6), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6), (x, y)
 
+
+
+@pytest.mark.slow
+def test_fp16_saved_before_the_first_update_resumes_exactly(tiny, tmp_path):
+    """An fp16 run whose first update is skipped for gradient overflow (the dynamic loss scale starts
+    too high) saves a checkpoint that holds no Adam moments; resuming it continues the uninterrupted
+    run: loss, grad norm, LR, loss scale and skipped updates of every later iteration."""
+    from megatron_mtraining.training.checkpoint import optimizer_state_saved
+
+    # 2^18 overflows these gradients in fp16 and 2^17 does not: iteration 1 is skipped, 2-4 update
+    common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4, "--fp16": None,
+              "--initial-loss-scale": 2 ** 18, "--hysteresis": 1}
+    full = tmp_path / "full.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    ckpt = tmp_path / "ckpt"
+    part = tmp_path / "part.jsonl"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part, "--save": ckpt,
+                                                     "--exit-interval": 1}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    assert "number of skipped iterations:   1" in r.stdout, r.stdout
+    assert not optimizer_state_saved(ckpt / "iter_0000001")       # the case under test: no moments saved
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part, "--load": ckpt}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    a, b = _metrics(full), _metrics(part)
+    assert [x["iteration"] for x in b] == [1, 2, 3, 4]
+    assert [x["skipped"] for x in a] == [True, False, False, False]
+    for x, y in zip(a, b):
+        assert (y["skipped"], y["loss_scale"], y["lr"]) == (x["skipped"], x["loss_scale"], x["lr"]), (x, y)
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-6), (x, y)
+        assert (y["grad_norm"] is None) == x["skipped"], (x, y)                  # no norm for a skipped update
+        assert y["grad_norm"] == (None if x["skipped"] else pytest.approx(x["grad_norm"], rel=1e-6)), (x, y)
+    assert a[3]["lm_loss"] != pytest.approx(a[0]["lm_loss"], rel=1e-3)          # the updates changed the model
 
 
 def _cosine_lr(it: int, train_iters: int, gbs: int = 4, warmup: int = 1, lr: float = 3e-3, min_lr: float = 1e-4):
