@@ -67,9 +67,15 @@ from megatron_mtraining.patterns.indices import packed_index_lists
 
 
 # ----------------------------------------------------------------------------- timing
+_DRY_RUN = False          # --cpu-dry-run
+
+
 def bench(fn, budget_s=2.0, max_reps=50, min_reps=3, warmup=2):
     """``(median ms, samples)`` of ``fn`` (:func:`megatron_mtraining.bench.measure`: CUDA events),
-    repetitions adapted to ``budget_s``; ``warmup`` untimed calls, cut to one when a call takes over 1 s."""
+    repetitions adapted to ``budget_s``; ``warmup`` untimed calls, cut to one when a call takes over 1 s.
+    A CPU dry run (``--cpu-dry-run``) calls ``fn`` once: its times mean nothing."""
+    if _DRY_RUN:
+        return measure(fn, device="cpu", warmup=0, repeats=1).median_ms, 1
     t = measure(fn, device="cuda" if torch.cuda.is_available() else "cpu", warmup=max(1, warmup), budget_s=budget_s,
                 min_repeats=min_reps, max_repeats=max_reps, long_call_ms=1000)
     return t.median_ms, t.reps
@@ -805,9 +811,11 @@ def sweep(q, k, v, dout, plan, scale, s, d, sp, pairs, emit, budget, only=""):
 
 
 def _cpu_dry_run():
-    """Exercise this script's Python on a CPU (Triton interpreter; the timer runs on the wall clock, the other
-    CUDA calls are stubbed)."""
+    """Exercise this script's Python on a CPU (Triton interpreter; the timer runs each call once on the wall
+    clock, the other CUDA calls are stubbed)."""
+    global _DRY_RUN
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
+    _DRY_RUN = True
 
     torch.cuda.is_available = lambda: False            # the timer: wall clock
     torch.cuda.synchronize = lambda *a, **k: None
