@@ -73,6 +73,9 @@ PATTERNS = ("dense", "vertical_slash")
 from megatron_mtraining.ops.backends import KERNEL_BACKENDS  # noqa: E402  (the one list of backend names)
 
 _PREFIX = "mtraining config"
+_DEFAULT_GRANULARITY = 64
+_ZIGZAG_GRANULARITY_RULE = ("'granularity: {g}' applies to the striped layout only; implementation: zigzag splits "
+                            "each sequence into 2 x CP chunks and has no granularity: remove the key")
 
 
 class _ConfigError(ValueError):
@@ -211,7 +214,8 @@ class MTrainingConfig:
             ``"zigzag"`` (flat ring, Megatron/TE DualChunkSwap layout; baseline) or
             ``"hierarchical"`` (striped layout, inner intra-node ring inside an outer inter-node
             ring).
-        granularity: striped block size in tokens (>= 1, default 64). Ignored by ``zigzag``.
+        granularity: striped block size in tokens (>= 1, default 64). The ``zigzag`` layout has
+            none: another value with it is an error, and so is the key in a zigzag config file.
         pattern: ``"dense"`` (exact causal attention) or ``"vertical_slash"`` (online
             vertical-slash sparse attention, MTraining §3.2).
         vertical_slash: budgets of the estimator (used with ``pattern: vertical_slash``).
@@ -255,7 +259,7 @@ class MTrainingConfig:
     """
 
     implementation: str = "striped"
-    granularity: int = 64
+    granularity: int = _DEFAULT_GRANULARITY
     pattern: str = "dense"
     vertical_slash: VerticalSlashConfig = field(default_factory=VerticalSlashConfig)
     hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
@@ -290,6 +294,8 @@ class MTrainingConfig:
         g = self.granularity
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise _ConfigError(f"'granularity' must be an int >= 1, got {g!r}")
+        if self.layout_kind == "zigzag" and g != _DEFAULT_GRANULARITY:
+            raise _ConfigError(_ZIGZAG_GRANULARITY_RULE.format(g=g))
         if self.pattern not in PATTERNS:
             raise _ConfigError(f"'pattern' must be one of {', '.join(PATTERNS)}, got {self.pattern!r}")
         if not isinstance(self.vertical_slash, VerticalSlashConfig):
@@ -575,8 +581,10 @@ class MTrainingConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict in the file format (only the sections that apply); round-trips through
         :func:`load_mtraining_config`."""
-        out: dict[str, Any] = {"implementation": self.implementation, "granularity": self.granularity,
-                               "pattern": self.pattern}
+        out: dict[str, Any] = {"implementation": self.implementation}
+        if self.layout_kind == "striped":                        # zigzag has no granularity
+            out["granularity"] = self.granularity
+        out["pattern"] = self.pattern
         if self.sparse:
             out["vertical_slash"] = dataclasses.asdict(self.vertical_slash)
         if self.hierarchical.sizes is not None:
@@ -640,6 +648,8 @@ def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
                                             "kernel_backend", "cuda_graphs", "dense_layers", "layer_overrides") if k in d}
     pattern = d.get("pattern", MTrainingConfig.pattern)
     impl = d.get("implementation", MTrainingConfig.implementation)
+    if impl == "zigzag" and "granularity" in d:
+        raise _ConfigError(_ZIGZAG_GRANULARITY_RULE.format(g=d["granularity"]))
     vs = d.get("vertical_slash")
     vs = vs if isinstance(vs, VerticalSlashConfig) else _section(d, "vertical_slash")
     if vs is not None:
@@ -873,7 +883,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vs = f", recall {cfg.vertical_slash.recall}" if cfg.sparse else ""
         hs = f", inner x outer {cfg.hierarchical.inner} x {cfg.hierarchical.outer}" if cfg.hierarchical.sizes else ""
         hs += f", {cfg.layer_policy_text()}" if cfg.has_layer_policy else ""
-        print(f"{f}: ok ({cfg.implementation}, granularity {cfg.granularity}, {cfg.pattern}{vs}{hs}"
+        gs = f", granularity {cfg.granularity}" if cfg.layout_kind == "striped" else ""
+        print(f"{f}: ok ({cfg.implementation}{gs}, {cfg.pattern}{vs}{hs}"
               f"{', deterministic' if cfg.deterministic else ''})")
     return rc
 

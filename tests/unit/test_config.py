@@ -243,6 +243,24 @@ def test_run_rule_layout_flags():
     assert config_for_run(None, cp_size=2, cp_layout="zigzag").layout_kind == "zigzag"
 
 
+def test_zigzag_config_has_no_granularity(tmp_path):
+    """A zigzag config file with a 'granularity' key (any value) and a zigzag MTrainingConfig with another
+    granularity are errors naming the key, not silently ignored; a zigzag config's dict and YAML have no
+    granularity and load back to an equal config."""
+    for g in (64, 128):
+        with pytest.raises(ValueError, match=rf"'granularity: {g}' applies to the striped layout only; "
+                                             r"implementation: zigzag .* remove the key"):
+            load_mtraining_config({"implementation": "zigzag", "granularity": g})
+    with pytest.raises(ValueError, match=r"'granularity: 32' applies to the striped layout only"):
+        MTrainingConfig(implementation="zigzag", granularity=32)
+    zz = load_mtraining_config(ROOT / "configs" / "zigzag_sparse.yaml")
+    assert "granularity" not in zz.to_dict() and "granularity" not in dump_mtraining_config(zz)
+    assert load_mtraining_config(zz.to_dict()) == zz
+    dump_mtraining_config(zz, tmp_path / "zz.yaml")
+    assert load_mtraining_config(tmp_path / "zz.yaml") == zz
+    assert load_mtraining_config({"granularity": 128}).to_dict()["granularity"] == 128    # striped keeps it
+
+
 def test_attention_kwargs():
     kw = load_mtraining_config(ROOT / "configs" / "zigzag_sparse.yaml").attention_kwargs()
     assert kw["layout"] == "zigzag" and kw["pattern"] == "vertical_slash"
