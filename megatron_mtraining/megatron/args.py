@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--fp16 dynamic loss scaling: the first scale (default 2^32)")
     g.add_argument("--min-loss-scale", type=float, default=1.0,
                    help="--fp16 dynamic loss scaling: the scale never goes below this (default 1)")
-    g.add_argument("--loss-scale-window", type=int, default=1000,
+    g.add_argument("--loss-scale-window", type=float, default=1000,
                    help="--fp16 dynamic loss scaling: double the scale after this many updates without "
                         "overflow (default 1000)")
     g.add_argument("--hysteresis", type=int, default=2,
@@ -378,16 +378,19 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:
         raise E("--bf16 and --fp16 are mutually exclusive")
-    for flag, value in (("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale),
-                        ("--min-loss-scale", args.min_loss_scale)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise E(f"{flag} must be a positive finite number, got {value}")
-    if args.min_loss_scale > args.initial_loss_scale:
-        raise E(f"--min-loss-scale ({args.min_loss_scale}) must not exceed --initial-loss-scale "
-                f"({args.initial_loss_scale})")
-    for flag, value in (("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis)):
-        if value < 1:
-            raise E(f"{flag} must be >= 1, got {value}")
+    if args.loss_scale is not None and not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
+        raise E(f"--loss-scale must be a positive finite number, got {args.loss_scale}")
+    if args.fp16 and args.loss_scale is None:       # dynamic loss scaling: the flags that drive it (else unused)
+        for flag, value in (("--initial-loss-scale", args.initial_loss_scale),
+                            ("--min-loss-scale", args.min_loss_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise E(f"{flag} must be a positive finite number, got {value}")
+        if args.min_loss_scale > args.initial_loss_scale:
+            raise E(f"--min-loss-scale ({args.min_loss_scale}) must not exceed --initial-loss-scale "
+                    f"({args.initial_loss_scale})")
+        for flag, value in (("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis)):
+            if not value >= 1:
+                raise E(f"{flag} must be >= 1, got {value}")
 
     # --- CP attention backend and layout
     if args.cp_attention == "te":

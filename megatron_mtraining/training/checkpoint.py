@@ -28,8 +28,8 @@ from .runtime import log0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "resolve_checkpoint", "is_complete_checkpoint",
            "load_model_weights", "check_release_args", "check_checkpoint_args", "check_resume_schedule",
-           "check_resume_position", "optimizer_state_saved", "ARCH_KEYS", "SCHEDULE_FLAGS", "TRACKER", "TMP_SUFFIX",
-           "LAYER_DECISIONS_KEY"]
+           "check_resume_position", "check_resume_optimizer", "optimizer_state_saved", "ARCH_KEYS", "SCHEDULE_FLAGS",
+           "TRACKER", "TMP_SUFFIX", "LAYER_DECISIONS_KEY"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"                       # iter_XXXXXXX.tmp: a save in progress (or killed)
@@ -312,7 +312,26 @@ def check_resume_position(args, saved_args: dict, iteration: int, ckpt_dir: str)
                          f"repeating samples): resume with --global-batch-size {saved}")
 
 
-def _does_not_fit(args, ckpt_dir: str, e: Exception) -> SystemExit:
+def check_resume_optimizer(args, saved_args: dict, ckpt_dir: str) -> None:
+    """Exit when ``--optimizer`` differs from the run that saved ``ckpt_dir`` (``saved_args``: the
+    arguments stored in it; absent: no check): its state (Adam's moments, SGD's momentum buffers and
+    hyper-parameters) belongs to that optimizer."""
+    saved = saved_args.get("optimizer")
+    if saved is not None and saved != args.optimizer:
+        raise SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} was saved by a run with --optimizer "
+                         f"{saved}, whose state cannot continue as --optimizer {args.optimizer}: resume with "
+                         f"--optimizer {saved}")
+
+
+#: what a load that does not fit raises: torch.distributed.checkpoint's CheckpointException (a BaseException,
+#: for a key the checkpoint lacks) included
+def _load_errors() -> tuple:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _does_not_fit(args, ckpt_dir: str, e: BaseException) -> SystemExit:
     return SystemExit(f"pretrain_gpt.py: error: --load {args.load}: {ckpt_dir} cannot be loaded into the model of "
                       f"the command line ({type(e).__name__}: {str(e)[:500]})")
 
@@ -324,8 +343,8 @@ def optimizer_state_saved(ckpt_dir: Union[str, Path]) -> bool:
     file only."""
     from megatron.core import dist_checkpointing
 
-    keys = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
-    return any(k.startswith("optimizer.state.") and not k.startswith("optimizer.state.fp32_param.") for k in keys)
+    keys = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))      # chained optimizers: "chained_N." first
+    return any(re.match(r"(chained_\d+\.)?optimizer\.state\.(?!fp32_param\.)", k) for k in keys)
 
 
 def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = None, plan=None) -> int:
@@ -375,7 +394,7 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             model.module.load_state_dict(state["model"])
         except SystemExit:
             raise
-        except Exception as e:
+        except _load_errors() as e:
             raise _does_not_fit(args, ckpt_dir, e) from e
         # The optimizer was built before the load: with --bf16/--fp16 it holds fp32 main copies of
         # the *initial* weights, and its first step would write them back over the loaded model.
@@ -395,6 +414,7 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             common = dist_checkpointing.load_common_state_dict(ckpt_dir)
             check_checkpoint_args(args, common.get("args", {}), vocab, ckpt_dir)
             check_resume_position(args, common.get("args", {}), iteration, ckpt_dir)   # before any tensor is read
+            check_resume_optimizer(args, common.get("args", {}), ckpt_dir)
             model_sd = model.module.sharded_state_dict()
             # is_loading=True creates the optimizer's moments (zeros) for the checkpoint's to fill; a run saved
             # before its first optimizer step (fp16: the first updates are skipped while the loss scale comes
@@ -410,13 +430,14 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
             check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
             check_resume_position(args, state.get("args", {}), iteration, ckpt_dir)
+            check_resume_optimizer(args, state.get("args", {}), ckpt_dir)
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             saved_schedule = state["opt_param_scheduler"]
             saved_decisions = state.get(LAYER_DECISIONS_KEY)
     except SystemExit:
         raise
-    except Exception as e:
+    except _load_errors() as e:
         raise _does_not_fit(args, ckpt_dir, e) from e
     check_resume_schedule(args, scheduler, saved_schedule, ckpt_dir)
     scheduler.load_state_dict(saved_schedule)

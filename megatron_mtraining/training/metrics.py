@@ -58,7 +58,7 @@ class RunMetrics:
             ``--train-iters``, ``--global-batch-size``, ``--seq-length``, ``--fp16``).
         flops_iter: model FLOPs of one iteration (:func:`~megatron_mtraining.training.build.flops_per_iteration`).
         device: this rank's device (peak memory on CUDA).
-        optimizer: read for the loss scale with ``--fp16``.
+        optimizer: read for the loss scale (``--fp16``; ``--bf16`` with ``--loss-scale``).
         rank0: whether this process writes the files.
     """
 
@@ -87,15 +87,17 @@ class RunMetrics:
         iterations and at the last one (averages since the previous line). ``kept``: the sparse layers'
         share of causal attention work in this iteration's first micro-batch
         (:meth:`~megatron_mtraining.plan.CPPlan.take_kept_fraction`; ``None``: no sparse layer ran).
-        ``skipped``: the optimizer skipped this update (``--fp16``: gradient overflow); with ``--fp16`` the
-        row has ``loss_scale`` (after this iteration's update) and ``skipped``, and the log line the
-        number of skipped iterations since the previous line, as Megatron-LM's."""
+        ``skipped``: the optimizer skipped this update (a loss-scaled run: gradient overflow). With a loss
+        scale (``--fp16``, or ``--bf16`` with ``--loss-scale``) the row has ``loss_scale`` (after this
+        iteration's update) and ``skipped``, and the log line the number of skipped iterations since the
+        previous line, as Megatron-LM's."""
         import torch
 
         args, gbs = self.args, self.args.global_batch_size
         self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
         self.acc_skipped += bool(skipped)
-        loss_scale = float(self.optimizer.get_loss_scale()) if args.fp16 else None
+        scaled = args.fp16 or (args.bf16 and args.loss_scale is not None)     # megatron-core has a grad scaler
+        loss_scale = float(self.optimizer.get_loss_scale()) if scaled else None
         self.acc_time, self.acc_iters = self.acc_time + dt, self.acc_iters + 1
         if kept is not None:
             self.acc_kept.append(kept["mean"])

@@ -113,7 +113,7 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--fp16": None, "--min-loss-scale": 1024, "--initial-loss-scale": 512}, 1,
      "--min-loss-scale (1024.0) must not exceed --initial-loss-scale (512.0)"),
     ({"--fp16": None, "--hysteresis": 0}, 1, "--hysteresis must be >= 1, got 0"),
-    ({"--fp16": None, "--loss-scale-window": 0}, 1, "--loss-scale-window must be >= 1, got 0"),
+    ({"--fp16": None, "--loss-scale-window": 0.5}, 1, "--loss-scale-window must be >= 1, got 0.5"),
     ({"--split": "a,b"}, 1, "--split"),
     ({"--seq-length": 256, "--context-parallel-size": 4, "--cp-granularity": 128}, 4, "cp_size*granularity"),
     ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "2 1"}, 4, "INNER*OUTER"),
@@ -161,6 +161,11 @@ def test_validation_fills_derived_values(tiny):
     assert (a.cp_layout, a.cp_granularity) == ("striped", 64)
     a = _validate(tiny, world_size=2, **{"--context-parallel-size": 2, "--mtraining-config": "configs/zigzag_sparse.yaml"})
     assert a.cp_layout == "zigzag"
+    # the dynamic loss-scale flags are checked only where they drive the scale (--fp16 without --loss-scale)
+    for over in ({"--initial-loss-scale": 0.5}, {"--bf16": None, "--hysteresis": 0},
+                 {"--fp16": None, "--loss-scale": 1024, "--initial-loss-scale": 0.5}):
+        _validate(tiny, **over)
+    assert _validate(tiny, **{"--fp16": None, "--loss-scale-window": "1000.0"}).loss_scale_window == 1000.0
 
 
 def test_resume_schedule_check_and_the_flags_that_choose_a_side():
@@ -169,7 +174,8 @@ def test_resume_schedule_check_and_the_flags_that_choose_a_side():
     --global-batch-size is an error in every case (the data would skip or repeat samples)."""
     from types import SimpleNamespace
 
-    from megatron_mtraining.training.checkpoint import check_resume_position, check_resume_schedule
+    from megatron_mtraining.training.checkpoint import (check_resume_optimizer, check_resume_position,
+                                                        check_resume_schedule)
 
     saved = {"wd_incr_steps": 16, "lr_decay_steps": 16, "max_lr": 3e-3}
     sched = SimpleNamespace(state_dict=lambda: {**saved, "wd_incr_steps": 24, "lr_decay_steps": 24})
@@ -186,6 +192,12 @@ def test_resume_schedule_check_and_the_flags_that_choose_a_side():
     with pytest.raises(SystemExit, match=r"saved by a run with --global-batch-size 4; .* so 8 would read from sample "
                                          r"32 instead of 16 .* resume with --global-batch-size 4"):
         check_resume_position(SimpleNamespace(load="ckpt", global_batch_size=8), {"global_batch_size": 4}, 4, "ckpt/i")
+    # the optimizer state belongs to the saving run's --optimizer
+    check_resume_optimizer(SimpleNamespace(load="ckpt", optimizer="sgd"), {"optimizer": "sgd"}, "ckpt/i")
+    check_resume_optimizer(SimpleNamespace(load="ckpt", optimizer="sgd"), {}, "ckpt/i")
+    with pytest.raises(SystemExit, match=r"saved by a run with --optimizer adam, whose state cannot continue as "
+                                         r"--optimizer sgd: resume with --optimizer adam"):
+        check_resume_optimizer(SimpleNamespace(load="ckpt", optimizer="sgd"), {"optimizer": "adam"}, "ckpt/i")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -350,6 +362,8 @@ def test_exit_on_a_save_interval_saves_once_and_resume_needs_the_same_schedule(t
     r = run_python(SCRIPT, _argv(*tiny, **longer, **{"--override-opt_param-scheduler": None,
                                                      "--global-batch-size": 8}), timeout=240)
     _fails(r, "saved by a run with --global-batch-size 4", "resume with --global-batch-size 4")
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--load": tmp_path / "ckpt", "--optimizer": "sgd"}), timeout=240)
+    _fails(r, "saved by a run with --optimizer adam", "resume with --optimizer adam")
     m2 = tmp_path / "m2.jsonl"
     r = run_python(SCRIPT, _argv(*tiny, **longer, **{"--override-opt_param-scheduler": None,
                                                      "--metrics-file": m2}), timeout=240)
