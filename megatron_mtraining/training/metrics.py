@@ -55,7 +55,8 @@ class RunMetrics:
 
     Args:
         args: validated arguments (``--log-interval``, ``--metrics-file``, ``--tensorboard-dir``,
-            ``--train-iters``, ``--global-batch-size``, ``--seq-length``, ``--fp16``).
+            ``--train-iters``, ``--global-batch-size``, ``--seq-length``, ``--fp16``; ``--bf16`` and
+            ``--loss-scale`` when present).
         flops_iter: model FLOPs of one iteration (:func:`~megatron_mtraining.training.build.flops_per_iteration`).
         device: this rank's device (peak memory on CUDA).
         optimizer: read for the loss scale (``--fp16``; ``--bf16`` with ``--loss-scale``).
@@ -96,7 +97,7 @@ class RunMetrics:
         args, gbs = self.args, self.args.global_batch_size
         self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
         self.acc_skipped += bool(skipped)
-        scaled = args.fp16 or (args.bf16 and args.loss_scale is not None)     # megatron-core has a grad scaler
+        scaled = args.fp16 or (getattr(args, "bf16", False) and getattr(args, "loss_scale", None) is not None)
         loss_scale = float(self.optimizer.get_loss_scale()) if scaled else None
         self.acc_time, self.acc_iters = self.acc_time + dt, self.acc_iters + 1
         if kept is not None:
