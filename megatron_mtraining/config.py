@@ -88,6 +88,8 @@ class _ConfigError(ValueError):
 LAYER_OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(VerticalSlashConfig) if f.name != "block_size")
 
 LayerRange = tuple  # (first, last): 1-based, inclusive
+#: the largest layer number a layer policy may name (a model's layers are checked at run time)
+MAX_LAYER_NUMBER = 100_000
 
 
 def _layer_range(item: Any, where: str) -> LayerRange:
@@ -103,6 +105,8 @@ def _layer_range(item: Any, where: str) -> LayerRange:
         raise _ConfigError(f"{where}: a layer must be a 1-based layer number or a range 'first-last', got {item!r}")
     if first < 1:
         raise _ConfigError(f"{where}: layer numbers are 1-based (Megatron's layer_number), got {item!r}")
+    if last > MAX_LAYER_NUMBER:
+        raise _ConfigError(f"{where}: layer numbers go up to {MAX_LAYER_NUMBER}, got {item!r}")
     if last < first:
         raise _ConfigError(f"{where}: range {item!r} is empty (first > last)")
     return (first, last)
@@ -618,9 +622,11 @@ def _check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str) -> Non
 
 
 def _section(d: Mapping[str, Any], name: str) -> Optional[Mapping[str, Any]]:
+    """The section ``name`` of ``d``; ``None`` when absent. A key with no value (``vertical_slash:``
+    alone) is the empty section, with the same rules."""
     sec = d.get(name)
     if sec is None:
-        return None
+        return {} if name in d else None
     if not isinstance(sec, Mapping):
         raise _ConfigError(f"'{name}' must be a mapping of keys, got {type(sec).__name__} {sec!r}")
     return sec
@@ -677,7 +683,12 @@ def _yaml_load(text: str) -> Any:
     def _mapping(loader, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=deep)
+            if key_node.tag == "tag:yaml.org,2002:merge":      # "<<: *anchor": merged by construct_mapping
+                continue
+            key = loader.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict, set)):
+                raise _ConfigError(f"a key must be a name or a number, got {key!r} "
+                                   f"(line {key_node.start_mark.line + 1})")
             if key in seen:
                 raise _ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
             seen.add(key)
@@ -711,11 +722,16 @@ def load_mtraining_config(
         return path_or_dict
     where = _PREFIX
     if isinstance(path_or_dict, (str, os.PathLike)):
+        if not os.fspath(path_or_dict):
+            raise ValueError(f"{_PREFIX}: the path is empty (give a YAML config file)")
         path = Path(path_or_dict)
         if path.is_dir():
             raise ValueError(f"{_PREFIX} {path}: is a directory, not a YAML config file")
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"{_PREFIX}: file not found: {path}")
+        if not path.is_file():      # a pipe or device: the run reads its config more than once
+            raise ValueError(f"{_PREFIX} {path}: not a regular file (a YAML config file is expected; the run reads "
+                             "it more than once, so pipes and process substitution do not work)")
         where = f"{_PREFIX} {path}"
         import yaml
 
@@ -796,7 +812,15 @@ def config_for_run(
         ValueError: naming the config key or flag and the rule.
         FileNotFoundError: a config path that does not exist.
     """
-    hcp = None if megatron_hierarchical_sizes is None else [int(x) for x in megatron_hierarchical_sizes]
+    if isinstance(cp_size, bool) or not isinstance(cp_size, numbers.Integral) or cp_size < 1:
+        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+    if cp_layout not in (None, "striped", "zigzag"):
+        raise ValueError(f"--cp-layout must be striped or zigzag, got {cp_layout!r}")
+    try:
+        hcp = None if megatron_hierarchical_sizes is None else [int(x) for x in megatron_hierarchical_sizes]
+    except (TypeError, ValueError):
+        raise ValueError(f"--hierarchical-context-parallel-sizes must be two ints INNER OUTER, got "
+                         f"{megatron_hierarchical_sizes!r}") from None
 
     def no_zigzag_granularity(what: str) -> None:          # zigzag has none: refused, not ignored
         if granularity is not None:

@@ -518,7 +518,7 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
         args.mtraining = None
         args.cp_granularity = _cp_granularity(args)
         return
-    if args.mtraining_config:
+    if args.mtraining_config is not None:
         try:
             from megatron_mtraining.config import load_mtraining_config
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -259,6 +260,41 @@ def test_zigzag_config_has_no_granularity(tmp_path):
     dump_mtraining_config(zz, tmp_path / "zz.yaml")
     assert load_mtraining_config(tmp_path / "zz.yaml") == zz
     assert load_mtraining_config({"granularity": 128}).to_dict()["granularity"] == 128    # striped keeps it
+
+
+def test_yaml_shapes_paths_and_run_arguments_get_named_errors(tmp_path):
+    """Inputs that used to hang, crash with a raw error or be read silently: a huge layer range (it was
+    expanded layer by layer), a YAML sequence as a key, a key with no value next to an empty section, an
+    empty path, a path that is not a regular file, and bad run arguments of config_for_run."""
+    def write(text):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        return path
+
+    with pytest.raises(ValueError, match=r"'dense_layers': layer numbers go up to 100000, got '1-100000000000'"):
+        load_mtraining_config(write('pattern: vertical_slash\ndense_layers: ["1-100000000000"]\n'))
+    with pytest.raises(ValueError, match=r"'layer_overrides' key .*layer numbers go up to 100000"):
+        load_mtraining_config({"pattern": "vertical_slash", "layer_overrides": {"2-200000": {"recall": 0.9}}})
+    with pytest.raises(ValueError, match=r"c\.yaml: a key must be a name or a number, got \[1, 2\] \(line 1\)"):
+        load_mtraining_config(write("? [1, 2]\n: 3\n"))
+    # a YAML merge key is YAML (the explicit key wins); a key with no value is the empty section
+    cfg = load_mtraining_config(write('pattern: vertical_slash\nlayer_overrides:\n'
+                                      '  "2": {<<: {recall: 0.9, last_q: 64}, last_q: 32}\n'))
+    assert cfg.layer_overrides == (((2, 2), (("last_q", 32), ("recall", 0.9))),)
+    assert load_mtraining_config(write("pattern: vertical_slash\nvertical_slash:\n")).vertical_slash == \
+        VerticalSlashConfig()
+    with pytest.raises(ValueError, match=r"'hierarchical' section given but 'implementation' is 'striped'"):
+        load_mtraining_config(write("implementation: striped\nhierarchical:\n"))
+    with pytest.raises(ValueError, match=r"the path is empty"):
+        load_mtraining_config("")
+    with pytest.raises(ValueError, match=r"/dev/null: not a regular file"):
+        load_mtraining_config("/dev/null")
+    for kw, needle in ((dict(cp_size=1, cp_layout="spiral"), "--cp-layout must be striped or zigzag, got 'spiral'"),
+                       (dict(cp_size=-2), "cp_size must be an int >= 1, got -2"),
+                       (dict(cp_size=2.5), "cp_size must be an int >= 1, got 2.5"),
+                       (dict(cp_size=4, megatron_hierarchical_sizes=["a", "b"]), "must be two ints INNER OUTER")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            config_for_run(None, **kw)
 
 
 def test_attention_kwargs():
