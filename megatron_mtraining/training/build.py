@@ -12,17 +12,27 @@ __all__ = ["build_tokenizer", "padded_vocab_size", "transformer_config", "build_
 def build_tokenizer(args):
     """``--tokenizer-type HuggingFaceTokenizer``: a ``tokenizer.json`` through the ``tokenizers`` library
     (:class:`~megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer`); every other type: the
-    sentencepiece model through ``megatron.core.tokenizers`` (GPT model type)."""
-    if args.tokenizer_type == "HuggingFaceTokenizer":
-        from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
+    sentencepiece model through ``megatron.core.tokenizers`` (GPT model type).
 
-        return TokenizersTokenizer(args.tokenizer_model)
-    from megatron.core.tokenizers import MegatronTokenizer
+    Raises:
+        ValueError: naming ``--tokenizer-model`` and ``--tokenizer-type`` when the file does not load.
+    """
+    hf = args.tokenizer_type == "HuggingFaceTokenizer"
+    try:
+        if hf:
+            from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
 
-    return MegatronTokenizer.from_pretrained(
-        tokenizer_path=args.tokenizer_model,
-        metadata_path={"library": "sentencepiece", "model_type": "gpt"},
-    )
+            return TokenizersTokenizer(args.tokenizer_model)
+        from megatron.core.tokenizers import MegatronTokenizer
+
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=args.tokenizer_model,
+            metadata_path={"library": "sentencepiece", "model_type": "gpt"},
+        )
+    except Exception as e:                          # the loaders raise their own types
+        kind = "a tokenizer.json (HuggingFace tokenizers)" if hf else "a sentencepiece model"
+        raise ValueError(f"--tokenizer-model {args.tokenizer_model}: cannot be loaded as {kind} "
+                         f"(--tokenizer-type {args.tokenizer_type}): {type(e).__name__}: {e}") from e
 
 
 def padded_vocab_size(vocab: int, args) -> int:

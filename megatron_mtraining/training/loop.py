@@ -117,7 +117,10 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     cpu_seed(args.seed)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
-    tokenizer = build_tokenizer(args)
+    try:
+        tokenizer = build_tokenizer(args)
+    except ValueError as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
     args.padded_vocab_size = vocab                 # saved with the checkpoint's arguments (Megatron-LM's name)
     train_ds, valid_ds = build_datasets(args, tokenizer)

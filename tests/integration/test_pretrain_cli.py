@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,31 @@ def test_missing_tokenizer_file(tiny, tmp_path):
     _fails(res, "--tokenizer-model", str(missing))
 
 
+def test_unreadable_tokenizer_and_cuda_graphs_on_cpu_name_the_setting(tiny, tmp_path):
+    """A tokenizer file that does not load names --tokenizer-model and the type (not the loader's bare
+    error); cuda_graphs: true on a machine without CUDA is an argument error, not a failure at the first
+    forward."""
+    from types import SimpleNamespace
+
+    from megatron_mtraining.training.build import build_tokenizer
+
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    for kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+        with pytest.raises(ValueError, match=rf"--tokenizer-model {re.escape(str(bad))}: cannot be loaded as .*"
+                                             rf"--tokenizer-type {kind}"):
+            build_tokenizer(SimpleNamespace(tokenizer_type=kind, tokenizer_model=str(bad)))
+    assert build_tokenizer(SimpleNamespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=tiny[1])).vocab_size
+    import torch
+
+    if not torch.cuda.is_available():
+        cfg = tmp_path / "graphs.yaml"
+        cfg.write_text("pattern: vertical_slash\ncuda_graphs: true\n")
+        with pytest.raises(ArgumentValidationError, match=r"'cuda_graphs: true' captures CUDA graphs and this machine "
+                                                          r"has no CUDA device"):
+            _validate(tiny, **{"--mtraining-config": str(cfg)})
+
+
 def test_help_does_not_import_torch():
     """``--help`` (the Slurm scripts probe it on every launch) prints the flags without importing torch."""
     code = ("import runpy, sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
@@ -120,6 +146,7 @@ def _validate(tiny, world_size=1, te=False, **over):
     ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "2 2",
       "--mtraining-config": "configs/demo.yaml"}, 4, "flat ring"),
     ({"--mtraining-config": "configs/no_such.yaml"}, 1, "no_such.yaml"),
+    ({"--mtraining-config": ""}, 1, "--mtraining-config: mtraining config: the path is empty"),
     ({"--mtraining-config": "configs/demo_sparse.yaml", "--seq-length": 32}, 1, "'granularity'"),
     ({"--exit-duration-in-mins": 0}, 1, "--exit-duration-in-mins must be > 0"),
     ({"--exit-interval": 0}, 1, "--exit-interval must be >= 1"),
