@@ -172,8 +172,13 @@ def main(argv=None) -> int:
     ap.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags for both modes (after --)")
     args = ap.parse_args(argv)
 
-    seqs = [int(x) for x in args.seqs.split(",") if x]
-    lay = [int(x) for x in args.num_layers.split(",") if x]
+    try:
+        seqs = [int(x) for x in args.seqs.split(",") if x]
+        lay = [int(x) for x in args.num_layers.split(",") if x]
+    except ValueError:
+        ap.error(f"--seqs {args.seqs!r} / --num-layers {args.num_layers!r}: comma lists of ints")
+    if not seqs or min(seqs + lay) < 1:
+        ap.error("--seqs and --num-layers: positive ints")
     if len(lay) == 1:
         lay = lay * len(seqs)
     if len(lay) != len(seqs):
@@ -263,6 +268,13 @@ def main(argv=None) -> int:
                   f"| {g(am, 'bound_model', '.2f') if sparse else ''} "
                   f"| {g(am, 'achieved_over_bound_model', '.2f') if sparse else ''} |")
     dump()
+    failed = [f"{row['seq']} {mode}" for row in results["runs"] for mode in modes
+              if not isinstance(row.get(mode), dict) or row[mode].get("rc") != 0 or not row[mode].get("step_s")]
+    if failed:
+        print(f"error: {len(failed)} of {len(results['runs']) * len(modes)} training runs failed or gave no "
+              f"iteration time ({', '.join(failed)}); their log tails are above" + (" and in --json" if args.json
+                                                                                     else ""), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -61,6 +61,18 @@ def _pairs(specs: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> 
     return out
 
 
+def _read_eval(label: str, path: str, parser: argparse.ArgumentParser) -> dict:
+    """An ``eval_long_context.py --json`` file: a JSON object with ``ppl`` and/or ``niah`` results."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        parser.error(f"--eval {label}={path}: not a JSON file ({e})")
+    if not isinstance(data, dict) or not (data.get("ppl") or data.get("niah")):
+        parser.error(f"--eval {label}={path}: no 'ppl' or 'niah' results (an eval_long_context.py --json file is "
+                     "expected)")
+    return data
+
+
 def loss_summary(curves: dict[str, dict[int, dict]], last: int) -> dict:
     """Loss statistics over the iterations every curve has (equal tokens when the runs share data order)."""
     shared = sorted(set.intersection(*(set(c) for c in curves.values()))) if curves else []
@@ -240,8 +252,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--baseline {args.baseline!r} is not one of the labels {sorted(set(eval_paths) | set(curve_paths))}")
     if args.last < 1:
         ap.error("--last must be >= 1")
-    evals = {k: json.loads(Path(p).read_text()) for k, p in eval_paths.items()}
-    curves = {k: read_metrics(p) for k, p in curve_paths.items()}
+    evals = {k: _read_eval(k, p, ap) for k, p in eval_paths.items()}
+    curves = {}
+    for k, p in curve_paths.items():
+        try:
+            curves[k] = read_metrics(p)
+        except ValueError as e:
+            ap.error(str(e))
+        if not curves[k]:
+            ap.error(f"--loss-curves {k}={p}: no iterations in the file (a pretrain_gpt.py --metrics-file is expected)")
     losses = loss_summary(curves, args.last) if curves else None
     print(report(evals, losses, args.baseline))
     written = plots(Path(args.out), evals, curves, args.baseline) if args.out else []

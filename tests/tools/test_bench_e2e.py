@@ -21,6 +21,21 @@ def test_bad_layers_list_is_an_error():
         be.main(["--dry-run", "--seqs", "65536,131072", "--num-layers", "1,2,3"])
 
 
+def test_bad_lists_and_failed_runs_are_errors(monkeypatch, tmp_path, capsys):
+    """Non-numeric or non-positive --seqs are argument errors; training runs that fail (or give no
+    iteration time) make the tool exit 1 naming them, with the record still written."""
+    for seqs in ("abc", "0", ""):
+        with pytest.raises(SystemExit):
+            be.main(["--dry-run", "--seqs", seqs])
+    import subprocess
+
+    monkeypatch.setattr(be.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, "", "boom"))
+    out = tmp_path / "e2e.json"
+    assert be.main(["--seqs", "4096", "--num-layers", "1", "--no-microbench", "--json", str(out)]) == 1
+    assert "2 of 2 training runs failed or gave no iteration time (4096 dense, 4096 mtraining)" in capsys.readouterr().err
+    assert out.exists()
+
+
 def test_kept_fraction_matches_brute_force():
     S, bs = 1024, 64
     pat = VerticalSlashPattern.from_lists(S, bs, slash=[[[0, 1, 5], [0, 3]]],

@@ -67,6 +67,26 @@ def test_errors(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+def test_files_without_results_are_errors(tmp_path, capsys):
+    """An empty or non-JSON eval file, a JSON file with no eval results (e.g. a bench_e2e record) and an
+    empty metrics file are errors naming the flag and label, not an empty report."""
+    empty, other, bad = tmp_path / "e.json", tmp_path / "o.json", tmp_path / "b.json"
+    empty.write_text("")
+    other.write_text('{"runs": [], "meta": {}}')
+    bad.write_text("[1, 2]")
+    for path, msg in ((empty, "not a JSON file"), (other, "no 'ppl' or 'niah' results"), (bad, "no 'ppl' or 'niah'")):
+        with pytest.raises(SystemExit):
+            clc.main(["--eval", f"a={path}"])
+        assert f"--eval a={path}: {msg}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        clc.main(["--loss-curves", f"a={empty}"])
+    assert f"--loss-curves a={empty}: no iterations in the file" in capsys.readouterr().err
+    empty.write_text("not json\n")
+    with pytest.raises(SystemExit):
+        clc.main(["--loss-curves", f"a={empty}"])
+    assert "not a pretrain_gpt.py metrics line" in capsys.readouterr().err
+
+
 def test_unknown_baseline(tmp_path, capsys):
     m = _metrics(tmp_path / "m.jsonl", [1.0])
     with pytest.raises(SystemExit):
