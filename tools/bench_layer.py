@@ -37,19 +37,23 @@ import time
 MODES = ("sparse", "graphs", "dense")
 
 
+from megatron_mtraining.bench.cli import int_list, nonnegative_int, positive_int
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lengths", default="32768", help="comma-separated sequence lengths (multiples of 64)")
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-lengths", type=int_list(64), default="32768",
+                   help="comma-separated sequence lengths (multiples of 64)")
+    p.add_argument("--heads", type=positive_int, default=9)
+    p.add_argument("--kv-heads", type=positive_int, default=3)
+    p.add_argument("--head-dim", type=positive_int, default=64)
     p.add_argument("--mtraining-config", required=True, help="a YAML config with pattern: vertical_slash")
     p.add_argument("--modes", default="sparse,graphs,dense", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--inputs", choices=("random", "structured"), default="structured")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    p.add_argument("--warmup", type=nonnegative_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write a result record here")
     return p
@@ -140,8 +144,14 @@ def bench_mode(mode: str, cfg, q, k, v, *, warmup: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.heads % a.kv_heads:
+        parser.error(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads} (GQA)")
     import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
 
     from megatron_mtraining.bench import result_record, write_json
     from megatron_mtraining.config import load_mtraining_config
@@ -150,7 +160,10 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {', '.join(bad)} (choose from {', '.join(MODES)})")
-    cfg = load_mtraining_config(a.mtraining_config)
+    try:
+        cfg = load_mtraining_config(a.mtraining_config)
+    except (OSError, ValueError) as e:
+        parser.error(f"--mtraining-config: {e}")
     if not cfg.sparse:
         raise SystemExit(f"--mtraining-config {a.mtraining_config}: needs pattern: vertical_slash")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -159,7 +172,7 @@ def main(argv=None) -> int:
         modes = [m for m in modes if m != "graphs"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    for s in (int(x) for x in a.seq_lengths.split(",")):
+    for s in a.seq_lengths:
         q, k, v = layer_inputs(s, a.heads, a.kv_heads, a.head_dim, a.inputs, device, dtype, a.seed)
         for mode in modes:
             row = bench_mode(mode, cfg, q, k, v, warmup=a.warmup, repeats=a.repeats)

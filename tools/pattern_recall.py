@@ -114,6 +114,8 @@ from typing import Optional
 import torch
 
 from megatron_mtraining.bench import measure, pyplot, result_record, save_figure, write_json
+from megatron_mtraining.bench.cli import positive_float as _positive_float
+from megatron_mtraining.bench.cli import positive_int as _positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,26 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SPEED_WARMUP = 2      # untimed calls before the speed samples (Triton compilation, autotuning, plan caches)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        val = float("nan")
-    if not (math.isfinite(val) and val > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return val
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        val = 0
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return val
 
 
 def policy_dense_layers(layers: list, max_kept: Optional[float], min_recall: Optional[float],
@@ -736,6 +718,19 @@ def plot_heads(path: str, picks, seq: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
+#: the flags that shape the network (with --load the checkpoint's arguments give them)
+SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "normalization", "swiglu")
+
+
+def _explicit_flags(argv: Optional[list[str]]) -> set[str]:
+    """The destinations of the flags given on the command line (not left at their defaults)."""
+    ap = build_parser()
+    for action in ap._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(ap.parse_args(argv)))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -815,14 +810,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.save_pattern.endswith((".npz", ".pt")):   # numpy would append .npz to any other name
             raise SystemExit(f"error: --save-pattern {args.save_pattern}: the name must end in .npz or .pt")
         Path(args.save_pattern).parent.mkdir(parents=True, exist_ok=True)
-    _init_world()
-    tokens, cu_seqlens = load_packed(args) if args.packed else (load_tokens(args), None)
     saved, info, ckpt_dir = {}, None, None
     if args.load:
         ckpt_dir, info = _checkpoint_dir(args.load)
         saved = info["args"] or {}
         if not saved:
             raise SystemExit(f"error: {ckpt_dir} has no saved training args; cannot rebuild the model")
+        # the checkpoint fixes the network: a shape flag given explicitly must agree with it
+        given = _explicit_flags(argv)
+        diff = [f"--{k.replace('_', '-')} {getattr(args, k)!r} (checkpoint: {saved[k]!r})" for k in SHAPE_FLAGS
+                if k in given and k in saved and saved[k] != getattr(args, k)]
+        if "vocab_size" in given:
+            diff.append(f"--vocab-size {args.vocab_size} (a fresh model's only; the checkpoint's is "
+                        f"{saved.get('padded_vocab_size')})")
+        if diff:
+            raise SystemExit(f"error: --load {args.load}: {ckpt_dir} holds another network than the flags say: "
+                             + "; ".join(diff) + " (drop the flags: the checkpoint gives the shape)")
+    _init_world()
+    tokens, cu_seqlens = load_packed(args) if args.packed else (load_tokens(args), None)
     vocab_src = None
     if saved.get("padded_vocab_size"):
         vocab = int(saved["padded_vocab_size"])

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 
+from megatron_mtraining.bench.cli import positive_int
 from megatron_mtraining.bench.inputs import QWEN25_3B_LAYER_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="model flags preset")
-    p.add_argument("--vocab-size", type=int, default=None, help="token ids drawn below this (default: the shape's)")
+    p.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="token ids drawn below this (default: the shape's)")
     p.add_argument("--seq-length", type=int, default=32768)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--global-batch-size", type=int, default=8, help="micro-batches per iteration x micro-batch size")

@@ -27,3 +27,30 @@ def test_inputs_are_deterministic_and_shaped():
     b = bench_layer.layer_inputs(128, 4, 2, 16, "structured", "cpu", torch.float32, seed=3)
     assert [t.shape for t in a] == [(1, 128, 4, 16), (1, 128, 2, 16), (1, 128, 2, 16)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bad_arguments_are_argparse_errors(capsys):
+    """Sizes, counts, devices and configs that cannot run are errors naming the flag (shared argument types of
+    megatron_mtraining.bench.cli), before any tensor is built; so is profile_step.py's --vocab-size."""
+    import pytest
+    import torch
+
+    from tools import profile_step
+
+    base = ["--mtraining-config", "configs/demo_sparse.yaml"]
+    cases = [(["--heads", "0"], "argument --heads: must be an integer >= 1, got '0'"),
+             (["--seq-lengths", "100"], "argument --seq-lengths: must be comma-separated positive integers, "
+                                        "multiples of 64, got '100'"),
+             (["--seq-lengths", "abc"], "argument --seq-lengths"), (["--repeats", "0"], "argument --repeats"),
+             (["--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of --kv-heads 2"),
+             (["--device", "tpu"], "argument --device: invalid choice"),
+             (["--mtraining-config", "/nonexistent.yaml"], "--mtraining-config: mtraining config: file not found")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda: no CUDA device here"))
+    for extra, needle in cases:
+        with pytest.raises(SystemExit):
+            bench_layer.main(base + extra)
+        assert needle in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        profile_step.build_parser().parse_args(["--vocab-size", "0"])
+    assert "argument --vocab-size: must be an integer >= 1, got '0'" in capsys.readouterr().err

@@ -61,6 +61,29 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
         assert str(exc.value).startswith("error: ") and needle in str(exc.value), (extra, exc.value)
 
 
+def test_load_refuses_shape_flags_that_disagree_with_the_checkpoint(tmp_path):
+    """With --load the checkpoint gives the network: an explicit shape flag that differs from its saved
+    arguments (or a fresh model's --vocab-size) is an error naming each flag, not silently dropped."""
+    import pytest
+    import torch
+
+    from tests.helpers.tiny_data import make_tiny_dataset
+    from tools.pattern_recall import main
+
+    prefix, _ = make_tiny_dataset(tmp_path / "data")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000001").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "padded_vocab_size": 128}
+    torch.save({"args": saved, "model": {}}, ckpt / "iter_0000001" / "mp_rank_00.pt")
+    base = ["--load", str(ckpt), "--data-path", prefix, "--seq-length", "256", "--out", str(tmp_path / "rec")]
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--num-layers", "3", "--hidden-size", "128", "--vocab-size", "64"])
+    msg = str(exc.value)
+    assert "--num-layers 3 (checkpoint: 2); --hidden-size 128 (checkpoint: 64); --vocab-size 64" in msg, msg
+    assert "--num-attention-heads" not in msg                  # not given: the checkpoint's 4 is used
+
+
 def test_vocab_of_a_huggingface_tokenizer_checkpoint(tmp_path):
     """A pretrain_gpt.py checkpoint trained with --tokenizer-type HuggingFaceTokenizer saves a
     tokenizer.json as tokenizer_model: its vocabulary is read with the tokenizers library (it was

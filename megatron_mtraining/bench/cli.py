@@ -1,0 +1,58 @@
+"""Argument types shared by the tools' command lines (``argparse`` ``type=`` callables): a bad value is an
+argparse error naming the flag (``error: argument --heads: must be an integer >= 1, got '0'``), not a
+traceback later or a silent default."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list"]
+
+
+def positive_int(text: str) -> int:
+    """An int ``>= 1``."""
+    try:
+        val = int(text)
+    except ValueError:
+        val = 0
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return val
+
+
+def nonnegative_int(text: str) -> int:
+    """An int ``>= 0``."""
+    try:
+        val = int(text)
+    except ValueError:
+        val = -1
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return val
+
+
+def positive_float(text: str) -> float:
+    """A finite float ``> 0``."""
+    try:
+        val = float(text)
+    except ValueError:
+        val = float("nan")
+    if not (math.isfinite(val) and val > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return val
+
+
+def int_list(multiple_of: int = 1):
+    """A type for a comma-separated list of positive ints, each a multiple of ``multiple_of``."""
+    def parse(text: str) -> list[int]:
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            vals = []
+        if not vals or any(v < 1 or v % multiple_of for v in vals):
+            what = "positive integers" + (f", multiples of {multiple_of}" if multiple_of > 1 else "")
+            raise argparse.ArgumentTypeError(f"must be comma-separated {what}, got {text!r}")
+        return vals
+
+    return parse
