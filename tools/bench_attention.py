@@ -404,6 +404,8 @@ def main():
     dev = torch.device("cuda")
     if args.cpu_dry_run:
         dev = _cpu_dry_run()
+    elif not torch.cuda.is_available():
+        ap.error("times GPU kernels: needs a CUDA device")
     dt = getattr(torch, args.dtype)
     impls = args.impls.split(",")
     rows = []
@@ -575,7 +577,10 @@ def file_bench(args, d, dev, dt, impls, emit):
     from megatron_mtraining.patterns.estimator import VerticalSlashPattern
     from megatron_mtraining.patterns.io import load_pattern
 
-    pat, meta = load_pattern(args.pattern_file)
+    try:
+        pat, meta = load_pattern(args.pattern_file)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --pattern-file {e}") from None
     s, hq, hkv = pat.seq_len, args.heads, args.kv_heads
     rows = pat.slash.shape[1]
     if args.share_pattern != "head":

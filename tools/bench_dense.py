@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mtraining.bench import measure, result_record, write_json
+from megatron_mtraining.bench.cli import int_list, positive_float, positive_int
 from megatron_mtraining.layout import Layout
 from megatron_mtraining.ops.fa4 import FA4DenseStepKernel, fa4_attention
 from megatron_mtraining.ring import begin_backward
@@ -99,15 +100,17 @@ def ring_step_rows(s, d, cp, budget, cudnn_tflops):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", default="32768,131072")
-    ap.add_argument("--head-dims", default="128,64")
-    ap.add_argument("--cp", type=int, default=4, help="ring size of the ring-step rows")
-    ap.add_argument("--budget", type=float, default=1.0, help="seconds of samples per timing")
+    ap.add_argument("--seqs", type=int_list(64), default="32768,131072")
+    ap.add_argument("--head-dims", type=int_list(), default="128,64")
+    ap.add_argument("--cp", type=positive_int, default=4, help="ring size of the ring-step rows")
+    ap.add_argument("--budget", type=positive_float, default=1.0, help="seconds of samples per timing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("times GPU kernels: needs a CUDA device")
     rows = []
-    for d in (int(x) for x in args.head_dims.split(",")):
-        for s in (int(x) for x in args.seqs.split(",")):
+    for d in args.head_dims:
+        for s in args.seqs:
             cp1 = cp1_rows(s, d, args.budget)
             rows += cp1
             rows += ring_step_rows(s, d, args.cp, args.budget, cp1[0]["tflops_computed"])

@@ -706,7 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
 def make_pattern(args) -> Tuple[VerticalSlashPattern, dict]:
     """The pattern the flags ask for and a description of its source."""
     if args.pattern == "file":
-        pattern, meta = load_pattern(args.pattern_file)
+        try:
+            pattern, meta = load_pattern(args.pattern_file)
+        except ValueError as e:
+            raise SystemExit(f"error: --pattern-file {e}") from None
         if args.seq_len is not None and pattern.seq_len != args.seq_len:
             raise SystemExit(f"error: {args.pattern_file} holds a pattern for seq_len {pattern.seq_len}, "
                              f"--seq-len is {args.seq_len}")
@@ -754,6 +757,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error("--pattern file needs --pattern-file PATH")
         if not os.path.isfile(args.pattern_file):
             ap.error(f"--pattern-file: file not found: {args.pattern_file}")
+    elif args.pattern_file is not None:
+        ap.error(f"--pattern-file applies to --pattern file only (got --pattern {args.pattern})")
     given = [f"--{k}" for k in SWEEP_DEFAULTS if getattr(args, k) is not None]
     if given and not args.sweep:
         ap.error(f"{'/'.join(given)} {'apply' if len(given) > 1 else 'applies'} to --sweep only (one configuration: "

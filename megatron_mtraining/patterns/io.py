@@ -19,6 +19,7 @@ its rows flattened (``[B, H, n]`` is stored as ``B * H`` rows). Format (``.npz``
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -93,20 +94,33 @@ def load_pattern(path: str) -> Tuple[VerticalSlashPattern, dict]:
         the provenance dict (``{}`` when the file has none).
 
     Raises:
-        ValueError: ``block_size`` is not 64, or an entry is out of range.
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a pattern file (unreadable, or without the ``seq_len`` / ``block_size`` / ``slash`` /
+            ``vertical`` entries), ``block_size`` is not 64, or an entry is out of range.
     """
-    if str(path).endswith(".pt"):
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        get = lambda k: d[k].numpy() if isinstance(d[k], torch.Tensor) else np.asarray(d[k])  # noqa: E731
-        meta = json.loads(d.get("meta", "{}"))
-    else:
-        z = np.load(path)
-        get = lambda k: z[k]  # noqa: E731
-        meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-    bs = int(get("block_size"))
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"pattern file not found: {path}")
+    try:
+        if str(path).endswith(".pt"):
+            d = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(d, dict):
+                raise TypeError(f"holds a {type(d).__name__}, not a dict of arrays")
+            get = lambda k: d[k].numpy() if isinstance(d[k], torch.Tensor) else np.asarray(d[k])  # noqa: E731
+            meta = json.loads(d.get("meta", "{}"))
+        else:
+            z = np.load(path)
+            if not hasattr(z, "files"):
+                raise TypeError("holds one array, not the arrays of a pattern (.npz)")
+            get = lambda k: z[k]  # noqa: E731
+            meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+        bs = int(get("block_size"))
+        seq_len = int(get("seq_len"))
+        s, v = get("slash"), get("vertical")
+    except Exception as e:                  # torch / numpy / pickle / zip errors of a file that is not one
+        raise ValueError(f"{path}: not a pattern file written by save_pattern (tools/pattern_recall.py "
+                         f"--save-pattern): {type(e).__name__}: {e}") from None
     if bs != BLOCK:
         raise ValueError(f"{path}: block_size {bs}; pattern files use the kernels' {BLOCK}-token blocks")
-    seq_len = int(get("seq_len"))
-    s = get("slash").reshape(-1, get("slash").shape[-1])
-    v = get("vertical").reshape(-1, get("vertical").shape[-1])
+    s = s.reshape(-1, s.shape[-1])
+    v = v.reshape(-1, v.shape[-1])
     return pattern_from_arrays(seq_len, [r[r >= 0] for r in s], [r[r >= 0] for r in v]), meta

@@ -258,6 +258,8 @@ BAD_ARGS = [(["--sweep", "--cps", "0"], "--cps '0': expected a comma list of int
             (["--model", "gpu", "--vertical", "deferred"], "--vertical deferred: --model gpu"),
             (["--pattern", "file"], "--pattern file needs --pattern-file"),
             (["--pattern", "file", "--pattern-file", "/nonexistent/p.npz"], "--pattern-file: file not found"),
+            (["--pattern", "dense", "--pattern-file", "/nonexistent/p.npz"],
+             "--pattern-file applies to --pattern file only (got --pattern dense)"),
             # the cheap flags before the corpus file of --doc-lengths corpus (default --data-path)
             (["--pattern", "packed", "--sweep", "--cps", "0"], "--cps '0'"),
             (["--pattern", "packed", "--cp", "0", "--data-path", "/nonexistent/corpus"], "--cp must be >= 1"),

@@ -54,3 +54,21 @@ def test_out_of_range_lines_and_block_sizes_are_errors(tmp_path):
                         vertical=np.zeros((1, 1), np.int64))
     with pytest.raises(ValueError, match="block_size 128"):
         load_pattern(str(path))
+
+
+def test_files_that_are_not_patterns_are_named_errors(tmp_path):
+    """An empty file, an .npz without the pattern's arrays, a single-array file and a .pt holding a list are
+    ValueErrors naming the file (EOFError, KeyError and AttributeError before); a missing file is
+    FileNotFoundError."""
+    import torch
+
+    empty, other, one, lst = tmp_path / "e.npz", tmp_path / "o.npz", tmp_path / "a.npy", tmp_path / "l.pt"
+    empty.write_bytes(b"")
+    np.savez(other, x=np.zeros(3))
+    np.save(one, np.zeros(3))
+    torch.save([1, 2], lst)
+    for path in (empty, other, one, lst):
+        with pytest.raises(ValueError, match=rf"{path}: not a pattern file written by save_pattern"):
+            load_pattern(str(path))
+    with pytest.raises(FileNotFoundError, match="pattern file not found"):
+        load_pattern(str(tmp_path / "none.npz"))
