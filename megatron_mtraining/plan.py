@@ -567,6 +567,13 @@ def _gather_decisions(decisions: list, group) -> list:
     return [unique[key] for key in sorted(unique, key=lambda t: (t[1] or 0, t[2], t[0]))]
 
 
+def _check_group(group: Any, what: str) -> None:
+    """``group`` is a process group or ``None`` (one rank), not e.g. a string or a rank list."""
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        raise ValueError(f"{what} must be a torch.distributed ProcessGroup or None (one rank), got "
+                         f"{type(group).__name__} {group!r}")
+
+
 def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[tuple] = None,
             seq_len: Optional[int] = None, device: Optional[torch.device] = None,
             dtype: Optional[torch.dtype] = None, packing: Optional[DocumentPacking] = None,
@@ -600,6 +607,14 @@ def resolve(config: ConfigLike, *, cp_group: Any, hierarchical_groups: Optional[
     cfg = load_mtraining_config(config)
     if num_layers is not None:
         cfg.check_layers(num_layers)
+    _check_group(cp_group, "cp_group")
+    if packing is not None and not isinstance(packing, DocumentPacking):
+        raise ValueError(f"packing must be a DocumentPacking or None, got {type(packing).__name__}")
+    if hierarchical_groups is not None:
+        if not isinstance(hierarchical_groups, (tuple, list)) or len(hierarchical_groups) != 2:
+            raise ValueError(f"hierarchical_groups must be (inner_group, outer_group), got {hierarchical_groups!r}")
+        for name, g in zip(("inner", "outer"), hierarchical_groups):
+            _check_group(g, f"hierarchical_groups {name} group")
     if packing is not None and not packing.active:
         packing = None
     if packing is not None and packing.reset_attention_mask and sparse_packed_problem(cfg):

@@ -7,10 +7,9 @@ numbering) are in tests/distributed/test_agreement.py.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import SimpleNamespace
-
-import re
 
 import pytest
 import torch
@@ -297,3 +296,17 @@ def test_cuda_graphs_refusals_of_ignored_or_uncapturable_settings(tmp_path):
     args.pipeline_model_parallel_size = 2
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2"):
         megatron_lm.mtraining_config_from_args(args)
+
+
+def test_resolve_refuses_arguments_of_the_wrong_kind():
+    """A cp_group that is not a process group, packing that is not a DocumentPacking and hierarchical_groups
+    that are not a pair are errors naming the argument (AttributeError / unpacking errors before)."""
+    for kw, needle in ((dict(cp_group="world"), "cp_group must be a torch.distributed ProcessGroup or None"),
+                       (dict(cp_group=None, packing={"reset_attention_mask": True}),
+                        "packing must be a DocumentPacking or None, got dict"),
+                       (dict(cp_group=None, hierarchical_groups=(None,)),
+                        "hierarchical_groups must be (inner_group, outer_group)"),
+                       (dict(cp_group=None, hierarchical_groups=("a", "b")),
+                        "hierarchical_groups inner group must be a torch.distributed ProcessGroup")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            resolve(None, **kw)
