@@ -127,8 +127,12 @@ def main(argv=None) -> int:
     from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer, resolve_tokenizer_json
 
     t0 = time.time()
-    mtok = TokenizersTokenizer(args.tokenizer_model)
-    tok = Tokenizer.from_file(str(resolve_tokenizer_json(args.tokenizer_model)))
+    try:
+        mtok = TokenizersTokenizer(args.tokenizer_model)
+        tok = Tokenizer.from_file(str(resolve_tokenizer_json(args.tokenizer_model)))
+    except Exception as e:                          # the tokenizers library raises its own types
+        raise SystemExit(f"error: --tokenizer-model {args.tokenizer_model}: cannot be loaded as a tokenizer.json "
+                         f"({type(e).__name__}: {e})") from None
     eod, vocab = mtok.eod, mtok.vocab_size
     docs, seen, n_tables = [], set(), 0
     for path in args.inputs:

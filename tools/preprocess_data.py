@@ -41,7 +41,6 @@ from typing import Iterator
 # type: plain sentencepiece ids (no BOS), eod = the model's EOS id. HuggingFaceTokenizer loads a
 # tokenizer.json (file or directory) with the `tokenizers` library (see pretrain_gpt.build_tokenizer).
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
-TOKENIZER_METADATA = {"library": "sentencepiece", "model_type": "gpt"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,16 +111,18 @@ def up_to_date(outputs: list[Path], inputs: list[Path]) -> bool:
 
 
 def load_tokenizer(model: Path, tokenizer_type: str = "SentencePieceTokenizer"):
-    """Load the tokenizer as training does: a tokenizer.json through
-    :class:`~megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer` for ``HuggingFaceTokenizer``,
-    else the sentencepiece model as a Megatron-Core GPT tokenizer."""
-    if tokenizer_type == "HuggingFaceTokenizer":
-        from megatron_mtraining.megatron.hf_tokenizer import TokenizersTokenizer
+    """Load the tokenizer as training does (:func:`megatron_mtraining.training.build.build_tokenizer`): a
+    tokenizer.json through :class:`~megatron_mtraining.megatron.hf_tokenizer.TokenizersTokenizer` for
+    ``HuggingFaceTokenizer``, else the sentencepiece model as a Megatron-Core GPT tokenizer.
 
-        return TokenizersTokenizer(model)
-    from megatron.core.tokenizers import MegatronTokenizer
+    Raises:
+        ValueError: naming ``--tokenizer-model`` when the file does not load as that type.
+    """
+    from types import SimpleNamespace
 
-    return MegatronTokenizer.from_pretrained(tokenizer_path=str(model), metadata_path=dict(TOKENIZER_METADATA))
+    from megatron_mtraining.training.build import build_tokenizer
+
+    return build_tokenizer(SimpleNamespace(tokenizer_type=tokenizer_type, tokenizer_model=str(model)))
 
 
 class _Encoder:

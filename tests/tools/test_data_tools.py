@@ -147,6 +147,18 @@ def test_malformed_line_is_reported_with_its_number(spm_model, tmp_path, capsys)
     assert not list(tmp_path.glob("bad_text_document*"))  # no partial outputs left behind
 
 
+def test_a_tokenizer_file_that_does_not_load_names_the_flag(corpus, tmp_path, capsys):
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    for kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+        args = _preprocess_args(corpus[0], bad, tmp_path / "x")
+        args[args.index("--tokenizer-type") + 1] = kind
+        assert preprocess_data.main(args) == 1
+        err = capsys.readouterr().err
+        assert f"--tokenizer-model {bad}: cannot be loaded as" in err and kind in err, err
+    assert not list(tmp_path.glob("x_text_document*"))
+
+
 @pytest.mark.parametrize("case", ["missing_model", "missing_input", "unknown_type", "split_sentences"])
 def test_cli_errors_name_the_flag(case, spm_model, corpus, tmp_path):
     inp, model = corpus[0], spm_model
