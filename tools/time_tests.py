@@ -29,6 +29,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from megatron_mtraining.bench.cli import positive_float
 from megatron_mtraining.bench.record import environment, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,17 +92,37 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="record file (default docs/results/tests.json)")
     ap.add_argument("--from-junit", type=Path, default=None,
                     help="record an earlier run from its pytest --junitxml file instead of running")
-    ap.add_argument("--wall-s", type=float, default=None, help="with --from-junit: that run's wall time in seconds")
+    ap.add_argument("--wall-s", type=positive_float, default=None, help="with --from-junit: that run's wall time in seconds")
     ap.add_argument("--note", default=None, help="free text stored with the run (machine load, ...)")
     ap.add_argument("--commit", default=None, help="with --from-junit: the commit that run tested")
     ap.add_argument("--marker-counts", default=None,
                     help="with --from-junit: 'marker=N,...' from `pytest --collect-only -m MARKER` of that commit")
     args = ap.parse_args(argv)
+    markers = None
+    if args.marker_counts:
+        try:
+            markers = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.marker_counts.split(","))}
+        except ValueError:
+            ap.error(f"--marker-counts {args.marker_counts!r}: expected 'marker=N,...'")
+    if args.out.exists():
+        try:
+            rec = json.loads(args.out.read_text())
+            assert isinstance(rec, dict) and isinstance(rec.get("runs"), list)
+        except (ValueError, AssertionError):
+            ap.error(f"--out {args.out}: not a tests record (a JSON object with a 'runs' list)")
 
     if args.from_junit is not None:
         if args.wall_s is None:
             ap.error("--from-junit needs --wall-s")
-        rows, rc, wall, command = rows_from_junit(args.from_junit), None, args.wall_s, None
+        try:
+            rows = rows_from_junit(args.from_junit)
+        except (OSError, ValueError) as e:          # ElementTree's ParseError is a SyntaxError subclass
+            ap.error(f"--from-junit {args.from_junit}: {e}")
+        except SyntaxError as e:
+            ap.error(f"--from-junit {args.from_junit}: not a junit XML file ({e})")
+        if not rows:
+            ap.error(f"--from-junit {args.from_junit}: no test cases in the file")
+        rc, wall, command = None, args.wall_s, None
     else:
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "report.json"
@@ -118,8 +139,8 @@ def main(argv=None) -> int:
            "meta": environment(argv=sys.argv[1:], tool="time_tests"), **summarize(rows)}
     if args.commit:
         run["meta"]["git_commit"], run["meta"]["git_dirty"] = args.commit, None
-    if args.marker_counts:
-        run["markers"] = {k: int(v) for k, v in (kv.split("=") for kv in args.marker_counts.split(","))}
+    if markers:
+        run["markers"] = markers
     if args.note:
         run["note"] = args.note
     add_run(args.out, run)
