@@ -786,6 +786,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise SystemExit(f"error: {flag} must be in [0, 1], got {val}")
     if args.seq_length < 1 or args.seq_length % cfg.block_size:
         raise SystemExit(f"error: --seq-length must be a positive multiple of {cfg.block_size}")
+    if cfg.last_q > args.seq_length:
+        raise SystemExit(f"error: --last-q {cfg.last_q} probe rows do not fit in --seq-length {args.seq_length}")
     if args.num_samples < 1:
         raise SystemExit(f"error: --num-samples must be >= 1, got {args.num_samples}")
     if args.recall_stride < 1:
@@ -810,6 +812,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.save_pattern.endswith((".npz", ".pt")):   # numpy would append .npz to any other name
             raise SystemExit(f"error: --save-pattern {args.save_pattern}: the name must end in .npz or .pt")
         Path(args.save_pattern).parent.mkdir(parents=True, exist_ok=True)
+    if args.data_path is not None and not Path(args.data_path + ".idx").is_file():
+        raise SystemExit(f"error: --data-path {args.data_path}: {args.data_path}.idx not found (the prefix of a "
+                         "tokenized .bin/.idx pair)")
     saved, info, ckpt_dir = {}, None, None
     if args.load:
         ckpt_dir, info = _checkpoint_dir(args.load)

@@ -50,7 +50,9 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
              (["--recall", "1.5"], "recall"), (["--num-samples", "0"], "--num-samples"),
              (["--recall-stride", "0"], "--recall-stride"),
              (["--recall-stride", "4"], "--recall-stride 4 samples no query rows at --seq-length 256"),
-             (["--seq-length", "32768"], "--plot-heads")]
+             (["--seq-length", "32768"], "--plot-heads"),
+             (["--last-q", "1000"], "--last-q 1000 probe rows do not fit in --seq-length 256"),
+             ([], "none.idx not found")]                 # the data file last, before the model is built
     import torch
 
     if not torch.cuda.is_available():
