@@ -283,20 +283,26 @@ def _train(tiny, tmp_path, name, nproc, **over):
     return _metrics(m), r.stdout
 
 
+def _full_run_and_one_saved_after_iteration_1(tiny, tmp_path, common: dict):
+    """The run of ``common`` uninterrupted (metrics ``full.jsonl``) and the same run stopped by
+    --exit-interval 1, saved to ``ckpt`` (metrics ``p1.jsonl``); returns the two metrics paths, the
+    checkpoint directory and the second run's result."""
+    full, part, ckpt = tmp_path / "full.jsonl", tmp_path / "p1.jsonl", tmp_path / "ckpt"
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part, "--save": ckpt,
+                                                     "--exit-interval": 1}), timeout=240)
+    assert r.returncode == 0, r.tail()
+    return full, part, ckpt, r
+
+
 def test_exit_interval_and_duration_save_and_resume_exactly(tiny, tmp_path):
     """Megatron-LM's --exit-interval / --exit-duration-in-mins: the run stops after that iteration and
     saves; resuming with the same --train-iters continues the uninterrupted run (schedule, data, SGD's
     momentum buffers), and so does a resume with --use-checkpoint-opt_param-scheduler and other --lr /
     --weight-decay flags. (Adam's resume: the CP=2 -> CP=1 test and the fault tests.)"""
     common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4, "--optimizer": "sgd"}
-    full = tmp_path / "full.jsonl"
-    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
-    assert r.returncode == 0, r.tail()
-    ckpt = tmp_path / "ckpt"
-    part1 = tmp_path / "p1.jsonl"
-    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part1, "--save": ckpt,
-                                                     "--exit-interval": 1}), timeout=240)
-    assert r.returncode == 0, r.tail()
+    full, part1, ckpt, r = _full_run_and_one_saved_after_iteration_1(tiny, tmp_path, common)
     assert "exiting after iteration 1 (--exit-interval 1)" in r.stdout, r.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
     part2 = tmp_path / "p2.jsonl"          # a tiny duration: stops after its first iteration (2)
@@ -331,14 +337,7 @@ def test_fp16_saved_before_the_first_update_resumes_exactly(tiny, tmp_path):
     # 2^18 overflows these gradients in fp16 and 2^17 does not: iteration 1 is skipped, 2-4 update
     common = {"--data-cache-path": tmp_path / "cache", "--train-iters": 4, "--fp16": None,
               "--initial-loss-scale": 2 ** 18, "--hysteresis": 1}
-    full = tmp_path / "full.jsonl"
-    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": full}), timeout=240)
-    assert r.returncode == 0, r.tail()
-    ckpt = tmp_path / "ckpt"
-    part = tmp_path / "part.jsonl"
-    r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part, "--save": ckpt,
-                                                     "--exit-interval": 1}), timeout=240)
-    assert r.returncode == 0, r.tail()
+    full, part, ckpt, r = _full_run_and_one_saved_after_iteration_1(tiny, tmp_path, common)
     assert "number of skipped iterations:   1" in r.stdout, r.stdout
     assert not optimizer_state_saved(ckpt / "iter_0000001")       # the case under test: no moments saved
     r = run_python(SCRIPT, _argv(*tiny, **common, **{"--metrics-file": part, "--load": ckpt}), timeout=240)
