@@ -72,8 +72,13 @@ def load_records(results_dir: Path = RESULTS_DIR) -> list[dict]:
     """Load and validate every ``*.json`` record of ``results_dir``, sorted by ``order``."""
     records = []
     for path in sorted(results_dir.glob("[0-9][0-9]_*.json")):
-        rec = json.loads(path.read_text())
         name = path.name
+        try:
+            rec = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{name}: not JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{name}: a record is a JSON object, got {type(rec).__name__}")
         for key in REQUIRED:
             if key not in rec:
                 raise ValueError(f"{name}: missing required key '{key}'")
@@ -281,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="do not write; exit 1 if docs/results.md differs from what the records give")
     args = ap.parse_args(argv)
-    records = load_records()
+    try:
+        records = load_records()
+    except ValueError as e:
+        print(f"error: {e} (records in {RESULTS_DIR.relative_to(ROOT)})", file=sys.stderr)
+        return 1
     page = render(records)
     if args.check:
         problems = [f"{r['id']}: {m}" for r in records for m in unverified_numbers(r)]

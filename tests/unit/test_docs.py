@@ -131,6 +131,16 @@ def test_results_page_is_generated_from_the_records():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_a_record_that_is_not_one_is_a_named_error(tmp_path):
+    from tools import build_results_page as page
+
+    for text, needle in (("", "01_x.json: not JSON"), ("[1, 2]", "01_x.json: a record is a JSON object, got list"),
+                         ("{}", "01_x.json: missing required key")):
+        (tmp_path / "01_x.json").write_text(text)
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            page.load_records(tmp_path)
+
+
 def _records():
     from tools import build_results_page as page
 
