@@ -389,8 +389,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             raise E(f"--min-loss-scale ({args.min_loss_scale}) must not exceed --initial-loss-scale "
                     f"({args.initial_loss_scale})")
         for flag, value in (("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis)):
-            if not value >= 1:
-                raise E(f"{flag} must be >= 1, got {value}")
+            if not (value >= 1 and float(value).is_integer()):      # counts of updates / overflows
+                raise E(f"{flag} must be a whole number >= 1, got {value}")
 
     # --- CP attention backend and layout
     if args.cp_attention == "te":
