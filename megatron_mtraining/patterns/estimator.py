@@ -527,6 +527,9 @@ def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tenso
 
     def budget(sorted_score, n_floor: list, cap: list):
         n = sorted_score.shape[-1]
+        if n == 0:                                # no candidate line (a cap of 0 and no floor): nothing taken
+            zero = torch.zeros(sorted_score.shape[:-1], dtype=sorted_score.dtype, device=dev)
+            return zero.long(), zero
         lo = torch.tensor([min(f, n) for f in n_floor], device=dev)[:, None]
         hi = torch.tensor([min(c, n) for c in cap], device=dev)[:, None]
         cum = torch.cumsum(sorted_score, dim=-1)

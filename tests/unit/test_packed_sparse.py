@@ -163,15 +163,18 @@ def test_single_document_equals_unpacked_sparse_path_bitwise(dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("heads", [(2, 2), (4, 1)])
-@pytest.mark.parametrize("share", ["head", "kv_group"])
-def test_front_door_cp1_matches_reference(heads, share):
+@pytest.mark.parametrize("heads,share,budgets", [((2, 2), "head", {}), ((4, 1), "head", {}), ((2, 2), "kv_group", {}),
+                                                 ((4, 1), "kv_group", {}),
+                                                 ((4, 1), "head", {"max_vertical": 0, "sink_tokens": 0})])
+def test_front_door_cp1_matches_reference(heads, share, budgets):
+    """The documents' front door against the pattern reference; also with no vertical budget at all (no
+    candidate column: the selection crashed on the empty list)."""
     S = 128
     hq, hkv = heads
     q, k, v, dout = _inputs(S, hq, hkv, torch.float64, seed=13)
-    docs = _documents(S, 1, "padded")
+    docs = _documents(S, 1, "padded_real_tail" if budgets else "padded")
     layout = Layout("striped", 1, BS)
-    cfg = _cfg(share_pattern=share)
+    cfg = _cfg(share_pattern=share, **budgets)
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     out, pat = sparse_ring_attention(qq, kk, vv, layout=layout, config=cfg, softmax_scale=0.25, documents=docs,
                                      return_pattern=True)
@@ -182,6 +185,8 @@ def test_front_door_cp1_matches_reference(heads, share):
     real = docs.real()[0]
     for t in (out, qq.grad, kk.grad, vv.grad):
         assert bool((t[:, ~real] == 0).all())
+    if budgets:
+        assert int(pat.vertical_count.max()) == 0 and int(pat.slash_count.min()) >= 1
 
 
 def test_refusals_name_the_rule():
