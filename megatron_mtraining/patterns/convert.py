@@ -279,10 +279,13 @@ def convert_pattern(pattern: VerticalSlashPattern, layout: Layout, rank: int, im
     (default): static on CUDA, the largest counts elsewhere.
 
     Raises:
-        ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`); an unknown
-            ``impl``, or ``impl="triton"`` at cp > 1 or where Triton cannot run.
+        ValueError: the layout does not keep blocks whole (see :func:`check_block_layout`); a hand-built
+            pattern that breaks :meth:`VerticalSlashPattern.check`; an unknown ``impl``, or ``impl="triton"``
+            at cp > 1 or where Triton cannot run.
     """
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
+    if pattern.est_slash_mass is None:      # hand-built (the estimator's hold the rules by construction)
+        pattern.check()
     static = pattern.slash.is_cuda if static_widths is None else bool(static_widths)
     with record_function(REGION_CONVERT):
         return _convert(pattern, layout, rank, list(range(layout.cp_size)), impl, static)

@@ -272,6 +272,30 @@ class VerticalSlashPattern:
         cnt, slash = packed_index_lists(hit[..., :nb], fill=-1, dtype=torch.int64)
         return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count)
 
+    def check(self) -> None:
+        """Validate a hand-built pattern (one host synchronisation): int64 ``[b, hq, n]`` lists, every entry
+        ``-1`` (padding) or in range (slash offsets in ``[0, S / bs)``, vertical positions in ``[0, S)``), and
+        the vertical positions of each row distinct: the conversion lists a repeated column twice and the
+        kernels would count it twice. Order and repeated slash offsets do not change the mask. The
+        estimator's patterns hold this by construction.
+
+        Raises:
+            ValueError: naming the list and the rule.
+        """
+        if self.block_size < 1 or self.seq_len < 1 or self.seq_len % self.block_size:
+            raise ValueError(f"VerticalSlashPattern: seq_len {self.seq_len} must be a positive multiple of "
+                             f"block_size {self.block_size}")
+        for name, x, hi in (("slash", self.slash, self.num_blocks), ("vertical", self.vertical, self.seq_len)):
+            if x.dtype != torch.int64 or x.dim() != 3 or x.shape[:2] != self.slash.shape[:2]:
+                raise ValueError(f"VerticalSlashPattern: {name} must be int64 [b, hq, n] (the slash list's b, hq), "
+                                 f"got {tuple(x.shape)} {x.dtype}")
+            if not bool(((x == -1) | ((x >= 0) & (x < hi))).all()):
+                raise ValueError(f"VerticalSlashPattern: {name} entries must be -1 (padding) or in [0, {hi})")
+        v = self.vertical.sort(dim=-1).values
+        if bool(((v[..., 1:] == v[..., :-1]) & (v[..., 1:] >= 0)).any()):
+            raise ValueError("VerticalSlashPattern: a vertical position is listed twice in one (sample, head) row; "
+                             "the kernels would count that key twice")
+
     def to(self, device) -> "VerticalSlashPattern":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return VerticalSlashPattern(self.seq_len, self.block_size, mv(self.slash), mv(self.slash_count),

@@ -5,6 +5,7 @@ written without the library) for budgets, ``pattern.dense_mask`` + ``naive_maske
 (fp64 autograd) for attention, and the pattern's token mask for the index conversion.
 """
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -426,3 +427,23 @@ def test_packed_index_lists_match_nonzero_per_row():
     assert (i2[..., 11:] == 0).all() and torch.equal(c2, cnt.long())
     _, i3 = packed_index_lists(m, width=1)
     assert torch.equal(i3[..., 0], torch.where(cnt > 0, idx[..., 0], torch.full_like(cnt, -1)))
+
+
+def test_hand_built_patterns_with_a_repeated_column_or_out_of_range_entries_are_refused():
+    """convert_pattern checks hand-built patterns (VerticalSlashPattern.check): a vertical position listed
+    twice in a row would be counted twice by the kernels (a wrong softmax), an entry out of range would index
+    past the sequence; unsorted rows and repeated slash offsets give the same mask and are accepted."""
+    S, bs = 128, 64
+    lay = Layout("striped", 1, bs)
+    one = lambda rows: torch.tensor([[rows]], dtype=torch.int64)               # noqa: E731
+    cnt = lambda n: torch.tensor([[n]], dtype=torch.int64)                      # noqa: E731
+    cases = ((one([0, -1]), one([5, 5]), "listed twice"), (one([2, -1]), one([5, -1]), "slash entries must be"),
+             (one([0, -1]), one([128, -1]), "vertical entries must be -1 (padding) or in [0, 128)"))
+    for s, v, needle in cases:
+        pat = VerticalSlashPattern(S, bs, s, cnt(1), v, cnt(int((v >= 0).sum())))
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            convert_pattern(pat, lay, 0)
+    ok = VerticalSlashPattern(S, bs, one([1, 0, 0]), cnt(3), one([9, 5, -1]), cnt(2))       # unsorted, repeated slash
+    ref = VerticalSlashPattern.from_lists(S, bs, [[[0, 1]]], [[[5, 9]]])
+    for a, b in zip(convert_pattern(ok, lay, 0), convert_pattern(ref, lay, 0)):
+        assert torch.equal(step_key_mask(a, S, counts=True), step_key_mask(b, S, counts=True))   # multiplicities
