@@ -70,7 +70,7 @@ __all__ = [
 
 IMPLEMENTATIONS = ("striped", "zigzag", "hierarchical")
 PATTERNS = ("dense", "vertical_slash")
-from megatron_mtraining.ops.backends import KERNEL_BACKENDS  # noqa: E402  (the one list of backend names)
+from megatron_mtraining.ops.backends import KERNEL_BACKENDS, SPARSE_TILE  # noqa: E402  (the one list of backend names)
 
 _PREFIX = "mtraining config"
 _DEFAULT_GRANULARITY = 64
@@ -319,6 +319,14 @@ class MTrainingConfig:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _ConfigError(f"'kernel_backend' must be one of {', '.join(KERNEL_BACKENDS)}, "
                                f"got {self.kernel_backend!r}")
+        bs = self.vertical_slash.block_size
+        if self.pattern == "vertical_slash" and bs % SPARSE_TILE and (self.kernel_backend in ("triton", "fa4")
+                                                                     or self.cuda_graphs):
+            what, other = ((f"'kernel_backend: {self.kernel_backend}'", "kernel_backend: torch")
+                           if self.kernel_backend != "auto" else ("'cuda_graphs: true'", "cuda_graphs: false"))
+            raise _ConfigError(f"{what} runs the sparse pattern on the Triton kernels, whose tiles are {SPARSE_TILE} "
+                               f"tokens: 'vertical_slash.block_size' must be a multiple of {SPARSE_TILE}, got {bs} "
+                               f"(or use {other})")
         if self.kernel_backend == "sdpa" and self.pattern == "vertical_slash":
             raise _ConfigError("'kernel_backend: sdpa' has no sparse kernels (SDPA runs dense causal attention at "
                                "context-parallel size 1), but 'pattern' is 'vertical_slash'; use kernel_backend "

@@ -254,6 +254,23 @@ def test_sparse_ring_with_triton_kernels_and_column_phase(columns, bs):
                names=("out", "dq", "dk", "dv"))
 
 
+def test_slash_blocks_below_the_triton_tile_are_refused_before_estimation():
+    """A slash block of 32 tokens cannot run on the 64-token Triton tiles: the sparse ring names the rule before
+    the estimator runs (an internal refinement error after it before), as does a config that asks for it."""
+    from megatron_mtraining.config import load_mtraining_config
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig
+    from megatron_mtraining.ring.sparse import sparse_ring_attention
+
+    q = torch.randn(1, 256, 2, 64)
+    backend = select_backend("triton", device="cpu", dtype=torch.float32, head_dim=64, seq_len_local=256, sparse=True)
+    with pytest.raises(ValueError, match="vertical_slash.block_size must be a multiple of 64, got 32"):
+        sparse_ring_attention(q, q[:, :, :1], q[:, :, :1], layout=Layout("striped", 1, 64), group=None,
+                              config=VerticalSlashConfig(block_size=32, last_q=32), backend=backend)
+    with pytest.raises(ValueError, match="'vertical_slash.block_size' must be a multiple of 64, got 32"):
+        load_mtraining_config({"pattern": "vertical_slash", "kernel_backend": "triton",
+                               "vertical_slash": {"block_size": 32, "last_q": 32}})
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_backward_plans_built_in_forward_are_the_ones_the_backward_uses(deterministic):
     """The Triton sparse step kernel with prebuild=True builds each step's backward plans right after its
