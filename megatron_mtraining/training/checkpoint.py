@@ -323,9 +323,9 @@ def check_resume_optimizer(args, saved_args: dict, ckpt_dir: str) -> None:
                          f"--optimizer {saved}")
 
 
-#: what a load that does not fit raises: torch.distributed.checkpoint's CheckpointException (a BaseException,
-#: for a key the checkpoint lacks) included
 def _load_errors() -> tuple:
+    """What a load that does not fit raises: torch.distributed.checkpoint's ``CheckpointException`` (a
+    ``BaseException``, e.g. for a key the checkpoint lacks) included."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
