@@ -209,11 +209,8 @@ def test_build_long_context_data(tmp_path):
             for o in s["splits"]["heldout"]["order"][:3]] == ["prose", "docs", "code"]
 
 
-@pytest.mark.skipif(not (REPO_ROOT / "checkpoints" / "smollm2_135m" / "pretrain_flags.txt").is_file(),
-                    reason="needs the converted SmolLM2 checkpoint's flags (tools/convert_smollm2.py; git-ignored)")
 def test_build_long_context_data_names_a_tokenizer_that_does_not_load(tmp_path):
     import build_long_context_data as bl
-    import pytest
 
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
@@ -222,6 +219,8 @@ def test_build_long_context_data_names_a_tokenizer_that_does_not_load(tmp_path):
         bl.main(["--inputs", str(tmp_path / "c.jsonl"), "--tokenizer-model", str(bad), "--out-dir", str(tmp_path)])
 
 
+@pytest.mark.skipif(not (REPO_ROOT / "checkpoints" / "smollm2_135m" / "pretrain_flags.txt").is_file(),
+                    reason="needs the converted SmolLM2 checkpoint's flags (tools/convert_smollm2.py; git-ignored)")
 def test_shell_scripts_dry_run():
     """examples/long_context/*.sh print consistent pretrain / eval commands (RoPE base per checkpoint)."""
     import os
