@@ -319,18 +319,19 @@ class MTrainingConfig:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _ConfigError(f"'kernel_backend' must be one of {', '.join(KERNEL_BACKENDS)}, "
                                f"got {self.kernel_backend!r}")
-        bs = self.vertical_slash.block_size
-        if self.pattern == "vertical_slash" and bs % SPARSE_TILE and (self.kernel_backend in ("triton", "fa4")
-                                                                     or self.cuda_graphs):
-            what, other = ((f"'kernel_backend: {self.kernel_backend}'", "kernel_backend: torch")
-                           if self.kernel_backend != "auto" else ("'cuda_graphs: true'", "cuda_graphs: false"))
-            raise _ConfigError(f"{what} runs the sparse pattern on the Triton kernels, whose tiles are {SPARSE_TILE} "
-                               f"tokens: 'vertical_slash.block_size' must be a multiple of {SPARSE_TILE}, got {bs} "
-                               f"(or use {other})")
         if self.kernel_backend == "sdpa" and self.pattern == "vertical_slash":
             raise _ConfigError("'kernel_backend: sdpa' has no sparse kernels (SDPA runs dense causal attention at "
                                "context-parallel size 1), but 'pattern' is 'vertical_slash'; use kernel_backend "
                                "auto, triton, fa4 or torch")
+        bs = self.vertical_slash.block_size
+        triton = self.kernel_backend in ("triton", "fa4")
+        if self.pattern == "vertical_slash" and bs % SPARSE_TILE and (triton or self.cuda_graphs):
+            what = f"'kernel_backend: {self.kernel_backend}'" if triton else "'cuda_graphs: true'"
+            other = ("cuda_graphs: false and kernel_backend: auto or torch" if self.cuda_graphs
+                     else "kernel_backend: torch")
+            raise _ConfigError(f"{what} runs the sparse pattern on the Triton kernels, whose tiles are {SPARSE_TILE} "
+                               f"tokens: 'vertical_slash.block_size' must be a multiple of {SPARSE_TILE}, got {bs} "
+                               f"(or use {other})")
         if self.columns not in COLUMN_SCHEDULES:
             raise _ConfigError(f"'columns' must be one of {', '.join(COLUMN_SCHEDULES)}, got {self.columns!r}")
         if self.columns != "in_ring" and self.pattern != "vertical_slash":
@@ -663,7 +664,9 @@ def _from_mapping(d: Mapping[str, Any]) -> MTrainingConfig:
     pattern = d.get("pattern", MTrainingConfig.pattern)
     impl = d.get("implementation", MTrainingConfig.implementation)
     if impl == "zigzag" and "granularity" in d:
-        raise _ConfigError(_ZIGZAG_GRANULARITY_RULE.format(g=d["granularity"]))
+        g = d["granularity"]
+        raise _ConfigError(_ZIGZAG_GRANULARITY_RULE.format(g=g) if g is not None else
+                           _ZIGZAG_GRANULARITY_RULE.replace("'granularity: {g}'", "'granularity'"))
     vs = d.get("vertical_slash")
     vs = vs if isinstance(vs, VerticalSlashConfig) else _section(d, "vertical_slash")
     if vs is not None:

@@ -43,15 +43,15 @@ from megatron_mtraining.bench.cli import int_list, nonnegative_int, positive_int
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lengths", type=int_list(64), default="32768",
-                   help="comma-separated sequence lengths (multiples of 64)")
+    p.add_argument("--seq-lengths", type=int_list(), default="32768",
+                   help="comma-separated sequence lengths (multiples of 64 for the Triton kernels)")
     p.add_argument("--heads", type=positive_int, default=9)
     p.add_argument("--kv-heads", type=positive_int, default=3)
     p.add_argument("--head-dim", type=positive_int, default=64)
     p.add_argument("--mtraining-config", required=True, help="a YAML config with pattern: vertical_slash")
     p.add_argument("--modes", default="sparse,graphs,dense", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--inputs", choices=("random", "structured"), default="structured")
-    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    p.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     p.add_argument("--warmup", type=nonnegative_int, default=3)
     p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -150,8 +150,13 @@ def main(argv=None) -> int:
         parser.error(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads} (GQA)")
     import torch
 
-    if a.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    if a.device is not None:
+        try:
+            dev = torch.device(a.device)
+        except RuntimeError as e:
+            parser.error(f"--device {a.device}: {e}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {a.device}: no CUDA device here")
 
     from megatron_mtraining.bench import result_record, write_json
     from megatron_mtraining.config import load_mtraining_config

@@ -409,12 +409,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
     apply_mtraining_config(args, cp)          # mtraining: the layout rules are checked there
-    if args.mtraining is not None and args.mtraining.cuda_graphs:
-        import torch
-
-        if not torch.cuda.is_available():       # training captures the sparse layers on the GPU
-            raise E(f"--mtraining-config {args.mtraining_config}: 'cuda_graphs: true' captures CUDA graphs and "
-                    "this machine has no CUDA device; set cuda_graphs: false")
     if args.mtraining is None:                 # te: apply_mtraining_config gave the granularity its default
         try:
             Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)

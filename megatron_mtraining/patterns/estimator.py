@@ -273,7 +273,7 @@ class VerticalSlashPattern:
         return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count)
 
     def check(self) -> None:
-        """Validate a hand-built pattern (one host synchronisation): int64 ``[b, hq, n]`` lists, every entry
+        """Validate a hand-built pattern (one host synchronisation): integer ``[b, hq, n]`` lists, every entry
         ``-1`` (padding) or in range (slash offsets in ``[0, S / bs)``, vertical positions in ``[0, S)``), and
         the vertical positions of each row distinct: the conversion lists a repeated column twice and the
         kernels would count it twice. Order and repeated slash offsets do not change the mask. The
@@ -286,9 +286,9 @@ class VerticalSlashPattern:
             raise ValueError(f"VerticalSlashPattern: seq_len {self.seq_len} must be a positive multiple of "
                              f"block_size {self.block_size}")
         for name, x, hi in (("slash", self.slash, self.num_blocks), ("vertical", self.vertical, self.seq_len)):
-            if x.dtype != torch.int64 or x.dim() != 3 or x.shape[:2] != self.slash.shape[:2]:
-                raise ValueError(f"VerticalSlashPattern: {name} must be int64 [b, hq, n] (the slash list's b, hq), "
-                                 f"got {tuple(x.shape)} {x.dtype}")
+            if x.dtype not in (torch.int64, torch.int32) or x.dim() != 3 or x.shape[:2] != self.slash.shape[:2]:
+                raise ValueError(f"VerticalSlashPattern: {name} must be an int64 (or int32) [b, hq, n] tensor (the "
+                                 f"slash list's b, hq), got {tuple(x.shape)} {x.dtype}")
             if not bool(((x == -1) | ((x >= 0) & (x < hi))).all()):
                 raise ValueError(f"VerticalSlashPattern: {name} entries must be -1 (padding) or in [0, {hi})")
         v = self.vertical.sort(dim=-1).values

@@ -332,9 +332,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                                   "pattern run on the torch or Triton sparse step kernels; the FA4 sparse kernels "
                                   "have no document mask (use kernel_backend 'auto', 'triton' or 'torch')")
     if backend.triton_steps and config.block_size % SPARSE_TILE:
-        raise ValueError(f"kernel_backend={backend.name!r} runs the sparse pattern on the Triton kernels, whose tiles "
-                         f"are {SPARSE_TILE} tokens: vertical_slash.block_size must be a multiple of {SPARSE_TILE}, "
-                         f"got {config.block_size} (or use kernel_backend 'torch')")
+        raise ValueError(f"the sparse kernels chosen for these inputs ({backend.name!r}) are the Triton kernels, "
+                         f"whose tiles are {SPARSE_TILE} tokens: vertical_slash.block_size must be a multiple of "
+                         f"{SPARSE_TILE}, got {config.block_size} (or use kernel_backend 'torch')")
     q, k, v = last_dim_contiguous(q, k, v)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale,

@@ -79,8 +79,8 @@ def test_missing_tokenizer_file(tiny, tmp_path):
 
 def test_unreadable_tokenizer_and_cuda_graphs_on_cpu_name_the_setting(tiny, tmp_path):
     """A tokenizer file that does not load names --tokenizer-model and the type (not the loader's bare
-    error); cuda_graphs: true on a machine without CUDA is an argument error, not a failure at the first
-    forward."""
+    error); cuda_graphs: true on a run without CUDA is refused where the run starts, not at the first
+    forward, while the arguments still validate (a Slurm dry run checks them on a login node)."""
     from types import SimpleNamespace
 
     from megatron_mtraining.training.build import build_tokenizer
@@ -97,9 +97,9 @@ def test_unreadable_tokenizer_and_cuda_graphs_on_cpu_name_the_setting(tiny, tmp_
     if not torch.cuda.is_available():
         cfg = tmp_path / "graphs.yaml"
         cfg.write_text("pattern: vertical_slash\ncuda_graphs: true\n")
-        with pytest.raises(ArgumentValidationError, match=r"'cuda_graphs: true' captures CUDA graphs and this machine "
-                                                          r"has no CUDA device"):
-            _validate(tiny, **{"--mtraining-config": str(cfg)})
+        assert _validate(tiny, **{"--mtraining-config": str(cfg)}).mtraining.cuda_graphs
+        res = run_python(SCRIPT, _argv(*tiny, **{"--mtraining-config": str(cfg)}), timeout=120)
+        _fails(res, "'cuda_graphs: true' captures CUDA graphs, and this run is on the cpu; set cuda_graphs: false")
 
 
 def test_help_does_not_import_torch():

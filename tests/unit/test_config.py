@@ -260,6 +260,24 @@ def test_zigzag_config_has_no_granularity(tmp_path):
     dump_mtraining_config(zz, tmp_path / "zz.yaml")
     assert load_mtraining_config(tmp_path / "zz.yaml") == zz
     assert load_mtraining_config({"granularity": 128}).to_dict()["granularity"] == 128    # striped keeps it
+    (tmp_path / "zz.yaml").write_text("implementation: zigzag\ngranularity:\n")           # the key with no value
+    with pytest.raises(ValueError, match=r"'granularity' applies to the striped layout only"):
+        load_mtraining_config(tmp_path / "zz.yaml")
+
+
+def test_triton_tile_rule_names_the_setting_and_a_way_out():
+    """A slash block size below the Triton tile with a setting that needs the Triton kernels names that setting
+    and an alternative that works; SDPA's own refusal (no sparse kernels) comes first."""
+    sparse = {"pattern": "vertical_slash", "vertical_slash": {"block_size": 32, "last_q": 32}}
+    for extra, needles in (({"kernel_backend": "triton"}, ("'kernel_backend: triton'", "use kernel_backend: torch")),
+                           ({"kernel_backend": "fa4", "cuda_graphs": True},
+                            ("'kernel_backend: fa4'", "cuda_graphs: false and kernel_backend: auto or torch")),
+                           ({"cuda_graphs": True}, ("'cuda_graphs: true'", "cuda_graphs: false")),
+                           ({"kernel_backend": "sdpa", "cuda_graphs": True}, ("'kernel_backend: sdpa' has no sparse",))):
+        with pytest.raises(ValueError) as e:
+            load_mtraining_config({**sparse, **extra})
+        assert all(n in str(e.value) for n in needles), (extra, str(e.value))
+    assert load_mtraining_config({**sparse, "kernel_backend": "torch"}).vertical_slash.block_size == 32
 
 
 def test_yaml_shapes_paths_and_run_arguments_get_named_errors(tmp_path):
