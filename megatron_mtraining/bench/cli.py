@@ -10,26 +10,24 @@ import math
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list"]
 
 
-def positive_int(text: str) -> int:
-    """An int ``>= 1``."""
-    try:
-        val = int(text)
-    except ValueError:
-        val = 0
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return val
+def _int_at_least(low: int):
+    """A type for an int ``>= low``."""
+    def parse(text: str) -> int:
+        try:
+            val = int(text)
+        except ValueError:
+            val = low - 1
+        if val < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return val
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An int ``>= 0``."""
-    try:
-        val = int(text)
-    except ValueError:
-        val = -1
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return val
+#: an int ``>= 1``
+positive_int = _int_at_least(1)
+#: an int ``>= 0``
+nonnegative_int = _int_at_least(0)
 
 
 def positive_float(text: str) -> float:
