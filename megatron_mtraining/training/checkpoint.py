@@ -407,14 +407,18 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
         return 0
     iteration = int(found)
     ckpt_dir = os.path.join(args.load, f"iter_{iteration:07d}")
+
+    def check_saved_args(saved: dict) -> None:       # the network, the data position and the optimizer
+        check_checkpoint_args(args, saved, vocab, ckpt_dir)
+        check_resume_position(args, saved, iteration, ckpt_dir)
+        check_resume_optimizer(args, saved, ckpt_dir)
+
     try:
         if args.ckpt_format == "torch_dist":
             from megatron.core import dist_checkpointing
 
             common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-            check_checkpoint_args(args, common.get("args", {}), vocab, ckpt_dir)
-            check_resume_position(args, common.get("args", {}), iteration, ckpt_dir)   # before any tensor is read
-            check_resume_optimizer(args, common.get("args", {}), ckpt_dir)
+            check_saved_args(common.get("args", {}))                                   # before any tensor is read
             model_sd = model.module.sharded_state_dict()
             # is_loading=True creates the optimizer's moments (zeros) for the checkpoint's to fill; a run saved
             # before its first optimizer step (fp16: the first updates are skipped while the loss scale comes
@@ -428,9 +432,7 @@ def load_checkpoint(args, model, optimizer, scheduler, vocab: Optional[int] = No
             saved_decisions = common.get(LAYER_DECISIONS_KEY)
         else:
             state = torch.load(os.path.join(ckpt_dir, _rank_file(args)), map_location="cpu", weights_only=False)
-            check_checkpoint_args(args, state.get("args", {}), vocab, ckpt_dir)
-            check_resume_position(args, state.get("args", {}), iteration, ckpt_dir)
-            check_resume_optimizer(args, state.get("args", {}), ckpt_dir)
+            check_saved_args(state.get("args", {}))
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             saved_schedule = state["opt_param_scheduler"]
