@@ -102,11 +102,11 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     import torch.distributed as dist
 
     device = init_distributed(args)
+    # checked where the run starts, not in the argument check: a Slurm dry run checks those on a login node
     cfg = getattr(args, "mtraining", None)
-    if cfg is not None and cfg.cuda_graphs and device.type != "cuda":      # checked where the run starts (a
+    if cfg is not None and cfg.cuda_graphs and device.type != "cuda":
         raise SystemExit(f"pretrain_gpt.py: error: --mtraining-config {args.mtraining_config}: 'cuda_graphs: "
-                         f"true' captures CUDA graphs, and this run is on the {device.type}; set "
-                         "cuda_graphs: false")                              # dry run may check on a login node)
+                         f"true' captures CUDA graphs, and this run is on the {device.type}; set cuda_graphs: false")
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
