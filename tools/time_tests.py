@@ -77,9 +77,26 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def load_record(out: Path) -> dict:
+    """The tests record at ``out`` (``{"runs": []}`` when there is none).
+
+    Raises:
+        ValueError: the file is not a JSON object with a ``runs`` list.
+    """
+    if not out.exists():
+        return {"runs": []}
+    try:
+        rec = json.loads(out.read_text())
+    except ValueError:
+        rec = None
+    if not isinstance(rec, dict) or not isinstance(rec.get("runs"), list):
+        raise ValueError("not a tests record (a JSON object with a 'runs' list)")
+    return rec
+
+
 def add_run(out: Path, run: dict) -> None:
     """Add ``run`` to the record at ``out`` (replacing a run with the same label)."""
-    rec = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    rec = load_record(out)
     rec["runs"] = [r for r in rec["runs"] if r["label"] != run["label"]] + [run]
     write_json(out, rec)
 
@@ -92,7 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="record file (default docs/results/tests.json)")
     ap.add_argument("--from-junit", type=Path, default=None,
                     help="record an earlier run from its pytest --junitxml file instead of running")
-    ap.add_argument("--wall-s", type=positive_float, default=None, help="with --from-junit: that run's wall time in seconds")
+    ap.add_argument("--wall-s", type=positive_float, default=None,
+                    help="with --from-junit: that run's wall time in seconds")
     ap.add_argument("--note", default=None, help="free text stored with the run (machine load, ...)")
     ap.add_argument("--commit", default=None, help="with --from-junit: the commit that run tested")
     ap.add_argument("--marker-counts", default=None,
@@ -104,22 +122,20 @@ def main(argv=None) -> int:
             markers = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.marker_counts.split(","))}
         except ValueError:
             ap.error(f"--marker-counts {args.marker_counts!r}: expected 'marker=N,...'")
-    if args.out.exists():
-        try:
-            rec = json.loads(args.out.read_text())
-            assert isinstance(rec, dict) and isinstance(rec.get("runs"), list)
-        except (ValueError, AssertionError):
-            ap.error(f"--out {args.out}: not a tests record (a JSON object with a 'runs' list)")
+    try:
+        load_record(args.out)                      # before the tests run, not after
+    except ValueError as e:
+        ap.error(f"--out {args.out}: {e}")
 
     if args.from_junit is not None:
         if args.wall_s is None:
             ap.error("--from-junit needs --wall-s")
         try:
             rows = rows_from_junit(args.from_junit)
-        except (OSError, ValueError) as e:          # ElementTree's ParseError is a SyntaxError subclass
-            ap.error(f"--from-junit {args.from_junit}: {e}")
-        except SyntaxError as e:
+        except ET.ParseError as e:
             ap.error(f"--from-junit {args.from_junit}: not a junit XML file ({e})")
+        except (OSError, ValueError) as e:
+            ap.error(f"--from-junit {args.from_junit}: {e}")
         if not rows:
             ap.error(f"--from-junit {args.from_junit}: no test cases in the file")
         rc, wall, command = None, args.wall_s, None
