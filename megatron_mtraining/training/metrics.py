@@ -91,11 +91,14 @@ class RunMetrics:
         ``skipped``: the optimizer skipped this update (a loss-scaled run: gradient overflow). With a loss
         scale (``--fp16``, or ``--bf16`` with ``--loss-scale``) the row has ``loss_scale`` (after this
         iteration's update) and ``skipped``, and the log line the number of skipped iterations since the
-        previous line, as Megatron-LM's."""
+        previous line, as Megatron-LM's; the line's ``lm loss`` averages the iterations whose update was
+        applied (none applied: no ``lm loss`` field), while the metrics file and TensorBoard have every
+        iteration's loss."""
         import torch
 
         args, gbs = self.args, self.args.global_batch_size
-        self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
+        if not skipped:                                # Megatron-LM's average leaves skipped updates out
+            self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
         self.acc_skipped += bool(skipped)
         scaled = args.fp16 or (getattr(args, "bf16", False) and getattr(args, "loss_scale", None) is not None)
         loss_scale = float(self.optimizer.get_loss_scale()) if scaled else None
@@ -131,11 +134,12 @@ class RunMetrics:
             tok_s = gbs * args.seq_length / t_it / args.world_size
             tflops = self.flops_iter / t_it / args.world_size / 1e12
             gn = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
+            lm = f" lm loss: {self.acc_loss / self.acc_n:.6E} |" if self.acc_n else ""
             scale = (f" loss scale: {loss_scale:.1f} | number of skipped iterations: {self.acc_skipped:3d} |"
                      if loss_scale is not None else "")
             log0(f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
                  f" consumed samples: {iteration * gbs:12d} | elapsed time per iteration (ms): {t_it * 1000:.1f} |"
-                 f" learning rate: {lr:.6E} | global batch size: {gbs:5d} | lm loss: {self.acc_loss / self.acc_n:.6E} |"
+                 f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |{lm}"
                  f"{scale}{gn} tokens/s/GPU: {tok_s:.1f} | TFLOP/s/GPU: {tflops:.2f} |"
                  + (f" attention kept: {sum(self.acc_kept) / len(self.acc_kept):.3f} |" if self.acc_kept else ""))
             self._reset()

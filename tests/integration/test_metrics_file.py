@@ -85,3 +85,31 @@ def test_sparse_layers_kept_work_is_logged(tmp_path, capsys):
     assert "attention_kept" not in rows[2]
     lines = [x for x in capsys.readouterr().out.splitlines() if "iteration" in x]
     assert "attention kept: 0.250 |" in lines[0] and "attention kept" not in lines[1], lines
+
+
+def test_log_line_loss_leaves_skipped_updates_out(tmp_path, capsys):
+    """With a loss scale, the log line averages the loss of the iterations whose update was applied
+    (Megatron-LM's training log) and omits it when every update of the interval was skipped; the metrics
+    file keeps every iteration's loss. The negative control is the applied interval (both losses)."""
+    class Scaler:
+        def get_loss_scale(self):
+            return torch.tensor(1024.0)
+
+    path = tmp_path / "m.jsonl"
+    args = _args(path)
+    args.log_interval, args.fp16 = 2, True
+    m = RunMetrics(args, 1.0, torch.device("cpu"), optimizer=Scaler(), rank0=True)
+    m.iteration(1, 9.0, None, 1e-3, 16, 0.5, skipped=True)
+    m.iteration(2, 3.0, 0.1, 1e-3, 16, 0.5)
+    m.iteration(3, 8.0, None, 1e-3, 16, 0.5, skipped=True)
+    m.iteration(4, 7.0, None, 1e-3, 16, 0.5, skipped=True)
+    m.iteration(5, 2.0, 0.1, 1e-3, 16, 0.5)
+    m.iteration(6, 4.0, 0.1, 1e-3, 16, 0.5)
+    m.close()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "iteration " in x]
+    assert len(lines) == 3
+    assert "lm loss: 3.000000E+00 |" in lines[0] and "number of skipped iterations:   1" in lines[0]
+    assert "lm loss" not in lines[1] and "number of skipped iterations:   2" in lines[1]
+    assert "lm loss: 3.000000E+00 |" in lines[2] and "number of skipped iterations:   0" in lines[2]
+    assert [r["lm_loss"] for r in _rows(path)] == [9.0, 3.0, 8.0, 7.0, 2.0, 4.0]
+    assert [r["skipped"] for r in _rows(path)] == [True, False, True, True, False, False]
