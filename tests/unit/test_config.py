@@ -34,6 +34,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "long_context_r095.yaml": ("striped", "vertical_slash", 0.95, 64),
     "long_context_r098.yaml": ("striped", "vertical_slash", 0.98, 64),
     "long_context_r098_auto.yaml": ("striped", "vertical_slash", 0.98, 64),
+    "long_context_r098_graphs.yaml": ("striped", "vertical_slash", 0.98, 64),
     "fa4_128k.yaml": ("striped", "vertical_slash", 0.9, 128),
     "packed_documents_r090.yaml": ("striped", "vertical_slash", 0.9, 64),
 }
@@ -72,6 +73,13 @@ def test_the_auto_config_is_r098_with_the_measured_layer_policy():
     auto, fixed = (load_mtraining_config(ROOT / "configs" / n) for n in ("long_context_r098_auto.yaml",
                                                                          "long_context_r098.yaml"))
     assert auto.auto_dense_layers and dataclasses.replace(auto, auto_dense_layers=False) == fixed
+
+
+def test_the_graphs_config_is_r098_with_cuda_graphs_on_the_triton_kernels():
+    graphs, fixed = (load_mtraining_config(ROOT / "configs" / n) for n in ("long_context_r098_graphs.yaml",
+                                                                           "long_context_r098.yaml"))
+    assert graphs.cuda_graphs and graphs.kernel_backend == "triton"
+    assert dataclasses.replace(graphs, cuda_graphs=False, kernel_backend="auto") == fixed
 
 
 def test_paper_main_run_settings():
