@@ -716,10 +716,11 @@ def front_door_problems(args: Any) -> list[str]:
     return problems
 
 
-def config_from_args(args: Any) -> MTrainingConfig:
+def config_from_args(args: Any, cuda: Optional[bool] = None) -> MTrainingConfig:
     """The checked config of a Megatron-LM style command line (both front doors).
 
-    Reads ``mtraining_config`` (path or ``None``), ``context_parallel_size``,
+    ``cuda``: whether the run is on CUDA (``None``: ``torch.cuda.is_available()``), for the
+    ``kernel_backend`` rules (:func:`kernel_backend_problem`). Reads ``mtraining_config`` (path or ``None``), ``context_parallel_size``,
     ``hierarchical_context_parallel_sizes``, ``seq_length``, ``num_layers`` and, without a config, ``cp_layout`` /
     ``cp_granularity``; applies :func:`front_door_problems` and
     :func:`~megatron_mtraining.config.config_for_run`.
@@ -749,7 +750,7 @@ def config_from_args(args: Any) -> MTrainingConfig:
     if cfg.cuda_graphs and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
                          + CUDA_GRAPHS_PIPELINE_RULE)
-    problem = kernel_backend_problem(args, cfg)
+    problem = kernel_backend_problem(args, cfg, cuda)
     if problem is not None:
         raise ValueError(problem)
     return cfg
@@ -758,7 +759,8 @@ def config_from_args(args: Any) -> MTrainingConfig:
 def kernel_backend_problem(args: Any, cfg: MTrainingConfig, cuda: Optional[bool] = None) -> Optional[str]:
     """Why the config's ``kernel_backend`` cannot run this command line's attention, or ``None``.
 
-    The run's device is CUDA when ``torch.cuda.is_available()`` (``cuda`` overrides it), else the
+    The run's device is CUDA when ``torch.cuda.is_available()`` (``cuda`` overrides it; ``cuda=True``
+    without a GPU here checks a GPU run's rules, taking Triton and FA4 as installed there), else the
     CPU; dtype from ``--bf16`` / ``--fp16`` (else fp32), head_dim from ``--kv-channels`` or
     ``--hidden-size / --num-attention-heads``, the local length ``--seq-length / CP``, the CP size,
     the pattern and ``--reset-attention-mask``:
@@ -773,8 +775,9 @@ def kernel_backend_problem(args: Any, cfg: MTrainingConfig, cuda: Optional[bool]
     def get(name: str) -> Any:
         return getattr(args, name, None)
 
+    here = torch.cuda.is_available()
     if cuda is None:
-        cuda = torch.cuda.is_available()
+        cuda = here
     heads, hidden = get("num_attention_heads"), get("hidden_size")
     head_dim = get("kv_channels") or (hidden // heads if hidden and heads else None)
     if head_dim is None:
@@ -786,7 +789,7 @@ def kernel_backend_problem(args: Any, cfg: MTrainingConfig, cuda: Optional[bool]
     error = kernel_backend_error(cfg.kernel_backend, device=device, dtype=dtype, head_dim=int(head_dim),
                                  seq_len_local=None if seq is None else int(seq) // cp, cp_size=cp,
                                  sparse=cfg.sparse,
-                                 packed=any(get(f) for f in DOCUMENT_MASK_FLAGS))
+                                 packed=any(get(f) for f in DOCUMENT_MASK_FLAGS), device_here=here or not cuda)
     if error is None:
         return None
     src = get("mtraining_config") or "the mtraining config"

@@ -340,7 +340,8 @@ print(c.implementation, *(c.hierarchical.sizes or ()))' "$MTRAINING_CONFIG") || 
 # DRY_RUN=1: the checks examples/pretrain_gpt.py makes before it starts
 # (megatron_mtraining.megatron.args.validate_args, with the launch's world size), so that a dry run
 # refuses what the ranks would refuse, e.g. a SEQ_LENGTH the CP layout cannot split. Transformer
-# Engine is taken as importable (the compute nodes may have it where the dry run does not). Another
+# Engine is taken as importable, and outside CPU mode the ranks as on CUDA with Triton (and FlashAttention-4
+# for kernel_backend: fa4) installed: the compute nodes may have them where the dry run does not. Another
 # PRETRAIN (a patched Megatron-LM pretrain_gpt.py) has its own rules: not checked here.
 mt_check_args() {
   if ! [ "$PRETRAIN" -ef "$MTRAINING_REPO/examples/pretrain_gpt.py" ]; then
@@ -355,11 +356,11 @@ def refuse(message):
     print(message)
     sys.exit(2)
 parser.error = refuse                     # one line (no usage) for the shell to report
-args = parser.parse_args(sys.argv[2:])
+args = parser.parse_args(sys.argv[3:])
 try:
-    validate_args(args, world_size=int(sys.argv[1]), te_importable=True)
+    validate_args(args, world_size=int(sys.argv[1]), te_importable=True, cuda=sys.argv[2] != "1")
 except ArgumentValidationError as e:
-    refuse(str(e))' "$WORLD" "${ARGS[@]}") \
+    refuse(str(e))' "$WORLD" "$MTRAINING_CPU" "${ARGS[@]}") \
     || mt_die "$(basename "$PRETRAIN") would refuse this command line (dry run): ${err:-its check failed (see above)}"
   mt_log "the arguments pass the checks of $(basename "$PRETRAIN") (world size $WORLD; dry run)"
 }

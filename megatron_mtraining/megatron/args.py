@@ -288,7 +288,8 @@ def _chunk_tokens(text: str):
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
-                  te_importable: Optional[bool] = None, check_files: bool = True) -> argparse.Namespace:
+                  te_importable: Optional[bool] = None, check_files: bool = True,
+                  cuda: Optional[bool] = None) -> argparse.Namespace:
     """Check and complete ``args`` in place (derived defaults, ``args.data_parallel_size`` ...).
 
     Args:
@@ -297,6 +298,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         te_importable: override Transformer Engine detection (tests).
         check_files: check the tokenizer, data and ``--load`` paths (``False``: tools that feed the
             model synthetic tokens, e.g. ``tools/profile_step.py``).
+        cuda: whether the ranks run on CUDA (``None``: ``torch.cuda.is_available()`` here), for the
+            config's ``kernel_backend`` rules; ``True`` on a machine without a GPU checks a GPU launch
+            (the Slurm scripts' dry run on a login node).
 
     Returns:
         ``args`` with ``ffn_hidden_size``, ``kv_channels``, ``max_position_embeddings``,
@@ -408,7 +412,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                     "use --cp-attention mtraining")
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise E("--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
-    apply_mtraining_config(args, cp)          # mtraining: the layout rules are checked there
+    apply_mtraining_config(args, cp, cuda=cuda)   # mtraining: the layout rules are checked there
     if args.mtraining is None:                 # te: apply_mtraining_config gave the granularity its default
         try:
             Layout(args.cp_layout, cp_size=cp, granularity=args.cp_granularity).check_seq_len(args.seq_length)
@@ -482,14 +486,14 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     return args
 
 
-def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -> None:
+def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None, cuda: Optional[bool] = None) -> None:
     """Resolve ``--mtraining-config`` / ``--hierarchical-context-parallel-sizes`` into ``args.mtraining``
     (a validated :class:`~megatron_mtraining.config.MTrainingConfig`, hierarchical sizes filled in;
     ``None`` with ``--cp-attention te``) and the layout flags (``cp_layout``, ``cp_granularity``).
 
     Part of :func:`validate_args`; tools that build a namespace from :func:`build_parser` without
     the data and tokenizer files call it directly. ``cp`` is the context-parallel size (default:
-    ``args.context_parallel_size``).
+    ``args.context_parallel_size``); ``cuda`` as for :func:`validate_args`.
 
     The rules are :func:`megatron_mtraining.plan.config_from_args`, shared with the Megatron-LM patch:
     without a config the run is the dense ring on ``--cp-layout``, and hierarchical sizes alone
@@ -526,7 +530,7 @@ def apply_mtraining_config(args: argparse.Namespace, cp: Optional[int] = None) -
         except (ValueError, OSError) as e:
             raise E(f"--mtraining-config: {e}") from None
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, cuda)
     except OSError as e:
         raise E(f"--mtraining-config: {e}") from None
     except ValueError as e:

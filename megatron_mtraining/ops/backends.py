@@ -334,7 +334,7 @@ def select_backend(name: str = "auto", *, device, dtype: torch.dtype, head_dim: 
 
 
 def kernel_backend_error(name: str, *, device, dtype: torch.dtype, head_dim: int, seq_len_local: Optional[int],
-                         cp_size: int, sparse: bool, packed: bool = False) -> Optional[str]:
+                         cp_size: int, sparse: bool, packed: bool = False, device_here: bool = True) -> Optional[str]:
     """What :func:`select_backend` would refuse for a run's shape, before the run starts, or ``None``.
 
     The same rules (device, dtype, head_dim, local length, CP size, sparse pattern, packed
@@ -342,9 +342,10 @@ def kernel_backend_error(name: str, *, device, dtype: torch.dtype, head_dim: int
     self-check runs at the first forward and falls back to Triton with a warning, never an error).
     The command-line front doors call it with the run's device (CUDA when available, else the CPU),
     so that e.g. ``kernel_backend: triton`` on a CPU run is an argument error, not a traceback at
-    the first forward."""
+    the first forward. ``device_here=False``: the run's device is not on this machine (a dry run of a
+    GPU launch on a login node): Triton and FA4 are taken as available there, the other rules checked."""
     device = torch.device(device)
-    if name == "fa4":
+    if name == "fa4" and device_here:
         problem = _fa4_problem(device, dtype, head_dim, None)
         if problem is not None:
             return (f"kernel_backend='fa4' cannot run these inputs: {problem} "
@@ -352,7 +353,8 @@ def kernel_backend_error(name: str, *, device, dtype: torch.dtype, head_dim: int
     try:
         select_backend(name, device=device, dtype=dtype, head_dim=head_dim, seq_len_local=seq_len_local,
                        cp_size=cp_size, sparse=sparse, packed=packed,
-                       fa4_available=True if name in ("fa4", "auto") else None)
+                       fa4_available=True if name in ("fa4", "auto") or not device_here else None,
+                       triton_available=None if device_here else True)
     except ValueError as e:
         return str(e)
     return None

@@ -147,6 +147,19 @@ def test_dry_run_ranks_follow_the_gpus_of_the_allocation(tiny_files, tmp_path):
     assert r.returncode != 0 and "4 GPUs but 2 tasks per node: submit with --ntasks-per-node=4" in r.stderr
 
 
+def test_dry_run_of_a_gpu_launch_on_a_machine_without_a_gpu(tiny_files, tmp_path):
+    """A login node has no GPU: the dry run checks the launch as the GPU ranks would, so a config on the
+    Triton kernels with CUDA graphs passes at one GPU (it was refused as a CPU run) and is refused at CP 2
+    (the graphs' own rule)."""
+    job = {"SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "1", "OUTPUT_DIR": str(tmp_path / "out"),
+           "EXIT_DURATION_MINS": "0", "MTRAINING_CONFIG": "configs/long_context_r098_graphs.yaml"}
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", SLURM_GPUS_ON_NODE="1", **job)
+    assert "--mtraining-config configs/long_context_r098_graphs.yaml" in _launch_line(r)
+    r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", SLURM_GPUS_ON_NODE="2",
+                 **{**job, "SLURM_NTASKS_PER_NODE": "2"})
+    assert r.returncode == 1 and "'cuda_graphs: true' needs context-parallel size 1" in r.stderr, r.stdout + r.stderr
+
+
 def test_dry_run_outputs_outside_the_repository_and_load_when_a_checkpoint_exists(tiny_files, tmp_path):
     job = {"SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "EXIT_DURATION_MINS": "0"}
     r = _dry_run(tiny_files, tmp_path, "train_single_node.sbatch", **job)            # no OUTPUT_DIR, no SCRATCH: $HOME

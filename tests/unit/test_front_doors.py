@@ -34,11 +34,11 @@ def _config(tmp_path, backend: str, extra: str = "") -> str:
     return str(path)
 
 
-def _trainer(config: str, cp: int = 1, *flags: str):
+def _trainer(config: str, cp: int = 1, *flags: str, cuda=None):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
             "--train-iters", "1", "--lr", "0", "--context-parallel-size", str(cp), "--mtraining-config", config,
             *flags]
-    return validate_args(build_parser().parse_args(argv), world_size=cp, check_files=False)
+    return validate_args(build_parser().parse_args(argv), world_size=cp, check_files=False, cuda=cuda)
 
 
 def _megatron_lm(config: str, cp: int = 1, **kw):
@@ -86,3 +86,17 @@ def test_backends_the_run_can_use_pass(cpu_run, tmp_path, monkeypatch):
 
     if triton_importable():
         assert kernel_backend_problem(args, cfg.__class__(kernel_backend="triton"), cuda=False) is None
+
+
+def test_a_gpu_launch_checked_on_a_machine_without_a_gpu(cpu_run, tmp_path):
+    """``validate_args(cuda=True)`` (the Slurm scripts' dry run of a GPU launch on a login node) takes
+    Triton and FA4 as installed on the ranks' GPUs and still applies the rules that do not depend on
+    them; ``cuda=False`` is the CPU run of the cases above (negative control)."""
+    for backend in ("triton", "fa4"):
+        assert _trainer(_config(tmp_path, backend), 1, "--bf16", cuda=True).mtraining.kernel_backend == backend
+        with pytest.raises(ArgumentValidationError, match=f"'kernel_backend' '{backend}' on this cpu run"):
+            _trainer(_config(tmp_path, backend), 1, "--bf16", cuda=False)
+    with pytest.raises(ArgumentValidationError, match="head_dim 96 is not supported"):
+        _trainer(_config(tmp_path, "triton"), 1, "--bf16", "--kv-channels", "96", cuda=True)
+    with pytest.raises(ArgumentValidationError, match="runs dense attention at cp_size 1 only"):
+        _trainer(_config(tmp_path, "sdpa"), 2, "--bf16", cuda=True)
