@@ -171,7 +171,14 @@ def run_pretrain(argv: list[str], stop_iter: Optional[int], budget_s: Optional[f
 
 def main(argv: Optional[list[str]] = None) -> int:
     t_process = time.time()
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    flags_file = Path(a.base_flags or Path(a.base) / "pretrain_flags.txt")
+    if a.base_flags and not flags_file.is_file():
+        parser.error(f"--base-flags {a.base_flags}: not a file")
+    if not flags_file.is_file():
+        parser.error(f"--base {a.base}: no pretrain_flags.txt there; convert the model first "
+                     f"(python tools/convert_smollm2.py --gguf GGUF --out {a.base}) or give --base-flags")
     rd = run_dir(a)
     done = tracker_iteration(rd)
     if done is not None and done != "release" and int(done) >= a.train_iters:

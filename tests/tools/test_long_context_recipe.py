@@ -144,6 +144,17 @@ def test_dry_run_and_rope_base(tmp_path, capsys):
     assert cmd[cmd.index("--load") + 1] == str(rd) and "--mtraining-config" not in cmd and "--bf16" not in cmd
 
 
+
+def test_a_missing_base_is_named(tmp_path, capsys):
+    """No converted checkpoint at --base (or a --base-flags that is not a file): an argument error naming it
+    and the conversion, before anything runs (it was a FileNotFoundError traceback, dry run or not)."""
+    for extra, needle in (([], f"--base {tmp_path}: no pretrain_flags.txt there; convert the model first"),
+                          (["--base-flags", str(tmp_path / "f.txt")], f"--base-flags {tmp_path / 'f.txt'}: not a file")):
+        with pytest.raises(SystemExit) as e:
+            ec.main(["--mode", "dense", "--base", str(tmp_path), "--save-root", str(tmp_path / "r"), "--dry-run", *extra])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
 # ------------------------------------------------------------------------------------- data
 def _tiny_tokenizer_json(path: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
