@@ -340,8 +340,9 @@ print(c.implementation, *(c.hierarchical.sizes or ()))' "$MTRAINING_CONFIG") || 
 # DRY_RUN=1: the checks examples/pretrain_gpt.py makes before it starts
 # (megatron_mtraining.megatron.args.validate_args, with the launch's world size), so that a dry run
 # refuses what the ranks would refuse, e.g. a SEQ_LENGTH the CP layout cannot split. Transformer
-# Engine is taken as importable, and outside CPU mode the ranks as on CUDA with Triton (and FlashAttention-4
-# for kernel_backend: fa4) installed: the compute nodes may have them where the dry run does not. Another
+# Engine is taken as importable, and outside CPU mode the ranks as on CUDA; on a machine without a GPU,
+# with Triton and FlashAttention-4 installed (their dtype, head_dim and length rules checked): the compute
+# nodes may have them where the dry run does not. Another
 # PRETRAIN (a patched Megatron-LM pretrain_gpt.py) has its own rules: not checked here.
 mt_check_args() {
   if ! [ "$PRETRAIN" -ef "$MTRAINING_REPO/examples/pretrain_gpt.py" ]; then

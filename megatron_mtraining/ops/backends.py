@@ -343,10 +343,16 @@ def kernel_backend_error(name: str, *, device, dtype: torch.dtype, head_dim: int
     The command-line front doors call it with the run's device (CUDA when available, else the CPU),
     so that e.g. ``kernel_backend: triton`` on a CPU run is an argument error, not a traceback at
     the first forward. ``device_here=False``: the run's device is not on this machine (a dry run of a
-    GPU launch on a login node): Triton and FA4 are taken as available there, the other rules checked."""
+    GPU launch on a login node): Triton and FA4 are taken as installed there (their dtype, head_dim and
+    length rules still checked; not FA4's compute capability)."""
     device = torch.device(device)
-    if name == "fa4" and device_here:
-        problem = _fa4_problem(device, dtype, head_dim, None)
+    if name == "fa4":
+        if device_here:
+            problem = _fa4_problem(device, dtype, head_dim, None)
+        else:
+            from .fa4 import fa4_shape_problem
+
+            problem = fa4_shape_problem(dtype, head_dim)
         if problem is not None:
             return (f"kernel_backend='fa4' cannot run these inputs: {problem} "
                     "(use kernel_backend='auto', 'triton' or 'torch')")

@@ -65,6 +65,7 @@ __all__ = [
     "plan_step",
     "sparsity_from_indices",
     "fa4_unavailable_reason",
+    "fa4_shape_problem",
     "fa4_forward",
     "fa4_backward",
     "fa4_attention",
@@ -279,11 +280,17 @@ def fa4_unavailable_reason(device=None, dtype: Optional[torch.dtype] = None,
     major = torch.cuda.get_device_capability(dev)[0]
     if major not in (9, 10):
         return f"FA4 needs compute capability 9.x (Hopper) or 10.x (Blackwell), got {major}.x"
+    return fa4_shape_problem(dtype, head_dim) or _import_error()
+
+
+def fa4_shape_problem(dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> Optional[str]:
+    """The rules of :func:`fa4_unavailable_reason` that do not depend on the machine: dtype bf16 or
+    fp16, head_dim 64, 96 or 128 (``None``: not checked). ``None`` when they hold, else the reason."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         return f"FA4 needs bf16 or fp16 inputs, got {dtype}"
     if head_dim is not None and head_dim not in (64, 96, 128):
         return f"FA4 is used for head_dim 64, 96 or 128, got {head_dim}"
-    return _import_error()
+    return None
 
 
 def _bsparse(cnt: torch.Tensor, idx: torch.Tensor):

@@ -93,10 +93,16 @@ def test_a_gpu_launch_checked_on_a_machine_without_a_gpu(cpu_run, tmp_path):
     Triton and FA4 as installed on the ranks' GPUs and still applies the rules that do not depend on
     them; ``cuda=False`` is the CPU run of the cases above (negative control)."""
     for backend in ("triton", "fa4"):
-        assert _trainer(_config(tmp_path, backend), 1, "--bf16", cuda=True).mtraining.kernel_backend == backend
+        ok = _trainer(_config(tmp_path, backend), 1, "--bf16", "--kv-channels", "64", cuda=True)
+        assert ok.mtraining.kernel_backend == backend
         with pytest.raises(ArgumentValidationError, match=f"'kernel_backend' '{backend}' on this cpu run"):
-            _trainer(_config(tmp_path, backend), 1, "--bf16", cuda=False)
+            _trainer(_config(tmp_path, backend), 1, "--bf16", "--kv-channels", "64", cuda=False)
     with pytest.raises(ArgumentValidationError, match="head_dim 96 is not supported"):
         _trainer(_config(tmp_path, "triton"), 1, "--bf16", "--kv-channels", "96", cuda=True)
+    # FA4's dtype and head_dim rules do not depend on the machine: checked without a GPU too
+    with pytest.raises(ArgumentValidationError, match="FA4 is used for head_dim 64, 96 or 128, got 16"):
+        _trainer(_config(tmp_path, "fa4"), 1, "--bf16", cuda=True)
+    with pytest.raises(ArgumentValidationError, match="FA4 needs bf16 or fp16 inputs, got torch.float32"):
+        _trainer(_config(tmp_path, "fa4"), 1, "--kv-channels", "64", cuda=True)
     with pytest.raises(ArgumentValidationError, match="runs dense attention at cp_size 1 only"):
         _trainer(_config(tmp_path, "sdpa"), 2, "--bf16", cuda=True)
