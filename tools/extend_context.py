@@ -173,17 +173,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     t_process = time.time()
     parser = build_parser()
     a = parser.parse_args(argv)
+    rd = run_dir(a)
+    done = tracker_iteration(rd)
+    if done is not None and done != "release" and int(done) >= a.train_iters:
+        print(f" > extend_context: {rd} is finished (iteration {done} of {a.train_iters}); nothing to do")
+        return 0
     flags_file = Path(a.base_flags or Path(a.base) / "pretrain_flags.txt")
     if a.base_flags and not flags_file.is_file():
         parser.error(f"--base-flags {a.base_flags}: not a file")
     if not flags_file.is_file():
         parser.error(f"--base {a.base}: no pretrain_flags.txt there; convert the model first "
                      f"(python tools/convert_smollm2.py --gguf GGUF --out {a.base}) or give --base-flags")
-    rd = run_dir(a)
-    done = tracker_iteration(rd)
-    if done is not None and done != "release" and int(done) >= a.train_iters:
-        print(f" > extend_context: {rd} is finished (iteration {done} of {a.train_iters}); nothing to do")
-        return 0
     load = str(rd) if done is not None else a.base
     # before torch is imported: fragmentation at long sequences (an out-of-memory at 256K end to end without it)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

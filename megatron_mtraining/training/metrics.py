@@ -91,13 +91,13 @@ class RunMetrics:
         ``skipped``: the optimizer skipped this update (a loss-scaled run: gradient overflow). With a loss
         scale (``--fp16``, or ``--bf16`` with ``--loss-scale``) the row has ``loss_scale`` (after this
         iteration's update) and ``skipped``, and the log line the number of skipped iterations since the
-        previous line, as Megatron-LM's; the line's ``lm loss`` averages the iterations whose update was
-        applied (none applied: no ``lm loss`` field), while the metrics file and TensorBoard have every
-        iteration's loss."""
+        previous line, as Megatron-LM's. The line's ``lm loss`` averages the iterations whose update was
+        applied, as Megatron-LM's does (where none was, the line has no ``lm loss`` field); the metrics
+        file and TensorBoard have every iteration's loss."""
         import torch
 
         args, gbs = self.args, self.args.global_batch_size
-        if not skipped:                                # Megatron-LM's average leaves skipped updates out
+        if not skipped:                                # the average leaves skipped updates out
             self.acc_loss, self.acc_n = self.acc_loss + loss, self.acc_n + 1
         self.acc_skipped += bool(skipped)
         scaled = args.fp16 or (getattr(args, "bf16", False) and getattr(args, "loss_scale", None) is not None)

@@ -154,6 +154,12 @@ def test_a_missing_base_is_named(tmp_path, capsys):
             ec.main(["--mode", "dense", "--base", str(tmp_path), "--save-root", str(tmp_path / "r"), "--dry-run", *extra])
         assert e.value.code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    # a finished run needs no base: still nothing to do
+    rd = tmp_path / "r" / "dense_32k"
+    rd.mkdir(parents=True)
+    (rd / "latest_checkpointed_iteration.txt").write_text("120")
+    assert ec.main(["--mode", "dense", "--base", str(tmp_path), "--save-root", str(tmp_path / "r")]) == 0
+    assert "is finished (iteration 120 of 120); nothing to do" in capsys.readouterr().out
 
 # ------------------------------------------------------------------------------------- data
 def _tiny_tokenizer_json(path: Path) -> Path:
