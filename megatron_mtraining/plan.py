@@ -720,10 +720,10 @@ def config_from_args(args: Any, cuda: Optional[bool] = None) -> MTrainingConfig:
     """The checked config of a Megatron-LM style command line (both front doors).
 
     ``cuda``: whether the run is on CUDA (``None``: ``torch.cuda.is_available()``), for the
-    ``kernel_backend`` rules (:func:`kernel_backend_problem`). Reads ``mtraining_config`` (path or ``None``), ``context_parallel_size``,
-    ``hierarchical_context_parallel_sizes``, ``seq_length``, ``num_layers`` and, without a config, ``cp_layout`` /
-    ``cp_granularity``; applies :func:`front_door_problems` and
-    :func:`~megatron_mtraining.config.config_for_run`.
+    ``kernel_backend`` rules (:func:`kernel_backend_problem`). Reads ``mtraining_config`` (path or
+    ``None``), ``context_parallel_size``, ``hierarchical_context_parallel_sizes``, ``seq_length``,
+    ``num_layers`` and, without a config, ``cp_layout`` / ``cp_granularity``; applies
+    :func:`front_door_problems` and :func:`~megatron_mtraining.config.config_for_run`.
 
     Raises:
         ValueError: ``--cp-attention mtraining: ...`` listing the unsupported flags, or the
