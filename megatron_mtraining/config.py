@@ -70,7 +70,7 @@ __all__ = [
 
 IMPLEMENTATIONS = ("striped", "zigzag", "hierarchical")
 PATTERNS = ("dense", "vertical_slash")
-from megatron_mtraining.ops.backends import KERNEL_BACKENDS, SPARSE_TILE  # noqa: E402  (the one list of backend names)
+from megatron_mtraining.ops.backends import KERNEL_BACKENDS, TRITON_BLOCK  # noqa: E402  (the one list of backend names)
 
 _PREFIX = "mtraining config"
 _DEFAULT_GRANULARITY = 64
@@ -325,12 +325,12 @@ class MTrainingConfig:
                                "auto, triton, fa4 or torch")
         bs = self.vertical_slash.block_size
         triton = self.kernel_backend in ("triton", "fa4")
-        if self.pattern == "vertical_slash" and bs % SPARSE_TILE and (triton or self.cuda_graphs):
+        if self.pattern == "vertical_slash" and bs % TRITON_BLOCK and (triton or self.cuda_graphs):
             what = f"'kernel_backend: {self.kernel_backend}'" if triton else "'cuda_graphs: true'"
             other = ("cuda_graphs: false and kernel_backend: auto or torch" if self.cuda_graphs
                      else "kernel_backend: torch")
-            raise _ConfigError(f"{what} runs the sparse pattern on the Triton kernels, whose tiles are {SPARSE_TILE} "
-                               f"tokens: 'vertical_slash.block_size' must be a multiple of {SPARSE_TILE}, got {bs} "
+            raise _ConfigError(f"{what} runs the sparse pattern on the Triton kernels, whose tiles are {TRITON_BLOCK} "
+                               f"tokens: 'vertical_slash.block_size' must be a multiple of {TRITON_BLOCK}, got {bs} "
                                f"(or use {other})")
         if self.columns not in COLUMN_SCHEDULES:
             raise _ConfigError(f"'columns' must be one of {', '.join(COLUMN_SCHEDULES)}, got {self.columns!r}")

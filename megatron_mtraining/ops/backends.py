@@ -70,10 +70,8 @@ __all__ = ["KERNEL_BACKENDS", "TRITON_HEAD_DIMS", "TRITON_BLOCK", "KernelBackend
            "triton_unsupported", "kernel_backend_error"]
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "sdpa", "fa4")
-#: the Triton sparse kernels' tile in tokens: the slash block size of a pattern they run is a multiple of it
-SPARSE_TILE = 64
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-TRITON_BLOCK = 64        # query tile rows = key block width of the Triton kernels
+TRITON_BLOCK = 64        # query tile rows = key block width of the Triton kernels (slash block sizes: multiples)
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 

@@ -36,7 +36,7 @@ import torch
 from ..common import REGION_PLAN, plain_numbers, record_function, resolve_softmax_scale
 from ..distributed import comm_context, group_rank, wait_all
 from ..layout import Layout
-from ..ops.backends import SPARSE_TILE, KernelBackend
+from ..ops.backends import TRITON_BLOCK, KernelBackend
 from ..ops.sparse_reference import SparseStepKernel, sparse_attention_backward, sparse_attention_forward
 from ..patterns.convert import (check_block_layout, column_phase_indices, convert_pattern, local_block_ids,
                                 restrict_to_documents, without_columns)
@@ -331,10 +331,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         raise NotImplementedError("sparse_ring_attention: packed documents (document masks) with the vertical-slash "
                                   "pattern run on the torch or Triton sparse step kernels; the FA4 sparse kernels "
                                   "have no document mask (use kernel_backend 'auto', 'triton' or 'torch')")
-    if backend.triton_steps and config.block_size % SPARSE_TILE:
+    if backend.triton_steps and config.block_size % TRITON_BLOCK:
         raise ValueError(f"the sparse kernels chosen for these inputs ({backend.name!r}) are the Triton kernels, "
-                         f"whose tiles are {SPARSE_TILE} tokens: vertical_slash.block_size must be a multiple of "
-                         f"{SPARSE_TILE}, got {config.block_size} (or use kernel_backend 'torch')")
+                         f"whose tiles are {TRITON_BLOCK} tokens: vertical_slash.block_size must be a multiple of "
+                         f"{TRITON_BLOCK}, got {config.block_size} (or use kernel_backend 'torch')")
     q, k, v = last_dim_contiguous(q, k, v)
     pattern: VerticalSlashPattern = estimate_vertical_slash(q.detach(), k.detach(), layout=layout, group=group,
                                                             config=config, softmax_scale=scale,
