@@ -33,11 +33,9 @@ import json
 import sys
 import time
 
+from megatron_mtraining.bench.cli import int_list, nonnegative_int, positive_int
 
 MODES = ("sparse", "graphs", "dense")
-
-
-from megatron_mtraining.bench.cli import int_list, nonnegative_int, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
