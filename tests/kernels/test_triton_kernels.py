@@ -90,7 +90,7 @@ def test_sparse_matches_fp64_oracle(b, s, hq, hkv, d, dtype, causal):
     dq, dk, dv = sparse_attention_backward(dout, q, k, v, lse_g.float(), delta_g.float(), idx, scale,
                                            deterministic=True)
     _check_all((out, lse, dq, dk, dv), (o_ref, l_ref, dq_r, dk_r, dv_r), TOL[dtype])
-    # fast (atomic) mode: same numbers up to summation order
+    # fast mode (atomics where the launch parameters enable them): same numbers up to summation order
     dq2, dk2, dv2 = sparse_attention_backward(dout, q, k, v, lse_g.float(), delta_g.float(), idx, scale,
                                               deterministic=False)
     _check_all((dq2, dk2, dv2), (dq_r, dk_r, dv_r), TOL[dtype], names=("dq", "dk", "dv"))
@@ -498,8 +498,8 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
     """``KernelConfig.{fwd,dq,dkdv}_pair`` (two listed 64-key blocks, or two inverted-index entries, per
     step) and ``col_chunk=128``: the same cases as the single-block kernels against the fp64 oracle:
     local causal masks with GQA, columns and odd block counts (deterministic and fast backward; dQ by
-    atomics), and the position masks of dense ring steps."""
-    extra = dict(dq_atomic_fast=True, dq_tma=True) if "dq-atomic" in case else {}   # dq_tma: CUDA only
+    atomics; the columns' dK/dV by atomics, off by default), and the position masks of dense ring steps."""
+    extra = dict(dq_atomic_fast=True, dq_tma=True, col_atomic_fast=True) if "dq-atomic" in case else {}   # dq_tma: CUDA only
     monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **PAIRED, **extra))
     if case == "sparse-gqa-fp32":
         test_sparse_matches_fp64_oracle(1, 320, 4, 2, 64, torch.float32, True)
@@ -515,11 +515,12 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
 def test_tma_loads_match_fp64_oracle(monkeypatch, case):
     """``KernelConfig.tma_loads`` (listed K/V blocks and the dK/dV kernel's query tiles by tensor-descriptor
     loads): the single-block kernels' oracle cases, local causal masks with GQA, columns and odd block
-    counts, deterministic and fast backward, with dQ by atomics; and the descriptors are really built."""
+    counts, deterministic and fast backward, with dQ and the columns' dK/dV by atomics; and the descriptors are
+    really built."""
     built = []
     real = launch._tma_descriptors
     monkeypatch.setattr(launch, "_tma_descriptors", lambda *a: built.append(real(*a)) or built[-1])
-    extra = dict(dq_atomic_fast=True) if "dq-atomic" in case else {}
+    extra = dict(dq_atomic_fast=True, col_atomic_fast=True) if "dq-atomic" in case else {}
     monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, tma_loads=True, **extra))
     if case == "sparse-gqa-fp32":
         test_sparse_matches_fp64_oracle(1, 320, 4, 2, 64, torch.float32, True)

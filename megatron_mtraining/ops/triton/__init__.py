@@ -26,7 +26,10 @@ launches the kernels directly and keeps each step's plan from the forward to the
 Determinism: ``deterministic=True`` (default) uses no floating-point atomics anywhere: dQ is
 row-parallel, dK/dV of blocks column-parallel over an inverted block index (GQA heads summed in
 registers), dK/dV of vertical columns via per-split partials reduced in a fixed order. It is
-bitwise repeatable. ``deterministic=False`` adds the columns' dK/dV with fp32 atomics.
+bitwise repeatable. ``deterministic=False`` allows the fp32 atomics that the launch parameters
+enable (:class:`~megatron_mtraining.ops.triton.launch.KernelConfig` ``col_atomic_fast`` for the
+columns' dK/dV, ``dq_atomic_fast`` for the blocks' dQ); both are off by default (slower where
+measured), so by default both modes run the same kernels.
 """
 
 from __future__ import annotations

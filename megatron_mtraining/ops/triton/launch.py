@@ -840,10 +840,12 @@ class KernelConfig:
     col_warps: int = 4
     col_stages: int = 2
     dq_atomic_fast: bool = False   # fast mode: dQ of blocks by atomics in the dK/dV kernel
-    col_atomic_fast: bool = True   # fast mode: columns' dK/dV by atomics in the dQ kernel, without the
-                                   # deterministic column kernel and its plan (H200, SmolLM2 shape, plans
-                                   # included: 37 against 43 ms of kernels per 128K layer; training
-                                   # 64K 3.94 against 4.09 s per iteration)
+    col_atomic_fast: bool = False  # fast mode: columns' dK/dV by atomics in the dQ kernel, without the
+                                   # deterministic column kernel and its plan. Off: slower on an H200
+                                   # since the column plans run on the GPU (fwd+bwd at 128K, 95 %: 50.3
+                                   # against 37.9 ms at d 128, 13.6 against 12.6 at d 64; SmolLM2-135M
+                                   # training 64K 3.64 against 3.57 s per iteration, 128K 4.09 against
+                                   # 3.98; 32K 3.01 against 3.05)
     column_split: bool = True      # run whole column chunks that every row sees without a mask
     pack_gqa: bool = True          # per-group indices (share_pattern kv_group): pack the query heads of a
                                    # group into one forward / dQ tile (each K/V tile loaded once for them)
@@ -931,9 +933,10 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     """Gradients through one sparse step given the *final* ``lse`` and ``delta = rowsum(dout*out)``.
 
     Returns fp32 ``(dq [b,sq,hq,d], dk [b,sk,hkv,d], dv [b,sk,hkv,d])``. ``deterministic=True``
-    uses no floating-point atomics (bitwise repeatable); ``False`` adds the vertical columns'
-    dK/dV (and, if ``config.dq_atomic_fast``, the blocks' dQ) with fp32 atomics. ``config`` and
-    ``stats``: as for :func:`sparse_forward`.
+    uses no floating-point atomics (bitwise repeatable); ``False`` lets ``config`` add the vertical
+    columns' dK/dV (``col_atomic_fast``) and the blocks' dQ (``dq_atomic_fast``) with fp32 atomics
+    (both off by default: slower where measured, so the default ``False`` runs the deterministic
+    kernels). ``config`` and ``stats``: as for :func:`sparse_forward`.
     """
     _check(q, k, v)
     cfg = config or DEFAULT_CONFIG
