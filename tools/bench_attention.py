@@ -14,7 +14,7 @@ All in one process, same inputs (bf16, batch 1, Qwen2.5-3B attention: 16 query h
 * ``ours``: :func:`megatron_mtraining.ops.triton.sparse_forward` / ``sparse_backward`` (plan built
   once, outside the timing; the time to build it as training does, from the block diagonals, is
   reported as ``prep_ms``, and from sorted lists as ``prep_sorted_ms``), deterministic backward
-  and the fast (atomic) one;
+  and the fast one (the same kernels unless the :class:`KernelConfig` enables atomics);
 * ``ours_dense``: the dense position-mask kernel on a causal shard (``--dense``);
 * ``fa4_dense``: FlashAttention-4 dense causal (``--impls ...,fa4``);
 * ``fa4_sparse128``: our sparse step at 128-token slash blocks: slash lines rounded up to the

@@ -55,7 +55,8 @@ def test_replays_equal_the_eager_call(deterministic):
             assert torch.isfinite(g).all(), name
             if deterministic:
                 assert torch.equal(g, e), f"seed {seed}: {name} differs from the eager call"
-            else:   # fp32 atomics in another order: within 2 bf16 ulps of the largest gradient
+            else:   # fast mode: atomics (where the launch parameters enable them) may sum in another order:
+                    # within 2 bf16 ulps of the largest gradient
                 err = float((g.float() - e.float()).abs().max() / e.float().abs().max())
                 assert err <= 2 ** -7, f"seed {seed}: {name} {err:.2e}"
         outs.append(graphed[0])

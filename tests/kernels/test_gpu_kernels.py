@@ -47,7 +47,8 @@ VARIANT_CASES = ("vs4k-90-d128", "vs4k-90-d64", "random1k-d128-past-diag", "vs4k
                  "dense-striped-cp4-r2o1-16k")
 VARIANTS = {"paired": dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, col_chunk=128),
             "dq-tma": dict(dq_atomic_fast=True, dq_tma=True, fwd_pair=True, dq_pair=True),
-            "pointer-loads": dict(tma_loads=False)}
+            "pointer-loads": dict(tma_loads=False),
+            "col-atomic": dict(col_atomic_fast=True)}
 
 
 @pytest.mark.gpu
@@ -55,7 +56,8 @@ VARIANTS = {"paired": dict(fwd_pair=True, dq_pair=True, dkdv_pair=True, col_chun
 @pytest.mark.parametrize("case", [c for c in gk.CASES if c.id in VARIANT_CASES], ids=lambda c: c.id)
 def test_launch_variant_on_gpu(monkeypatch, variant, case):
     """The launch variants other than the defaults (``KernelConfig`` paired loop steps, 128 columns
-    per step, dQ by bulk TMA reductions, pointer loads instead of the default tensor-descriptor loads)
+    per step, dQ by bulk TMA reductions, pointer loads instead of the default tensor-descriptor loads, the
+    columns' dK/dV by atomics)
     under the same criterion, on sparse and dense cases."""
     import dataclasses
 

@@ -6,9 +6,10 @@ group's query heads packed into one tile, or one program per head reading the gr
 of blocks and of vertical columns: the group's heads summed in registers). Checked against the
 fp64 masked attention of tests/workers/gpu_common.py with the indices repeated per query head:
 out, LSE, dQ, dK, dV separately, fp32 inputs, GQA group sizes 1, 3 and 4, causal and non-causal
-steps, deterministic and atomic backward; plus the negative control that a per-head reading of
-the same tensors gives different results. See tests/kernels/test_triton_kernels.py for why the
-interpreter is set here and how a pre-imported triton is handled.
+steps, deterministic and fast backward (the columns' dK/dV by atomics, ``col_atomic_fast``); plus the
+negative control that a per-head reading of the same tensors gives different results. See
+tests/kernels/test_triton_kernels.py for why the interpreter is set here and how a pre-imported triton
+is handled.
 """
 
 import dataclasses
@@ -85,7 +86,8 @@ _PACKINGS = {                                      # KernelConfig overrides: eve
 def test_kv_group_kernels_match_fp64(b, s, hq, hkv, d, causal, packing, monkeypatch):
     idx, (q, k, v, dout), scale, ref, (lse_g, delta_g) = _case(b, s, hq, hkv, d, causal, seed=hq * 10 + s + d)
     o_ref, l_ref, dq_r, dk_r, dv_r = ref
-    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **_PACKINGS[packing]))
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, col_atomic_fast=True,
+                                                                      **_PACKINGS[packing]))
     out, lse = sparse_attention_forward(q, k, v, idx, scale)
     errs = _errs((out, lse), (o_ref, l_ref), ("out", "lse"))
     for det in (True, False):

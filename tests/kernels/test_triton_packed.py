@@ -166,8 +166,13 @@ SPARSE_CASES = [   # (layout, rank, seq, b, hq, hkv, index heads)
 
 
 @pytest.mark.parametrize("layout, rank, seq, b, hq, hkv, ih", SPARSE_CASES)
-def test_triton_sparse_steps_with_documents_match_fp64_oracle(layout, rank, seq, b, hq, hkv, ih):
-    from megatron_mtraining.ops.triton import sparse_attention_backward, sparse_attention_forward
+def test_triton_sparse_steps_with_documents_match_fp64_oracle(layout, rank, seq, b, hq, hkv, ih, monkeypatch):
+    """The fast backward with the columns' dK/dV by atomics (``col_atomic_fast``), the deterministic one without."""
+    import dataclasses
+
+    from megatron_mtraining.ops.triton import launch, sparse_attention_backward, sparse_attention_forward
+
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, col_atomic_fast=True))
 
     gen = torch.Generator().manual_seed(seq + hq + rank)
     s_local = seq // layout.cp_size
@@ -346,6 +351,7 @@ def test_paired_blocks_with_documents_match_fp64_oracle(monkeypatch, case):
     paired = dataclasses.replace(launch.DEFAULT_CONFIG, fwd_pair=True, dq_pair=True, dkdv_pair=True)
     monkeypatch.setattr(launch, "DEFAULT_CONFIG", paired)
     if case.startswith("sparse"):
-        test_triton_sparse_steps_with_documents_match_fp64_oracle(Layout("striped", 1, 64), 0, 256, 2, 8, 2, 2)
+        test_triton_sparse_steps_with_documents_match_fp64_oracle(Layout("striped", 1, 64), 0, 256, 2, 8, 2, 2,
+                                                                  monkeypatch)
     else:
         test_triton_packed_steps_match_per_document_reference(Layout("zigzag", 2), [0, 5, 60, 61], [0, 8, 100, 128], 1)

@@ -12,7 +12,8 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
   ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block), sorted
   from the block lists, or for block diagonals (``diagonal``: the slash blocks of most layouts) written from
   each row's offsets by one kernel;
-* deterministic vertical-column side (built on the first deterministic backward): per query head
+* vertical-column side (built on the first backward that adds the columns by the column kernel, i.e.
+  unless ``KernelConfig.col_atomic_fast`` in the fast mode): per query head
   the union ``U`` of its columns (ascending), and per (query tile, 64-column chunk of ``U``) a
   64-bit mask of the columns the tile lists.
 
@@ -658,8 +659,8 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
                             config: Optional["KernelConfig"] = None, after=None) -> None:
     """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
 
-    The plans (the inverted block index in CSR form, and for the deterministic mode the column
-    union and its per-tile bit masks) take a few small torch ops and kernels that read only the listed
+    The plans (the inverted block index in CSR form, and unless the fast mode adds the columns by
+    atomics (``KernelConfig.col_atomic_fast``) the column union and its per-tile bit masks) take a few small torch ops and kernels that read only the listed
     slots (the inverted index of diagonal block lists, ``plan.diagonal``, from each row's offsets; of
     other lists by a sort of every listed block); where Triton does not run, about 75 torch ops and
     sorts over every slot of the indices. With ``plan.static`` (the
@@ -993,7 +994,7 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     ))
 
-    # 2) dQ (row-parallel); fast mode also adds the columns' dK/dV with atomics
+    # 2) dQ (row-parallel); with col_atomic_fast the fast mode also adds the columns' dK/dV with atomics
     bm = plan.row_block
     nqt = sq // bm
     col_atomic = plan.columns_by_atomics(deterministic, cfg)
