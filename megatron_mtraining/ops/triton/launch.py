@@ -843,9 +843,9 @@ class KernelConfig:
     dq_atomic_fast: bool = False   # fast mode: dQ of blocks by atomics in the dK/dV kernel
     col_atomic_fast: bool = False  # fast mode: columns' dK/dV by atomics in the dQ kernel, without the
                                    # deterministic column kernel and its plan. Off: slower on an H200
-                                   # since the column plans run on the GPU (fwd+bwd at 128K, 95 %: 50.3
-                                   # against 37.9 ms at d 128, 13.6 against 12.6 at d 64; SmolLM2-135M
-                                   # training 64K 3.64 against 3.57 s per iteration, 128K 4.09 against
+                                   # (fwd+bwd at 128K, 95 %, plans prebuilt: 50.3 against 37.9 ms at
+                                   # d 128, 13.6 against 12.6 at d 64; SmolLM2-135M training, plans
+                                   # included: 64K 3.64 against 3.57 s per iteration, 128K 4.09 against
                                    # 3.98; 32K 3.01 against 3.05)
     column_split: bool = True      # run whole column chunks that every row sees without a mask
     pack_gqa: bool = True          # per-group indices (share_pattern kv_group): pack the query heads of a

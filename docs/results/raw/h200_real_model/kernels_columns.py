@@ -3,7 +3,7 @@ with the columns' dK/dV by atomics in the dQ kernel (KernelConfig.col_atomic_fas
 the column kernel (col_atomic_fast=False). One GPU, bf16, batch 1, the SmolLM2-135M (9/3 x 64) and
 Qwen2.5-3B (16/2 x 128) attention shapes, 32K to 128K, 80 % and 95 % sparsity.
 
-    python docs/results/raw/h200_real_model/kernels_columns.py     # -> $OUT/colab.json (rows as kernels_columns.json)
+    python docs/results/raw/h200_real_model/kernels_columns.py     # -> $OUT/kernels_columns.json
 """
 import json
 import os
@@ -40,4 +40,4 @@ for s in (32768, 65536, 131072):
                 r[name] = measure(lambda: fwd_bwd(kern, q, k, v, do), budget_s=0.5, warmup=2, max_repeats=15).median_ms
             print(json.dumps(r), flush=True)
             rows.append(r)
-            json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "colab.json"), "w"), indent=1)
+            json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "kernels_columns.json"), "w"), indent=1)
