@@ -499,7 +499,8 @@ def test_paired_blocks_match_fp64_oracle(monkeypatch, case):
     step) and ``col_chunk=128``: the same cases as the single-block kernels against the fp64 oracle:
     local causal masks with GQA, columns and odd block counts (deterministic and fast backward; dQ by
     atomics; the columns' dK/dV by atomics, off by default), and the position masks of dense ring steps."""
-    extra = dict(dq_atomic_fast=True, dq_tma=True, col_atomic_fast=True) if "dq-atomic" in case else {}   # dq_tma: CUDA only
+    extra = (dict(dq_atomic_fast=True, dq_tma=True, col_atomic_fast=True)   # dq_tma: CUDA only
+             if "dq-atomic" in case else {})
     monkeypatch.setattr(launch, "DEFAULT_CONFIG", dataclasses.replace(launch.DEFAULT_CONFIG, **PAIRED, **extra))
     if case == "sparse-gqa-fp32":
         test_sparse_matches_fp64_oracle(1, 320, 4, 2, 64, torch.float32, True)

@@ -660,10 +660,10 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     """Build now the index plans that :func:`sparse_backward` of this step will need (cached on ``plan``).
 
     The plans (the inverted block index in CSR form, and unless the fast mode adds the columns by
-    atomics (``KernelConfig.col_atomic_fast``) the column union and its per-tile bit masks) take a few small torch ops and kernels that read only the listed
-    slots (the inverted index of diagonal block lists, ``plan.diagonal``, from each row's offsets; of
-    other lists by a sort of every listed block); where Triton does not run, about 75 torch ops and
-    sorts over every slot of the indices. With ``plan.static`` (the
+    atomics (``KernelConfig.col_atomic_fast``) the column union and its per-tile bit masks) take a few
+    small torch ops and kernels that read only the listed slots (the inverted index of diagonal block
+    lists, ``plan.diagonal``, from each row's offsets; of other lists by a sort of every listed block);
+    where Triton does not run, about 75 torch ops and sorts over every slot of the indices. With ``plan.static`` (the
     CUDA default, :func:`~megatron_mtraining.ops.triton.plan_for`) their sizes are host bounds and
     they read nothing back from the device; otherwise they read up to 1 (block index: ``nonzero``) plus
     3 (column plan: the union width, ``nonzero``, boolean indexing) values back. Built here, right after the forward kernel is launched, their host
