@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Triton 3.6 (installed) against Triton 3.9.0 (its wheel's NVIDIA backend unpacked in /tmp/t39) on the sparse kernels,
-# 128K, 95 %, one job on one GPU; then the unmasked loops warp-specialized under 3.9. $OUT: the output directory.
+# Triton 3.6 (installed with torch 2.11) against Triton 3.9.0 on the sparse kernels, 128K, 95 %, one job on one GPU;
+# then the unmasked loops warp-specialized under 3.9. $OUT: the output directory. /tmp/t39: the
+# triton-3.9.0-cp312 wheel unpacked there (python -m zipfile -e triton-3.9.0-*.whl /tmp/t39) without its AMD backend
+# and its ptxas-blackwell (hence TRITON_BACKENDS_IN_TREE=1 and TRITON_PTXAS_BLACKWELL_PATH below).
 nvidia-smi --query-gpu=name --format=csv,noheader; /tmp/t39/triton/backends/nvidia/bin/ptxas --version | tail -1
 b="--seqs 131072 --sparsity 0.95 --impls ours --budget 0.5"
 run() { local tag=$1; shift; local t0=$SECONDS; timeout 75 python tools/bench_attention.py --json $OUT/$tag.json $b "$@" > $OUT/$tag.log 2>&1; echo "$tag rc=$? $((SECONDS-t0))s"; grep -E "ours" $OUT/$tag.log | tail -4 | cut -c1-220; }
