@@ -1,4 +1,4 @@
-"""Experiment: warp-specialized Gluon forward over 64-token slash blocks (Hopper, Triton 3.9).
+"""Warp-specialized Gluon forward over 64-token slash blocks (Hopper, Triton 3.9).
 
 One program = two 64-row query tiles of one head (query blocks 2x+1 and 2x), each with its own block list.
 Partitions: consumer 0 (default, 4 warps), consumer 1 (4 warps), one producer warp per tile (TMA for Q, K, V
