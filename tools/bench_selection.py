@@ -139,17 +139,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="8192,32768,65536")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2,
+                    help="KV heads of the --estimate-seq count's k (a divisor of --heads)")
     ap.add_argument("--config", default=os.path.join(REPO, "configs", "e2e_sparse.yaml"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of the new conversion at each S")
     ap.add_argument("--estimate-seq", type=int, default=2048,
                     help="also count the whole estimate_vertical_slash (fp32 q [1, S, heads, 64], "
-                         "k [1, S, 2, 64]) at this S (0: skip)")
+                         "k [1, S, kv_heads, 64]) at this S (0: skip)")
     ap.add_argument("--estimate-impl", choices=("torch", "triton"), default="torch",
                     help="score implementation of that count (triton on the CPU: set TRITON_INTERPRET=1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+        ap.error(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads})")
 
     import torch
 
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
     est = None
     if args.estimate_seq:
         S = args.estimate_seq
-        q, k, _ = structured_qkv(S, args.heads, 2, 64, torch.device("cpu"), seed=S)
+        q, k, _ = structured_qkv(S, args.heads, args.kv_heads, 64, torch.device("cpu"), seed=S)
         q, k = q.float(), k.float()
         kw = dict(layout=layout, config=cfg, impl=args.estimate_impl)
         new, c_new = count_ops(lambda: E.estimate_vertical_slash(q, k, **kw))

@@ -19,3 +19,13 @@ def test_bench_selection_cpu_smoke(tmp_path):
     est = data["estimate"]
     assert est["estimate_new"]["syncs"] == 1 and est["estimate_new"]["h2d"] == 0
     assert "convert old ms" in res.stdout
+
+
+def test_bench_selection_refuses_heads_not_a_multiple_of_kv_heads(capsys):
+    import pytest
+
+    from tools.bench_selection import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--heads", "9", "--seqs", "512"])           # 9 query heads over the default 2 KV heads
+    assert exc.value.code == 2
+    assert "--heads (9) must be a positive multiple of --kv-heads (2)" in capsys.readouterr().err
