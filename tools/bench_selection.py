@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="8192,32768,65536")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=2,
-                    help="KV heads of the --estimate-seq count's k (a divisor of --heads)")
+                    help="KV heads of the --estimate-seq count's k (a divisor of --heads; checked when that "
+                         "count runs)")
     ap.add_argument("--config", default=os.path.join(REPO, "configs", "e2e_sparse.yaml"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
@@ -152,8 +153,9 @@ def main(argv=None) -> int:
                     help="score implementation of that count (triton on the CPU: set TRITON_INTERPRET=1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
-        ap.error(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads})")
+    if args.estimate_seq and (args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads):
+        ap.error(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads}) "
+                 f"for the --estimate-seq count")
 
     import torch
 
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
         new, c_new = count_ops(lambda: E.estimate_vertical_slash(q, k, **kw))
         old, c_old = count_ops(lambda: oracle.old_estimate_vertical_slash(q, k, **kw))
         oracle.assert_same_pattern(new, old, "estimate")
-        est = {"seq": S, "impl": args.estimate_impl, "estimate_old": c_old, "estimate_new": c_new}
+        est = {"seq": S, "heads": args.heads, "kv_heads": args.kv_heads, "impl": args.estimate_impl,
+               "estimate_old": c_old, "estimate_new": c_new}
 
     print(f"{'seq':>7} {'slash':>6} {'vert':>6} | {'select old ms':>13} {'new ms':>8} | {'convert old ms':>14} "
           f"{'new ms':>8}")
