@@ -153,7 +153,9 @@ def main(argv=None) -> int:
                     help="score implementation of that count (triton on the CPU: set TRITON_INTERPRET=1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.estimate_seq and (args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads):
+    if args.heads < 1 or args.kv_heads < 1:
+        ap.error(f"--heads ({args.heads}) and --kv-heads ({args.kv_heads}) must be positive")
+    if args.estimate_seq and args.heads % args.kv_heads:
         ap.error(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads}) "
                  f"for the --estimate-seq count")
 
