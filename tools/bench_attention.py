@@ -357,7 +357,58 @@ def prep_ms(idx, q_shape, k_shape, union: int, diagonal: bool = True):
 
 
 # ----------------------------------------------------------------------------- main
-def main():
+IMPLS = ("cudnn", "flex", "ours", "fa4")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _numbers(ap, flag: str, text: str, kind):
+    """The comma-separated values of ``flag`` as ``kind`` (int or float), or ``ap.error`` naming the flag."""
+    try:
+        vals = [kind(x) for x in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals:
+        ap.error(f"{flag} {text!r}: a comma-separated list of {'integers' if kind is int else 'numbers'} expected")
+    return vals
+
+
+def check_args(ap, args) -> None:
+    """``ap.error`` (exit 2) naming the flag of an argument the benchmark cannot run with."""
+    from megatron_mtraining.ops.backends import TRITON_HEAD_DIMS
+
+    impls = args.impls.split(",")
+    bad = [x for x in impls if x not in IMPLS]
+    if bad:
+        ap.error(f"--impls {args.impls!r}: unknown {bad}; choose from {', '.join(IMPLS)}")
+    for flag, val in (("--heads", args.heads), ("--kv-heads", args.kv_heads)):
+        if val < 1:
+            ap.error(f"{flag} must be >= 1, got {val}")
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    for d in _numbers(ap, "--head-dims", args.head_dims, int):
+        if d not in TRITON_HEAD_DIMS:
+            ap.error(f"--head-dims: {d} is not a head_dim the sparse kernels support "
+                     f"({', '.join(map(str, TRITON_HEAD_DIMS))})")
+    if not args.pattern_file:      # with a pattern file its seq_len is used and --seqs/--sparsity are ignored
+        for s in _numbers(ap, "--seqs", args.seqs, int):
+            if s < 64 or s % 64:
+                ap.error(f"--seqs: {s} must be a positive multiple of 64 (the 64-token blocks)")
+        for sp in _numbers(ap, "--sparsity", args.sparsity, float):
+            if not 0.0 <= sp < 1.0:
+                ap.error(f"--sparsity: {sp} must lie in [0, 1) (the skipped share of the causal work)")
+    if not 0.0 <= args.detail_sparsity < 1.0:
+        ap.error(f"--detail-sparsity {args.detail_sparsity} must lie in [0, 1)")
+    if not args.budget > 0:
+        ap.error(f"--budget must be > 0 seconds, got {args.budget}")
+    if args.layers < 0:
+        ap.error(f"--layers must be >= 0 (0: all), got {args.layers}")
+    if args.dtype not in DTYPES:
+        ap.error(f"--dtype {args.dtype!r}: choose from {', '.join(DTYPES)}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: directory not found")
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True)
     ap.add_argument("--seqs", default="32768,131072")
@@ -398,7 +449,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)   # CPU + Triton interpreter
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
 
     torch._dynamo.config.cache_size_limit = 64
     dev = torch.device("cuda")

@@ -377,7 +377,8 @@ def build_model(args, vocab: int, saved: Optional[dict], mtraining_config=None):
                      max_sequence_length=max(args.seq_length, get("max_position_embeddings", args.seq_length)),
                      share_embeddings_and_output_weights=not bool(get("untie_embeddings_and_output_weights", False)),
                      position_embedding_type=get("position_embedding_type", "rope"),
-                     rotary_percent=get("rotary_percent", 1.0), rotary_base=args.rotary_base or get("rotary_base", 10000))
+                     rotary_percent=get("rotary_percent", 1.0),
+                     rotary_base=get("rotary_base", 10000) if args.rotary_base is None else args.rotary_base)
     return model, config
 
 
@@ -784,6 +785,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for flag, val in (("--policy-max-kept", args.policy_max_kept), ("--policy-min-recall", args.policy_min_recall)):
             if val is not None and not 0.0 <= val <= 1.0:
                 raise SystemExit(f"error: {flag} must be in [0, 1], got {val}")
+    if args.rotary_base is not None and args.rotary_base < 1:
+        raise SystemExit(f"error: --rotary-base must be >= 1, got {args.rotary_base}")
     if args.seq_length < 1 or args.seq_length % cfg.block_size:
         raise SystemExit(f"error: --seq-length must be a positive multiple of {cfg.block_size}")
     if cfg.last_q > args.seq_length:

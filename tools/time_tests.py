@@ -116,6 +116,12 @@ def main(argv=None) -> int:
     ap.add_argument("--marker-counts", default=None,
                     help="with --from-junit: 'marker=N,...' from `pytest --collect-only -m MARKER` of that commit")
     args = ap.parse_args(argv)
+    if args.from_junit is None:
+        given = [flag for flag, val in (("--wall-s", args.wall_s), ("--commit", args.commit),
+                                        ("--marker-counts", args.marker_counts)) if val is not None]
+        if given:
+            ap.error(f"{', '.join(given)}: only with --from-junit (a timed run records its own commit, wall "
+                     "time and markers)")
     markers = None
     if args.marker_counts:
         try:

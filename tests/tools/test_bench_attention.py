@@ -72,3 +72,23 @@ def test_share_pattern_kv_group_rows(tmp_path):
     assert [r["layer"] for r in per_layer] == [0]             # 2 rows, 2 KV heads per layer: one layer
     res, _ = _bench(tmp_path, pat, "--heads", "4", "--kv-heads", "3", "--share-pattern", "kv_group")
     assert res.returncode != 0 and "multiple of --kv-heads" in res.stderr, res.tail()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--impls", "bogus"], "--impls 'bogus': unknown ['bogus']"),
+    (["--seqs", "100"], "--seqs: 100 must be a positive multiple of 64"),
+    (["--seqs", "128,,256"], "--seqs '128,,256': a comma-separated list of integers expected"),
+    (["--sparsity", "1.5"], "--sparsity: 1.5 must lie in [0, 1)"),
+    (["--sparsity", "nan"], "--sparsity: nan must lie in [0, 1)"),
+    (["--head-dims", "48"], "--head-dims: 48 is not a head_dim the sparse kernels support"),
+    (["--heads", "3", "--kv-heads", "2"], "--heads 3 is not a multiple of --kv-heads 2"),
+    (["--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
+    (["--dtype", "foo"], "--dtype 'foo': choose from bfloat16, float16, float32"),
+])
+def test_bench_attention_refuses_bad_arguments_by_name(tmp_path, capsys, extra, message):
+    from tools.bench_attention import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--json", str(tmp_path / "out.json"), "--cpu-dry-run", *extra])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

@@ -52,6 +52,8 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
              (["--recall-stride", "4"], "--recall-stride 4 samples no query rows at --seq-length 256"),
              (["--seq-length", "32768"], "--plot-heads"),
              (["--last-q", "1000"], "--last-q 1000 probe rows do not fit in --seq-length 256"),
+             (["--rotary-base", "-10000"], "--rotary-base must be >= 1, got -10000"),
+             (["--rotary-base", "0"], "--rotary-base must be >= 1, got 0"),
              ([], "none.idx not found")]                 # the data file last, before the model is built
     import torch
 

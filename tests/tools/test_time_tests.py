@@ -33,7 +33,9 @@ def test_from_junit_record_and_bad_inputs(tmp_path, capsys):
                          (["--label", "x", "--out", str(out), "--from-junit", str(empty), "--wall-s", "5"],
                           "not a junit XML file"),
                          (["--label", "x", "--out", str(bad_out), "--from-junit", str(junit), "--wall-s", "5"],
-                          "not a tests record")):
+                          "not a tests record"),
+                         (["--label", "x", "--out", str(out), "--command", "true", "--commit", "deadbeef",
+                           "--wall-s", "5"], "--wall-s, --commit: only with --from-junit")):
         with pytest.raises(SystemExit):
             time_tests.main(argv)
         assert needle in capsys.readouterr().err, argv
