@@ -159,21 +159,46 @@ def main(argv=None) -> int:
         ap.error(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads}) "
                  f"for the --estimate-seq count")
 
+    for flag, val, lo in (("--repeats", args.repeats, 1), ("--threads", args.threads, 0),
+                          ("--estimate-seq", args.estimate_seq, 0)):
+        if val < lo:
+            ap.error(f"{flag} must be >= {lo}, got {val}")
+
     import torch
 
-    oracle = _oracle()
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns import estimator as E
     from megatron_mtraining.patterns.convert import convert_pattern
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = load_mtraining_config(args.config).vertical_slash
+    try:
+        full_cfg = load_mtraining_config(args.config)
+    except (OSError, ValueError) as e:
+        ap.error(f"--config {args.config}: {e}")
+    if not full_cfg.sparse:
+        ap.error(f"--config {args.config}: pattern {full_cfg.pattern!r}; the selection needs a sparse config "
+                 "(pattern: vertical_slash)")
+    cfg = full_cfg.vertical_slash
     layout = Layout("striped", 1, cfg.block_size)
     L = cfg.last_q
+    try:
+        seqs = [int(x) for x in args.seqs.split(",")]
+    except ValueError:
+        ap.error(f"--seqs {args.seqs!r}: a comma-separated list of integers expected")
+    for S in seqs + ([args.estimate_seq] if args.estimate_seq else []):
+        flag = "--seqs" if S in seqs else "--estimate-seq"
+        if S <= L:
+            ap.error(f"{flag}: {S} must be larger than the config's last_q {L} (the probe rows)")
+        try:
+            layout.check_seq_len(S)
+        except ValueError as e:
+            ap.error(f"{flag}: {e}")
+
+    oracle = _oracle()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
-    for S in (int(x) for x in args.seqs.split(",")):
+    for S in seqs:
         col, slash = synthetic_scores(S, args.heads, L, cfg.block_size, seed=S)
         kp = torch.arange(S)
         fns = {"select_old": lambda: oracle.old_select(slash, col, kp, S, L, cfg),

@@ -25,9 +25,17 @@ def test_bench_selection_cpu_smoke(tmp_path):
     assert "convert old ms" in res.stdout
 
 
-def test_bench_selection_refuses_heads_not_a_multiple_of_kv_heads(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "9"], "--heads (9) must be a positive multiple of --kv-heads (2)"),   # the default 2 KV heads
+    (["--seqs", "1000"], "--seqs: cannot split a sequence of 1000 tokens"),
+    (["--seqs", "128,,256"], "--seqs '128,,256': a comma-separated list of integers expected"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--estimate-seq", "1000"], "--estimate-seq: cannot split a sequence of 1000 tokens"),
+    (["--config", "configs/demo.yaml"], "the selection needs a sparse config"),
+])
+def test_bench_selection_refuses_bad_arguments_by_name(capsys, argv, message):
     from tools.bench_selection import main
     with pytest.raises(SystemExit) as exc:
-        main(["--heads", "9", "--seqs", "512"])           # 9 query heads over the default 2 KV heads
+        main(["--seqs", "512", "--repeats", "1", *argv])
     assert exc.value.code == 2
-    assert "--heads (9) must be a positive multiple of --kv-heads (2)" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
