@@ -69,7 +69,7 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seq-local", type=int, default=4096, help="tokens per rank (fixed across cp sizes)")
@@ -79,10 +79,22 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker:
         worker(args)
         return
+    if any(cp < 1 for cp in args.cp):
+        ap.error(f"--cp sizes must be >= 1, got {args.cp}")
+    if args.seq_local < 64 or args.seq_local % 64:
+        ap.error(f"--seq-local must be a positive multiple of 64 (the striped layout's 64-token chunks), "
+                 f"got {args.seq_local}")
+    for flag, val in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+        if val < 1:
+            ap.error(f"{flag} must be >= 1, got {val}")
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: directory not found")
     rows = []
     for cp in args.cp:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
@@ -91,10 +103,16 @@ def main() -> None:
                str(29400 + cp), __file__, "--worker", "--out", out, "--seq-local", str(args.seq_local),
                "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run(cmd, check=True, timeout=600, env=env, stdout=subprocess.DEVNULL)
-        with open(out) as f:
-            rows.append(json.load(f))
-        os.unlink(out)
+        try:
+            subprocess.run(cmd, check=True, timeout=600, env=env, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                rows.append(json.load(f))
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"error: the cp {cp} run failed (exit {e.returncode}); its ranks' errors are above")
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"error: the cp {cp} run took more than 600 s")
+        finally:
+            os.unlink(out)
     print(f"{'cp':>3} | {'peak-during-call MiB (max over ranks)':>38} | {'K+V shard MiB':>13} | {'Q shard MiB':>11}")
     for r in rows:
         print(f"{r['cp']:>3} | {max(r['peak_delta_mib_per_rank']):>38.1f} | {r['kv_shard_mib']:>13.1f} | "
