@@ -169,10 +169,24 @@ def main(argv=None) -> int:
         parser.error(f"--mtraining-config: {e}")
     if not cfg.sparse:
         raise SystemExit(f"--mtraining-config {a.mtraining_config}: needs pattern: vertical_slash")
+    layout = cfg.make_layout(1)
+    for s in a.seq_lengths:
+        try:
+            layout.check_seq_len(s)
+        except ValueError as e:
+            parser.error(f"--seq-lengths: {e}")
+        if a.inputs == "structured" and s <= 64:
+            parser.error(f"--seq-lengths: {s} must be > 64 with --inputs structured (64 sink tokens come first)")
+    if a.inputs == "structured" and a.head_dim % 4:
+        parser.error(f"--head-dim must be a multiple of 4 with --inputs structured, got {a.head_dim}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {a.device}: cpu or cuda")
     if device.type != "cuda" and "graphs" in modes:
         print("graphs: needs CUDA, skipped", file=sys.stderr)
         modes = [m for m in modes if m != "graphs"]
+    if not modes:
+        parser.error(f"--modes {a.modes!r}: no mode left to run on {device.type} (choose from {', '.join(MODES)})")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for s in a.seq_lengths:

@@ -43,7 +43,12 @@ def test_bad_arguments_are_argparse_errors(capsys):
              (["--seq-lengths", "abc"], "argument --seq-lengths"), (["--repeats", "0"], "argument --repeats"),
              (["--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of --kv-heads 2"),
              (["--device", "tpu0"], "--device tpu0: "),
-             (["--mtraining-config", "/nonexistent.yaml"], "--mtraining-config: mtraining config: file not found")]
+             (["--mtraining-config", "/nonexistent.yaml"], "--mtraining-config: mtraining config: file not found"),
+             (["--seq-lengths", "1000"], "--seq-lengths: cannot split a sequence of 1000 tokens"),
+             (["--seq-lengths", "64"], "--seq-lengths: 64 must be > 64 with --inputs structured"),
+             (["--head-dim", "6"], "--head-dim must be a multiple of 4 with --inputs structured, got 6"),
+             (["--device", "meta"], "--device meta: cpu or cuda"),
+             (["--modes", ""], "--modes '': no mode left to run")]
     if not torch.cuda.is_available():
         cases += [(["--device", "cuda"], "--device cuda: no CUDA device here"),
                   (["--device", "cuda:1"], "--device cuda:1: no CUDA device here")]
