@@ -115,6 +115,7 @@ import torch
 
 from megatron_mtraining.bench import measure, pyplot, result_record, save_figure, write_json
 from megatron_mtraining.bench.cli import positive_float as _positive_float
+from megatron_mtraining.bench.cli import nonnegative_int as _nonnegative_int
 from megatron_mtraining.bench.cli import positive_int as _positive_int
 
 
@@ -124,11 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_argument_group("model")
     src.add_argument("--load", default=None, help="checkpoint dir of examples/pretrain_gpt.py --save "
                      "(reads latest_checkpointed_iteration.txt); omitted: fresh initialization")
-    src.add_argument("--num-layers", type=int, default=2)
-    src.add_argument("--hidden-size", type=int, default=128)
-    src.add_argument("--ffn-hidden-size", type=int, default=None)
-    src.add_argument("--num-attention-heads", type=int, default=4)
-    src.add_argument("--num-query-groups", type=int, default=None)
+    src.add_argument("--num-layers", type=_positive_int, default=2)
+    src.add_argument("--hidden-size", type=_positive_int, default=128)
+    src.add_argument("--ffn-hidden-size", type=_positive_int, default=None)
+    src.add_argument("--num-attention-heads", type=_positive_int, default=4)
+    src.add_argument("--num-query-groups", type=_positive_int, default=None)
     src.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
     src.add_argument("--swiglu", action="store_true")
     src.add_argument("--rotary-base", type=int, default=None,
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--tokenizer-model", default=None, help="sentencepiece model (for --jsonl / vocab size)")
     data.add_argument("--seq-length", type=int, default=1024)
     data.add_argument("--num-samples", type=int, default=1, help="batch of samples (one pattern each)")
-    data.add_argument("--doc-offset", type=int, default=0, help="first document used")
+    data.add_argument("--doc-offset", type=_nonnegative_int, default=0, help="first document used")
     data.add_argument("--packed", action="store_true",
                       help="packed documents: each stream holds consecutive documents (the last one cut), the "
                            "forward runs with the documents' PackedSeqParams (attention causal and within a "
@@ -785,6 +786,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         for flag, val in (("--policy-max-kept", args.policy_max_kept), ("--policy-min-recall", args.policy_min_recall)):
             if val is not None and not 0.0 <= val <= 1.0:
                 raise SystemExit(f"error: {flag} must be in [0, 1], got {val}")
+    if not args.load:      # the model's shape comes from these flags (with --load, from the checkpoint)
+        groups = args.num_query_groups or args.num_attention_heads
+        if args.num_attention_heads % groups:
+            raise SystemExit(f"error: --num-attention-heads {args.num_attention_heads} is not a multiple of "
+                             f"--num-query-groups {groups}")
+        if args.hidden_size % args.num_attention_heads or (args.hidden_size // args.num_attention_heads) % 2:
+            raise SystemExit(f"error: --hidden-size {args.hidden_size} must be --num-attention-heads "
+                             f"{args.num_attention_heads} times an even head size (RoPE rotates pairs)")
+    for flag, path in (("--jsonl", args.jsonl), ("--tokenizer-model", args.tokenizer_model)):
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"error: {flag} {path}: file not found")
     if args.rotary_base is not None and args.rotary_base < 1:
         raise SystemExit(f"error: --rotary-base must be >= 1, got {args.rotary_base}")
     if args.seq_length < 1 or args.seq_length % cfg.block_size:

@@ -54,6 +54,10 @@ def test_pattern_recall_bad_inputs_are_clear_errors(tmp_path):
              (["--last-q", "1000"], "--last-q 1000 probe rows do not fit in --seq-length 256"),
              (["--rotary-base", "-10000"], "--rotary-base must be >= 1, got -10000"),
              (["--rotary-base", "0"], "--rotary-base must be >= 1, got 0"),
+             (["--num-attention-heads", "4", "--num-query-groups", "3"],
+              "--num-attention-heads 4 is not a multiple of --num-query-groups 3"),
+             (["--hidden-size", "60"], "--hidden-size 60 must be --num-attention-heads 4 times an even head size"),
+             (["--jsonl", str(tmp_path / "none.jsonl")], "none.jsonl: file not found"),
              ([], "none.idx not found")]                 # the data file last, before the model is built
     import torch
 
