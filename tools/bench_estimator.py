@@ -214,9 +214,10 @@ def main(argv=None) -> int:
                     help="also print a torch.profiler table (top ROWS ops) of one estimate at each seq")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    import torch
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda but CUDA is not available (use --device cpu for a small check)")
+    from megatron_mtraining.bench.cli import checked_device
+
+    if checked_device(ap, args.device).type != args.device:
+        ap.error(f"--device {args.device}: cpu or cuda (the current CUDA device), without an index")
     seqs = check_args(ap, args)
     rows = [measure(s, args) for s in seqs]
 

@@ -750,6 +750,14 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--seq-len must be a positive multiple of {BLOCK}, got {args.seq_len}")
     if args.model != "flops" and (args.sweep or args.pattern == "packed"):
         ap.error(f"{'--sweep' if args.sweep else '--pattern packed'} uses the FLOP model (--model flops)")
+    if args.model == "gpu":
+        from megatron_mtraining.bench.cli import checked_device
+        from megatron_mtraining.ops.backends import TRITON_HEAD_DIMS
+
+        checked_device(ap, args.device)
+        if args.kernel != "reference" and args.head_dim not in TRITON_HEAD_DIMS:
+            ap.error(f"--head-dim {args.head_dim}: --kernel {args.kernel} runs the Triton kernels, which take "
+                     f"head_dim {', '.join(map(str, TRITON_HEAD_DIMS))} (--kernel reference takes any)")
     if args.model == "gpu" and args.vertical == "deferred":
         ap.error("--vertical deferred: --model gpu times in-ring and out-of-ring; 'deferred' is a FLOP-model schedule")
     if args.pattern == "file":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list", "checked_device"]
 
 
 def _int_at_least(low: int):
@@ -54,3 +54,19 @@ def int_list(multiple_of: int = 1):
         return vals
 
     return parse
+
+
+def checked_device(ap: argparse.ArgumentParser, text: str, flag: str = "--device"):
+    """``torch.device(text)`` for a benchmark, or ``ap.error`` (exit 2) naming ``flag``: the device must
+    parse, be a CPU or CUDA device, and CUDA must be available for a CUDA device."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        ap.error(f"{flag} {text}: {e}")
+    if dev.type not in ("cpu", "cuda"):
+        ap.error(f"{flag} {text}: cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"{flag} {text}: no CUDA device here")
+    return dev
