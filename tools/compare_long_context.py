@@ -70,7 +70,41 @@ def _read_eval(label: str, path: str, parser: argparse.ArgumentParser) -> dict:
     if not isinstance(data, dict) or not (data.get("ppl") or data.get("niah")):
         parser.error(f"--eval {label}={path}: no 'ppl' or 'niah' results (an eval_long_context.py --json file is "
                      "expected)")
+    bad = _eval_schema_error(data)
+    if bad:
+        parser.error(f"--eval {label}={path}: {bad} (an eval_long_context.py --json file is expected)")
     return data
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _eval_schema_error(data: dict) -> Optional[str]:
+    """What the report reads that ``data`` lacks, or None: ``ppl.buckets`` (``bucket``, ``tokens``, ``ppl``)
+    and ``ppl.overall``; ``niah.cells`` (``length``, ``depth``, ``greedy_score``, ``ll_score``) and
+    ``niah.control_no_needle`` (``length``, ``ll_score``)."""
+    ppl, niah = data.get("ppl"), data.get("niah")
+    if ppl:
+        if not isinstance(ppl, dict) or not isinstance(ppl.get("buckets"), list) or \
+                not isinstance(ppl.get("overall"), dict):
+            return "'ppl' needs a 'buckets' list and an 'overall' object"
+        for row in ppl["buckets"] + [ppl["overall"]]:
+            if not isinstance(row, dict) or not _number(row.get("tokens")) or \
+                    (row.get("tokens") and not _number(row.get("ppl"))):
+                return f"a 'ppl' row without numeric 'tokens' / 'ppl': {row!r}"
+        if any("bucket" not in row for row in ppl["buckets"]):
+            return "a 'ppl.buckets' row without 'bucket'"
+    if niah:
+        if not isinstance(niah, dict):
+            return "'niah' must be an object"
+        for key, need in (("cells", ("length", "depth", "greedy_score", "ll_score")),
+                          ("control_no_needle", ("length", "ll_score"))):
+            rows = niah.get(key, [])
+            if not isinstance(rows, list) or any(not isinstance(c, dict) or not all(_number(c.get(f)) for f in need)
+                                                 for c in rows):
+                return f"'niah.{key}' rows need numeric {', '.join(need)}"
+    return None
 
 
 def loss_summary(curves: dict[str, dict[int, dict]], last: int) -> dict:
@@ -262,6 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not curves[k]:
             ap.error(f"--loss-curves {k}={p}: no iterations in the file (a pretrain_gpt.py --metrics-file is expected)")
     losses = loss_summary(curves, args.last) if curves else None
+    if losses is not None and losses["shared_iterations"] is None:
+        spans = ", ".join(f"{k}: {min(c)}-{max(c)}" for k, c in curves.items())
+        ap.error(f"--loss-curves: the runs share no iteration ({spans}); compare runs of the same schedule")
     print(report(evals, losses, args.baseline))
     written = plots(Path(args.out), evals, curves, args.baseline) if args.out else []
     if written:

@@ -28,7 +28,8 @@ def read_metrics_rows(path: Union[str, Path], flag: str = "--loss-curves") -> di
             continue
         try:
             rec = json.loads(line)
-            float(rec["lm_loss"])
+            if isinstance(rec["lm_loss"], bool) or not isinstance(rec["lm_loss"], (int, float)):
+                raise TypeError(f"lm_loss {rec['lm_loss']!r} is not a number")
             rows[int(rec["iteration"])] = rec
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{flag} {path}, line {n}: not a pretrain_gpt.py metrics line ({e})") from None

@@ -92,3 +92,30 @@ def test_unknown_baseline(tmp_path, capsys):
     with pytest.raises(SystemExit):
         clc.main(["--loss-curves", f"a={m}", "--baseline", "dense"])
     assert "--baseline 'dense' is not one of the labels" in capsys.readouterr().err
+
+
+def test_inputs_the_report_cannot_read_are_errors(tmp_path, capsys):
+    """Eval files whose 'ppl' / 'niah' lack what the report reads, a string loss, and curves with no
+    shared iteration are errors naming the flag, not a traceback from the report."""
+    cases = [({"ppl": {"x": 1}}, "'ppl' needs a 'buckets' list and an 'overall' object"),
+             ({"ppl": 1}, "'ppl' needs a 'buckets' list"),
+             ({"niah": {"cells": [{"length": 4096}]}}, "'niah.cells' rows need numeric length, depth"),
+             ({"ppl": {"buckets": [{"bucket": "0-2K", "tokens": 5, "ppl": "x"}],
+                       "overall": {"tokens": 5, "ppl": 2.0}}}, "a 'ppl' row without numeric 'tokens' / 'ppl'")]
+    for i, (data, msg) in enumerate(cases):
+        path = tmp_path / f"e{i}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(SystemExit):
+            clc.main(["--eval", f"a={path}"])
+        assert f"--eval a={path}: {msg}" in capsys.readouterr().err, data
+    s = tmp_path / "s.jsonl"
+    s.write_text(json.dumps({"iteration": 1, "lm_loss": "3.0"}) + "\n")
+    with pytest.raises(SystemExit):
+        clc.main(["--loss-curves", f"a={s}"])
+    assert "lm_loss '3.0' is not a number" in capsys.readouterr().err
+    a = _metrics(tmp_path / "a.jsonl", [3.0, 2.9])
+    b = tmp_path / "b.jsonl"
+    b.write_text("\n".join(json.dumps({"iteration": i, "lm_loss": 2.5}) for i in (3, 4)) + "\n")
+    with pytest.raises(SystemExit):
+        clc.main(["--loss-curves", f"a={a}", f"b={b}"])
+    assert "--loss-curves: the runs share no iteration (a: 1-2, b: 3-4)" in capsys.readouterr().err
