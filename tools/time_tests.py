@@ -83,7 +83,11 @@ def load_record(out: Path) -> dict:
     Raises:
         ValueError: the file is not a JSON object with a ``runs`` list.
     """
+    if out.is_dir():
+        raise ValueError("is a directory (a record file is expected)")
     if not out.exists():
+        if not out.parent.is_dir():
+            raise ValueError(f"directory {out.parent} not found")
         return {"runs": []}
     try:
         rec = json.loads(out.read_text())
@@ -91,6 +95,8 @@ def load_record(out: Path) -> dict:
         rec = None
     if not isinstance(rec, dict) or not isinstance(rec.get("runs"), list):
         raise ValueError("not a tests record (a JSON object with a 'runs' list)")
+    if any(not isinstance(r, dict) or not isinstance(r.get("label"), str) for r in rec["runs"]):
+        raise ValueError("not a tests record (every run needs a 'label')")
     return rec
 
 
@@ -127,7 +133,9 @@ def main(argv=None) -> int:
         try:
             markers = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.marker_counts.split(","))}
         except ValueError:
-            ap.error(f"--marker-counts {args.marker_counts!r}: expected 'marker=N,...'")
+            markers = {}
+        if not markers or any(not k or n < 0 for k, n in markers.items()):
+            ap.error(f"--marker-counts {args.marker_counts!r}: expected 'marker=N,...' with names and counts >= 0")
     try:
         load_record(args.out)                      # before the tests run, not after
     except ValueError as e:

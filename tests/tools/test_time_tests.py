@@ -27,6 +27,8 @@ def test_from_junit_record_and_bad_inputs(tmp_path, capsys):
     empty, bad_out = tmp_path / "e.xml", tmp_path / "bad.json"
     empty.write_text("")
     bad_out.write_text('{"runs": 5}')
+    labelless = tmp_path / "labelless.json"
+    labelless.write_text('{"runs": [{}]}')
     for argv, needle in ((base + ["--wall-s", "-5"], "argument --wall-s: must be a finite number > 0"),
                          (base + ["--wall-s", "nan"], "argument --wall-s"),
                          (base + ["--wall-s", "5", "--marker-counts", "foo"], "--marker-counts 'foo'"),
@@ -34,6 +36,11 @@ def test_from_junit_record_and_bad_inputs(tmp_path, capsys):
                           "not a junit XML file"),
                          (["--label", "x", "--out", str(bad_out), "--from-junit", str(junit), "--wall-s", "5"],
                           "not a tests record"),
+                         (base + ["--wall-s", "5", "--marker-counts", "=3,a=-1"], "--marker-counts '=3,a=-1'"),
+                         (["--label", "x", "--out", str(tmp_path), "--from-junit", str(junit), "--wall-s", "5"],
+                          "is a directory"),
+                         (["--label", "x", "--out", str(labelless), "--from-junit", str(junit), "--wall-s", "5"],
+                          "every run needs a 'label'"),
                          (["--label", "x", "--out", str(out), "--command", "true", "--commit", "deadbeef",
                            "--wall-s", "5"], "--wall-s, --commit: only with --from-junit")):
         with pytest.raises(SystemExit):
