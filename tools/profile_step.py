@@ -285,6 +285,16 @@ def main(argv=None) -> int:
     for m in modes:
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r} (dense, mtraining)")
+    if not modes:
+        ap.error(f"--modes {a.modes!r}: no mode to run (dense, mtraining)")
+    if "mtraining" in modes and (a.seq_length < 64 or a.seq_length % 64):
+        ap.error(f"--seq-length must be a positive multiple of 64 for the mtraining mode (64-token blocks), "
+                 f"got {a.seq_length}")
+    if a.micro_batch_size < 1 or a.global_batch_size < 1 or a.global_batch_size % a.micro_batch_size:
+        ap.error(f"--global-batch-size {a.global_batch_size} must be a positive multiple of --micro-batch-size "
+                 f"{a.micro_batch_size}")
+    if not a.run_timeout > 0:
+        ap.error(f"--run-timeout must be > 0 seconds, got {a.run_timeout}")
     runs, errors = {}, {}
     tmp = tempfile.mkdtemp(prefix="profile_step_")
     for m in modes:

@@ -200,3 +200,18 @@ def test_cuda_syncs_are_found_in_a_real_trace():
     assert by[(REGION_CONVERT, "forward")]["syncs"] >= 1
     assert by[(REGION_CONVERT, "forward")]["device_ms"] > 0
     assert by[(REGION_ATTENTION_FWD, "forward")]["syncs"] == 0 and by[(REGION_ATTENTION_FWD, "forward")]["device_ms"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-length", "100"], "--seq-length must be a positive multiple of 64 for the mtraining mode"),
+    (["--global-batch-size", "3", "--micro-batch-size", "2"],
+     "--global-batch-size 3 must be a positive multiple of --micro-batch-size 2"),
+    (["--run-timeout", "-1"], "--run-timeout must be > 0 seconds"),
+    (["--modes", ""], "--modes '': no mode to run"),
+])
+def test_profile_step_refuses_bad_arguments_before_any_run(capsys, argv, message):
+    from tools.profile_step import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
