@@ -750,6 +750,9 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--seq-len must be a positive multiple of {BLOCK}, got {args.seq_len}")
     if args.model != "flops" and (args.sweep or args.pattern == "packed"):
         ap.error(f"{'--sweep' if args.sweep else '--pattern packed'} uses the FLOP model (--model flops)")
+    if args.save_pattern is not None and not args.save_pattern.endswith((".npz", ".pt")):
+        ap.error(f"--save-pattern {args.save_pattern}: the name must end in .npz or .pt (numpy appends .npz to "
+                 "any other name, so --pattern-file could not read it back under it)")
     if args.model == "gpu":
         from megatron_mtraining.bench.cli import checked_device
         from megatron_mtraining.ops.backends import TRITON_HEAD_DIMS

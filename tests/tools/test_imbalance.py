@@ -257,6 +257,7 @@ BAD_ARGS = [(["--sweep", "--cps", "0"], "--cps '0': expected a comma list of int
             (["--model", "gpu", "--sweep"], "--sweep uses the FLOP model"),
             (["--model", "gpu", "--device", "cpu", "--vertical", "deferred"], "--vertical deferred: --model gpu"),
             (["--model", "gpu", "--device", "meta"], "--device meta: cpu or cuda"),
+            (["--save-pattern", "p.txt"], "--save-pattern p.txt: the name must end in .npz or .pt"),
             (["--model", "gpu", "--device", "cpu", "--head-dim", "48"],
              "--head-dim 48: --kernel auto runs the Triton kernels"),
             (["--pattern", "file"], "--pattern file needs --pattern-file"),
