@@ -35,6 +35,7 @@ import collections
 import html.parser
 import importlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -488,7 +489,9 @@ def parse_sources(value: str) -> list[str]:
     Raises:
         argparse.ArgumentTypeError: empty list or an unknown name (the message lists valid names).
     """
-    names = [n.strip() for n in value.split(",") if n.strip()]
+    names = [n.strip() for n in value.split(",")]
+    if "" in names:
+        raise argparse.ArgumentTypeError(f"empty source name in {value!r}; choose from {', '.join(SOURCES)} or 'all'")
     if names == ["all"]:
         return list(SOURCES)
     unknown = [n for n in names if n not in SOURCES]
@@ -520,7 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; returns the process exit code (0 ok, 1 fetch error or mismatched cache)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.name is not None and (not args.name or args.name in (".", "..") or "/" in args.name
+                                  or os.sep in args.name):
+        parser.error(f"--name {args.name!r}: a file name without directories (the corpus goes to "
+                     "<out-dir>/corpus/<name>.jsonl)")
+    if args.out_dir is not None and args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"--out-dir {args.out_dir}: not a directory")
     out_dir: Path = (args.out_dir or default_data_dir()).resolve()
     sources: list[str] = args.sources
     name = args.name or ("all" if sources == list(SOURCES) else "_".join(sources))

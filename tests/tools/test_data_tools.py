@@ -196,6 +196,27 @@ def test_parse_sources():
     with pytest.raises(argparse.ArgumentTypeError, match="pg_essays"):
         prepare_corpus.parse_sources("books,pg_essays")
     assert "pg_essays" not in prepare_corpus.SOURCES
+    with pytest.raises(argparse.ArgumentTypeError, match="empty source name in 'books,,bible'"):
+        prepare_corpus.parse_sources("books,,bible")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--name", "../../x"], "--name '../../x': a file name without directories"),
+    (["--name", ""], "--name '': a file name without directories"),
+])
+def test_prepare_corpus_refuses_names_outside_its_corpus_dir(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        prepare_corpus.main(["--out-dir", str(tmp_path), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())                      # nothing fetched or written
+
+
+def test_prepare_corpus_refuses_an_out_dir_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(SystemExit):
+        prepare_corpus.main(["--out-dir", str(f)])
+    assert f"--out-dir {f}: not a directory" in capsys.readouterr().err
 
 
 def test_licence_table_on_fake_jsonl(spm_model, tmp_path):
