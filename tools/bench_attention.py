@@ -374,6 +374,7 @@ def _numbers(ap, flag: str, text: str, kind):
 
 def check_args(ap, args) -> None:
     """``ap.error`` (exit 2) naming the flag of an argument the benchmark cannot run with."""
+    from megatron_mtraining.bench.cli import check_output_dir
     from megatron_mtraining.ops.backends import TRITON_HEAD_DIMS
 
     impls = args.impls.split(",")
@@ -404,8 +405,7 @@ def check_args(ap, args) -> None:
         ap.error(f"--layers must be >= 0 (0: all), got {args.layers}")
     if args.dtype not in DTYPES:
         ap.error(f"--dtype {args.dtype!r}: choose from {', '.join(DTYPES)}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        ap.error(f"--json {args.json}: directory not found")
+    check_output_dir(ap, "--json", args.json)
 
 
 def main(argv=None):

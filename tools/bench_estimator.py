@@ -156,6 +156,7 @@ def profile_table(fn, device, rows: int) -> str:
 
 def check_args(ap, args) -> list:
     """The sequence lengths, or ``ap.error`` (exit 2) naming the flag of a user mistake."""
+    from megatron_mtraining.bench.cli import check_output_dir, check_seq_len
     from megatron_mtraining.config import load_mtraining_config
 
     try:
@@ -180,8 +181,7 @@ def check_args(ap, args) -> list:
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.head_dim % 4:
         ap.error(f"--head-dim must be a multiple of 4, got {args.head_dim}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        ap.error(f"--json {args.json}: directory not found")
+    check_output_dir(ap, "--json", args.json)
     layout, seqs = cfg.make_layout(1), []
     for tok in args.seqs.split(","):
         try:
@@ -190,10 +190,7 @@ def check_args(ap, args) -> list:
             ap.error(f"--seqs {args.seqs!r}: {tok!r} is not an integer")
         if s <= 64:
             ap.error(f"--seqs: {s} must be > 64 (the synthetic inputs put 64 sink tokens first)")
-        try:
-            layout.check_seq_len(s)
-        except ValueError as e:
-            ap.error(f"--seqs: {e}")
+        check_seq_len(ap, "--seqs", layout, s)
         seqs.append(s)
     return seqs
 

@@ -154,6 +154,7 @@ def main(argv=None) -> int:
         checked_device(parser, a.device)
 
     from megatron_mtraining.bench import result_record, write_json
+    from megatron_mtraining.bench.cli import check_seq_len
     from megatron_mtraining.config import load_mtraining_config
 
     modes = [m for m in a.modes.split(",") if m]
@@ -168,10 +169,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--mtraining-config {a.mtraining_config}: needs pattern: vertical_slash")
     layout = cfg.make_layout(1)
     for s in a.seq_lengths:
-        try:
-            layout.check_seq_len(s)
-        except ValueError as e:
-            parser.error(f"--seq-lengths: {e}")
+        check_seq_len(parser, "--seq-lengths", layout, s)
         if a.inputs == "structured" and s <= 64:
             parser.error(f"--seq-lengths: {s} must be > 64 with --inputs structured (64 sink tokens come first)")
     if a.inputs == "structured" and a.head_dim % 4:

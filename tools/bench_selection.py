@@ -166,6 +166,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from megatron_mtraining.bench.cli import check_seq_len
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns import estimator as E
@@ -189,10 +190,7 @@ def main(argv=None) -> int:
         flag = "--seqs" if S in seqs else "--estimate-seq"
         if S <= L:
             ap.error(f"{flag}: {S} must be larger than the config's last_q {L} (the probe rows)")
-        try:
-            layout.check_seq_len(S)
-        except ValueError as e:
-            ap.error(f"{flag}: {e}")
+        check_seq_len(ap, flag, layout, S)
 
     oracle = _oracle()
     if args.threads:

@@ -93,8 +93,9 @@ def main(argv=None) -> None:
             ap.error(f"{flag} must be >= 1, got {val}")
     if args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        ap.error(f"--json {args.json}: directory not found")
+    from megatron_mtraining.bench.cli import check_output_dir
+
+    check_output_dir(ap, "--json", args.json)
     rows = []
     for cp in args.cp:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list", "checked_device"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list", "checked_device", "check_seq_len",
+           "check_output_dir"]
 
 
 def _int_at_least(low: int):
@@ -70,3 +72,19 @@ def checked_device(ap: argparse.ArgumentParser, text: str, flag: str = "--device
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"{flag} {text}: no CUDA device here")
     return dev
+
+
+def check_seq_len(ap: argparse.ArgumentParser, flag: str, layout, seq_len: int) -> None:
+    """``ap.error`` (exit 2) naming ``flag`` when ``layout`` (a :class:`~megatron_mtraining.layout.Layout`)
+    cannot split ``seq_len`` tokens (its :meth:`check_seq_len` message follows the flag)."""
+    try:
+        layout.check_seq_len(seq_len)
+    except ValueError as e:
+        ap.error(f"{flag}: {e}")
+
+
+def check_output_dir(ap: argparse.ArgumentParser, flag: str, path) -> None:
+    """``ap.error`` (exit 2) naming ``flag`` when the directory an output file ``path`` goes to does not exist
+    (``None``: no output, nothing to check)."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        ap.error(f"{flag} {path}: directory not found")
