@@ -1,11 +1,11 @@
 """The Triton backward plans' index helpers against plain Python loops (CPU, no Triton needed):
 the CSR offsets and unmasked ends of the inverted indices (binary searches in the sorted keys) and
-the leading unmasked split of a tile's slots."""
+the leading unmasked split of a tile's slots, and the column union's per-row ranks."""
 from __future__ import annotations
 
 import torch
 
-from megatron_mtraining.ops.triton.launch import _csr_entries, _leading_split
+from megatron_mtraining.ops.triton.launch import _csr_entries, _leading_split, _row_ranks
 
 
 def _csr_reference(seg, val, masked, nseg):
@@ -58,3 +58,24 @@ def test_leading_split_of_an_empty_index():
     bi = torch.zeros((1, 2, 3, 0), dtype=torch.int32)
     got = _leading_split(bi, torch.zeros((1, 2, 3), dtype=torch.int32), torch.zeros((1, 2, 3, 0), dtype=torch.bool))
     assert got.shape == (1, 2, 3) and got.dtype == torch.int32 and not got.any()
+
+
+def test_row_ranks_match_a_loop():
+    """One flattened scan minus each row's base equals a per-row running count (rows that start and end
+    with a present entry, empty rows, a single column)."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(2, 3, 37), (1, 4, 1), (3, 1, 8)]:
+        present = (torch.rand(shape, generator=g) < 0.4).to(torch.int32)
+        present[0, 0].fill_(1)
+        present[-1, -1].zero_()
+        rank, count = _row_ranks(present)
+        assert rank.dtype == count.dtype == torch.int32
+        for idx in torch.cartesian_prod(*(torch.arange(n) for n in shape[:-1])).view(-1, len(shape) - 1).tolist():
+            row, run = present[tuple(idx)].tolist(), 0
+            for j, p in enumerate(row):
+                run += p
+                assert rank[tuple(idx) + (j,)] == run - 1
+            assert count[tuple(idx)] == sum(row)
+    # negative control: a rank of the whole flattened tensor (no base subtracted) differs from row 1 on
+    flat = torch.cumsum(present.view(-1), 0).view(present.shape) - 1
+    assert not torch.equal(flat, _row_ranks(present)[0])
