@@ -19,8 +19,9 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 * ``total_s``: :func:`~megatron_mtraining.ring.sparse.sparse_ring_attention` fwd+bwd
   (estimation included, as in training; the config's ``columns`` schedule — ``kernels_s`` always
   runs the columns inside the step, which at CP=1 is the same work);
-* ``backward_plans_s`` (CUDA only): building the backward's index plans of the step from scratch
-  (:func:`~megatron_mtraining.ops.triton.launch.prebuild_backward_plans`: inverted block index,
+* ``backward_plans_s`` (CUDA only): building the step's kernel plan
+  (:func:`~megatron_mtraining.ops.triton.plan_for`, as in training) and its backward index plans from
+  scratch (:func:`~megatron_mtraining.ops.triton.launch.prebuild_backward_plans`: inverted block index,
   column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
   only): ``total_s`` with ``prebuild_backward_plans=False`` in the backend, i.e. those plans built inside the
   backward instead of on a side stream during the forward kernel;
@@ -32,7 +33,7 @@ CUDA events on the GPU, wall clock on the CPU). Prints a table; ``--json OUT`` w
 
     python3 tools/bench_estimator.py --seqs 65536,131072,262144 --json est.json     # H200
     python3 tools/bench_estimator.py --seqs 65536,131072 --impl torch               # the fp64 path
-    python3 tools/bench_estimator.py --seqs 131072 --impl triton --profile 30       # where the time goes
+    python3 tools/bench_estimator.py --seqs 131072 --impl triton --profile 30       # where the time goes (estimate, plans)
     python3 tools/bench_estimator.py --device cpu --seqs 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
 from __future__ import annotations
@@ -119,15 +120,18 @@ def measure(seq: int, args) -> dict:
     t_tot = timeit(total, args.warmup, args.repeats)
     t_plans = t_tot_late = None
     if dev.type == "cuda":
-        from megatron_mtraining.ops.triton.launch import plan_from_indices, prebuild_backward_plans
+        from megatron_mtraining.ops.triton import plan_for
+        from megatron_mtraining.ops.triton.launch import prebuild_backward_plans
 
-        def plans():     # the backward's index plans of the step, from scratch (no cache)
-            st = steps[0]
-            plan = plan_from_indices(st.block_count, st.block_index, st.column_count, st.column_index, st.causal)
+        def plans():     # the step's plan and its backward index plans, from scratch (no cache), as in training
+            plan = plan_for(steps[0])
             prebuild_backward_plans(plan, q.shape, k.shape, deterministic=True)
             torch.cuda.synchronize()       # the plans are built on a side stream: the end event follows them
 
         t_plans = timeit(plans, args.warmup, args.repeats)
+        if args.profile:
+            print(f"--- profile: backward plans at seq {seq}, one call after warm-up ---")
+            print(profile_table(plans, dev, args.profile))
         late = ring_backend(prebuild=False)
         t_tot_late = timeit(lambda: total(late), args.warmup, args.repeats)     # the backward builds them
     return {"seq": seq, "device": str(dev), "impl": impl, "estimate_s": t_est, "scores_s": t_scores,
@@ -208,7 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=("auto", "torch", "triton"), default="auto",
                     help="estimator score implementation (estimate_vertical_slash impl=)")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                    help="also print a torch.profiler table (top ROWS ops) of one estimate at each seq")
+                    help="also print torch.profiler tables (top ROWS ops) of one estimate and (CUDA) one build of "
+                         "the backward plans at each seq")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from megatron_mtraining.bench.cli import checked_device
