@@ -33,7 +33,7 @@ CUDA events on the GPU, wall clock on the CPU). Prints a table; ``--json OUT`` w
 
     python3 tools/bench_estimator.py --seqs 65536,131072,262144 --json est.json     # H200
     python3 tools/bench_estimator.py --seqs 65536,131072 --impl torch               # the fp64 path
-    python3 tools/bench_estimator.py --seqs 131072 --impl triton --profile 30       # where the time goes (estimate, plans)
+    python3 tools/bench_estimator.py --seqs 131072 --impl triton --profile 30       # where the time goes
     python3 tools/bench_estimator.py --device cpu --seqs 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
 from __future__ import annotations
