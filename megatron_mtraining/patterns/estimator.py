@@ -438,11 +438,16 @@ def _widths(*counts, static: bool = False) -> list:
 def _take_sorted(sorted_vals: torch.Tensor, cnt: torch.Tensor, width: int, sentinel: int) -> torch.Tensor:
     """First ``cnt`` entries of each row, re-sorted ascending, padded with -1 to ``width`` (the max
     count, from :func:`_widths`). Entries are distinct and ``< sentinel``, so after the sort the
-    padding sits exactly at the slots ``>= cnt``."""
+    padding sits exactly at the slots ``>= cnt``. The values (non-negative integers) are sorted as
+    int32 when the sentinel fits (half the key bytes of int64: fewer radix passes), returned in
+    ``sorted_vals``' dtype."""
     if sorted_vals.shape[-1] == 0:
         return torch.full((*sorted_vals.shape[:-1], 1), -1, dtype=torch.long, device=sorted_vals.device)
     drop = torch.arange(width, device=sorted_vals.device) >= cnt[..., None]
-    vals = torch.sort(sorted_vals[..., :width].masked_fill(drop, sentinel), dim=-1).values
+    keys = sorted_vals[..., :width].masked_fill(drop, sentinel)
+    if sentinel < 2 ** 31 and not keys.is_floating_point():
+        keys = keys.to(torch.int32)
+    vals = torch.sort(keys, dim=-1).values.to(sorted_vals.dtype)
     return vals.masked_fill_(drop, -1)
 
 
