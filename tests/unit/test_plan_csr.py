@@ -79,3 +79,10 @@ def test_row_ranks_match_a_loop():
     # negative control: a rank of the whole flattened tensor (no base subtracted) differs from row 1 on
     flat = torch.cumsum(present.view(-1), 0).view(present.shape) - 1
     assert not torch.equal(flat, _row_ranks(present)[0])
+    # the per-row fallback: one row, and empty batch / head / column dims
+    for t in (torch.tensor([0, 1, 1, 0, 1], dtype=torch.int32), torch.zeros(0, 3, 5, dtype=torch.int32),
+              torch.zeros(2, 0, 5, dtype=torch.int32), torch.zeros(2, 3, 0, dtype=torch.int32)):
+        rank, count = _row_ranks(t)
+        assert torch.equal(rank, torch.cumsum(t, -1, dtype=torch.int32) - 1), t.shape
+        assert torch.equal(count, t.sum(-1, dtype=torch.int32)) and count.shape == t.shape[:-1]
+    assert _row_ranks(torch.tensor([0, 1, 1, 0, 1], dtype=torch.int32))[0].tolist() == [-1, 0, 1, 1, 2]

@@ -495,10 +495,9 @@ def _row_ranks(present: torch.Tensor):
     (int32, the slot of each present entry among its row's) and ``count = present.sum(-1)`` (int32).
     One scan over the flattened tensor, then each row's base subtracted: on CUDA a single-segment
     scan of the whole tensor takes a fraction of the time of a per-row scan over a few long rows
-    (H100, 9 rows of 32K: 45 against about 8 us, one plan build 216-217 against 173-178 us of device
-    time; docs/results.md, "plan scan").
-    Per row where the running total could reach 2**31."""
-    if present.numel() >= 2 ** 31 or present.dim() < 2 or present.shape[-1] == 0:
+    (H100, 9 rows of 32K: one plan build 216-217 against 173-178 us of device time; docs/results.md,
+    "plan scan"). Per row for empty tensors and where the running total could reach 2**31."""
+    if present.numel() == 0 or present.numel() >= 2 ** 31 or present.dim() < 2:
         return torch.cumsum(present, -1, dtype=torch.int32) - 1, present.sum(-1, dtype=torch.int32)
     flat = torch.cumsum(present.reshape(-1), 0, dtype=torch.int32).view(present.shape)
     end = flat[..., -1]                                                # inclusive prefix at each row's end
