@@ -554,9 +554,9 @@ def test_is_empty_ignores_stale_maxima():
 def test_take_sorted_int32_keys_equal_int64_sort():
     """The final re-sort of each row's kept lines (int32 keys when the sentinel fits) returns what an int64
     sort of the same entries returns: int64, ascending, -1 padding past each row's count; a sentinel
-    of 2**31 or more keeps int64 keys."""
+    of 2**31 or more keeps int64 keys (values up to just below each sentinel)."""
     gen = torch.Generator().manual_seed(0)
-    for sentinel in (300, 2 ** 33):
+    for sentinel in (300, 2 ** 31 - 1, 2 ** 31, 2 ** 33):
         vals = torch.stack([torch.randperm(300, generator=gen)[:40] for _ in range(6)]).view(2, 3, 40)
         vals = vals * (sentinel // 300)
         cnt = torch.tensor([[0, 5, 40], [17, 1, 39]])
@@ -567,5 +567,5 @@ def test_take_sorted_int32_keys_equal_int64_sort():
                 n = int(cnt[i, j])
                 assert got[i, j, :n].tolist() == sorted(vals[i, j, :n].tolist())
                 assert (got[i, j, n:] == -1).all()
-    # negative control: int32 keys would have wrapped these values (the int64 path is the one that ran)
-    assert not torch.equal(vals.to(torch.int32).long(), vals)
+        if sentinel > 2 ** 31:    # negative control: int32 keys would have wrapped these values
+            assert not torch.equal(vals.to(torch.int32).long(), vals)
