@@ -22,7 +22,8 @@ k/v ``[1, S, 2, 128]``, bf16), CP=1, the config's estimator budgets (default
 * ``backward_plans_s`` (CUDA only): building the step's kernel plan
   (:func:`~megatron_mtraining.ops.triton.plan_for`, as in training) and its backward index plans from
   scratch (:func:`~megatron_mtraining.ops.triton.launch.prebuild_backward_plans`: inverted block index,
-  column union), which ``kernels_s`` reuses from its cache; ``total_plans_in_backward_s`` (CUDA
+  column union), which ``kernels_s`` reuses from its cache (before ``plan_for`` was included, this field
+  timed the data-dependent backward plans alone: not comparable with such older rows); ``total_plans_in_backward_s`` (CUDA
   only): ``total_s`` with ``prebuild_backward_plans=False`` in the backend, i.e. those plans built inside the
   backward instead of on a side stream during the forward kernel;
 * ``estimate_share`` = ``estimate_s / kernels_s`` (the target's ratio) and
