@@ -361,40 +361,25 @@ IMPLS = ("cudnn", "flex", "ours", "fa4")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _numbers(ap, flag: str, text: str, kind):
-    """The comma-separated values of ``flag`` as ``kind`` (int or float), or ``ap.error`` naming the flag."""
-    try:
-        vals = [kind(x) for x in text.split(",")]
-    except ValueError:
-        vals = []
-    if not vals:
-        ap.error(f"{flag} {text!r}: a comma-separated list of {'integers' if kind is int else 'numbers'} expected")
-    return vals
-
-
 def check_args(ap, args) -> None:
     """``ap.error`` (exit 2) naming the flag of an argument the benchmark cannot run with."""
-    from megatron_mtraining.bench.cli import check_output_dir
+    from megatron_mtraining.bench.cli import check_heads, check_output_dir, number_list
     from megatron_mtraining.ops.backends import TRITON_HEAD_DIMS
 
     impls = args.impls.split(",")
     bad = [x for x in impls if x not in IMPLS]
     if bad:
         ap.error(f"--impls {args.impls!r}: unknown {bad}; choose from {', '.join(IMPLS)}")
-    for flag, val in (("--heads", args.heads), ("--kv-heads", args.kv_heads)):
-        if val < 1:
-            ap.error(f"{flag} must be >= 1, got {val}")
-    if args.heads % args.kv_heads:
-        ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    for d in _numbers(ap, "--head-dims", args.head_dims, int):
+    check_heads(ap, args.heads, args.kv_heads)
+    for d in number_list(ap, "--head-dims", args.head_dims, int):
         if d not in TRITON_HEAD_DIMS:
             ap.error(f"--head-dims: {d} is not a head_dim the sparse kernels support "
                      f"({', '.join(map(str, TRITON_HEAD_DIMS))})")
     if not args.pattern_file:      # with a pattern file its seq_len is used and --seqs/--sparsity are ignored
-        for s in _numbers(ap, "--seqs", args.seqs, int):
+        for s in number_list(ap, "--seqs", args.seqs, int):
             if s < 64 or s % 64:
                 ap.error(f"--seqs: {s} must be a positive multiple of 64 (the 64-token blocks)")
-        for sp in _numbers(ap, "--sparsity", args.sparsity, float):
+        for sp in number_list(ap, "--sparsity", args.sparsity, float):
             if not 0.0 <= sp < 1.0:
                 ap.error(f"--sparsity: {sp} must lie in [0, 1) (the skipped share of the causal work)")
     if not 0.0 <= args.detail_sparsity < 1.0:

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_mtraining.bench.cli import check_seq_len
+    from megatron_mtraining.bench.cli import check_seq_len, number_list
     from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns import estimator as E
@@ -182,10 +182,7 @@ def main(argv=None) -> int:
     cfg = full_cfg.vertical_slash
     layout = Layout("striped", 1, cfg.block_size)
     L = cfg.last_q
-    try:
-        seqs = [int(x) for x in args.seqs.split(",")]
-    except ValueError:
-        ap.error(f"--seqs {args.seqs!r}: a comma-separated list of integers expected")
+    seqs = number_list(ap, "--seqs", args.seqs, int)
     for S in seqs + ([args.estimate_seq] if args.estimate_seq else []):
         flag = "--seqs" if S in seqs else "--estimate-seq"
         if S <= L:

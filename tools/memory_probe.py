@@ -88,13 +88,11 @@ def main(argv=None) -> None:
     if args.seq_local < 64 or args.seq_local % 64:
         ap.error(f"--seq-local must be a positive multiple of 64 (the striped layout's 64-token chunks), "
                  f"got {args.seq_local}")
-    for flag, val in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
-        if val < 1:
-            ap.error(f"{flag} must be >= 1, got {val}")
-    if args.heads % args.kv_heads:
-        ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    from megatron_mtraining.bench.cli import check_output_dir
+    from megatron_mtraining.bench.cli import check_heads, check_output_dir
 
+    check_heads(ap, args.heads, args.kv_heads)
+    if args.head_dim < 1:
+        ap.error(f"--head-dim must be >= 1, got {args.head_dim}")
     check_output_dir(ap, "--json", args.json)
     rows = []
     for cp in args.cp:

@@ -9,7 +9,7 @@ import math
 import os
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list", "checked_device", "check_seq_len",
-           "check_output_dir"]
+           "check_output_dir", "check_heads", "number_list"]
 
 
 def _int_at_least(low: int):
@@ -88,3 +88,25 @@ def check_output_dir(ap: argparse.ArgumentParser, flag: str, path) -> None:
     (``None``: no output, nothing to check)."""
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         ap.error(f"{flag} {path}: directory not found")
+
+
+def check_heads(ap: argparse.ArgumentParser, heads: int, kv_heads: int) -> None:
+    """``ap.error`` (exit 2) unless ``--heads`` and ``--kv-heads`` are >= 1 and ``heads`` is a multiple of
+    ``kv_heads`` (GQA)."""
+    for flag, val in (("--heads", heads), ("--kv-heads", kv_heads)):
+        if val < 1:
+            ap.error(f"{flag} must be >= 1, got {val}")
+    if heads % kv_heads:
+        ap.error(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
+
+
+def number_list(ap: argparse.ArgumentParser, flag: str, text: str, kind=int) -> list:
+    """The comma-separated values of ``flag`` as ``kind`` (``int`` or ``float``), or ``ap.error`` (exit 2)
+    naming the flag (for a string flag checked after parsing; :func:`int_list` is the ``type=`` form)."""
+    try:
+        vals = [kind(x) for x in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals:
+        ap.error(f"{flag} {text!r}: a comma-separated list of {'integers' if kind is int else 'numbers'} expected")
+    return vals
