@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
                         "when a micro-batch's fp32 logits exceed 1 GiB (never with --sequence-parallel); 0: never")
+    g.add_argument("--lm-loss", choices=["megatron", "liger"], default="megatron",
+                   help="(not a Megatron-LM flag) the LM-head loss: megatron (default): megatron-core's "
+                        "vocabulary-parallel cross entropy, chunked per --cross-entropy-chunk-tokens; liger: "
+                        "Liger-Kernel's fused linear cross entropy (the [liger] extra; no fp32 logits, faster "
+                        "on long sequences; tensor-parallel size 1, CUDA)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
                         "gradient is NaN/Inf, naming the iteration and the first offending parameter; "
@@ -378,6 +383,18 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise E(f"--cross-entropy-chunk-tokens {args.cross_entropy_chunk_tokens} with --sequence-parallel: the "
                 "chunked LM-head loss does not support sequence parallelism (use auto, which does not chunk "
                 "with it, or 0)")
+    if getattr(args, "lm_loss", "megatron") == "liger":
+        if tp > 1:
+            raise E(f"--lm-loss liger with --tensor-model-parallel-size {tp}: the fused loss needs the whole "
+                    "vocabulary on each rank (use --lm-loss megatron with tensor parallelism)")
+        if args.cross_entropy_chunk_tokens not in ("auto", 0):
+            raise E(f"--cross-entropy-chunk-tokens {args.cross_entropy_chunk_tokens} with --lm-loss liger: the "
+                    "chunk size applies to --lm-loss megatron (the fused loss sizes its own chunks)")
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise E("--lm-loss liger needs Liger-Kernel, which is not installed: pip install liger-kernel "
+                    "(or this package's [liger] extra)")
     if args.ffn_hidden_size % tp != 0:
         raise E(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:

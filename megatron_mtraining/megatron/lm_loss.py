@@ -1,24 +1,37 @@
-"""Memory-lean LM-head loss for long sequences: the output layer and the cross entropy in chunks.
+"""Memory-lean LM-head losses for long sequences: the output layer and the cross entropy fused or in chunks.
 
 A GPTModel computes ``logits = hidden @ W^T`` for every token (``[s, b, V]``, then an fp32 copy and
 an fp32 softmax inside the cross entropy) before the per-token loss: at 256K tokens with a 32K
 vocabulary that is 31 GiB of fp32 logits on one GPU, more than the attention layers of a small
-model. :func:`install_chunked_lm_loss` makes the model compute the loss ``chunk_tokens`` sequence
-positions at a time, each chunk under activation checkpointing (its logits are recomputed in the
-backward), so at most one chunk's logits are alive. The cross entropy itself is megatron-core's
-``tensor_parallel.vocab_parallel_cross_entropy`` (vocabulary-parallel under TP), the output matmul
-uses the output layer's own (local vocabulary shard of the) weight, and the result is the same
-per-token loss ``[b, s]`` as the unchunked model (fp32: equal up to rounding; the output-weight
-gradient sums the chunks in another order).
+model. Two replacements compute the same per-token loss ``[b, s]`` (fp32) from the output layer's
+input and weight:
+
+* ``megatron`` (:func:`install_chunked_lm_loss`, ``--cross-entropy-chunk-tokens``): the loss
+  ``chunk_tokens`` sequence positions at a time, each chunk under activation checkpointing (its
+  logits are recomputed in the backward), so at most one chunk's logits are alive. The cross entropy
+  itself is megatron-core's ``tensor_parallel.vocab_parallel_cross_entropy`` (vocabulary-parallel
+  under TP), the output matmul uses the output layer's own (local vocabulary shard of the) weight.
+  fp32: equal to the unchunked model up to rounding (the output-weight gradient sums the chunks in
+  another order).
+* ``liger`` (:func:`install_fused_lm_loss`, ``--lm-loss liger``): Liger-Kernel's fused linear cross
+  entropy (``liger_kernel.ops.fused_linear_cross_entropy``; optional dependency, the ``[liger]``
+  extra): the matmul and a one-pass Triton cross entropy over row chunks of about ``s*b*h/V`` tokens,
+  the logits gradient scaled by each token's upstream gradient before the weight gradient is summed
+  (accumulated in fp32). No fp32 logits at all; tensor-parallel size 1 only (the vocabulary is not
+  split). Needs CUDA (or the CPU under ``TRITON_INTERPRET=1``).
 
 Only training/evaluation calls with ``labels`` change; a call without ``labels`` still returns the
 full logits. Refused (``ValueError`` naming the setting): multi-token prediction, sequence parallelism
-on the output layer, MuP output scaling, a model without its output stage (``post_process=False``).
+on the output layer, MuP output scaling, a model without its output stage (``post_process=False``);
+for ``liger`` also a tensor-parallel output layer and a missing ``liger_kernel``.
 
 Public API::
 
     install_chunked_lm_loss(model, chunk_tokens)      # GPTModel or a wrapper (DDP, Float16Module)
+    install_fused_lm_loss(model)                      # the same, Liger-Kernel's fused loss
     auto_chunk_tokens(seq_local, micro_batch, vocab_local, budget_bytes=2**30)
+    chunked_lm_loss(hidden, weight, labels, chunk_tokens, tp_group=None)
+    fused_lm_loss(hidden, weight, labels)
 """
 
 from __future__ import annotations
@@ -27,7 +40,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["install_chunked_lm_loss", "auto_chunk_tokens", "chunked_lm_loss"]
+__all__ = ["install_chunked_lm_loss", "install_fused_lm_loss", "auto_chunk_tokens", "chunked_lm_loss",
+           "fused_lm_loss", "LM_LOSS_IMPLS"]
+
+#: ``--lm-loss`` choices.
+LM_LOSS_IMPLS = ("megatron", "liger")
+
+LIGER_HINT = "pip install liger-kernel (or this package's [liger] extra)"
 
 #: fp32 logits of one micro-batch above which ``auto`` chunks the LM-head loss (bytes).
 AUTO_THRESHOLD_BYTES = 1 << 30
@@ -85,6 +104,50 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     return torch.cat(parts, 0).transpose(0, 1).contiguous()
 
 
+def _liger_function():
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except ImportError as e:
+        raise ValueError(f"--lm-loss liger needs Liger-Kernel, which does not import here ({e}): {LIGER_HINT}") from e
+    return LigerFusedLinearCrossEntropyFunction
+
+
+def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy of ``hidden @ weight^T`` by Liger-Kernel's fused linear cross entropy.
+
+    The logits exist only a row chunk at a time (Liger sizes the chunks to about ``s*b*h`` logits) and
+    in the input dtype; the softmax and its gradient run in fp32 inside one Triton kernel per chunk.
+    The backward recomputes each chunk's logits and scales its gradient by the tokens' upstream
+    gradients (``reduction="none"``); the weight gradient accumulates in fp32 and is returned in the
+    weight's dtype. Deterministic (no atomics).
+
+    Args:
+        hidden: ``[s, b, h]`` final hidden states (the output layer's input), fp32/bf16/fp16.
+        weight: ``[V, h]`` output weight, the same dtype (tensor-parallel size 1: the whole vocabulary).
+        labels: ``[b, s]`` int64 target ids in ``[0, V)``.
+
+    Returns:
+        ``[b, s]`` fp32 per-token loss, as ``GPTModel.compute_language_model_loss`` returns.
+
+    Raises:
+        ValueError: shapes that do not match as above; Liger-Kernel missing.
+    """
+    fn = _liger_function()
+    if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fused_lm_loss: hidden [s, b, h] and weight [V, h] expected, got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    s, b, h = hidden.shape
+    if tuple(labels.shape) != (b, s):
+        raise ValueError(f"fused_lm_loss: labels [b, s] = {(b, s)} expected, got {tuple(labels.shape)}")
+    x = hidden.reshape(s * b, h)                                   # position-major rows, as Megatron lays out
+    y = labels.transpose(0, 1).reshape(s * b)
+    # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+    #  softcap, return_z_loss, accum_dtype): no label is ignored (ids are >= 0), fp32 weight-gradient sums
+    out = fn.apply(x, weight, y, None, None, -100, 0.0, 0.0, "none", None, False, torch.float32)
+    loss = out[0] if isinstance(out, tuple) else out
+    return loss.float().view(s, b).transpose(0, 1).contiguous()
+
+
 def _gpt_of(model):
     m = model
     while hasattr(m, "module") and not hasattr(m, "output_layer"):
@@ -92,42 +155,40 @@ def _gpt_of(model):
     return m
 
 
-def install_chunked_lm_loss(model, chunk_tokens: int):
-    """Make ``model`` (a megatron-core ``GPTModel`` or a wrapper of one) compute its LM loss in chunks
-    of ``chunk_tokens`` sequence positions (see the module docstring). Idempotent per model.
-
-    Returns:
-        the ``GPTModel`` it was installed on.
-
-    Raises:
-        ValueError: ``chunk_tokens < 1``; the model has multi-token prediction, a sequence-parallel
-            output layer, MuP output scaling, or no output layer.
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"--cross-entropy-chunk-tokens must be >= 1 to chunk, got {chunk_tokens}")
-    gpt = _gpt_of(model)
+def _check_model(gpt, what: str, tensor_parallel_ok: bool = True) -> None:
     cfg = getattr(gpt, "config", None)
+    out_layer = getattr(gpt, "output_layer", None)
     problems = []
-    if not getattr(gpt, "post_process", False) or getattr(gpt, "output_layer", None) is None:
+    if not getattr(gpt, "post_process", False) or out_layer is None:
         problems.append("the model has no output layer (post_process=False)")
     if cfg is not None and getattr(cfg, "mtp_num_layers", None):
         problems.append("multi-token prediction (mtp_num_layers)")
-    if getattr(getattr(gpt, "output_layer", None), "sequence_parallel", False):
+    if getattr(out_layer, "sequence_parallel", False):
         problems.append("sequence parallelism on the output layer")
     if cfg is not None and getattr(cfg, "use_mup", False):
         problems.append("MuP output scaling (use_mup)")
+    tp_group = getattr(out_layer, "tp_group", None)
+    if not tensor_parallel_ok and tp_group is not None and tp_group.size() > 1:
+        problems.append(f"a tensor-parallel output layer (size {tp_group.size()}; the fused loss needs the "
+                        "whole vocabulary on each rank: use --lm-loss megatron)")
     if problems:
-        raise ValueError("chunked LM-head loss (--cross-entropy-chunk-tokens) cannot serve " + "; ".join(problems))
-    if getattr(gpt, "_mtraining_lm_loss_chunk", None) is not None:
-        gpt._mtraining_lm_loss_chunk = int(chunk_tokens)
+        raise ValueError(f"{what} cannot serve " + "; ".join(problems))
+
+
+def _install(model, loss_of):
+    """Route ``model``'s LM loss through ``loss_of(hidden [s,b,h], weight, labels [b,s], tp_group)``;
+    replaces an earlier installation on the same model."""
+    gpt = _gpt_of(model)
+    if getattr(gpt, "_mtraining_lm_loss", None) is not None:
+        gpt._mtraining_lm_loss = loss_of
         return gpt
-    gpt._mtraining_lm_loss_chunk = int(chunk_tokens)
+    gpt._mtraining_lm_loss = loss_of
     out_layer = gpt.output_layer
     state = {"active": False, "weight": None}
     out_forward, loss_fn, forward = out_layer.forward, gpt.compute_language_model_loss, gpt.forward
 
     def output_forward(input_, weight: Optional[torch.Tensor] = None, runtime_gather_output=None, **kw):
-        if state["active"]:                     # defer: the loss computes the logits chunk by chunk
+        if state["active"]:                     # defer: the loss computes the logits itself
             state["weight"] = weight if weight is not None else out_layer.weight
             return input_, None
         return out_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kw)
@@ -135,8 +196,7 @@ def install_chunked_lm_loss(model, chunk_tokens: int):
     def compute_language_model_loss(labels, logits):
         if state["active"]:
             w, state["weight"] = state["weight"], None
-            return chunked_lm_loss(logits, w, labels, gpt._mtraining_lm_loss_chunk,
-                                   tp_group=getattr(out_layer, "tp_group", None))
+            return gpt._mtraining_lm_loss(logits, w, labels, getattr(out_layer, "tp_group", None))
         return loss_fn(labels, logits)
 
     def gpt_forward(*args, **kwargs):
@@ -151,3 +211,42 @@ def install_chunked_lm_loss(model, chunk_tokens: int):
     gpt.compute_language_model_loss = compute_language_model_loss
     gpt.forward = gpt_forward
     return gpt
+
+
+def install_chunked_lm_loss(model, chunk_tokens: int):
+    """Make ``model`` (a megatron-core ``GPTModel`` or a wrapper of one) compute its LM loss in chunks
+    of ``chunk_tokens`` sequence positions (see the module docstring). Idempotent per model; a later
+    install (of either loss) replaces an earlier one.
+
+    Returns:
+        the ``GPTModel`` it was installed on.
+
+    Raises:
+        ValueError: ``chunk_tokens < 1``; the model has multi-token prediction, a sequence-parallel
+            output layer, MuP output scaling, or no output layer.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"--cross-entropy-chunk-tokens must be >= 1 to chunk, got {chunk_tokens}")
+    gpt = _gpt_of(model)
+    _check_model(gpt, "chunked LM-head loss (--cross-entropy-chunk-tokens)")
+    n = int(chunk_tokens)
+    return _install(model, lambda h, w, y, tp_group: chunked_lm_loss(h, w, y, n, tp_group=tp_group))
+
+
+def install_fused_lm_loss(model):
+    """Make ``model`` (a megatron-core ``GPTModel`` or a wrapper of one) compute its LM loss with
+    :func:`fused_lm_loss` (Liger-Kernel's fused linear cross entropy; ``--lm-loss liger``). Idempotent
+    per model; a later install (of either loss) replaces an earlier one.
+
+    Returns:
+        the ``GPTModel`` it was installed on.
+
+    Raises:
+        ValueError: Liger-Kernel does not import; the model has a tensor-parallel output layer,
+            multi-token prediction, a sequence-parallel output layer, MuP output scaling, or no
+            output layer.
+    """
+    gpt = _gpt_of(model)
+    _check_model(gpt, "fused LM-head loss (--lm-loss liger)", tensor_parallel_ok=False)
+    _liger_function()
+    return _install(model, lambda h, w, y, tp_group: fused_lm_loss(h, w, y))

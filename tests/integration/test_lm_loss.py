@@ -1,7 +1,9 @@
-"""The chunked LM-head loss (megatron_mtraining/megatron/lm_loss.py) against megatron-core's own
-unchunked output layer + cross entropy, on CPU in fp32: per-token losses and every parameter
-gradient (relative error <= 1e-5), the logits path without labels, the refusals, the ``auto`` rule,
-and the trainer flag end to end."""
+"""The chunked and the fused LM-head losses (megatron_mtraining/megatron/lm_loss.py) against
+megatron-core's own unchunked output layer + cross entropy, on CPU in fp32: per-token losses and
+every parameter gradient (relative error <= 1e-5), the fused loss also against fp64 (loss, d hidden,
+d weight), the logits path without labels, the refusals, the ``auto`` rule, and the trainer flags end
+to end. The fused loss (Liger-Kernel) runs its Triton kernels in the interpreter here; its bf16 check
+on CUDA is ``test_fused_loss_bf16_gpu``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import re
 import pytest
 import torch
 
-from megatron_mtraining.megatron.lm_loss import auto_chunk_tokens, install_chunked_lm_loss
+from megatron_mtraining.megatron.lm_loss import (auto_chunk_tokens, fused_lm_loss, install_chunked_lm_loss,
+                                                 install_fused_lm_loss)
 from tests.helpers.dist import one_rank_megatron, run_torchrun
 from tests.helpers.tiny_data import make_tiny_dataset
 
@@ -84,6 +87,85 @@ def test_chunked_loss_equals_megatron_loss(world1, tied, chunk):
     assert _rel(_run(bad, shifted)[0], want) > 1e-3
 
 
+def _fp64_loss(hidden, weight, labels, grad):
+    """fp64 per-token loss [b, s] and its gradients for the upstream gradient ``grad`` [b, s]."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logits = torch.einsum("sbh,vh->bsv", h, w)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    loss = loss.view(labels.shape)
+    (loss * grad.double()).sum().backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def test_fused_loss_matches_fp64():
+    g = torch.Generator().manual_seed(3)
+    s, b, hd, v = 70, 2, 24, 300
+    hidden = torch.randn(s, b, hd, generator=g).requires_grad_()
+    weight = (0.5 * torch.randn(v, hd, generator=g)).requires_grad_()
+    labels = torch.randint(0, v, (b, s), generator=g)
+    grad = torch.rand(b, s, generator=g) * (torch.rand(b, s, generator=g) > 0.2)   # a loss mask with zeros
+    loss = fused_lm_loss(hidden, weight, labels)
+    (loss * grad).sum().backward()
+    want, want_dh, want_dw = _fp64_loss(hidden, weight, labels, grad)
+    assert loss.shape == (b, s) and loss.dtype == torch.float32
+    assert _rel(loss, want) <= 1e-5
+    assert _rel(hidden.grad, want_dh) <= 1e-5
+    assert _rel(weight.grad, want_dw) <= 1e-5
+    # negative control: another upstream gradient gives other input gradients
+    _, other_dh, other_dw = _fp64_loss(hidden, weight, labels, torch.ones_like(grad))
+    assert _rel(hidden.grad, other_dh) > 1e-2 and _rel(weight.grad, other_dw) > 1e-2
+    with pytest.raises(ValueError, match=r"labels \[b, s\]"):
+        fused_lm_loss(hidden, weight, labels.t())
+
+
+@pytest.mark.gpu
+def test_fused_loss_bf16_gpu():
+    """bf16 on CUDA: the fused loss's error against fp64 is at most 2x that of megatron-core's loss in bf16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    s, b, hd, v = 4096, 1, 576, 49152
+    hidden = torch.randn(s, b, hd, device="cuda", generator=g).bfloat16()
+    weight = (0.05 * torch.randn(v, hd, device="cuda", generator=g)).bfloat16()
+    labels = torch.randint(0, v, (b, s), device="cuda", generator=g)
+    grad = torch.rand(b, s, device="cuda", generator=g)
+    want = _fp64_loss(hidden, weight, labels, grad)
+
+    def run(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(h, w)
+        (loss * grad).sum().backward()
+        return loss.detach(), h.grad, w.grad
+
+    ours = run(lambda h, w: fused_lm_loss(h, w, labels))
+    # megatron-core's loss at TP 1: bf16 logits, upcast to fp32 for the softmax
+    ref = run(lambda h, w: torch.nn.functional.cross_entropy(
+        torch.einsum("sbh,vh->bsv", h, w).float().flatten(0, 1), labels.flatten(), reduction="none").view(b, s))
+    for name, o, r, x in zip(("loss", "d hidden", "d weight"), ours, ref, want):
+        assert _rel(o, x) <= 2 * _rel(r, x), (name, _rel(o, x), _rel(r, x))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_loss_equals_megatron_loss(world1, tied):
+    toks = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
+    ref = _model(tied)
+    want, want_g = _run(ref, toks)
+    ours = _model(tied)
+    ours.load_state_dict(ref.state_dict())
+    install_fused_lm_loss(ours)
+    got, got_g = _run(ours, toks)
+    assert got.shape == want.shape == (BATCH, SEQ) and got.dtype == want.dtype
+    assert _rel(got, want) <= 1e-5
+    assert set(got_g) == set(want_g)
+    for name in want_g:
+        assert _rel(got_g[name], want_g[name]) <= 1e-5, name
+    assert torch.equal(_run(ours, toks, labels=False), _run(ref, toks, labels=False))
+    # a later install replaces the loss: the chunked one again gives the same values
+    install_chunked_lm_loss(ours, 64)
+    assert _rel(_run(ours, toks)[0], want) <= 1e-5
+
+
 def test_chunked_loss_refusals(world1):
     m = _model(True)
     with pytest.raises(ValueError, match=">= 1"):
@@ -91,6 +173,24 @@ def test_chunked_loss_refusals(world1):
     m.output_layer.sequence_parallel = True
     with pytest.raises(ValueError, match="sequence parallelism on the output layer"):
         install_chunked_lm_loss(m, 64)
+    m = _model(True)
+
+    class TP2:
+        def size(self):
+            return 2
+
+    m.output_layer.tp_group = TP2()
+    with pytest.raises(ValueError, match="tensor-parallel output layer"):
+        install_fused_lm_loss(m)
+    install_chunked_lm_loss(m, 64)          # the chunked loss is vocabulary-parallel
+
+
+def test_fused_loss_without_liger(world1, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", None)
+    with pytest.raises(ValueError, match="--lm-loss liger needs Liger-Kernel"):
+        install_fused_lm_loss(_model(True))
 
 
 def test_auto_chunk_rule():
@@ -101,7 +201,7 @@ def test_auto_chunk_rule():
 
 
 @pytest.mark.slow
-def test_trainer_flag_gives_the_same_losses(tmp_path):
+def test_trainer_flags_give_the_same_losses(tmp_path):
     prefix, tok = make_tiny_dataset(tmp_path / "data")
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--micro-batch-size", "2",
@@ -109,13 +209,14 @@ def test_trainer_flag_gives_the_same_losses(tmp_path):
             "--split", "100,0,0", "--tokenizer-model", tok, "--eval-iters", "0", "--log-interval", "1",
             "--data-cache-path", str(tmp_path / "cache")]
     losses = {}
-    for chunk in ("0", "48"):
-        r = run_torchrun("examples/pretrain_gpt.py", base + ["--cross-entropy-chunk-tokens", chunk], nproc=1,
-                         timeout=240)
+    for name, flags in (("0", ["--cross-entropy-chunk-tokens", "0"]), ("48", ["--cross-entropy-chunk-tokens", "48"]),
+                        ("liger", ["--lm-loss", "liger"])):
+        r = run_torchrun("examples/pretrain_gpt.py", base + flags, nproc=1, timeout=240)
         assert r.returncode == 0, r.tail()
-        losses[chunk] = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", r.stdout)]
-        assert len(losses[chunk]) == 3, r.tail()
-    for a, b in zip(losses["48"], losses["0"]):
-        assert abs(a - b) <= 1e-5 * abs(b), losses
+        losses[name] = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", r.stdout)]
+        assert len(losses[name]) == 3, r.tail()
+    for name in ("48", "liger"):
+        for a, b in zip(losses[name], losses["0"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, losses)
     r = run_torchrun("examples/pretrain_gpt.py", base + ["--cross-entropy-chunk-tokens", "-3"], nproc=1, timeout=60)
     assert r.returncode != 0 and "--cross-entropy-chunk-tokens" in r.output

@@ -205,6 +205,10 @@ def test_recompute_cp2_matches_no_recompute(tiny, tmp_path, reference, cp2_refer
     ({"--recompute-granularity": "full", "--recompute-method": "uniform"}, 1, "--recompute-num-layers"),
     ({"--tensor-model-parallel-size": 2, "--sequence-parallel": None, "--cross-entropy-chunk-tokens": 64}, 2,
      "--cross-entropy-chunk-tokens 64 with --sequence-parallel"),
+    ({"--tensor-model-parallel-size": 2, "--lm-loss": "liger"}, 2,
+     "--lm-loss liger with --tensor-model-parallel-size 2"),
+    ({"--lm-loss": "liger", "--cross-entropy-chunk-tokens": 64}, 1,
+     "--cross-entropy-chunk-tokens 64 with --lm-loss liger"),
 ])
 def test_validation_names_the_rule(tiny, over, world, needle):
     from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
