@@ -130,7 +130,7 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         ``[b, s]`` fp32 per-token loss, as ``GPTModel.compute_language_model_loss`` returns.
 
     Raises:
-        ValueError: shapes that do not match as above; Liger-Kernel missing.
+        ValueError: shapes that do not match as above; a label outside ``[0, V)``; Liger-Kernel missing.
     """
     fn = _liger_function()
     if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -139,6 +139,12 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     s, b, h = hidden.shape
     if tuple(labels.shape) != (b, s):
         raise ValueError(f"fused_lm_loss: labels [b, s] = {(b, s)} expected, got {tuple(labels.shape)}")
+    if labels.numel():
+        lo, hi = labels.aminmax()
+        lo, hi = int(lo), int(hi)                                  # one host sync (Liger's forward has another)
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"fused_lm_loss: labels must be token ids in [0, {weight.shape[0]}) (the output "
+                             f"weight's rows), got ids from {lo} to {hi}")
     x = hidden.reshape(s * b, h)                                   # position-major rows, as Megatron lays out
     y = labels.transpose(0, 1).reshape(s * b)
     # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,

@@ -117,6 +117,9 @@ def test_fused_loss_matches_fp64():
     assert _rel(hidden.grad, other_dh) > 1e-2 and _rel(weight.grad, other_dw) > 1e-2
     with pytest.raises(ValueError, match=r"labels \[b, s\]"):
         fused_lm_loss(hidden, weight, labels.t())
+    for bad in (-1, v):
+        with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, {v}\).* to {max(bad, v - 1)}"):
+            fused_lm_loss(hidden, weight, labels.index_fill(1, torch.tensor([5]), bad))
 
 
 @pytest.mark.gpu
