@@ -69,6 +69,9 @@ def loss_impls(s: int, vocab: int, max_logits_gib: float):
 def bench(args) -> list[dict]:
     device = args.device
     dtype = DTYPES[args.dtype]
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     _init_megatron(device)
     rows = []
     for s in args.tokens:
@@ -91,12 +94,12 @@ def bench(args) -> list[dict]:
 
             loss = step().detach()
             got = (loss, h.grad.detach().clone(), w.grad.detach().clone())
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            t = measure(step, budget_s=args.budget, warmup=1, long_call_ms=500)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if device.type == "cuda" else None
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            t = measure(step, device=device, budget_s=args.budget, warmup=1, long_call_ms=500)
+            peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 30 if cuda else None
             row = {"tokens": s, "hidden": args.hidden, "vocab": args.vocab, "impl": name,
                    "chunk_tokens": chunk if name == "megatron" else None, "fwd_bwd_ms": t.median_ms,
                    "timing": t.to_dict(), "peak_gib_above_inputs": peak}
@@ -132,6 +135,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.device = checked_device(p, args.device)
     check_output_dir(p, "--json", args.json)
+    from megatron_mtraining.megatron.lm_loss import liger_problem
+
+    problem = liger_problem(args.device)
+    if problem:
+        p.error(f"--device {args.device}: {problem}")
     rows = bench(args)
     if args.json:
         write_json(args.json, result_record({"config": {**vars(args), "device": str(args.device)}, "rows": rows},

@@ -149,11 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
                         "when a micro-batch's fp32 logits exceed 1 GiB (never with --sequence-parallel); 0: never")
-    g.add_argument("--lm-loss", choices=["megatron", "liger"], default="megatron",
+    from megatron_mtraining.megatron.lm_loss import LM_LOSS_IMPLS
+
+    g.add_argument("--lm-loss", choices=LM_LOSS_IMPLS, default="megatron",
                    help="(not a Megatron-LM flag) the LM-head loss: megatron (default): megatron-core's "
                         "vocabulary-parallel cross entropy, chunked per --cross-entropy-chunk-tokens; liger: "
-                        "Liger-Kernel's fused linear cross entropy (the [liger] extra; no fp32 logits, faster "
-                        "on long sequences; tensor-parallel size 1, CUDA)")
+                        "Liger-Kernel's fused linear cross entropy (the [liger] extra; no fp32 logits; "
+                        "tensor-parallel size 1, CUDA)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
                         "gradient is NaN/Inf, naming the iteration and the first offending parameter; "
@@ -390,11 +392,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         if args.cross_entropy_chunk_tokens not in ("auto", 0):
             raise E(f"--cross-entropy-chunk-tokens {args.cross_entropy_chunk_tokens} with --lm-loss liger: the "
                     "chunk size applies to --lm-loss megatron (the fused loss sizes its own chunks)")
-        import importlib.util
+        from megatron_mtraining.megatron.lm_loss import liger_problem
 
-        if importlib.util.find_spec("liger_kernel") is None:
-            raise E("--lm-loss liger needs Liger-Kernel, which is not installed: pip install liger-kernel "
-                    "(or this package's [liger] extra)")
+        problem = liger_problem()          # the device is checked where the run starts (training.loop)
+        if problem:
+            raise E(problem)
     if args.ffn_hidden_size % tp != 0:
         raise E(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:

@@ -15,10 +15,11 @@ input and weight:
   another order).
 * ``liger`` (:func:`install_fused_lm_loss`, ``--lm-loss liger``): Liger-Kernel's fused linear cross
   entropy (``liger_kernel.ops.fused_linear_cross_entropy``; optional dependency, the ``[liger]``
-  extra): the matmul and a one-pass Triton cross entropy over row chunks of about ``s*b*h/V`` tokens,
+  extra): the matmul and one Triton cross-entropy kernel per row chunk of about ``s*b*h/V`` tokens,
   the logits gradient scaled by each token's upstream gradient before the weight gradient is summed
-  (accumulated in fp32). No fp32 logits at all; tensor-parallel size 1 only (the vocabulary is not
-  split). Needs CUDA (or the CPU under ``TRITON_INTERPRET=1``).
+  (accumulated in fp32 on CUDA with torch >= 2.8). No fp32 logits at all; tensor-parallel size 1 only
+  (the vocabulary is not split). Needs CUDA (or the CPU under ``TRITON_INTERPRET=1``) and Liger-Kernel
+  >= :data:`LIGER_MIN_VERSION`.
 
 Only training/evaluation calls with ``labels`` change; a call without ``labels`` still returns the
 full logits. Refused (``ValueError`` naming the setting): multi-token prediction, sequence parallelism
@@ -41,12 +42,44 @@ from typing import Optional
 import torch
 
 __all__ = ["install_chunked_lm_loss", "install_fused_lm_loss", "auto_chunk_tokens", "chunked_lm_loss",
-           "fused_lm_loss", "LM_LOSS_IMPLS"]
+           "fused_lm_loss", "liger_problem", "LM_LOSS_IMPLS", "LIGER_MIN_VERSION"]
 
 #: ``--lm-loss`` choices.
 LM_LOSS_IMPLS = ("megatron", "liger")
 
-LIGER_HINT = "pip install liger-kernel (or this package's [liger] extra)"
+#: the oldest Liger-Kernel the fused loss accepts: per-token upstream gradients (``reduction="none"``) are
+#: applied per token from 0.8.2 on (older releases scale every token's gradient by the first token's);
+#: 0.8.5 is the release tested here.
+LIGER_MIN_VERSION = "0.8.5"
+
+LIGER_HINT = f"pip install 'liger-kernel>={LIGER_MIN_VERSION}' (or this package's [liger] extra)"
+
+
+def liger_problem(device=None) -> Optional[str]:
+    """Why ``--lm-loss liger`` cannot run here, or ``None`` when it can: Liger-Kernel missing or older than
+    :data:`LIGER_MIN_VERSION`, or (with ``device``) Triton kernels that cannot run on ``device`` (CUDA
+    with Triton importable, or the CPU under ``TRITON_INTERPRET=1``)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return f"--lm-loss liger needs Liger-Kernel, which is not installed: {LIGER_HINT}"
+    try:
+        from packaging.version import Version
+
+        have = importlib.metadata.version("liger-kernel")
+        if Version(have) < Version(LIGER_MIN_VERSION):
+            return (f"--lm-loss liger needs Liger-Kernel >= {LIGER_MIN_VERSION} (older releases scale every "
+                    f"token's gradient by the first token's), found {have}: {LIGER_HINT}")
+    except importlib.metadata.PackageNotFoundError:
+        return f"--lm-loss liger: Liger-Kernel imports but has no package metadata to check its version: {LIGER_HINT}"
+    if device is not None:
+        from megatron_mtraining.common import triton_runs_on
+
+        if not triton_runs_on(device):
+            return (f"--lm-loss liger runs Triton kernels, which cannot run on {device} here: it needs a CUDA "
+                    "device with Triton installed (on the CPU only under TRITON_INTERPRET=1, for tests)")
+    return None
 
 #: fp32 logits of one micro-batch above which ``auto`` chunks the LM-head loss (bytes).
 AUTO_THRESHOLD_BYTES = 1 << 30
@@ -105,6 +138,9 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 def _liger_function():
+    problem = liger_problem()
+    if problem:
+        raise ValueError(problem)
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError as e:
@@ -118,7 +154,8 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     The logits exist only a row chunk at a time (Liger sizes the chunks to about ``s*b*h`` logits) and
     in the input dtype; the softmax and its gradient run in fp32 inside one Triton kernel per chunk.
     The backward recomputes each chunk's logits and scales its gradient by the tokens' upstream
-    gradients (``reduction="none"``); the weight gradient accumulates in fp32 and is returned in the
+    gradients (``reduction="none"``); the weight gradient accumulates in fp32 (CUDA, torch >= 2.8; else
+    each chunk's product is rounded to the weight's dtype first) and is returned in the
     weight's dtype. Deterministic (no atomics).
 
     Args:
@@ -130,7 +167,8 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         ``[b, s]`` fp32 per-token loss, as ``GPTModel.compute_language_model_loss`` returns.
 
     Raises:
-        ValueError: shapes that do not match as above; a label outside ``[0, V)``; Liger-Kernel missing.
+        ValueError: shapes or dtypes that do not match as above; a label outside ``[0, V)``; Liger-Kernel
+            missing or older than :data:`LIGER_MIN_VERSION`.
     """
     fn = _liger_function()
     if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -139,12 +177,15 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     s, b, h = hidden.shape
     if tuple(labels.shape) != (b, s):
         raise ValueError(f"fused_lm_loss: labels [b, s] = {(b, s)} expected, got {tuple(labels.shape)}")
-    if labels.numel():
-        lo, hi = labels.aminmax()
-        lo, hi = int(lo), int(hi)                                  # one host sync (Liger's forward has another)
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(f"fused_lm_loss: labels must be token ids in [0, {weight.shape[0]}) (the output "
-                             f"weight's rows), got ids from {lo} to {hi}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"fused_lm_loss: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
+    if labels.numel() == 0:
+        return hidden.new_zeros((b, s), dtype=torch.float32) + 0.0 * hidden.sum()    # keeps the graph
+    lo, hi = labels.aminmax()
+    lo, hi = int(lo), int(hi)                                      # one host sync (Liger's forward has another)
+    if lo < 0 or hi >= weight.shape[0]:
+        raise ValueError(f"fused_lm_loss: labels must be token ids in [0, {weight.shape[0]}) (the output "
+                         f"weight's rows), got ids from {lo} to {hi}")
     x = hidden.reshape(s * b, h)                                   # position-major rows, as Megatron lays out
     y = labels.transpose(0, 1).reshape(s * b)
     # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
@@ -248,7 +289,8 @@ def install_fused_lm_loss(model):
         the ``GPTModel`` it was installed on.
 
     Raises:
-        ValueError: Liger-Kernel does not import; the model has a tensor-parallel output layer,
+        ValueError: Liger-Kernel missing or older than :data:`LIGER_MIN_VERSION`; the model has a
+            tensor-parallel output layer,
             multi-token prediction, a sequence-parallel output layer, MuP output scaling, or no
             output layer.
     """

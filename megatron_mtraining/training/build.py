@@ -154,11 +154,11 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
 
         install_layout_rope(model, plan)
     if last and getattr(args, "lm_loss", "megatron") == "liger":
-        from megatron_mtraining.common import triton_runs_on
-        from megatron_mtraining.megatron.lm_loss import install_fused_lm_loss
+        from megatron_mtraining.megatron.lm_loss import install_fused_lm_loss, liger_problem
 
-        if not triton_runs_on(device):
-            raise ValueError(f"--lm-loss liger needs a CUDA device (Triton kernels), not {device}")
+        problem = liger_problem(device)
+        if problem:
+            raise ValueError(problem)
         install_fused_lm_loss(model)
     chunk = lm_loss_chunk_tokens(args, vocab_size) if last and getattr(args, "lm_loss", "megatron") == "megatron" else 0
     if chunk:

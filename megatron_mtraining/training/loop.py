@@ -107,6 +107,12 @@ def _train(args, hooks: Optional[TrainHooks], t_start: float, handler: Optional[
     if cfg is not None and cfg.cuda_graphs and device.type != "cuda":
         raise SystemExit(f"pretrain_gpt.py: error: --mtraining-config {args.mtraining_config}: 'cuda_graphs: "
                          f"true' captures CUDA graphs, and this run is on the {device.type}; set cuda_graphs: false")
+    if getattr(args, "lm_loss", "megatron") == "liger":
+        from megatron_mtraining.megatron.lm_loss import liger_problem
+
+        problem = liger_problem(device)
+        if problem:
+            raise SystemExit(f"pretrain_gpt.py: error: {problem}")
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads

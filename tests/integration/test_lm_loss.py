@@ -100,7 +100,7 @@ def _fp64_loss(hidden, weight, labels, grad):
 
 def test_fused_loss_matches_fp64():
     g = torch.Generator().manual_seed(3)
-    s, b, hd, v = 70, 2, 24, 300
+    s, b, hd, v = 70, 2, 24, 33000          # past Liger's 32768-wide vocabulary block
     hidden = torch.randn(s, b, hd, generator=g).requires_grad_()
     weight = (0.5 * torch.randn(v, hd, generator=g)).requires_grad_()
     labels = torch.randint(0, v, (b, s), generator=g)
@@ -117,14 +117,20 @@ def test_fused_loss_matches_fp64():
     assert _rel(hidden.grad, other_dh) > 1e-2 and _rel(weight.grad, other_dw) > 1e-2
     with pytest.raises(ValueError, match=r"labels \[b, s\]"):
         fused_lm_loss(hidden, weight, labels.t())
-    for bad in (-1, v):
-        with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, {v}\).* to {max(bad, v - 1)}"):
+    with pytest.raises(ValueError, match="must have one dtype"):
+        fused_lm_loss(hidden, weight.double(), labels)
+    empty = fused_lm_loss(hidden[:0], weight, labels[:, :0])           # no tokens: an empty loss, no error
+    assert empty.shape == (b, 0) and empty.dtype == torch.float32
+    for bad, where in ((-1, "from -1 "), (v, f"to {v}")):
+        with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, {v}\).*{where}"):
             fused_lm_loss(hidden, weight, labels.index_fill(1, torch.tensor([5]), bad))
 
 
 @pytest.mark.gpu
 def test_fused_loss_bf16_gpu():
-    """bf16 on CUDA: the fused loss's error against fp64 is at most 2x that of megatron-core's loss in bf16."""
+    """bf16 on CUDA: the fused loss's error against fp64 (loss, d hidden, d weight, each) is at most 2x that of
+    the bf16 loss megatron-core computes at TP 1 (bf16 logits upcast to fp32 for the softmax, written with torch
+    ops here)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -188,11 +194,27 @@ def test_chunked_loss_refusals(world1):
     install_chunked_lm_loss(m, 64)          # the chunked loss is vocabulary-parallel
 
 
-def test_fused_loss_without_liger(world1, monkeypatch):
+def test_fused_loss_without_a_usable_liger(world1, monkeypatch):
+    import importlib.metadata
+    import importlib.util
     import sys
 
+    from megatron_mtraining.megatron import lm_loss
+
+    assert lm_loss.liger_problem() is None and lm_loss.liger_problem("cpu") is None   # TRITON_INTERPRET=1 here
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")
+        assert "cannot run on cpu" in lm_loss.liger_problem("cpu")
+    with monkeypatch.context() as m:      # older releases scale every token's gradient by the first token's
+        m.setattr(importlib.metadata, "version", lambda name: "0.8.1")
+        with pytest.raises(ValueError, match=r"Liger-Kernel >= 0\.8\.5 .* found 0\.8\.1"):
+            install_fused_lm_loss(_model(True))
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None)
+        with pytest.raises(ValueError, match="needs Liger-Kernel, which is not installed"):
+            install_fused_lm_loss(_model(True))
     monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", None)
-    with pytest.raises(ValueError, match="--lm-loss liger needs Liger-Kernel"):
+    with pytest.raises(ValueError, match="--lm-loss liger needs Liger-Kernel, which does not import"):
         install_fused_lm_loss(_model(True))
 
 
@@ -210,7 +232,7 @@ def test_trainer_flags_give_the_same_losses(tmp_path):
             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-3", "--data-path", prefix,
             "--split", "100,0,0", "--tokenizer-model", tok, "--eval-iters", "0", "--log-interval", "1",
-            "--data-cache-path", str(tmp_path / "cache")]
+            "--data-cache-path", str(tmp_path / "cache"), "--eod-mask-loss"]   # a loss mask with zeros
     losses = {}
     for name, flags in (("0", ["--cross-entropy-chunk-tokens", "0"]), ("48", ["--cross-entropy-chunk-tokens", "48"]),
                         ("liger", ["--lm-loss", "liger"])):
@@ -223,3 +245,8 @@ def test_trainer_flags_give_the_same_losses(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), (name, losses)
     r = run_torchrun("examples/pretrain_gpt.py", base + ["--cross-entropy-chunk-tokens", "-3"], nproc=1, timeout=60)
     assert r.returncode != 0 and "--cross-entropy-chunk-tokens" in r.output
+    # where the run starts, on every rank: the fused loss's Triton kernels cannot run on this CPU
+    r = run_torchrun("examples/pretrain_gpt.py", base + ["--lm-loss", "liger"], nproc=1, timeout=60,
+                     env={"TRITON_INTERPRET": "0"})
+    assert r.returncode != 0 and "pretrain_gpt.py: error: --lm-loss liger runs Triton kernels" in r.output, r.tail()
+    assert "[rank0]: Traceback" not in r.output, r.tail()          # a clean exit, not a crash of the rank

@@ -1,9 +1,11 @@
 """tools/bench_lm_loss.py on CPU (fp32, Liger-Kernel's kernels in the Triton interpreter): every row
 runs, the fused loss agrees with megatron-core's (relative error <= 1e-5 for the loss and both
-gradients), the record is written, and bad arguments name the flag."""
+gradients), the record is written, and bad arguments (a device the fused loss cannot run on too) name the
+flag."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +13,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(*argv):
+def _run(*argv, env=None):
     return subprocess.run([sys.executable, str(REPO / "tools" / "bench_lm_loss.py"), *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=None if env is None else {**os.environ, **env})
 
 
 def test_rows_agree_and_record(tmp_path):
@@ -38,3 +40,5 @@ def test_bad_arguments_name_the_flag(tmp_path):
     assert r.returncode == 2 and "--tokens" in r.stderr
     r = _run("--device", "cpu", "--json", str(tmp_path / "missing" / "r.json"))
     assert r.returncode == 2 and "--json" in r.stderr
+    r = _run("--device", "cpu", env={"TRITON_INTERPRET": "0"})        # Liger's kernels cannot run here
+    assert r.returncode == 2 and "--device cpu: --lm-loss liger runs Triton kernels" in r.stderr, r.stderr[-2000:]
