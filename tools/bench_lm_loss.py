@@ -137,7 +137,7 @@ def main(argv=None):
     check_output_dir(p, "--json", args.json)
     from megatron_mtraining.megatron.lm_loss import liger_problem
 
-    problem = liger_problem(args.device)
+    problem = liger_problem(args.device, what="the liger row (the fused loss)")
     if problem:
         p.error(f"--device {args.device}: {problem}")
     rows = bench(args)

@@ -71,6 +71,8 @@ def checked_device(ap: argparse.ArgumentParser, text: str, flag: str = "--device
         ap.error(f"{flag} {text}: cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"{flag} {text}: no CUDA device here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        ap.error(f"{flag} {text}: there are {torch.cuda.device_count()} CUDA devices here")
     return dev
 
 

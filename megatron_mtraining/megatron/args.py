@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
                         "when a micro-batch's fp32 logits exceed 1 GiB (never with --sequence-parallel); 0: never")
-    from megatron_mtraining.megatron.lm_loss import LM_LOSS_IMPLS
+    from megatron_mtraining.megatron.lm_loss_check import LM_LOSS_IMPLS
 
     g.add_argument("--lm-loss", choices=LM_LOSS_IMPLS, default="megatron",
                    help="(not a Megatron-LM flag) the LM-head loss: megatron (default): megatron-core's "
@@ -392,7 +392,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         if args.cross_entropy_chunk_tokens not in ("auto", 0):
             raise E(f"--cross-entropy-chunk-tokens {args.cross_entropy_chunk_tokens} with --lm-loss liger: the "
                     "chunk size applies to --lm-loss megatron (the fused loss sizes its own chunks)")
-        from megatron_mtraining.megatron.lm_loss import liger_problem
+        from megatron_mtraining.megatron.lm_loss_check import liger_problem
 
         problem = liger_problem()          # the device is checked where the run starts (training.loop)
         if problem:

@@ -17,8 +17,8 @@ input and weight:
   entropy (``liger_kernel.ops.fused_linear_cross_entropy``; optional dependency, the ``[liger]``
   extra): the matmul and one Triton cross-entropy kernel per row chunk of about ``s*b*h/V`` tokens,
   the logits gradient scaled by each token's upstream gradient before the weight gradient is summed
-  (accumulated in fp32 on CUDA with torch >= 2.8). No fp32 logits at all; tensor-parallel size 1 only
-  (the vocabulary is not split). Needs CUDA (or the CPU under ``TRITON_INTERPRET=1``) and Liger-Kernel
+  (accumulated in fp32 on CUDA of compute capability >= 8.0 with torch >= 2.8). No fp32 logits at all;
+  tensor-parallel size 1 only (the vocabulary is not split). Needs CUDA (or the CPU under ``TRITON_INTERPRET=1``) and Liger-Kernel
   >= :data:`LIGER_MIN_VERSION`.
 
 Only training/evaluation calls with ``labels`` change; a call without ``labels`` still returns the
@@ -37,6 +37,7 @@ Public API::
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -44,42 +45,7 @@ import torch
 __all__ = ["install_chunked_lm_loss", "install_fused_lm_loss", "auto_chunk_tokens", "chunked_lm_loss",
            "fused_lm_loss", "liger_problem", "LM_LOSS_IMPLS", "LIGER_MIN_VERSION"]
 
-#: ``--lm-loss`` choices.
-LM_LOSS_IMPLS = ("megatron", "liger")
-
-#: the oldest Liger-Kernel the fused loss accepts: per-token upstream gradients (``reduction="none"``) are
-#: applied per token from 0.8.2 on (older releases scale every token's gradient by the first token's);
-#: 0.8.5 is the release tested here.
-LIGER_MIN_VERSION = "0.8.5"
-
-LIGER_HINT = f"pip install 'liger-kernel>={LIGER_MIN_VERSION}' (or this package's [liger] extra)"
-
-
-def liger_problem(device=None) -> Optional[str]:
-    """Why ``--lm-loss liger`` cannot run here, or ``None`` when it can: Liger-Kernel missing or older than
-    :data:`LIGER_MIN_VERSION`, or (with ``device``) Triton kernels that cannot run on ``device`` (CUDA
-    with Triton importable, or the CPU under ``TRITON_INTERPRET=1``)."""
-    import importlib.metadata
-    import importlib.util
-
-    if importlib.util.find_spec("liger_kernel") is None:
-        return f"--lm-loss liger needs Liger-Kernel, which is not installed: {LIGER_HINT}"
-    try:
-        from packaging.version import Version
-
-        have = importlib.metadata.version("liger-kernel")
-        if Version(have) < Version(LIGER_MIN_VERSION):
-            return (f"--lm-loss liger needs Liger-Kernel >= {LIGER_MIN_VERSION} (older releases scale every "
-                    f"token's gradient by the first token's), found {have}: {LIGER_HINT}")
-    except importlib.metadata.PackageNotFoundError:
-        return f"--lm-loss liger: Liger-Kernel imports but has no package metadata to check its version: {LIGER_HINT}"
-    if device is not None:
-        from megatron_mtraining.common import triton_runs_on
-
-        if not triton_runs_on(device):
-            return (f"--lm-loss liger runs Triton kernels, which cannot run on {device} here: it needs a CUDA "
-                    "device with Triton installed (on the CPU only under TRITON_INTERPRET=1, for tests)")
-    return None
+from megatron_mtraining.megatron.lm_loss_check import LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_problem
 
 #: fp32 logits of one micro-batch above which ``auto`` chunks the LM-head loss (bytes).
 AUTO_THRESHOLD_BYTES = 1 << 30
@@ -137,7 +103,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     return torch.cat(parts, 0).transpose(0, 1).contiguous()
 
 
-def _liger_function():
+def _import_liger():
+    """Liger-Kernel's fused-linear-cross-entropy function, after :func:`liger_problem`'s package checks."""
     problem = liger_problem()
     if problem:
         raise ValueError(problem)
@@ -148,14 +115,28 @@ def _liger_function():
     return LigerFusedLinearCrossEntropyFunction
 
 
+_LIGER = {}          # the checked function, and the device kinds already checked (per training step: no rescan)
+
+
+def _liger_function(device):
+    if "fn" not in _LIGER:
+        _LIGER["fn"] = _import_liger()
+    kind = (device.type, os.environ.get("TRITON_INTERPRET", "0"))
+    if kind not in _LIGER:
+        _LIGER[kind] = liger_problem(device)
+    if _LIGER[kind]:
+        raise ValueError(_LIGER[kind])
+    return _LIGER["fn"]
+
+
 def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight^T`` by Liger-Kernel's fused linear cross entropy.
 
     The logits exist only a row chunk at a time (Liger sizes the chunks to about ``s*b*h`` logits) and
     in the input dtype; the softmax and its gradient run in fp32 inside one Triton kernel per chunk.
     The backward recomputes each chunk's logits and scales its gradient by the tokens' upstream
-    gradients (``reduction="none"``); the weight gradient accumulates in fp32 (CUDA, torch >= 2.8; else
-    each chunk's product is rounded to the weight's dtype first) and is returned in the
+    gradients (``reduction="none"``); the weight gradient accumulates in fp32 (CUDA of compute capability
+    >= 8.0 with torch >= 2.8; else each chunk's product is rounded to the weight's dtype first) and is returned in the
     weight's dtype. Deterministic (no atomics).
 
     Args:
@@ -170,7 +151,7 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         ValueError: shapes or dtypes that do not match as above; a label outside ``[0, V)``; Liger-Kernel
             missing or older than :data:`LIGER_MIN_VERSION`.
     """
-    fn = _liger_function()
+    fn = _liger_function(hidden.device)
     if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"fused_lm_loss: hidden [s, b, h] and weight [V, h] expected, got {tuple(hidden.shape)} "
                          f"and {tuple(weight.shape)}")
@@ -180,7 +161,8 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     if hidden.dtype != weight.dtype:
         raise ValueError(f"fused_lm_loss: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
     if labels.numel() == 0:
-        return hidden.new_zeros((b, s), dtype=torch.float32) + 0.0 * hidden.sum()    # keeps the graph
+        # no tokens: an empty loss whose graph reaches both inputs (zero gradients, as megatron-core's loss)
+        return hidden.new_zeros((b, s), dtype=torch.float32) + 0.0 * (hidden.sum() + weight.sum()).float()
     lo, hi = labels.aminmax()
     lo, hi = int(lo), int(hi)                                      # one host sync (Liger's forward has another)
     if lo < 0 or hi >= weight.shape[0]:
@@ -296,5 +278,5 @@ def install_fused_lm_loss(model):
     """
     gpt = _gpt_of(model)
     _check_model(gpt, "fused LM-head loss (--lm-loss liger)", tensor_parallel_ok=False)
-    _liger_function()
+    _import_liger()          # the device is checked at each call (the model may move to the GPU after this)
     return _install(model, lambda h, w, y, tp_group: fused_lm_loss(h, w, y))

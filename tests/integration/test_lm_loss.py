@@ -129,8 +129,11 @@ def test_fused_loss_matches_fp64():
         fused_lm_loss(hidden, weight, labels.t())
     with pytest.raises(ValueError, match="must have one dtype"):
         fused_lm_loss(hidden, weight.double(), labels)
-    empty = fused_lm_loss(hidden[:0], weight, labels[:, :0])           # no tokens: an empty loss, no error
+    h0, w0 = hidden.detach()[:0].requires_grad_(), weight.detach().clone().requires_grad_()
+    empty = fused_lm_loss(h0, w0, labels[:, :0])                         # no tokens: an empty loss, no error
     assert empty.shape == (b, 0) and empty.dtype == torch.float32
+    empty.sum().backward()                                               # zero gradients for both, as megatron's
+    assert h0.grad.shape == h0.shape and torch.equal(w0.grad, torch.zeros_like(w0))
     for bad, where in ((-1, "from -1 "), (v, f"to {v}")):
         with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, {v}\).*{where}"):
             fused_lm_loss(hidden, weight, labels.index_fill(1, torch.tensor([5]), bad))
@@ -199,6 +202,11 @@ def test_fused_loss_without_a_usable_liger(world1, monkeypatch):
         m.setattr(importlib.metadata, "version", lambda name: "0.8.1")
         with pytest.raises(ValueError, match=r"Liger-Kernel >= 0\.8\.5 .* found 0\.8\.1"):
             install_fused_lm_loss(_model(True))
+    with monkeypatch.context() as m:      # a nightly build: the version of the distribution providing liger_kernel
+        m.setattr(importlib.metadata, "packages_distributions", lambda: {"liger_kernel": ["liger-kernel-nightly"]})
+        m.setattr(importlib.metadata, "version",
+                  lambda name: "0.8.6.dev20261201" if name == "liger-kernel-nightly" else "0.0")
+        assert lm_loss.liger_problem() is None
     with monkeypatch.context() as m:
         m.setattr(importlib.util, "find_spec", lambda name, *a: None)
         with pytest.raises(ValueError, match="needs Liger-Kernel, which is not installed"):
@@ -206,6 +214,26 @@ def test_fused_loss_without_a_usable_liger(world1, monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", None)
     with pytest.raises(ValueError, match="--lm-loss liger needs Liger-Kernel, which does not import"):
         install_fused_lm_loss(_model(True))
+
+
+def test_the_argument_check_refuses_an_old_liger_without_importing_torch(monkeypatch):
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    from megatron_mtraining.megatron.args import ArgumentValidationError, build_parser, validate_args
+
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--lm-loss", "liger"]
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.1")
+    with pytest.raises(ArgumentValidationError, match=r"needs Liger-Kernel >= 0\.8\.5 .* found 0\.8\.1"):
+        validate_args(build_parser().parse_args(argv), world_size=1, check_files=False)
+    # --help and the argument check stay light: building the parser imports neither torch nor megatron.core
+    code = ("import sys; from megatron_mtraining.megatron.args import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_auto_chunk_rule():

@@ -41,4 +41,4 @@ def test_bad_arguments_name_the_flag(tmp_path):
     r = _run("--device", "cpu", "--json", str(tmp_path / "missing" / "r.json"))
     assert r.returncode == 2 and "--json" in r.stderr
     r = _run("--device", "cpu", env={"TRITON_INTERPRET": "0"})        # Liger's kernels cannot run here
-    assert r.returncode == 2 and "--device cpu: --lm-loss liger runs Triton kernels" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "--device cpu: the liger row (the fused loss) runs Triton kernels" in r.stderr, r.stderr[-2000:]
