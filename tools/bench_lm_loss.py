@@ -3,12 +3,13 @@
 
     python tools/bench_lm_loss.py --tokens 32768,65536,131072 --hidden 576 --vocab 49152 --json out.json
 
-Rows, all in one process, on the same inputs (bf16 unless ``--dtype fp32``) (hidden ``[s, 1, h]``, weight ``[V, h]``, random
-labels, an upstream gradient of ``1/s`` per token as the trainer's per-token mean gives):
+Rows, all in one process, on the same inputs (bf16 unless ``--dtype fp32``; hidden ``[s, 1, h]``,
+weight ``[V, h]``, random labels, an upstream gradient of ``1/s`` per token as the trainer's per-token
+mean gives):
 
 * ``megatron``: :func:`megatron_mtraining.megatron.lm_loss.chunked_lm_loss` with the trainer's
   ``--cross-entropy-chunk-tokens auto`` chunk (megatron-core's ``vocab_parallel_cross_entropy``, each
-  chunk checkpointed); unchunked where ``auto`` does not chunk;
+  chunk checkpointed); only where ``auto`` chunks (elsewhere the trainer runs the unchunked loss below);
 * ``megatron_unchunked``: the output matmul and megatron-core's ``vocab_parallel_cross_entropy`` over
   every token at once (megatron-core's own LM-head loss), where ``--max-logits-gib`` allows;
 * ``liger``: :func:`megatron_mtraining.megatron.lm_loss.fused_lm_loss` (``--lm-loss liger``).
@@ -113,7 +114,8 @@ def bench(args) -> list[dict]:
             print(f"s={s:7d} h={args.hidden} V={args.vocab} {name:19s} {t.median_ms:9.2f} ms  "
                   f"peak {peak if peak is None else round(peak, 2)} GiB"
                   + ("" if "rel_err_loss" not in row else
-                     f"  rel err vs {row['rel_err_vs']}: loss {row['rel_err_loss']:.1e} dh {row['rel_err_d_hidden']:.1e}"
+                     f"  rel err vs {row['rel_err_vs']}: loss {row['rel_err_loss']:.1e}"
+                     f" dh {row['rel_err_d_hidden']:.1e}"
                      f" dw {row['rel_err_d_weight']:.1e}"), flush=True)
             del h, w, got, loss
     return rows

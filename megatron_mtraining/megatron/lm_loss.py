@@ -18,13 +18,13 @@ input and weight:
   extra): the matmul and one Triton cross-entropy kernel per row chunk of about ``s*b*h/V`` tokens,
   the logits gradient scaled by each token's upstream gradient before the weight gradient is summed
   (accumulated in fp32 on CUDA of compute capability >= 8.0 with torch >= 2.8). No fp32 logits at all;
-  tensor-parallel size 1 only (the vocabulary is not split). Needs CUDA (or the CPU under ``TRITON_INTERPRET=1``) and Liger-Kernel
-  >= :data:`LIGER_MIN_VERSION`.
+  tensor-parallel size 1 only (the vocabulary is not split). Needs CUDA (or the CPU under
+  ``TRITON_INTERPRET=1``) and Liger-Kernel >= :data:`LIGER_MIN_VERSION`.
 
 Only training/evaluation calls with ``labels`` change; a call without ``labels`` still returns the
 full logits. Refused (``ValueError`` naming the setting): multi-token prediction, sequence parallelism
 on the output layer, MuP output scaling, a model without its output stage (``post_process=False``);
-for ``liger`` also a tensor-parallel output layer and a missing ``liger_kernel``.
+for ``liger`` also a tensor-parallel output layer and a missing or too old ``liger_kernel``.
 
 Public API::
 
@@ -42,10 +42,10 @@ from typing import Optional
 
 import torch
 
+from megatron_mtraining.megatron.lm_loss_check import LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_problem
+
 __all__ = ["install_chunked_lm_loss", "install_fused_lm_loss", "auto_chunk_tokens", "chunked_lm_loss",
            "fused_lm_loss", "liger_problem", "LM_LOSS_IMPLS", "LIGER_MIN_VERSION"]
-
-from megatron_mtraining.megatron.lm_loss_check import LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_problem
 
 #: fp32 logits of one micro-batch above which ``auto`` chunks the LM-head loss (bytes).
 AUTO_THRESHOLD_BYTES = 1 << 30
@@ -135,9 +135,9 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     The logits exist only a row chunk at a time (Liger sizes the chunks to about ``s*b*h`` logits) and
     in the input dtype; the softmax and its gradient run in fp32 inside one Triton kernel per chunk.
     The backward recomputes each chunk's logits and scales its gradient by the tokens' upstream
-    gradients (``reduction="none"``); the weight gradient accumulates in fp32 (CUDA of compute capability
-    >= 8.0 with torch >= 2.8; else each chunk's product is rounded to the weight's dtype first) and is returned in the
-    weight's dtype. Deterministic (no atomics).
+    gradients (``reduction="none"``); the weight gradient accumulates in fp32 (CUDA of compute
+    capability >= 8.0 with torch >= 2.8; else each chunk's product is rounded to the weight's dtype
+    first) and is returned in the weight's dtype. Deterministic (no atomics).
 
     Args:
         hidden: ``[s, b, h]`` final hidden states (the output layer's input), fp32/bf16/fp16.
@@ -272,9 +272,9 @@ def install_fused_lm_loss(model):
 
     Raises:
         ValueError: Liger-Kernel missing or older than :data:`LIGER_MIN_VERSION`; the model has a
-            tensor-parallel output layer,
-            multi-token prediction, a sequence-parallel output layer, MuP output scaling, or no
-            output layer.
+            tensor-parallel output layer, multi-token prediction, a sequence-parallel output layer,
+            MuP output scaling, or no output layer. (A device where Triton cannot run is refused at
+            the first call: the model may move to the GPU after this.)
     """
     gpt = _gpt_of(model)
     _check_model(gpt, "fused LM-head loss (--lm-loss liger)", tensor_parallel_ok=False)

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(*argv, env=None):
     return subprocess.run([sys.executable, str(REPO / "tools" / "bench_lm_loss.py"), *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=None if env is None else {**os.environ, **env})
+                          capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_rows_agree_and_record(tmp_path):
@@ -41,4 +42,5 @@ def test_bad_arguments_name_the_flag(tmp_path):
     r = _run("--device", "cpu", "--json", str(tmp_path / "missing" / "r.json"))
     assert r.returncode == 2 and "--json" in r.stderr
     r = _run("--device", "cpu", env={"TRITON_INTERPRET": "0"})        # Liger's kernels cannot run here
-    assert r.returncode == 2 and "--device cpu: the liger row (the fused loss) runs Triton kernels" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--device cpu: the liger row (the fused loss) runs Triton kernels" in r.stderr, r.stderr[-2000:]
