@@ -42,7 +42,8 @@ from typing import Optional
 
 import torch
 
-from megatron_mtraining.megatron.lm_loss_check import LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_problem
+from megatron_mtraining.megatron.lm_loss_check import (LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_device_problem,
+                                                       liger_problem)
 
 __all__ = ["install_chunked_lm_loss", "install_fused_lm_loss", "auto_chunk_tokens", "chunked_lm_loss",
            "fused_lm_loss", "liger_problem", "LM_LOSS_IMPLS", "LIGER_MIN_VERSION"]
@@ -123,7 +124,7 @@ def _liger_function(device):
         _LIGER["fn"] = _import_liger()
     kind = (device.type, os.environ.get("TRITON_INTERPRET", "0"))
     if kind not in _LIGER:
-        _LIGER[kind] = liger_problem(device)
+        _LIGER[kind] = liger_device_problem(device)
     if _LIGER[kind]:
         raise ValueError(_LIGER[kind])
     return _LIGER["fn"]
@@ -278,5 +279,5 @@ def install_fused_lm_loss(model):
     """
     gpt = _gpt_of(model)
     _check_model(gpt, "fused LM-head loss (--lm-loss liger)", tensor_parallel_ok=False)
-    _import_liger()          # the device is checked at each call (the model may move to the GPU after this)
+    _LIGER["fn"] = _import_liger()   # the device is checked at the first call (the model may move to the GPU)
     return _install(model, lambda h, w, y, tp_group: fused_lm_loss(h, w, y))

@@ -6,13 +6,14 @@ Public API::
     LM_LOSS_IMPLS                 # ("megatron", "liger"): the --lm-loss choices
     LIGER_MIN_VERSION             # the oldest Liger-Kernel accepted
     liger_problem(device=None)    # why the fused loss cannot run here, or None
+    liger_device_problem(device)  # the device part alone
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["LM_LOSS_IMPLS", "LIGER_MIN_VERSION", "LIGER_HINT", "liger_problem"]
+__all__ = ["LM_LOSS_IMPLS", "LIGER_MIN_VERSION", "LIGER_HINT", "liger_problem", "liger_device_problem"]
 
 #: ``--lm-loss`` choices.
 LM_LOSS_IMPLS = ("megatron", "liger")
@@ -41,8 +42,7 @@ def _liger_version() -> Optional[str]:
 def liger_problem(device=None, what: str = "--lm-loss liger") -> Optional[str]:
     """Why the fused LM-head loss (``what``) cannot run here, or ``None`` when it can: Liger-Kernel
     missing, without package metadata or older than :data:`LIGER_MIN_VERSION`, or (with ``device``, a
-    ``torch.device`` or string) Triton kernels that cannot run on ``device`` (CUDA with Triton
-    importable, or the CPU under ``TRITON_INTERPRET=1``)."""
+    ``torch.device`` or string) :func:`liger_device_problem`."""
     import importlib.util
 
     if importlib.util.find_spec("liger_kernel") is None:
@@ -59,10 +59,15 @@ def liger_problem(device=None, what: str = "--lm-loss liger") -> Optional[str]:
     if old:
         return (f"{what} needs Liger-Kernel >= {LIGER_MIN_VERSION} (the release tested; those before 0.8.2 "
                 f"scale every token's gradient by the first token's), found {have}: {LIGER_HINT}")
-    if device is not None:
-        from megatron_mtraining.common import triton_runs_on     # imports torch: the callers with a device have
+    return None if device is None else liger_device_problem(device, what)
 
-        if not triton_runs_on(device):
-            return (f"{what} runs Triton kernels, which cannot run on {device} here: it needs a CUDA device with "
-                    "Triton installed (on the CPU only under TRITON_INTERPRET=1, for tests)")
+
+def liger_device_problem(device, what: str = "--lm-loss liger") -> Optional[str]:
+    """Why Liger-Kernel's Triton kernels cannot run on ``device``, or ``None`` (CUDA with Triton
+    importable, or the CPU under ``TRITON_INTERPRET=1``). Imports torch."""
+    from megatron_mtraining.common import triton_runs_on
+
+    if not triton_runs_on(device):
+        return (f"{what} runs Triton kernels, which cannot run on {device} here: it needs a CUDA device with "
+                "Triton installed (on the CPU only under TRITON_INTERPRET=1, for tests)")
     return None

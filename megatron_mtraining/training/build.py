@@ -153,14 +153,12 @@ def build_model(args, config, vocab_size: int, device, layer_spec=None, plan=Non
         from megatron_mtraining.megatron.rope import install_layout_rope
 
         install_layout_rope(model, plan)
-    if last and getattr(args, "lm_loss", "megatron") == "liger":
-        from megatron_mtraining.megatron.lm_loss import install_fused_lm_loss, liger_problem
+    fused = getattr(args, "lm_loss", "megatron") == "liger"
+    if last and fused:      # the device is checked where the run starts (training.loop) and at the first call
+        from megatron_mtraining.megatron.lm_loss import install_fused_lm_loss
 
-        problem = liger_problem(device)
-        if problem:
-            raise ValueError(problem)
         install_fused_lm_loss(model)
-    chunk = lm_loss_chunk_tokens(args, vocab_size) if last and getattr(args, "lm_loss", "megatron") == "megatron" else 0
+    chunk = lm_loss_chunk_tokens(args, vocab_size) if last and not fused else 0
     if chunk:
         from megatron_mtraining.megatron.lm_loss import install_chunked_lm_loss
 
