@@ -161,9 +161,16 @@ def profile_table(fn, device, rows: int) -> str:
 
 def check_args(ap, args) -> list:
     """The sequence lengths, or ``ap.error`` (exit 2) naming the flag of a user mistake."""
-    from megatron_mtraining.bench.cli import check_output_dir, check_seq_len, sparse_config
+    from megatron_mtraining.bench.cli import check_output_dir, check_seq_len
+    from megatron_mtraining.config import load_mtraining_config
 
-    cfg = sparse_config(ap, args.config, "the estimator")
+    try:
+        cfg = load_mtraining_config(args.config)
+    except (OSError, ValueError) as e:
+        ap.error(f"--config {args.config}: {e}")
+    if not cfg.sparse:
+        ap.error(f"--config {args.config}: pattern {cfg.pattern!r}; the estimator needs a sparse config "
+                 "(pattern: vertical_slash)")
     for flag, val, lo in (("--heads", args.heads, 1), ("--kv-heads", args.kv_heads, 1),
                           ("--head-dim", args.head_dim, 4), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1)):
         if val < lo:

@@ -166,12 +166,20 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_mtraining.bench.cli import check_seq_len, number_list, sparse_config
+    from megatron_mtraining.bench.cli import check_seq_len, number_list
+    from megatron_mtraining.config import load_mtraining_config
     from megatron_mtraining.layout import Layout
     from megatron_mtraining.patterns import estimator as E
     from megatron_mtraining.patterns.convert import convert_pattern
 
-    cfg = sparse_config(ap, args.config, "the selection").vertical_slash
+    try:
+        full_cfg = load_mtraining_config(args.config)
+    except (OSError, ValueError) as e:
+        ap.error(f"--config {args.config}: {e}")
+    if not full_cfg.sparse:
+        ap.error(f"--config {args.config}: pattern {full_cfg.pattern!r}; the selection needs a sparse config "
+                 "(pattern: vertical_slash)")
+    cfg = full_cfg.vertical_slash
     layout = Layout("striped", 1, cfg.block_size)
     L = cfg.last_q
     seqs = number_list(ap, "--seqs", args.seqs, int)

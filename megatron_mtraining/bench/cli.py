@@ -9,7 +9,7 @@ import math
 import os
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "int_list", "checked_device", "check_seq_len",
-           "check_output_dir", "check_heads", "number_list", "sparse_config"]
+           "check_output_dir", "check_heads", "number_list"]
 
 
 def _int_at_least(low: int):
@@ -112,17 +112,3 @@ def number_list(ap: argparse.ArgumentParser, flag: str, text: str, kind=int) -> 
     if not vals:
         ap.error(f"{flag} {text!r}: a comma-separated list of {'integers' if kind is int else 'numbers'} expected")
     return vals
-
-
-def sparse_config(ap: argparse.ArgumentParser, path: str, what: str, flag: str = "--config"):
-    """The :class:`~megatron_mtraining.config.MTrainingConfig` at ``path``, or ``ap.error`` (exit 2) naming
-    ``flag``: a file that does not load, or a config without a sparse pattern (``what`` needs one)."""
-    from megatron_mtraining.config import load_mtraining_config
-
-    try:
-        cfg = load_mtraining_config(path)
-    except (OSError, ValueError) as e:
-        ap.error(f"{flag} {path}: {e}")
-    if not cfg.sparse:
-        ap.error(f"{flag} {path}: pattern {cfg.pattern!r}; {what} needs a sparse config (pattern: vertical_slash)")
-    return cfg
