@@ -71,7 +71,7 @@ def bench(args) -> list[dict]:
     device = args.device
     dtype = DTYPES[args.dtype]
     cuda = device.type == "cuda"
-    if cuda:
+    if cuda and device.index is not None:
         torch.cuda.set_device(device)
     _init_megatron(device)
     rows = []
