@@ -7,12 +7,12 @@ model. Two replacements compute the same per-token loss ``[b, s]`` (fp32) from t
 input and weight:
 
 * ``megatron`` (:func:`install_chunked_lm_loss`, ``--cross-entropy-chunk-tokens``): the loss
-  ``chunk_tokens`` sequence positions at a time, each chunk under activation checkpointing (its
-  logits are recomputed in the backward), so at most one chunk's logits are alive. The cross entropy
+  ``chunk_tokens`` sequence positions at a time in both passes (the backward recomputes each
+  chunk's logits), so at most one chunk's logits are alive. The cross entropy
   itself is megatron-core's ``tensor_parallel.vocab_parallel_cross_entropy`` (vocabulary-parallel
   under TP), the output matmul uses the output layer's own (local vocabulary shard of the) weight.
-  fp32: equal to the unchunked model up to rounding (the output-weight gradient sums the chunks in
-  another order).
+  fp32: equal to the unchunked model up to rounding; the output-weight gradient sums the chunks in
+  fp32 in every dtype (a bf16 sum of many chunks' gradients would lose precision with their number).
 * ``liger`` (:func:`install_fused_lm_loss`, ``--lm-loss liger``): Liger-Kernel's fused linear cross
   entropy (``liger_kernel.ops.fused_linear_cross_entropy``; optional dependency, the ``[liger]``
   extra): the matmul and one Triton cross-entropy kernel per row chunk of about ``s*b*h/V`` tokens,
@@ -71,9 +71,59 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
 
 
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fp32: accumulated and returned in fp32 where torch can (CUDA, torch >= 2.8), else the
+    product in the inputs' dtype, upcast."""
+    if a.dtype != torch.float32 and a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return torch.mm(a, b).float()
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """The per-token cross entropy of ``hidden @ weight^T``, one chunk of sequence positions at a time in
+    both passes; the backward recomputes each chunk's logits and sums the weight gradient in fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, chunk_tokens):
+        parts = [_chunk_loss(hidden[lo:lo + chunk_tokens], weight, target[lo:lo + chunk_tokens])
+                 for lo in range(0, hidden.shape[0], chunk_tokens)]
+        ctx.save_for_backward(hidden, weight, target)
+        ctx.chunk_tokens = chunk_tokens
+        return torch.cat(parts, 0)                                # [s, b] fp32
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core import tensor_parallel
+
+        hidden, weight, target = ctx.saved_tensors
+        c = ctx.chunk_tokens
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for lo in range(0, hidden.shape[0], c):
+            h = hidden[lo:lo + c]
+            with torch.enable_grad():
+                logits = torch.matmul(h, weight.t()).detach().requires_grad_()     # [c, b, V_local]
+                loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target[lo:lo + c])
+                (d_logits,) = torch.autograd.grad(loss, logits, grad[lo:lo + c])
+            if need_h:
+                torch.matmul(d_logits, weight, out=d_hidden[lo:lo + c])
+            if need_w:
+                d_weight += _mm_fp32(d_logits.flatten(0, 1).t(), h.flatten(0, 1))
+        return d_hidden, (d_weight.to(weight.dtype) if need_w else None), None, None
+
+
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
                     tp_group=None) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight^T`` computed ``chunk_tokens`` positions at a time.
+
+    Only one chunk's logits are alive at a time: the forward keeps the loss alone, and the backward
+    recomputes each chunk's logits (one more output matmul). The output-weight gradient is summed over
+    the chunks in fp32 (each chunk's product accumulated in fp32 on CUDA with torch >= 2.8, rounded to
+    the weight's dtype once at the end), so in bf16 it is as accurate as the unchunked loss's.
 
     Args:
         hidden: ``[s, b, h]`` final hidden states (the output layer's input).
@@ -85,23 +135,20 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
     Returns:
         ``[b, s]`` fp32 per-token loss, as ``GPTModel.compute_language_model_loss`` returns.
+
+    Raises:
+        ValueError: ``chunk_tokens < 1``.
     """
     from megatron.core import tensor_parallel
-    from torch.utils.checkpoint import checkpoint
 
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if tp_group is not None and tp_group.size() > 1:
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
     target = labels.transpose(0, 1).contiguous()                  # [s, b]
-    parts = []
-    for lo in range(0, hidden.shape[0], chunk_tokens):
-        h, y = hidden[lo:lo + chunk_tokens], target[lo:lo + chunk_tokens]
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            parts.append(checkpoint(_chunk_loss, h, weight, y, use_reentrant=False))
-        else:
-            parts.append(_chunk_loss(h, weight, y))
-    return torch.cat(parts, 0).transpose(0, 1).contiguous()
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(target.shape, dtype=torch.float32).t() + 0.0 * (hidden.sum() + weight.sum()).float()
+    return _ChunkedLMLoss.apply(hidden, weight, target, chunk_tokens).transpose(0, 1).contiguous()
 
 
 def _import_liger():

@@ -3,7 +3,7 @@ megatron-core's own unchunked output layer + cross entropy, on CPU in fp32: per-
 every parameter gradient (relative error <= 1e-5), the fused loss also against fp64 (loss, d hidden,
 d weight), the logits path without labels, the refusals, the ``auto`` rule, and the trainer flags end
 to end. The fused loss (Liger-Kernel) runs its Triton kernels in the interpreter here; its bf16 check
-on CUDA is ``test_fused_loss_bf16_gpu``."""
+on CUDA is ``test_lm_losses_bf16_gpu``; the chunked loss's bf16 weight gradient is checked on CPU too."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from megatron_mtraining.megatron.lm_loss import (auto_chunk_tokens, fused_lm_loss, install_chunked_lm_loss,
-                                                 install_fused_lm_loss)
+from megatron_mtraining.megatron.lm_loss import (auto_chunk_tokens, chunked_lm_loss, fused_lm_loss,
+                                                 install_chunked_lm_loss, install_fused_lm_loss)
 from tests.helpers.dist import one_rank_megatron, run_torchrun
 from tests.helpers.tiny_data import make_tiny_dataset
 
@@ -139,33 +139,60 @@ def test_fused_loss_matches_fp64():
             fused_lm_loss(hidden, weight, labels.index_fill(1, torch.tensor([5]), bad))
 
 
-@pytest.mark.gpu
-def test_fused_loss_bf16_gpu():
-    """bf16 on CUDA: the fused loss's error against fp64 (loss, d hidden, d weight, each) is at most 2x that of
-    the bf16 loss megatron-core computes at TP 1 (bf16 logits upcast to fp32 for the softmax, written with torch
-    ops here)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    g = torch.Generator(device="cuda").manual_seed(5)
-    s, b, hd, v = 4096, 1, 576, 49152
-    hidden = torch.randn(s, b, hd, device="cuda", generator=g).bfloat16()
-    weight = (0.05 * torch.randn(v, hd, device="cuda", generator=g)).bfloat16()
-    labels = torch.randint(0, v, (b, s), device="cuda", generator=g)
-    grad = torch.rand(b, s, device="cuda", generator=g)
+def _bf16_errors(device, losses, s, hd, v):
+    """Relative errors against fp64 of (loss, d hidden, d weight) for each bf16 loss in ``losses``
+    (name -> fn(hidden, weight, labels)) and for megatron-core's unchunked bf16 loss at TP 1 (bf16 logits
+    upcast to fp32 for the softmax, written with torch ops here), under a loss mask's upstream gradients."""
+    g = torch.Generator(device=device).manual_seed(5)
+    hidden = torch.randn(s, 1, hd, device=device, generator=g).bfloat16()
+    weight = (0.05 * torch.randn(v, hd, device=device, generator=g)).bfloat16()
+    labels = torch.randint(0, v, (1, s), device=device, generator=g)
+    grad = torch.rand(1, s, device=device, generator=g) * (torch.rand(1, s, device=device, generator=g) > 0.2)
     want = _fp64_loss(hidden, weight, labels, grad)
 
     def run(fn):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = fn(h, w)
+        loss = fn(h, w, labels)
         (loss * grad).sum().backward()
-        return loss.detach(), h.grad, w.grad
+        return tuple(_rel(o, x) for o, x in zip((loss.detach(), h.grad, w.grad), want))
 
-    ours = run(lambda h, w: fused_lm_loss(h, w, labels))
-    # megatron-core's loss at TP 1: bf16 logits, upcast to fp32 for the softmax
-    ref = run(lambda h, w: torch.nn.functional.cross_entropy(
-        torch.einsum("sbh,vh->bsv", h, w).float().flatten(0, 1), labels.flatten(), reduction="none").view(b, s))
-    for name, o, r, x in zip(("loss", "d hidden", "d weight"), ours, ref, want):
-        assert _rel(o, x) <= 2 * _rel(r, x), (name, _rel(o, x), _rel(r, x))
+    ref = run(lambda h, w, y: torch.nn.functional.cross_entropy(
+        torch.einsum("sbh,vh->bsv", h, w).float().flatten(0, 1), y.flatten(), reduction="none").view(1, s))
+    return ref, {name: run(fn) for name, fn in losses.items()}
+
+
+def _chunks_summed_in_bf16(h, w, y, chunk_tokens=64):
+    """The chunked loss with the output-weight gradient summed over the chunks in bf16 (autograd's sum
+    of one tensor's gradients from many uses): the negative control of the bf16 tests."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_mtraining.megatron.lm_loss import _chunk_loss
+
+    return torch.cat([checkpoint(_chunk_loss, h[lo:lo + chunk_tokens], w, y.t()[lo:lo + chunk_tokens],
+                                 use_reentrant=False) for lo in range(0, h.shape[0], chunk_tokens)], 0).t()
+
+
+def test_chunked_loss_bf16_weight_gradient(world1):
+    """bf16, 64 chunks: the chunked loss's error against fp64 (loss, d hidden, d weight, each) is at most
+    2x that of megatron-core's unchunked bf16 loss; summing the chunks' weight gradients in bf16 is not."""
+    ref, got = _bf16_errors("cpu", {"chunked": lambda h, w, y: chunked_lm_loss(h, w, y, 64),
+                                    "bf16 sum": _chunks_summed_in_bf16}, 4096, 64, 2048)
+    for name, o, r in zip(("loss", "d hidden", "d weight"), got["chunked"], ref):
+        assert o <= 2 * r, (name, o, r)
+    assert got["bf16 sum"][2] > 2 * ref[2], (got["bf16 sum"], ref)
+
+
+@pytest.mark.gpu
+def test_lm_losses_bf16_gpu(world1):
+    """bf16 on CUDA at SmolLM2-135M's LM head: the fused loss's and the chunked loss's errors against fp64
+    (loss, d hidden, d weight, each) are at most 2x that of megatron-core's unchunked bf16 loss."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ref, got = _bf16_errors("cuda", {"fused": fused_lm_loss,
+                                     "chunked": lambda h, w, y: chunked_lm_loss(h, w, y, 64)}, 4096, 576, 49152)
+    for loss, errors in got.items():
+        for name, o, r in zip(("loss", "d hidden", "d weight"), errors, ref):
+            assert o <= 2 * r, (loss, name, o, r)
 
 
 def test_chunked_loss_refusals(world1):

@@ -13,8 +13,8 @@ into an update difference of order ``lr``, so the runs use ``--adam-eps 1e-3``, 
 update a smooth function of the gradient (the optimizer code path, sharded states included, is
 unchanged).
 
-* TP=2 with sequence parallelism x CP=2 (4 ranks), dense and vertical-slash configs: loss, grad
-  norm and every parameter's gradient, 2 iterations.
+* TP=2 x CP=2 (4 ranks), dense with the LM-head loss in chunks, and vertical-slash with sequence
+  parallelism: loss, grad norm and every parameter's gradient, 2 iterations.
 * The distributed optimizer, DP=2 x CP=2 (4 ranks): loss, grad norm and every parameter after
   2 optimizer steps.
 * Activation recomputation, selective and full (uniform), at CP=2: gradients equal to the run
@@ -142,13 +142,18 @@ def _assert_metrics_match(got: dict, ref: dict) -> None:
 # ------------------------------------------------------------- TP + sequence parallelism x CP
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["dense", "vertical_slash"])
-def test_tp2_sequence_parallel_cp2_matches_one_rank(tiny, tmp_path, reference, sparse_reference, config):
-    over = {"--tensor-model-parallel-size": 2, "--sequence-parallel": None, "--context-parallel-size": 2}
+def test_tp2_cp2_matches_one_rank(tiny, tmp_path, reference, sparse_reference, config):
+    """dense: TP=2 x CP=2 with the LM-head loss in chunks of 64 positions (vocabulary-parallel); the
+    reference computes it unchunked. vertical_slash: TP=2 with sequence parallelism x CP=2."""
+    over = {"--tensor-model-parallel-size": 2, "--context-parallel-size": 2}
     ref = reference
-    if config == "vertical_slash":
+    if config == "dense":
+        over["--cross-entropy-chunk-tokens"] = 64
+    else:
+        over["--sequence-parallel"] = None
         over["--mtraining-config"] = "configs/demo_sparse.yaml"
         ref = sparse_reference
-    got = _run(tiny, tmp_path, f"tp2sp_cp2_{config}", 4, **over)
+    got = _run(tiny, tmp_path, f"tp2_cp2_{config}", 4, **over)
     assert "TP 2 x CP 2 x DP 1" in got["stdout"], got["stdout"][-2000:]
     _assert_metrics_match(got, ref)
     for it in range(2):
