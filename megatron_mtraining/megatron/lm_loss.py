@@ -101,7 +101,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         hidden, weight, target = ctx.saved_tensors
         c = ctx.chunk_tokens
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for lo in range(0, hidden.shape[0], c):
             h = hidden[lo:lo + c]
