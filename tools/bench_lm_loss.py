@@ -9,7 +9,7 @@ mean gives):
 
 * ``megatron``: :func:`megatron_mtraining.megatron.lm_loss.chunked_lm_loss` with the trainer's
   ``--cross-entropy-chunk-tokens auto`` chunk (megatron-core's ``vocab_parallel_cross_entropy``, each
-  chunk checkpointed); only where ``auto`` chunks (elsewhere the trainer runs the unchunked loss below);
+  chunk's logits recomputed in the backward); only where ``auto`` chunks (elsewhere the trainer runs the unchunked loss below);
 * ``megatron_unchunked``: the output matmul and megatron-core's ``vocab_parallel_cross_entropy`` over
   every token at once (megatron-core's own LM-head loss), where ``--max-logits-gib`` allows;
 * ``liger``: :func:`megatron_mtraining.megatron.lm_loss.fused_lm_loss` (``--lm-loss liger``).

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted for compatibility: the loss is always the exact global per-token mean")
     g.add_argument("--cross-entropy-chunk-tokens", type=_chunk_tokens, default="auto", metavar="auto|0|N",
-                   help="LM-head loss in chunks of N sequence positions, each checkpointed, so that at most one "
+                   help="LM-head loss in chunks of N sequence positions, recomputed in the backward, so that at most one "
                         "chunk's logits are alive (megatron_mtraining.megatron.lm_loss); auto (default): chunk "
                         "when a micro-batch's fp32 logits exceed 1 GiB (never with --sequence-parallel); 0: never")
     from megatron_mtraining.megatron.lm_loss_check import LM_LOSS_IMPLS

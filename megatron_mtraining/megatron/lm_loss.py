@@ -41,6 +41,7 @@ import os
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from megatron_mtraining.megatron.lm_loss_check import (LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_device_problem,
                                                        liger_problem)
@@ -71,22 +72,28 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as fp32: accumulated and returned in fp32 where torch can (CUDA, torch >= 2.8), else the
-    product in the inputs' dtype, upcast."""
-    if a.dtype != torch.float32 and a.is_cuda:
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, ``acc`` fp32: on CUDA with torch >= 2.8 one matmul in the inputs' dtype
+    accumulating into ``acc`` in fp32 (no parameter-sized temporary); elsewhere the product of the inputs
+    upcast to fp32 (temporaries the size of ``a`` and ``b``)."""
+    if a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    if a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
         except (TypeError, RuntimeError, NotImplementedError):
             pass
-    return torch.mm(a, b).float()
+    acc.addmm_(a.float(), b.float())
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
     """The per-token cross entropy of ``hidden @ weight^T``, one chunk of sequence positions at a time in
-    both passes; the backward recomputes each chunk's logits and sums the weight gradient in fp32."""
+    both passes; the backward recomputes each chunk's logits (under the forward's autocast state) and
+    sums the weight gradient in fp32."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, hidden, weight, target, chunk_tokens):
         parts = [_chunk_loss(hidden[lo:lo + chunk_tokens], weight, target[lo:lo + chunk_tokens])
                  for lo in range(0, hidden.shape[0], chunk_tokens)]
@@ -95,6 +102,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return torch.cat(parts, 0)                                # [s, b] fp32
 
     @staticmethod
+    @once_differentiable
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         from megatron.core import tensor_parallel
 
@@ -110,9 +119,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target[lo:lo + c])
                 (d_logits,) = torch.autograd.grad(loss, logits, grad[lo:lo + c])
             if need_h:
-                torch.matmul(d_logits, weight, out=d_hidden[lo:lo + c])
+                d_hidden[lo:lo + c] = torch.matmul(d_logits, weight)
             if need_w:
-                d_weight += _mm_fp32(d_logits.flatten(0, 1).t(), h.flatten(0, 1))
+                _addmm_fp32_(d_weight, d_logits.flatten(0, 1).t(), h.flatten(0, 1))
         return d_hidden, (d_weight.to(weight.dtype) if need_w else None), None, None
 
 
@@ -122,8 +131,10 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
     Only one chunk's logits are alive at a time: the forward keeps the loss alone, and the backward
     recomputes each chunk's logits (one more output matmul). The output-weight gradient is summed over
-    the chunks in fp32 (each chunk's product accumulated in fp32 on CUDA with torch >= 2.8, rounded to
-    the weight's dtype once at the end), so in bf16 it is as accurate as the unchunked loss's.
+    the chunks in an fp32 buffer the size of the weight (each chunk's product accumulated into it in
+    fp32: on CUDA with torch >= 2.8 by the matmul itself, elsewhere from inputs upcast to fp32) and
+    rounded to the weight's dtype once at the end, so in bf16 it is as accurate as the unchunked
+    loss's. Not twice differentiable.
 
     Args:
         hidden: ``[s, b, h]`` final hidden states (the output layer's input).

@@ -182,17 +182,47 @@ def test_chunked_loss_bf16_weight_gradient(world1):
     assert got["bf16 sum"][2] > 2 * ref[2], (got["bf16 sum"], ref)
 
 
+def test_chunked_loss_edges(world1):
+    """fp32 against fp64: a frozen input (only the other gets a gradient), no tokens, a forward without
+    grad, a partial last chunk with batch 2; and a clear error for a second derivative."""
+    g = torch.Generator().manual_seed(11)
+    s, b, hd, v = 70, 2, 16, 300
+    hidden, weight = torch.randn(s, b, hd, generator=g), torch.randn(v, hd, generator=g)
+    labels, grad = torch.randint(0, v, (b, s), generator=g), torch.rand(b, s, generator=g)
+    want, want_dh, want_dw = _fp64_loss(hidden, weight, labels, grad)
+    for h_grad, w_grad in ((True, True), (True, False), (False, True)):
+        h, w = hidden.clone().requires_grad_(h_grad), weight.clone().requires_grad_(w_grad)
+        loss = chunked_lm_loss(h, w, labels, 32)                 # chunks of 32, 32 and 6 positions
+        (loss * grad).sum().backward()
+        assert _rel(loss, want) <= 1e-5
+        assert (h.grad is None) != h_grad and (w.grad is None) != w_grad
+        assert not h_grad or _rel(h.grad, want_dh) <= 1e-5
+        assert not w_grad or _rel(w.grad, want_dw) <= 1e-5
+    with torch.no_grad():
+        assert _rel(chunked_lm_loss(hidden, weight, labels, 32), want) <= 1e-5
+    h0, w0 = hidden[:0].clone().requires_grad_(), weight.clone().requires_grad_()
+    empty = chunked_lm_loss(h0, w0, labels[:, :0], 32)
+    assert empty.shape == (b, 0)
+    empty.sum().backward()
+    assert torch.equal(w0.grad, torch.zeros_like(w0))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (dh,) = torch.autograd.grad(chunked_lm_loss(h, w, labels, 32).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
+        dh.sum().backward()
+
+
 @pytest.mark.gpu
 def test_lm_losses_bf16_gpu(world1):
     """bf16 on CUDA at SmolLM2-135M's LM head: the fused loss's and the chunked loss's errors against fp64
     (loss, d hidden, d weight, each) are at most 2x that of megatron-core's unchunked bf16 loss."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    ref, got = _bf16_errors("cuda", {"fused": fused_lm_loss,
-                                     "chunked": lambda h, w, y: chunked_lm_loss(h, w, y, 64)}, 4096, 576, 49152)
-    for loss, errors in got.items():
-        for name, o, r in zip(("loss", "d hidden", "d weight"), errors, ref):
+    ref, got = _bf16_errors("cuda", {"fused": fused_lm_loss, "chunked": lambda h, w, y: chunked_lm_loss(h, w, y, 64),
+                                     "bf16 sum": _chunks_summed_in_bf16}, 4096, 576, 49152)
+    for loss in ("fused", "chunked"):
+        for name, o, r in zip(("loss", "d hidden", "d weight"), got[loss], ref):
             assert o <= 2 * r, (loss, name, o, r)
+    assert got["bf16 sum"][2] > 2 * ref[2], (got["bf16 sum"], ref)      # negative control
 
 
 def test_chunked_loss_refusals(world1):
