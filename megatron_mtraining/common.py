@@ -80,17 +80,17 @@ class _DoubleBackwardError(torch.autograd.Function):
         raise RuntimeError(ctx.message)
 
 
-def first_order_only(what: str):
+def first_order_only(what: str, rule: str = DOUBLE_BACKWARD_RULE):
     """Decorator of an autograd ``backward``: the gradients it returns cannot be differentiated again.
 
     The backward runs under ``torch.no_grad()`` (as without ``create_graph``), so first-order
     gradients are the same with ``create_graph=True``; when grad mode is on (``create_graph=True``),
-    the returned tensors come out of a node that raises ``RuntimeError`` naming ``what`` and
-    :data:`DOUBLE_BACKWARD_RULE` if a second backward reaches it (rather than a silently wrong second
+    the returned tensors come out of a node that raises ``RuntimeError`` naming ``what`` and ``rule``
+    (default :data:`DOUBLE_BACKWARD_RULE`, the attention's) if a second backward reaches it (rather than a silently wrong second
     derivative, which differentiating the kernels' internals would give). Like PyTorch's
     ``once_differentiable``, connected to the inputs' graph and with a message that names the rule.
     """
-    message = f"{what}: {DOUBLE_BACKWARD_RULE}"
+    message = f"{what}: {rule}"
 
     def deco(fn):
         @functools.wraps(fn)

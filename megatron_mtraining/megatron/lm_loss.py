@@ -41,8 +41,8 @@ import os
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from megatron_mtraining.common import first_order_only
 from megatron_mtraining.megatron.lm_loss_check import (LIGER_HINT, LIGER_MIN_VERSION, LM_LOSS_IMPLS, liger_device_problem,
                                                        liger_problem)
 
@@ -87,6 +87,12 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.addmm_(a.float(), b.float())
 
 
+def _no_tokens_loss(hidden: torch.Tensor, weight: torch.Tensor, shape) -> torch.Tensor:
+    """The loss of no tokens: an empty fp32 ``shape`` whose graph reaches both inputs (zero gradients, as
+    megatron-core's loss gives)."""
+    return hidden.new_zeros(shape, dtype=torch.float32) + 0.0 * (hidden.sum() + weight.sum()).float()
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     """The per-token cross entropy of ``hidden @ weight^T``, one chunk of sequence positions at a time in
     both passes; the backward recomputes each chunk's logits (under the forward's autocast state) and
@@ -102,7 +108,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return torch.cat(parts, 0)                                # [s, b] fp32
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("chunked LM-head loss (--cross-entropy-chunk-tokens)", rule=(
+        "double backward (the gradient of a gradient) is not supported: its backward computes first-order "
+        "gradients only"))
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         from megatron.core import tensor_parallel
@@ -158,7 +166,7 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
     target = labels.transpose(0, 1).contiguous()                  # [s, b]
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(target.shape, dtype=torch.float32).t() + 0.0 * (hidden.sum() + weight.sum()).float()
+        return _no_tokens_loss(hidden, weight, labels.shape)
     return _ChunkedLMLoss.apply(hidden, weight, target, chunk_tokens).transpose(0, 1).contiguous()
 
 
@@ -220,8 +228,7 @@ def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     if hidden.dtype != weight.dtype:
         raise ValueError(f"fused_lm_loss: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
     if labels.numel() == 0:
-        # no tokens: an empty loss whose graph reaches both inputs (zero gradients, as megatron-core's loss)
-        return hidden.new_zeros((b, s), dtype=torch.float32) + 0.0 * (hidden.sum() + weight.sum()).float()
+        return _no_tokens_loss(hidden, weight, (b, s))
     lo, hi = labels.aminmax()
     lo, hi = int(lo), int(hi)                                      # one host sync (Liger's forward has another)
     if lo < 0 or hi >= weight.shape[0]:
