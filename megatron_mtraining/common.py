@@ -4,6 +4,7 @@
 * :func:`default_softmax_scale`: ``1 / sqrt(head_dim)`` (scaled dot-product attention).
 * :func:`triton_runs_on`: whether Triton kernels can run on a device (CUDA, or the CPU under
   Triton's interpreter, ``TRITON_INTERPRET=1`` set before ``triton`` is imported).
+* :func:`free_local_port`: a free TCP port on 127.0.0.1 (the address of a one-process world).
 * ``REGION_*``: the stable names of the :func:`torch.profiler.record_function` ranges that label the
   attention path (``tools/profile_step.py`` sums profiler time by them; a range costs next to
   nothing while no profiler runs).
@@ -24,7 +25,8 @@ __all__ = ["acc_dtype", "default_softmax_scale", "TRITON_DTYPES", "triton_import
            "record_function", "REGIONS", "REGION_ESTIMATOR_SCORES", "REGION_ESTIMATOR_SELECTION", "REGION_CONVERT",
            "REGION_PLAN", "REGION_ATTENTION_FWD", "REGION_ATTENTION_BWD", "REGION_COPIES", "REGION_LM_HEAD_LOSS",
            "REGION_OPTIMIZER", "REGION_INPUT_CHECK", "profiled", "first_order_only", "DOUBLE_BACKWARD_RULE",
-           "softmax_scale_error", "check_softmax_scale", "resolve_softmax_scale", "plain_numbers"]
+           "softmax_scale_error", "check_softmax_scale", "resolve_softmax_scale", "plain_numbers",
+           "free_local_port"]
 
 # profiler ranges (record_function names) of one training iteration
 REGION_INPUT_CHECK = "mtraining.input_check"                  # cross-rank input check (once per signature)
@@ -187,3 +189,13 @@ def triton_runs_on(device) -> bool:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
     return triton_importable()
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` / a ``tcp://`` init
+    method of a one-process world)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 
 from megatron_mtraining.bench import measure, result_record, write_json
 from megatron_mtraining.bench.cli import check_output_dir, checked_device, int_list, positive_float, positive_int
+from megatron_mtraining.common import free_local_port
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -37,11 +37,8 @@ def _init_megatron(device):
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=1)
 

@@ -311,11 +311,9 @@ def _init_world():
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
-        import socket
+        from megatron_mtraining.common import free_local_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_local_port())
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     from megatron_mtraining.megatron.cpu_compat import apply_cpu_patches

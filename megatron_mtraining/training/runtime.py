@@ -34,12 +34,9 @@ def init_distributed(args) -> "torch.device":
     import torch.distributed as dist
 
     if "WORLD_SIZE" not in os.environ:  # plain `python pretrain_gpt.py`: a 1-rank world on a free port
-        import socket
+        from megatron_mtraining.common import free_local_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_local_port())), ("RANK", "0"),
                      ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ.setdefault(k, v)
     use_cuda = torch.cuda.is_available()
