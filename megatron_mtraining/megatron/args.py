@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "vocabulary-parallel cross entropy, chunked per --cross-entropy-chunk-tokens; liger: "
                         "Liger-Kernel's fused linear cross entropy (the [liger] extra; no fp32 logits; "
                         "tensor-parallel size 1, CUDA)")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
+                   help="unfused RoPE (megatron-core's element-wise ops). Default with CUDA: fused, by Transformer "
+                        "Engine's kernel or, without it, megatron_mtraining.megatron.fusions (torch.compile); the "
+                        "CPU always runs unfused")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="unfused SwiGLU. Default with CUDA and --swiglu: megatron-core's fused bias_swiglu_impl "
+                        "(torch.compile); the CPU always runs unfused")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the run (before the optimizer step, on every rank, exit status 1) when the loss or a "
                         "gradient is NaN/Inf, naming the iteration and the first offending parameter; "

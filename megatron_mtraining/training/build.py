@@ -42,12 +42,17 @@ def padded_vocab_size(vocab: int, args) -> int:
 
 
 def transformer_config(args):
-    """megatron-core ``TransformerConfig`` for ``args`` (per-token loss: DDP sums the gradients)."""
+    """megatron-core ``TransformerConfig`` for ``args`` (per-token loss: DDP sums the gradients).
+
+    With CUDA, RoPE and SwiGLU are fused unless ``--no-rope-fusion`` / ``--no-bias-swiglu-fusion``
+    (:func:`megatron_mtraining.megatron.fusions.fusion_config_kwargs`, which gives megatron-core a
+    fused RoPE when Transformer Engine is absent); on the CPU nothing is fused."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_mtraining.megatron.cpu_compat import cpu_transformer_config_kwargs
+    from megatron_mtraining.megatron.fusions import fusion_config_kwargs
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     kw = dict(
@@ -66,6 +71,7 @@ def transformer_config(args):
     )
     if args.swiglu:
         kw.update(gated_linear_unit=True, activation_func=F.silu)
+    kw.update(fusion_config_kwargs(args, cuda=torch.cuda.is_available()))
     if args.recompute_granularity:
         kw.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                   recompute_num_layers=args.recompute_num_layers)
