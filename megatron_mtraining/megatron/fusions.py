@@ -20,12 +20,20 @@ Megatron-LM), none on the CPU.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 __all__ = ["rope_bshd", "fused_rope", "install_fused_rope", "fused_rope_name", "fusion_config_kwargs"]
+
+
+def _check_rot(t: Tensor, freqs: Tensor) -> None:
+    rot = freqs.shape[-1]
+    if rot > t.shape[-1] or rot % 2:
+        raise ValueError(f"RoPE: freqs has {rot} channels for heads of {t.shape[-1]}; it needs an even number "
+                         "no larger than the head dimension")
 
 
 def rope_bshd(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
@@ -47,10 +55,8 @@ def rope_bshd(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
     Raises:
         ValueError: ``freqs`` has more channels than ``t`` or an odd number of them.
     """
+    _check_rot(t, freqs)
     rot = freqs.shape[-1]
-    if rot > t.shape[-1] or rot % 2:
-        raise ValueError(f"RoPE: freqs has {rot} channels for heads of {t.shape[-1]}; it needs an even number "
-                         "no larger than the head dimension")
     x, x_pass = t[..., :rot], t[..., rot:]
     xf = x.float()
     ang = freqs.float()
@@ -65,17 +71,34 @@ def rope_bshd(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
 
 
 _COMPILED: Optional[Callable[..., Tensor]] = None
+_COMPILE_FAILED: Optional[str] = None
 
 
 def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
     """:func:`rope_bshd` compiled by ``torch.compile`` (shapes static: one kernel per query / key shape);
     megatron-core's ``fused_apply_rotary_pos_emb`` signature. Differentiable (the backward is compiled
     too). Unlike Transformer Engine's kernel it takes per-sample angles (``freqs`` ``[s, b, 1, rot]``,
-    positions that restart at every document with a micro-batch above 1)."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(rope_bshd, dynamic=False)
-    return _COMPILED(t, freqs, interleaved)
+    positions that restart at every document with a micro-batch above 1).
+
+    If ``torch.compile`` fails in this process (no working Triton, say), a warning names the error once
+    and :func:`rope_bshd` runs uncompiled from then on: the same values, without the fusion's speed.
+
+    Raises:
+        ValueError: as :func:`rope_bshd`.
+    """
+    global _COMPILED, _COMPILE_FAILED
+    _check_rot(t, freqs)
+    if _COMPILE_FAILED is None:
+        if _COMPILED is None:
+            _COMPILED = torch.compile(rope_bshd, dynamic=False)
+        try:
+            return _COMPILED(t, freqs, interleaved)
+        except Exception as e:                    # torch.compile's backends raise many types
+            _COMPILE_FAILED = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            warnings.warn(f"fused RoPE: torch.compile failed ({_COMPILE_FAILED}); RoPE runs uncompiled "
+                          "(megatron_mtraining.megatron.fusions.rope_bshd) from now on in this process. "
+                          "--no-rope-fusion selects megatron-core's unfused RoPE instead", RuntimeWarning, stacklevel=2)
+    return rope_bshd(t, freqs, interleaved)
 
 
 fused_rope.per_sample_positions = True      # read by megatron.rope's positions hook

@@ -97,6 +97,24 @@ def test_rope_bshd_refuses_odd_or_wide_freqs():
             rope_bshd(t, torch.zeros(4, 1, 1, rot))
 
 
+def test_fused_rope_falls_back_with_a_warning_when_compile_fails(monkeypatch):
+    import megatron_mtraining.megatron.fusions as fu
+
+    def broken(*a, **k):
+        raise RuntimeError("no backend here\nsecond line")
+
+    monkeypatch.setattr(fu, "_COMPILED", broken)
+    monkeypatch.setattr(fu, "_COMPILE_FAILED", None)
+    t, freqs = torch.randn(8, 1, 2, 8), _freqs(8, 8)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed \\(RuntimeError: no backend here\\)"):
+        out = fu.fused_rope(t, freqs)
+    torch.testing.assert_close(out, rope_bshd(t, freqs), rtol=0, atol=0)
+    assert fu._COMPILE_FAILED == "RuntimeError: no backend here"
+    torch.testing.assert_close(fu.fused_rope(t, freqs), out, rtol=0, atol=0)     # no second warning, same path
+    with pytest.raises(ValueError, match="even number"):                           # bad input still an error
+        fu.fused_rope(t, torch.zeros(8, 1, 1, 7))
+
+
 def _args(*argv):
     from megatron_mtraining.megatron.args import build_parser
 
