@@ -217,8 +217,10 @@ def test_lm_losses_bf16_gpu(world1):
     (loss, d hidden, d weight, each) are at most 2x that of megatron-core's unchunked bf16 loss."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    ref, got = _bf16_errors("cuda", {"fused": fused_lm_loss, "chunked": lambda h, w, y: chunked_lm_loss(h, w, y, 64),
-                                     "bf16 sum": _chunks_summed_in_bf16}, 4096, 576, 49152)
+    ref, got = _bf16_errors("cuda", {"fused": fused_lm_loss,
+                                     "chunked": lambda h, w, y: chunked_lm_loss(h, w, y, 1024),
+                                     "bf16 sum": lambda h, w, y: _chunks_summed_in_bf16(h, w, y, 1024)},
+                              32768, 576, 49152)
     for loss in ("fused", "chunked"):
         for name, o, r in zip(("loss", "d hidden", "d weight"), got[loss], ref):
             assert o <= 2 * r, (loss, name, o, r)
