@@ -82,6 +82,7 @@ def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
 
     If ``torch.compile`` fails in this process (no working Triton, say), a warning names the error once
     and :func:`rope_bshd` runs uncompiled from then on: the same values, without the fusion's speed.
+    The backward is compiled at the first backward call; a failure there is raised.
 
     Raises:
         ValueError: as :func:`rope_bshd`.
@@ -93,6 +94,8 @@ def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
             _COMPILED = torch.compile(rope_bshd, dynamic=False)
         try:
             return _COMPILED(t, freqs, interleaved)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as e:                    # torch.compile's backends raise many types
             _COMPILE_FAILED = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             warnings.warn(f"fused RoPE: torch.compile failed ({_COMPILE_FAILED}); RoPE runs uncompiled "
@@ -120,13 +123,20 @@ def fused_rope_name() -> Optional[str]:
     return "torch.compile" if fn is fused_rope else "transformer_engine"
 
 
-def install_fused_rope() -> str:
+def install_fused_rope(per_sample_positions: bool = False) -> str:
     """Make ``apply_rope_fusion`` usable in this process: keep Transformer Engine's fused RoPE, else
     install :func:`fused_rope` as megatron-core's ``rope_utils.fused_apply_rotary_pos_emb``.
+
+    Args:
+        per_sample_positions: the run's RoPE angles differ between the samples of a micro-batch
+            (positions that restart at every document, micro-batch above 1). Transformer Engine's kernel
+            takes one row of angles per position, so :func:`fused_rope` replaces it then.
+
     Idempotent. Returns :func:`fused_rope_name`. Packed sequences in THD format (``cu_seqlens``) still
     need Transformer Engine's THD kernel; the trainer does not use them."""
     ru = _rope_utils()
-    if getattr(ru, "fused_apply_rotary_pos_emb", None) is None:
+    fn = getattr(ru, "fused_apply_rotary_pos_emb", None)
+    if fn is None or (per_sample_positions and not getattr(fn, "per_sample_positions", False)):
         ru.fused_apply_rotary_pos_emb = fused_rope
     return fused_rope_name()
 
@@ -135,7 +145,8 @@ def fusion_config_kwargs(args: Any, cuda: bool) -> dict[str, Any]:
     """``TransformerConfig`` fusion fields for the trainer's ``args``.
 
     On CUDA, as Megatron-LM: RoPE fused unless ``--no-rope-fusion`` (installs :func:`fused_rope` when
-    Transformer Engine is absent) and SwiGLU fused unless ``--no-bias-swiglu-fusion`` (megatron-core's
+    Transformer Engine is absent, or when ``--reset-position-ids`` with a micro-batch above 1 needs
+    per-sample angles) and SwiGLU fused unless ``--no-bias-swiglu-fusion`` (megatron-core's
     ``bias_swiglu_impl``, ``torch.compile``). On the CPU both stay unfused (nothing to gain, and
     ``torch.compile`` there needs a C++ toolchain).
 
@@ -148,7 +159,8 @@ def fusion_config_kwargs(args: Any, cuda: bool) -> dict[str, Any]:
     if not cuda:
         return kw
     if getattr(args, "rope_fusion", True) and getattr(args, "position_embedding_type", None) == "rope":
-        install_fused_rope()
+        install_fused_rope(per_sample_positions=bool(getattr(args, "reset_position_ids", False))
+                           and int(getattr(args, "micro_batch_size", 1) or 1) > 1)
         kw["apply_rope_fusion"] = True
     if getattr(args, "bias_swiglu_fusion", True) and getattr(args, "swiglu", False):
         kw["bias_activation_fusion"] = True

@@ -114,6 +114,15 @@ def test_fused_rope_falls_back_with_a_warning_when_compile_fails(monkeypatch):
     with pytest.raises(ValueError, match="even number"):                           # bad input still an error
         fu.fused_rope(t, torch.zeros(8, 1, 1, 7))
 
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(fu, "_COMPILED", oom)
+    monkeypatch.setattr(fu, "_COMPILE_FAILED", None)
+    with pytest.raises(torch.OutOfMemoryError):                                    # not a compile failure
+        fu.fused_rope(t, freqs)
+    assert fu._COMPILE_FAILED is None
+
 
 def _args(*argv):
     from megatron_mtraining.megatron.args import build_parser
@@ -141,6 +150,11 @@ def test_fusion_flags(monkeypatch):
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", te)      # Transformer Engine's is kept
     fusion_config_kwargs(on, cuda=True)
     assert rope_utils.fused_apply_rotary_pos_emb is te
+    fusion_config_kwargs(_args("--reset-position-ids"), cuda=True)         # one sample per micro-batch: kept
+    assert rope_utils.fused_apply_rotary_pos_emb is te
+    # per-document positions in a micro-batch of 2: TE's kernel takes one row of angles per position
+    assert fusion_config_kwargs(_args("--reset-position-ids", "--micro-batch-size", "2"), cuda=True)["apply_rope_fusion"]
+    assert rope_utils.fused_apply_rotary_pos_emb is fused_rope
 
 
 def test_positions_hook_refuses_only_te_fused_rope_with_per_sample_positions(monkeypatch):
