@@ -11,7 +11,8 @@ small model's iteration.
 :func:`rope_bshd` compiled with ``torch.compile`` (megatron-core's own fuser for its element-wise
 fusions, ``megatron.core.jit.jit_fuser``), one kernel in the forward and one in the backward. It
 computes in fp32 and rounds once, as Transformer Engine's kernel does (the unfused path rounds to
-bf16 after every product). With Transformer Engine installed its kernel is kept.
+bf16 after every product). With Transformer Engine installed its kernel is kept, except where
+the angles differ between the samples of a micro-batch, which it cannot take.
 
 :func:`fusion_config_kwargs` is the one place the trainer turns ``--no-rope-fusion`` /
 ``--no-bias-swiglu-fusion`` into ``TransformerConfig`` fields: fusions on CUDA (the default, as in
