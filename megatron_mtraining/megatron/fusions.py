@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["rope_bshd", "fused_rope", "install_fused_rope", "fused_rope_name", "fusion_config_kwargs"]
+__all__ = ["rope_bshd", "fused_rope", "install_fused_rope", "fused_rope_name", "fused_rope_takes_per_sample_positions",
+           "fusion_config_kwargs"]
 
 
 def _check_rot(t: Tensor, freqs: Tensor) -> None:
@@ -105,9 +106,6 @@ def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
     return rope_bshd(t, freqs, interleaved)
 
 
-fused_rope.per_sample_positions = True      # read by megatron.rope's positions hook
-
-
 def _rope_utils():
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -124,6 +122,12 @@ def fused_rope_name() -> Optional[str]:
     return "torch.compile" if fn is fused_rope else "transformer_engine"
 
 
+def fused_rope_takes_per_sample_positions() -> bool:
+    """Whether megatron-core's fused RoPE in this process takes ``[s, b, 1, d]`` angles: :func:`fused_rope`
+    does, Transformer Engine's kernel does not (one row of angles per position)."""
+    return getattr(_rope_utils(), "fused_apply_rotary_pos_emb", None) is fused_rope
+
+
 def install_fused_rope(per_sample_positions: bool = False) -> str:
     """Make ``apply_rope_fusion`` usable in this process: keep Transformer Engine's fused RoPE, else
     install :func:`fused_rope` as megatron-core's ``rope_utils.fused_apply_rotary_pos_emb``.
@@ -136,8 +140,7 @@ def install_fused_rope(per_sample_positions: bool = False) -> str:
     Idempotent. Returns :func:`fused_rope_name`. Packed sequences in THD format (``cu_seqlens``) still
     need Transformer Engine's THD kernel; the trainer does not use them."""
     ru = _rope_utils()
-    fn = getattr(ru, "fused_apply_rotary_pos_emb", None)
-    if fn is None or (per_sample_positions and not getattr(fn, "per_sample_positions", False)):
+    if ru.fused_apply_rotary_pos_emb is None or (per_sample_positions and not fused_rope_takes_per_sample_positions()):
         ru.fused_apply_rotary_pos_emb = fused_rope
     return fused_rope_name()
 
@@ -160,8 +163,11 @@ def fusion_config_kwargs(args: Any, cuda: bool) -> dict[str, Any]:
     if not cuda:
         return kw
     if getattr(args, "rope_fusion", True) and getattr(args, "position_embedding_type", None) == "rope":
-        install_fused_rope(per_sample_positions=bool(getattr(args, "reset_position_ids", False))
-                           and int(getattr(args, "micro_batch_size", 1) or 1) > 1)
+        from megatron_mtraining.plan import DOCUMENT_POSITION_FLAGS
+
+        per_sample = (any(getattr(args, f, False) for f in DOCUMENT_POSITION_FLAGS)
+                      and int(getattr(args, "micro_batch_size", 1) or 1) > 1)
+        install_fused_rope(per_sample_positions=per_sample)
         kw["apply_rope_fusion"] = True
     if getattr(args, "bias_swiglu_fusion", True) and getattr(args, "swiglu", False):
         kw["bias_activation_fusion"] = True

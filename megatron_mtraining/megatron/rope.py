@@ -27,6 +27,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from torch import Tensor
 
 from megatron_mtraining.layout import Layout
+from megatron_mtraining.megatron.fusions import fused_rope_takes_per_sample_positions
 from megatron_mtraining.plan import ROPE_FUSION_RULE, CPPlan
 
 __all__ = ["LayoutRotaryEmbedding", "StripedRotaryEmbedding", "install_layout_rope", "rope_layout_error"]
@@ -280,19 +281,11 @@ def install_layout_rope(
     return replaced
 
 
-def _fused_rope_takes_per_sample_positions() -> bool:
-    """Whether megatron-core's fused RoPE in this process takes ``[s, b, 1, d]`` angles
-    (:func:`megatron_mtraining.megatron.fusions.fused_rope` does; Transformer Engine's does not)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    return getattr(getattr(rope_utils, "fused_apply_rotary_pos_emb", None), "per_sample_positions", False)
-
-
 def _positions_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of a ``GPTModel``: its ``position_ids`` (second argument) become the RoPE rows."""
     pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
     if (pos is not None and pos.shape[0] > 1 and getattr(getattr(module, "config", None), "apply_rope_fusion", False)
-            and not _fused_rope_takes_per_sample_positions()):
+            and not fused_rope_takes_per_sample_positions()):
         raise ValueError("RoPE positions that restart at every document (--reset-position-ids or "
                          f"--dataloader-inter-document-masking) with micro-batch size > 1: {ROPE_FUSION_RULE}")
     module.rotary_pos_emb.set_positions(pos)
