@@ -51,6 +51,7 @@ from megatron_mtraining.ring.graphs import DOCUMENTS_RULE as GRAPHS_DOCUMENTS_RU
 
 __all__ = ["CPPlan", "DocumentPacking", "resolve", "config_from_args", "front_door_problems", "kernel_backend_problem",
            "packing_from_args", "sparse_packed_problem", "DOCUMENT_MASK_FLAGS", "DOCUMENT_POSITION_FLAGS",
+           "per_sample_position_flags",
            "ROPE_FUSION_RULE", "CUDA_GRAPHS_DOCUMENTS_RULE", "CUDA_GRAPHS_PIPELINE_RULE"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], MTrainingConfig, None]
@@ -679,6 +680,14 @@ def packing_from_args(args: Any, eod_token: Optional[int] = None) -> Optional[Do
     return DocumentPacking(reset_attention_mask=ram, reset_position_ids=rpi, eod_token=eod_token)
 
 
+def per_sample_position_flags(args: Any) -> list[str]:
+    """The :data:`DOCUMENT_POSITION_FLAGS` set in ``args`` when its micro-batch holds more than one sample
+    (``--micro-batch-size`` > 1): RoPE's angles then differ between the samples of a micro-batch. Empty
+    otherwise. ``args``: a Megatron-LM style namespace; a missing attribute counts as the flag's default."""
+    if int(getattr(args, "micro_batch_size", 1) or 1) <= 1:
+        return []
+    return [f for f in DOCUMENT_POSITION_FLAGS if getattr(args, f, False)]
+
 
 # ------------------------------------------------------------------------- front-door rules
 def front_door_problems(args: Any) -> list[str]:
@@ -708,9 +717,8 @@ def front_door_problems(args: Any) -> list[str]:
         problems.append("--hybrid-context-parallel is not supported")
     if get("use_legacy_models", False):
         problems.append("--use-legacy-models is not supported")
-    follow = [f for f in DOCUMENT_POSITION_FLAGS if get(f, False)]
-    if (follow and int(get("micro_batch_size", 1) or 1) > 1 and get("apply_rope_fusion", False)
-            and get("position_embedding_type", "learned_absolute") == "rope"):
+    follow = per_sample_position_flags(args)
+    if follow and get("apply_rope_fusion", False) and get("position_embedding_type", "learned_absolute") == "rope":
         problems.append(f"--{follow[0].replace('_', '-')} (RoPE positions restart at every document) with "
                         f"--micro-batch-size {get('micro_batch_size')} {ROPE_FUSION_RULE}")
     return problems

@@ -163,11 +163,9 @@ def fusion_config_kwargs(args: Any, cuda: bool) -> dict[str, Any]:
     if not cuda:
         return kw
     if getattr(args, "rope_fusion", True) and getattr(args, "position_embedding_type", None) == "rope":
-        from megatron_mtraining.plan import DOCUMENT_POSITION_FLAGS
+        from megatron_mtraining.plan import per_sample_position_flags
 
-        per_sample = (any(getattr(args, f, False) for f in DOCUMENT_POSITION_FLAGS)
-                      and int(getattr(args, "micro_batch_size", 1) or 1) > 1)
-        install_fused_rope(per_sample_positions=per_sample)
+        install_fused_rope(per_sample_positions=bool(per_sample_position_flags(args)))
         kw["apply_rope_fusion"] = True
     if getattr(args, "bias_swiglu_fusion", True) and getattr(args, "swiglu", False):
         kw["bias_activation_fusion"] = True
