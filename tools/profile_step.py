@@ -255,6 +255,7 @@ def run_one(a, mode: str) -> dict:
                lm_loss=float(loss_sum / n_tok.clamp(min=1)), micro_batches=args.num_microbatches,
                num_layers=args.num_layers, seq_length=args.seq_length,
                max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None,
+               max_memory_reserved=torch.cuda.max_memory_reserved() if cuda else None,
                mtraining_config=a.mtraining_config if mode == "mtraining" else None, kernels=kernels,
                attention_kept=kept)
     dist.barrier()
