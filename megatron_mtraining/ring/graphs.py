@@ -31,8 +31,12 @@ output and the gradients are copies, never the graph's buffers. Replays compute 
 call computes: the same kernels on the same inputs (bitwise with ``deterministic: true``).
 
 Memory: the graphs of all layers on a device share one memory pool. Each layer keeps its forward's saved
-tensors (as the eager call keeps them until its backward), its output and gradient buffers; the transients
-of the estimation and the kernels are shared by all layers (one eager call's peak). A block that one
+tensors (as the eager call keeps them until its backward) and its output buffer; the transients of the
+estimation and the kernels are shared by all layers (one eager call's peak), and so are the backward's
+static buffers, the incoming output gradient and the gradients handed out (one set per input signature:
+a replay reads and writes them only while it runs, and its gradients are copied out before the next
+replay). The backward graph copies its gradients into those shared buffers, so that no layer keeps its
+own (dO, dQ, dK and dV of a 128K SmolLM2-135M layer: 0.4 GB). A block that one
 layer's capture freed may hold the saved tensors of a layer captured later, so the graphs must replay in
 an order that keeps those intact: while a layer's forward awaits its backward, only layers captured after
 it may run in between (training's order: forwards 1..N, backwards N..1, with or without recomputing the
@@ -78,6 +82,16 @@ class _Pool:
         self.handle = torch.cuda.graph_pool_handle()
         self.captured = 0
         self.in_flight: list = []            # entries whose forward awaits its backward
+        self.shared: dict = {}               # the backward's static buffers, one set per signature
+
+    def shared_like(self, role: str, *like: torch.Tensor) -> tuple:
+        """Buffers shaped (and strided) like ``like``, one set per ``role`` and signature of ``like``, shared by
+        every entry of the pool that asks for them. Allocate them outside a capture (they are not in the
+        graphs' pool)."""
+        key = (role, *((tuple(t.shape), t.stride(), t.dtype, t.device) for t in like))
+        if key not in self.shared:
+            self.shared[key] = tuple(torch.empty_like(t) for t in like)
+        return self.shared[key]
 
     def check(self, entry: "_Entry") -> None:
         self.in_flight = [e for e in self.in_flight if e.live()]
@@ -232,10 +246,14 @@ class CUDAGraphedAttention:
         try:
             with torch.cuda.graph(entry.fwd, pool=pool):
                 entry.out = self.fn(*entry.inputs)
-            entry.grad_out = torch.zeros_like(entry.out)
+            (entry.grad_out,) = entry.pool.shared_like("grad_out", entry.out)
+            entry.grads = entry.pool.shared_like("grads", *entry.inputs)
             with torch.cuda.graph(entry.bwd, pool=pool):
                 # retain_graph: the saved tensors stay allocated, so no later capture reuses their blocks
-                entry.grads = torch.autograd.grad(entry.out, entry.inputs, entry.grad_out, retain_graph=True)
+                grads = torch.autograd.grad(entry.out, entry.inputs, entry.grad_out, retain_graph=True)
+                for dst, g in zip(entry.grads, grads):     # the shared buffers; the graph's own return to the pool
+                    dst.copy_(g)
+                del grads
         except Exception as e:   # an operation CUDA graphs cannot capture: this signature runs eagerly
             torch.cuda.set_stream(caller)     # a failed capture_end leaves the capture stream current
             torch.cuda.synchronize(q.device)

@@ -93,8 +93,8 @@ def test_no_grad_runs_eagerly_and_a_second_forward_in_flight_is_refused():
 
 def test_layers_share_the_pool_in_training_order():
     """Two layers: forwards 1, 2 then one backward through both equals the eager model bitwise (the shared pool
-    keeps each forward's saved tensors while the other layer runs); a layer captured earlier may not run while a
-    later one awaits its backward."""
+    keeps each forward's saved tensors while the other layer runs, and the layers share the backward's static
+    buffers); a layer captured earlier may not run while a later one awaits its backward."""
     plan = resolve({"pattern": "vertical_slash", "deterministic": True, "cuda_graphs": True,
                     "vertical_slash": {"recall": 0.9, "max_vertical": 512, "max_slash": 16}}, cp_group=None, seq_len=S)
     layers = [plan.for_layer(1), plan.for_layer(2)]
@@ -113,6 +113,9 @@ def test_layers_share_the_pool_in_training_order():
         graphed = model(runners, seed)
         for name, g, e in zip(("out", "dQ", "dK", "dV"), graphed, eager):
             assert torch.equal(g, e), f"seed {seed}: {name}"
+    # both layers have one input signature: their backwards replay through one set of static buffers
+    e1, e2 = (next(e for g in r.graphs.values() for e in g._entries.values()) for r in runners)
+    assert e1.grads is e2.grads and e1.grad_out is e2.grad_out
     (q, k, v), _ = _inputs(7)
     pending = runners[1](q, k, v, softmax_scale=SCALE)           # layer 2 (captured second) awaits its backward
     with pytest.raises(RuntimeError, match="awaits its backward"):

@@ -29,8 +29,8 @@ class _CPUGraphed(G.CUDAGraphedAttention):
         entry = G._Entry(self.pool)
         entry.inputs = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v))
         entry.out_data = torch.zeros_like(q)
-        entry.grad_out = torch.zeros_like(q)
-        entry.grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        (entry.grad_out,) = self.pool.shared_like("grad_out", entry.out_data)
+        entry.grads = self.pool.shared_like("grads", *entry.inputs)
         live = {}
 
         def fwd():
@@ -50,7 +50,7 @@ class _CPUGraphed(G.CUDAGraphedAttention):
 
 def _pool():
     p = G._Pool.__new__(G._Pool)
-    p.handle, p.captured, p.in_flight = None, 0, []
+    p.handle, p.captured, p.in_flight, p.shared = None, 0, [], {}
     return p
 
 
@@ -110,3 +110,24 @@ def test_replay_order_follows_the_capture_order():
         l1(q, k, v)
     pending.sum().backward()
     l1(q, k, v).sum().backward()                   # free again
+
+
+def test_layers_of_one_signature_share_the_backward_buffers():
+    """Two layers with the same input signature replay their backwards through one set of static buffers (the
+    incoming gradient and the gradients handed out); a model of both still gets the eager gradients, and another
+    signature gets its own set."""
+    pool = _pool()
+    l1, l2 = _CPUGraphed(_attn, pool), _CPUGraphed(_attn, pool)
+    for seed in (0, 1):
+        q, k, v = _inputs(seed)
+        l2(l1(q, k, v), k, v).square().sum().backward()
+        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        _attn(_attn(q2, k2, v2), k2, v2).square().sum().backward()
+        for g, ref in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+            assert torch.allclose(g, ref, rtol=1e-12, atol=0), "a layer's gradients were overwritten"
+    e1, e2 = (next(iter(layer._entries.values())) for layer in (l1, l2))
+    assert e1.grads is e2.grads and e1.grad_out is e2.grad_out and len(pool.shared) == 2
+    wide = [torch.randn(4, 16, dtype=torch.float64).requires_grad_(True) for _ in range(3)]
+    l3 = _CPUGraphed(_attn, pool)
+    l3(*wide).sum().backward()
+    assert next(iter(l3._entries.values())).grads is not e1.grads and len(pool.shared) == 4
