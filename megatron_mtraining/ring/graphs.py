@@ -243,6 +243,7 @@ class CUDAGraphedAttention:
         cur.wait_stream(side)
         pool = entry.pool.handle
         caller = torch.cuda.current_stream(q.device)
+        had = set(entry.pool.shared)
         try:
             with torch.cuda.graph(entry.fwd, pool=pool):
                 entry.out = self.fn(*entry.inputs)
@@ -253,10 +254,12 @@ class CUDAGraphedAttention:
                 grads = torch.autograd.grad(entry.out, entry.inputs, entry.grad_out, retain_graph=True)
                 for dst, g in zip(entry.grads, grads):     # the shared buffers; the graph's own return to the pool
                     dst.copy_(g)
-                del grads
+                del grads, g, dst
         except Exception as e:   # an operation CUDA graphs cannot capture: this signature runs eagerly
             torch.cuda.set_stream(caller)     # a failed capture_end leaves the capture stream current
             torch.cuda.synchronize(q.device)
+            for key in set(entry.pool.shared) - had:      # buffer sets this failed capture created
+                del entry.pool.shared[key]
             cause = e.__context__ if e.__context__ is not None else e    # the op that broke the capture, if any
             warnings.warn(f"cuda_graphs: capturing the attention of inputs {tuple(q.shape)} failed "
                           f"({type(cause).__name__}: {cause}); this layer runs without CUDA graphs", RuntimeWarning,

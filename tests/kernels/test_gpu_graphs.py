@@ -103,7 +103,8 @@ def test_layers_share_the_pool_in_training_order():
     def model(fns, seed):
         (q, k, v), do = _inputs(seed)
         h = fns[0](q, k, v, softmax_scale=SCALE)
-        k2, v2 = h[:, :, :HKV].contiguous(), h[:, :, HKV:2 * HKV].contiguous()
+        # k and v reach both layers: their gradients add up the two layers' (shared) gradient buffers' copies
+        k2, v2 = h[:, :, :HKV] + k, h[:, :, HKV:2 * HKV] + v
         out = fns[1](h, k2, v2, softmax_scale=SCALE)
         out.backward(do)
         return out.detach(), q.grad, k.grad, v.grad
