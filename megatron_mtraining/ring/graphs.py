@@ -26,12 +26,21 @@ Rules (each refused with an error naming it, never a silent wrong answer):
   was dropped without a backward frees the layer. Activation recomputation (a no-grad forward,
   then the recomputed forward and its backward) is fine.
 
-Calls without gradients (``torch.no_grad``, inputs that do not require grad) run eagerly. The
-output and the gradients are copies, never the graph's buffers. Replays compute what the eager
-call computes: the same kernels on the same inputs (bitwise with ``deterministic: true``).
+Calls without gradients (``torch.no_grad``, inputs that do not require grad) run eagerly. Replays
+compute what the eager call computes: the same kernels on the same inputs (bitwise with
+``deterministic: true``). The gradients handed out are copies. The output handed out is the graph's
+output buffer itself (as the eager call hands out the tensor it saves for its backward), guarded as
+the eager output is:
+
+* modified in place before the backward (it or a view of it), the backward raises autograd's
+  ``RuntimeError`` for a saved tensor modified by an inplace operation;
+* still referenced when the layer's next forward comes (the model keeps it, or a view of it, past
+  the backward), that forward runs eagerly, so the kept tensor is never overwritten, and warns once;
+  from then on the layer hands out copies of its graph's output (one output's memory more per layer),
+  and runs eagerly for as long as a tensor handed out before is referenced.
 
 Memory: the graphs of all layers on a device share one memory pool. Each layer keeps its forward's saved
-tensors (as the eager call keeps them until its backward) and its output buffer; the transients of the
+tensors (as the eager call keeps them until its backward), its output buffer among them; the transients of the
 estimation and the kernels are shared by all layers (one eager call's peak), and so are the backward's
 static buffers, the incoming output gradient and the gradients handed out (one set per input signature:
 a replay reads and writes them only while it runs, and its gradients are copied out before the next
@@ -55,7 +64,7 @@ import torch
 from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, record_function
 
 __all__ = ["CUDAGraphedAttention", "DOCUMENTS_RULE", "SECOND_FORWARD_RULE", "SECOND_BACKWARD_RULE",
-           "REPLAY_ORDER_RULE", "cuda_graphs_error"]
+           "REPLAY_ORDER_RULE", "OUTPUT_KEPT_WARNING", "cuda_graphs_error"]
 
 DOCUMENTS_RULE = ("mtraining config 'cuda_graphs: true' cannot capture packed documents (their boundaries change with "
                   "every micro-batch); set cuda_graphs: false")
@@ -73,6 +82,19 @@ REPLAY_ORDER_RULE = (
     "cuda_graphs: this layer's graph would run while a layer captured after it awaits its backward (the layers' graphs "
     "share one memory pool, laid out for the order of the first training step: forwards 1..N, then backwards "
     "N..1); keep that order from step to step (the same recomputation settings), or set cuda_graphs: false")
+
+
+OUTPUT_KEPT_WARNING = (
+    "cuda_graphs: the output of this layer's previous call is still referenced at its next forward (the model keeps "
+    "the attention output, or a view of it, past the backward); this call runs eagerly so that the kept tensor is not "
+    "overwritten, and the layer hands out copies of its graph's output from now on (one output's memory more)")
+
+
+def _storage_uses(t: torch.Tensor) -> Optional[int]:
+    """Tensors and storage handles referencing ``t``'s storage (views included), or ``None`` where this
+    version of torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(t.untyped_storage()._cdata))
 
 
 class _Pool:
@@ -139,9 +161,16 @@ class _Entry:
         self.grads = ()
         self.generation = 0
         self.pending = None             # weakref to the ctx of the forward whose backward has not run
+        self.base_uses = None           # references to out_data's storage with no output handed out
+        self.copy_out = False           # hand out copies of the output (an output was kept past a forward)
 
     def live(self) -> bool:
         return self.pending is not None and self.pending() is not None
+
+    def output_kept(self) -> bool:
+        """Whether a tensor handed out by an earlier replay (or a view of it) is still referenced, so that a
+        replay would overwrite it (copies never are; a torch that cannot tell gets copies only)."""
+        return self.base_uses is not None and _storage_uses(self.out_data) > self.base_uses
 
     def check_free(self) -> None:
         if self.live():
@@ -157,7 +186,15 @@ class _Replay(torch.autograd.Function):
             for dst, src in zip(entry.inputs, (q, k, v)):
                 dst.copy_(src)
             entry.fwd.replay()
-            out = entry.out_data.clone()
+            if entry.base_uses is None:         # before the first output is handed out
+                entry.base_uses = _storage_uses(entry.out_data)
+            if entry.copy_out or entry.base_uses is None:
+                out, keep = entry.out_data.clone(), False
+            else:   # the output buffer itself, as a tensor of its own (not an autograd view of out_data)
+                d = entry.out_data
+                out, keep = d.new_empty(0).set_(d.untyped_storage(), d.storage_offset(), d.shape, d.stride()), True
+        if keep:    # saved: autograd refuses the backward if it (or a view) was modified in place
+            ctx.save_for_backward(out)
         entry.generation += 1
         ctx.entry, ctx.generation = entry, entry.generation
         entry.pending = weakref.ref(ctx)
@@ -173,6 +210,7 @@ class _Replay(torch.autograd.Function):
         if ctx.generation != entry.generation:
             raise RuntimeError(SECOND_FORWARD_RULE)
         entry.pool.check(entry)
+        ctx.saved_tensors       # the version check of a handed-out output buffer
         with record_function(REGION_ATTENTION_BWD):
             entry.grad_out.copy_(dout)
             entry.bwd.replay()
@@ -225,6 +263,11 @@ class CUDAGraphedAttention:
             self._entries[sig] = self._capture(q, k, v)
         entry = self._entries[sig]
         if entry is None:                       # the capture failed (warned): eager
+            return self.fn(q, k, v)
+        if not entry.live() and entry.output_kept():    # a replay would overwrite a kept output: eager
+            if not entry.copy_out:
+                warnings.warn(OUTPUT_KEPT_WARNING, RuntimeWarning, stacklevel=2)
+                entry.copy_out = True
             return self.fn(q, k, v)
         return _Replay.apply(entry, q, k, v)
 

@@ -39,7 +39,11 @@ def _run(fn, seed: int):
     (q, k, v), do = _inputs(seed)
     out = fn(q, k, v, softmax_scale=SCALE)
     out.backward(do)
-    return out.detach(), q.grad, k.grad, v.grad
+    return out.detach().clone(), q.grad, k.grad, v.grad     # a copy: the model keeps no handed-out output
+
+
+def _entries(runner):
+    return [e for g in runner.graphs.values() for e in g._entries.values()]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
@@ -61,6 +65,8 @@ def test_replays_equal_the_eager_call(deterministic):
                 assert err <= 2 ** -7, f"seed {seed}: {name} {err:.2e}"
         outs.append(graphed[0])
     assert sum(g.captured for g in runner.graphs.values()) == 1           # one signature, one capture
+    (entry,) = _entries(runner)
+    assert entry.generation == 3 and not entry.copy_out      # three replays, each handing out the output buffer
     # negative control: a replay that reused the first draw's pattern or output would match seed 0
     assert not torch.equal(outs[1], outs[0]) and not torch.equal(outs[2], outs[1])
 
@@ -79,10 +85,17 @@ def test_no_grad_runs_eagerly_and_a_second_forward_in_flight_is_refused():
     del out                                            # its autograd graph is gone: the layer is free again
     out = runner(q, k, v, softmax_scale=SCALE)
     out.backward(do)
-    first = q.grad.clone()
+    first, first_out = q.grad.clone(), out.detach().clone()
     q.grad = None
     (q2, k2, v2), do2 = _inputs(4)
-    runner(q2, k2, v2, softmax_scale=SCALE).backward(do2)
+    with pytest.warns(RuntimeWarning, match="still referenced at its next forward"):
+        o2 = runner(q2, k2, v2, softmax_scale=SCALE)          # `out` is still referenced: this call runs eagerly
+    o2.backward(do2)
+    del o2
+    assert torch.equal(out, first_out)                # ...and leaves the kept output as it was
+    (entry,) = _entries(runner)
+    assert entry.copy_out
+    del out
     out = runner(q, k, v, softmax_scale=SCALE)
     out.backward(do)
     assert torch.equal(q.grad, first)                 # the same inputs again: the same gradient...
@@ -107,7 +120,7 @@ def test_layers_share_the_pool_in_training_order():
         k2, v2 = h[:, :, :HKV] + k, h[:, :, HKV:2 * HKV] + v
         out = fns[1](h, k2, v2, softmax_scale=SCALE)
         out.backward(do)
-        return out.detach(), q.grad, k.grad, v.grad
+        return out.detach().clone(), q.grad, k.grad, v.grad
 
     for seed in (5, 6):
         eager = model([p.attention for p in layers], seed)
@@ -117,6 +130,7 @@ def test_layers_share_the_pool_in_training_order():
     # both layers have one input signature: their backwards replay through one set of static buffers
     e1, e2 = (next(e for g in r.graphs.values() for e in g._entries.values()) for r in runners)
     assert e1.grads is e2.grads and e1.grad_out is e2.grad_out
+    assert not e1.copy_out and not e2.copy_out and e1.generation == e2.generation == 2     # replays, not eager
     (q, k, v), _ = _inputs(7)
     pending = runners[1](q, k, v, softmax_scale=SCALE)           # layer 2 (captured second) awaits its backward
     with pytest.raises(RuntimeError, match="awaits its backward"):

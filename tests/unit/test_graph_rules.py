@@ -63,21 +63,84 @@ def _inputs(seed):
     return [torch.randn(4, 8, generator=g, dtype=torch.float64).requires_grad_(True) for _ in range(3)]
 
 
-def test_replays_give_the_eager_values_and_copies():
+def _eager(q, k, v):
+    q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ref = _attn(q2, k2, v2)
+    ref.sum().backward()
+    return ref, q2.grad, k2.grad, v2.grad
+
+
+def _entry(layer):
+    return next(iter(layer._entries.values()))
+
+
+def test_replays_give_the_eager_values_and_the_output_buffer():
+    """Each replay gives the eager output and gradients; the output handed out is the graph's output buffer (no
+    copy: the eager call hands out the tensor it saves), the gradients are copies."""
     layer = _CPUGraphed(_attn, _pool())
-    for seed in (0, 1):
+    grads = []
+    for seed in (0, 1, 2):
         q, k, v = _inputs(seed)
         out = layer(q, k, v)
+        assert out.untyped_storage().data_ptr() == _entry(layer).out_data.untyped_storage().data_ptr()
         out.sum().backward()
-        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        ref = _attn(q2, k2, v2)
-        ref.sum().backward()
-        assert torch.equal(out, ref) and torch.equal(q.grad, q2.grad) and torch.equal(v.grad, v2.grad)
-    kept_out, kept_grad = out.detach().clone(), q.grad
-    q3, k3, v3 = _inputs(2)
-    layer(q3, k3, v3).sum().backward()
-    assert torch.equal(out, kept_out) and q.grad is kept_grad and not torch.equal(q.grad, q3.grad)  # copies
-    assert layer.captured == 1
+        ref, gq, gk, gv = _eager(q, k, v)
+        assert torch.equal(out, ref) and torch.equal(q.grad, gq) and torch.equal(k.grad, gk) and torch.equal(v.grad, gv)
+        grads.append((q.grad, q.grad.clone()))
+        del out                                    # the model drops the output after its backward
+    assert all(torch.equal(g, kept) for g, kept in grads)        # gradients are copies
+    assert layer.captured == 1 and not _entry(layer).copy_out
+
+
+def test_an_output_kept_past_the_next_forward_is_not_overwritten(monkeypatch):
+    """An output (or a view of it) still referenced at the layer's next forward: that forward runs eagerly and
+    warns, the kept output keeps its values, and later replays hand out copies. Negative control: without the
+    check the replay overwrites the kept output."""
+    layer = _CPUGraphed(_attn, _pool())
+    q, k, v = _inputs(0)
+    out = layer(q, k, v)
+    out.sum().backward()
+    kept, view = out.detach().clone(), out.view(-1)[:5]
+    del out
+    buffer = _entry(layer).out_data.untyped_storage().data_ptr()
+    for seed in (1, 2, 3, 4):
+        q, k, v = _inputs(seed)
+        if seed == 1:
+            with pytest.warns(RuntimeWarning, match="still referenced at its next forward"):
+                out = layer(q, k, v)
+        else:
+            out = layer(q, k, v)
+        assert out.untyped_storage().data_ptr() != buffer                 # eager while kept, then copies
+        out.sum().backward()
+        ref, gq, _, gv = _eager(q, k, v)
+        assert torch.equal(out, ref) and torch.equal(q.grad, gq) and torch.equal(v.grad, gv)
+        if seed < 3:
+            assert torch.equal(view, kept.view(-1)[:5]), "a kept output was overwritten"
+        if seed == 3:
+            del view                               # released: the replays run again, handing out copies
+            replays = _entry(layer).generation
+        del out
+    assert _entry(layer).copy_out and _entry(layer).generation == replays + 1
+
+    monkeypatch.setattr(G._Entry, "output_kept", lambda self: False)    # negative control
+    layer = _CPUGraphed(_attn, _pool())
+    out = layer(*_inputs(0))
+    out.sum().backward()
+    kept = out.detach().clone()
+    layer(*_inputs(1)).sum().backward()
+    assert not torch.equal(out, kept)
+
+
+def test_an_output_modified_in_place_is_refused_in_the_backward():
+    """The output buffer handed out is saved for the backward as the eager call saves its output: an in-place
+    change to it or a view of it makes the backward raise, never a gradient from the changed values."""
+    layer = _CPUGraphed(_attn, _pool())
+    for change in (lambda o: o.add_(1.0), lambda o: o.view(-1)[:3].mul_(2.0)):
+        out = layer(*_inputs(0))
+        change(out)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        del out
 
 
 def test_second_forward_and_second_backward_are_refused():
@@ -105,6 +168,7 @@ def test_replay_order_follows_the_capture_order():
     for _ in range(2):
         h = l1(q, k, v)
         l2(h, k, v).sum().backward()
+        del h
     pending = l2(q, k, v)
     with pytest.raises(RuntimeError, match="awaits its backward"):
         l1(q, k, v)
