@@ -34,10 +34,12 @@ the eager output is:
 
 * modified in place before the backward (it or a view of it), the backward raises autograd's
   ``RuntimeError`` for a saved tensor modified by an inplace operation;
-* still referenced when the layer's next forward comes (the model keeps it, or a view of it, past
-  the backward), that forward runs eagerly, so the kept tensor is never overwritten, and warns once;
-  from then on the layer hands out copies of its graph's output (one output's memory more per layer),
-  and runs eagerly for as long as a tensor handed out before is referenced.
+* still referenced when the layer's next forward comes (the model keeps it, a view of it or its
+  storage past the backward), that forward runs eagerly, so the kept tensor is never overwritten, and
+  warns once; from then on the layer hands out copies of its graph's output (one output's memory more
+  per layer), and runs eagerly for as long as a tensor handed out before is referenced;
+* under saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``,
+  activation offloading), which skip that version check, the call hands out a copy.
 
 Memory: the graphs of all layers on a device share one memory pool. Each layer keeps its forward's saved
 tensors (as the eager call keeps them until its backward), its output buffer among them; the transients of the
@@ -90,11 +92,26 @@ OUTPUT_KEPT_WARNING = (
     "overwritten, and the layer hands out copies of its graph's output from now on (one output's memory more)")
 
 
-def _storage_uses(t: torch.Tensor) -> Optional[int]:
-    """Tensors and storage handles referencing ``t``'s storage (views included), or ``None`` where this
-    version of torch does not say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(t.untyped_storage()._cdata))
+def _alias(t: torch.Tensor):
+    """``(tensor, weak reference)``: a tensor over ``t``'s memory on a storage of its own that does not own it,
+    and a weak reference to that storage, alive while the tensor, a view of it or its storage is referenced
+    anywhere. ``None`` where this version of torch cannot build them."""
+    build = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if build is None:
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    st = t.untyped_storage()
+    out = t.new_empty(0).set_(build(st.data_ptr(), t.device, st.nbytes()), t.storage_offset(), t.shape, t.stride())
+    return out, StorageWeakRef(out.untyped_storage())
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether default saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``,
+    activation offloading) are active: they pack a saved tensor without autograd's version check, and the
+    graph's backward reads its own buffer, not what they unpack. ``True`` where torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 class _Pool:
@@ -161,7 +178,7 @@ class _Entry:
         self.grads = ()
         self.generation = 0
         self.pending = None             # weakref to the ctx of the forward whose backward has not run
-        self.base_uses = None           # references to out_data's storage with no output handed out
+        self.handed = None              # weak reference to the storage of the last output buffer handed out
         self.copy_out = False           # hand out copies of the output (an output was kept past a forward)
 
     def live(self) -> bool:
@@ -169,8 +186,8 @@ class _Entry:
 
     def output_kept(self) -> bool:
         """Whether a tensor handed out by an earlier replay (or a view of it) is still referenced, so that a
-        replay would overwrite it (copies never are; a torch that cannot tell gets copies only)."""
-        return self.base_uses is not None and _storage_uses(self.out_data) > self.base_uses
+        replay would overwrite it (copies never are)."""
+        return self.handed is not None and not self.handed.expired()
 
     def check_free(self) -> None:
         if self.live():
@@ -186,13 +203,11 @@ class _Replay(torch.autograd.Function):
             for dst, src in zip(entry.inputs, (q, k, v)):
                 dst.copy_(src)
             entry.fwd.replay()
-            if entry.base_uses is None:         # before the first output is handed out
-                entry.base_uses = _storage_uses(entry.out_data)
-            if entry.copy_out or entry.base_uses is None:
+            alias = None if entry.copy_out or _saved_tensor_hooks_active() else _alias(entry.out_data)
+            if alias is None:
                 out, keep = entry.out_data.clone(), False
             else:   # the output buffer itself, as a tensor of its own (not an autograd view of out_data)
-                d = entry.out_data
-                out, keep = d.new_empty(0).set_(d.untyped_storage(), d.storage_offset(), d.shape, d.stride()), True
+                (out, entry.handed), keep = alias, True
         if keep:    # saved: autograd refuses the backward if it (or a view) was modified in place
             ctx.save_for_backward(out)
         entry.generation += 1

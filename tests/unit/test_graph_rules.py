@@ -131,6 +131,30 @@ def test_an_output_kept_past_the_next_forward_is_not_overwritten(monkeypatch):
     assert not torch.equal(out, kept)
 
 
+def test_a_kept_storage_counts_and_saved_tensor_hooks_get_copies():
+    """Only the storage of a handed-out output kept (no tensor): still kept, the next forward runs eagerly.
+    Under saved-tensor hooks, which skip autograd's version check, the output handed out is a copy."""
+    layer = _CPUGraphed(_attn, _pool())
+    out = layer(*_inputs(0))
+    out.sum().backward()
+    st, kept, shape = out.untyped_storage(), out.detach().clone(), out.shape
+    del out
+    with pytest.warns(RuntimeWarning, match="still referenced at its next forward"):
+        layer(*_inputs(1)).sum().backward()
+    assert torch.equal(torch.empty(0, dtype=kept.dtype).set_(st, 0, shape), kept)
+
+    layer = _CPUGraphed(_attn, _pool())
+    q, k, v = _inputs(2)
+    with torch.autograd.graph.save_on_cpu():
+        out = layer(q, k, v)
+        assert out.untyped_storage().data_ptr() != _entry(layer).out_data.untyped_storage().data_ptr()
+        out.sum().backward()
+    assert torch.equal(out, _eager(q, k, v)[0]) and not _entry(layer).copy_out
+    del out
+    out = layer(q, k, v)                           # without hooks: the buffer again
+    assert out.untyped_storage().data_ptr() == _entry(layer).out_data.untyped_storage().data_ptr()
+
+
 def test_an_output_modified_in_place_is_refused_in_the_backward():
     """The output buffer handed out is saved for the backward as the eager call saves its output: an in-place
     change to it or a view of it makes the backward raise, never a gradient from the changed values."""
