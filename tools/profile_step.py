@@ -256,12 +256,22 @@ def run_one(a, mode: str) -> dict:
                num_layers=args.num_layers, seq_length=args.seq_length,
                max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None,
                max_memory_reserved=torch.cuda.max_memory_reserved() if cuda else None,
+               memory_outside_torch=_memory_outside_torch() if cuda else None,
                mtraining_config=a.mtraining_config if mode == "mtraining" else None, kernels=kernels,
                attention_kept=kept)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return res
+
+
+def _memory_outside_torch() -> int:
+    """Bytes in use on the GPU beyond what torch's caching allocator holds (CUDA context, kernel modules and their
+    local memory, library workspaces; other processes on the GPU count too), now."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free - torch.cuda.memory_reserved())
 
 
 def main(argv=None) -> int:
