@@ -140,7 +140,7 @@ def install_fused_rope(per_sample_positions: bool = False) -> str:
     Idempotent. Returns :func:`fused_rope_name`. Packed sequences in THD format (``cu_seqlens``) still
     need Transformer Engine's THD kernel; the trainer does not use them."""
     ru = _rope_utils()
-    if ru.fused_apply_rotary_pos_emb is None or (per_sample_positions and not fused_rope_takes_per_sample_positions()):
+    if fused_rope_name() is None or (per_sample_positions and not fused_rope_takes_per_sample_positions()):
         ru.fused_apply_rotary_pos_emb = fused_rope
     return fused_rope_name()
 

@@ -205,11 +205,10 @@ class _Replay(torch.autograd.Function):
             entry.fwd.replay()
             alias = None if entry.copy_out or _saved_tensor_hooks_active() else _alias(entry.out_data)
             if alias is None:
-                out, keep = entry.out_data.clone(), False
-            else:   # the output buffer itself, as a tensor of its own (not an autograd view of out_data)
-                (out, entry.handed), keep = alias, True
-        if keep:    # saved: autograd refuses the backward if it (or a view) was modified in place
-            ctx.save_for_backward(out)
+                out = entry.out_data.clone()
+            else:   # the output buffer itself, as a tensor of its own (not an autograd view of out_data), saved:
+                out, entry.handed = alias   # autograd refuses the backward if it (or a view) was modified in place
+                ctx.save_for_backward(out)
         entry.generation += 1
         ctx.entry, ctx.generation = entry, entry.generation
         entry.pending = weakref.ref(ctx)
