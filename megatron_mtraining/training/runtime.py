@@ -25,9 +25,9 @@ def init_distributed(args) -> "torch.device":
     The backend is ``--distributed-backend`` or nccl on CUDA / gloo on CPU; the process-group
     timeout is ``--distributed-timeout-minutes`` (the trainer passes the same value to Megatron's
     ``initialize_model_parallel`` for the TP/CP/DP groups). On CPU without ``OMP_NUM_THREADS`` the cores are
-    shared between the local ranks. With nccl and more than one rank the group is bound to this rank's GPU
-    (``device_id``: every communicator is set up at start); in a one-rank world the communicators are made on each
-    group's first collective, which keeps about 8 GiB of GPU memory free on one GPU
+    shared between the local ranks. The group is not bound to the GPU (no ``device_id``, as in Megatron-LM):
+    each NCCL communicator is made at its group's first collective, on this rank's current device. In a
+    one-rank run on an H100 that leaves 6.8 GiB more GPU memory than a bound group
     (``docs/results.md#nccl-one-gpu``).
 
     Returns:
@@ -53,11 +53,9 @@ def init_distributed(args) -> "torch.device":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    # With more than one rank NCCL is bound to this rank's GPU (device_id): every group's communicator is made
-    # at once, so a rank that cannot connect fails here, not in its first collective. In a one-rank world each
-    # group Megatron makes is the same rank, and eager set-up would hold about 8 GiB of GPU memory for
-    # communicators the run never uses (about 0.4 GiB each); they are made on a group's first collective.
-    kw = {"device_id": device} if (use_cuda and backend == "nccl" and int(os.environ["WORLD_SIZE"]) > 1) else {}
+    # No device_id (as in Megatron-LM): a bound group would set up a communicator for every group
+    # initialize_model_parallel makes, at once (8.2 GiB of GPU memory on one H100 in a one-rank world);
+    # unbound, each group's communicator is made at its first collective and unused groups cost nothing.
     dist.init_process_group(backend=backend,
-                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes), **kw)
+                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     return device
