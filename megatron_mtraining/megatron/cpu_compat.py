@@ -20,7 +20,9 @@ a context in which
 So the wrapped function keeps its exact upstream logic; only its device requests change. The
 context is entered only around the wrapped functions, never globally.
 
-The patches (see :data:`_PATCHES`): ``RotaryEmbedding.get_emb``, ``GlobalMemoryBuffer.get_tensor``,
+The patches (see :data:`_PATCHES`): ``RotaryEmbedding.get_emb``, ``rope_utils.get_pos_emb_on_this_cp_rank``
+(reached only without :func:`~megatron_mtraining.megatron.rope.install_layout_rope`, whose absence
+``MTrainingAttention`` then reports), ``GlobalMemoryBuffer.get_tensor``,
 ``_ParamAndGradBuffer.__init__``, the optimizers' ``__init__`` (FP32 / mixed precision / float16,
 ``ChainedOptimizer.get_loss_scale``), the grad scalers' ``__init__``, ``get_grad_norm_fp32`` /
 ``clip_grad_by_total_norm_fp32`` / ``count_zeros_fp32``, ``dist_checkpointing.save`` / ``load``,
@@ -30,9 +32,7 @@ and the RNG-state save/restore of activation recomputation.
 :func:`patch_missing_psutil` is separate (not CUDA-related).
 
 Not patched (not on our path; avoid on CPU): CUDA graphs, overlapped grad reduce and param
-gather (CUDA streams), ``distribute_saved_activations``, inference KV caches, yarn/mrope embeddings, and
-``rope_utils.get_pos_emb_on_this_cp_rank`` (our :mod:`megatron_mtraining.megatron.rope` replaces
-the CP slicing of RoPE altogether).
+gather (CUDA streams), ``distribute_saved_activations``, inference KV caches and yarn/mrope embeddings.
 
 Usage::
 
@@ -135,6 +135,27 @@ def _patch_rotary_get_emb() -> None:
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
 
     _wrap_attr(rpe.RotaryEmbedding, "get_emb")
+
+
+def _patch_rope_cp_slice() -> None:
+    """``rope_utils.get_pos_emb_on_this_cp_rank`` (megatron-core's zigzag slicing of the RoPE table at
+    CP > 1) builds its row index with ``pin_memory=True`` and ``.cuda()``. A model without
+    :func:`~megatron_mtraining.megatron.rope.install_layout_rope` reaches it before attention runs; on
+    CPU it then fails inside megatron-core, and with the patch ``MTrainingAttention`` names the missing
+    call instead. Wrapped in every module that imported the name."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+
+    modules = [rope_utils, rpe]
+    try:
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+        modules.append(yarn)
+    except ImportError:
+        pass
+    wrapped = _on_cpu(rope_utils.get_pos_emb_on_this_cp_rank)
+    for m in modules:
+        if hasattr(m, "get_pos_emb_on_this_cp_rank"):
+            m.get_pos_emb_on_this_cp_rank = wrapped
 
 
 def _patch_global_memory_buffer() -> None:
@@ -280,6 +301,7 @@ def _patch_checkpoint_rng_states() -> None:
 
 _PATCHES: tuple[Callable[[], None], ...] = (
     _patch_rotary_get_emb,
+    _patch_rope_cp_slice,
     _patch_global_memory_buffer,
     _patch_param_and_grad_buffer,
     _patch_optimizer_scalars,

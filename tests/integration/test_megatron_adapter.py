@@ -495,6 +495,24 @@ def test_cpu_patches_idempotent_and_scoped():
         torch.zeros(1, device="cuda")  # outside the context CUDA requests still fail
 
 
+def test_cpu_patch_lets_megatron_rope_slice_reach_the_missing_install_error():
+    """Without install_layout_rope megatron-core slices the RoPE table for CP > 1 (zigzag rows) before attention
+    runs; on CPU the shim runs that upstream slicing (no pinned memory, no .cuda()), so the model gets as far as
+    MTrainingAttention's error naming the call."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+    from types import SimpleNamespace
+
+    apply_cpu_patches()
+    emb = torch.arange(16.0).view(16, 1, 1, 1)                  # [s, 1, 1, d]: row i holds i
+    group = SimpleNamespace(size=lambda: 2, rank=lambda: 1)
+    out = rpe.get_pos_emb_on_this_cp_rank(emb, 0, group)
+    assert rope_utils.get_pos_emb_on_this_cp_rank is rpe.get_pos_emb_on_this_cp_rank
+    # 4 chunks of 4 rows; rank 1 of 2 holds chunks 1 and 2 (zigzag: rank and 2 * cp - rank - 1)
+    assert out.flatten().tolist() == [4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+    assert out.device.type == "cpu"
+
+
 # --------------------------------------------------------------- multi-rank CP equivalence (torchrun)
 # Every worker run of this module, by name: (ranks, arguments). One torchrun launch per rank count
 # runs all of its cases in turn (gpt_cp_worker.py --cases); the one-rank launch comes first, since
