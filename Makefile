@@ -3,7 +3,8 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
-# CPU: the local torch 2.13.0 CPU build. On a GPU box with torch already in the image: make setup TORCH_SPEC=
+# pip arguments for torch (e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"). On a GPU box
+# with torch already in the image: make setup TORCH_SPEC= (the venv then sees the image's site-packages)
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
@@ -12,10 +13,10 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(if $(TORCH_SPEC),,--system-site-packages) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: installing megatron-core without torch pulls a multi-GB CUDA build
-	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q $(TORCH_SPEC); fi
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
