@@ -142,20 +142,15 @@ def _patch_rope_cp_slice() -> None:
     CP > 1) builds its row index with ``pin_memory=True`` and ``.cuda()``. A model without
     :func:`~megatron_mtraining.megatron.rope.install_layout_rope` reaches it before attention runs; on
     CPU it then fails inside megatron-core, and with the patch ``MTrainingAttention`` names the missing
-    call instead. Wrapped in every module that imported the name."""
+    call instead. ``RotaryEmbedding`` imports the function by name, so the wrapper is installed in both modules
+    (yarn embeddings stay unpatched, see the module docstring)."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
 
-    modules = [rope_utils, rpe]
-    try:
-        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
-        modules.append(yarn)
-    except ImportError:
-        pass
     wrapped = _on_cpu(rope_utils.get_pos_emb_on_this_cp_rank)
-    for m in modules:
-        if hasattr(m, "get_pos_emb_on_this_cp_rank"):
-            m.get_pos_emb_on_this_cp_rank = wrapped
+    rope_utils.get_pos_emb_on_this_cp_rank = wrapped
+    if hasattr(rpe, "get_pos_emb_on_this_cp_rank"):
+        rpe.get_pos_emb_on_this_cp_rank = wrapped
 
 
 def _patch_global_memory_buffer() -> None:
