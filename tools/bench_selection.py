@@ -8,7 +8,10 @@ slash scores decaying with the offset; each row normalized to the probe mass ``l
 config's budgets (default ``configs/e2e_sparse.yaml``), CP=1, for each sequence length:
 
 * ``select``: budgets and selection from the scores (``estimator._select`` vs the oracle's
-  ``old_select``), i.e. ``estimate_vertical_slash`` after the score kernels;
+  ``old_select``), i.e. ``estimate_vertical_slash`` after the score kernels; with ``--device cuda`` (or the
+  CPU under ``TRITON_INTERPRET=1``) also ``select_kernel``: ``_select`` through the Triton selection kernel
+  (:mod:`megatron_mtraining.patterns.triton.select`, static widths as on CUDA), checked to keep the same
+  lines;
 * ``convert``: :func:`~megatron_mtraining.patterns.convert.convert_pattern` vs ``old_convert_pattern``
   on the selected pattern (which both sides must produce bit for bit: checked).
 
@@ -20,10 +23,14 @@ gather's host index tensors: a stream sync on CUDA unless pinned and non-blockin
 ``.to(device=...)`` calls here move tensors already on the device). Reads of the probe gather's
 host-side owner map (CPU tensors on any machine: no device sync) are reported apart
 (``host_only``); ops run by the Triton CPU interpreter (``impl="triton"``: one kernel launch each
-on a GPU) are not counted. Times: median wall clock of ``--repeats`` on the CPU -- only a proxy for
-the GPU, where these ops are launch- and sync-bound at small S and bandwidth-bound at large S.
+on a GPU) are not counted. Triton launches are not aten ops: the kernel row's counts are its
+output allocations only. Times: median of ``--repeats`` by the shared timer (CUDA events with ``--device
+cuda``; on the CPU the wall clock, only a proxy for the GPU, where these ops are launch- and sync-bound at
+small S and bandwidth-bound at large S). ``--col-dtype fp32`` hands the selection fp32 column scores, as the
+fused score kernels do when the probes span one query block (the oracle sees their fp64 copies).
 
     python3 -m tools.bench_selection --seqs 8192,65536 --repeats 5 [--profile] [--json out.json]   # from the checkout
+    python3 -m tools.bench_selection --device cuda --col-dtype fp32 --heads 9 --seqs 32768,131072 --estimate-seq 0
 """
 from __future__ import annotations
 
@@ -119,9 +126,10 @@ def synthetic_scores(S: int, heads: int, last_q: int, block_size: int, seed: int
     return col, slash / slash.sum(-1, keepdim=True) * last_q
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall-clock seconds of ``repeats`` calls after one warm-up (:func:`megatron_mtraining.bench.measure`)."""
-    return measure(fn, device="cpu", warmup=1, repeats=repeats).median_s
+def median_time(fn, repeats: int, device="cpu") -> float:
+    """Median seconds of ``repeats`` calls after one warm-up (:func:`megatron_mtraining.bench.measure`: CUDA
+    events on a CUDA device, else the wall clock)."""
+    return measure(fn, device=device, warmup=1, repeats=repeats).median_s
 
 
 def _oracle():
@@ -151,6 +159,9 @@ def main(argv=None) -> int:
                          "k [1, S, kv_heads, 64]) at this S (0: skip)")
     ap.add_argument("--estimate-impl", choices=("torch", "triton"), default="torch",
                     help="score implementation of that count (triton on the CPU: set TRITON_INTERPRET=1)")
+    ap.add_argument("--device", default="cpu", help="where the scores live and the selection runs (cpu, cuda)")
+    ap.add_argument("--col-dtype", choices=("fp64", "fp32"), default="fp64",
+                    help="dtype of the column scores handed to the selection")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.heads < 1 or args.kv_heads < 1:
@@ -189,24 +200,43 @@ def main(argv=None) -> int:
             ap.error(f"{flag}: {S} must be larger than the config's last_q {L} (the probe rows)")
         check_seq_len(ap, flag, layout, S)
 
+    from megatron_mtraining.common import triton_runs_on
+
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: CUDA is not available")
+    kernel = triton_runs_on(dev)
     oracle = _oracle()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
     for S in seqs:
-        col, slash = synthetic_scores(S, args.heads, L, cfg.block_size, seed=S)
-        kp = torch.arange(S)
-        fns = {"select_old": lambda: oracle.old_select(slash, col, kp, S, L, cfg),
-               "select_new": lambda: E._select(slash, col, kp, layout, 0, S, L, cfg)}
+        col, slash = (t.to(dev) for t in synthetic_scores(S, args.heads, L, cfg.block_size, seed=S))
+        if args.col_dtype == "fp32":
+            col = col.float()
+        kp = torch.arange(S, device=dev)
+        static = dev.type == "cuda"                    # the estimator's default widths on this device
+        fns = {"select_old": lambda: oracle.old_select(slash, col.double(), kp, S, L, cfg),
+               "select_new": lambda: E._select(slash, col, kp, layout, 0, S, L, cfg, static_widths=static)}
         pat_new, pat_old = fns["select_new"](), fns["select_old"]()
-        oracle.assert_same_pattern(pat_new, pat_old, S)
+        if static:
+            assert pat_new.same_selection(pat_old), S
+        else:
+            oracle.assert_same_pattern(pat_new, pat_old, S)
+        if kernel:
+            fns["select_kernel"] = lambda: E._select(slash, col, kp, layout, 0, S, L, cfg, static_widths=True,
+                                                     fused=True)
+            assert fns["select_kernel"]().same_selection(pat_old), S
         fns["convert_old"] = lambda: oracle.old_convert_pattern(pat_old, layout, 0)
         fns["convert_new"] = lambda: convert_pattern(pat_new, layout, 0)
         oracle.assert_same_steps(fns["convert_new"](), fns["convert_old"](), S)
         row = {"seq": S, "heads": args.heads, "mean_slash": float(pat_new.slash_count.float().mean()),
                "mean_vertical": float(pat_new.vertical_count.float().mean())}
         for name, fn in fns.items():
-            row[name + "_s"] = median_time(fn, args.repeats)
+            row[name + "_s"] = median_time(fn, args.repeats, dev)
             row[name] = count_ops(fn)[1]
         rows.append(row)
         if args.profile:
@@ -227,13 +257,17 @@ def main(argv=None) -> int:
         est = {"seq": S, "heads": args.heads, "kv_heads": args.kv_heads, "impl": args.estimate_impl,
                "estimate_old": c_old, "estimate_new": c_new}
 
-    print(f"{'seq':>7} {'slash':>6} {'vert':>6} | {'select old ms':>13} {'new ms':>8} | {'convert old ms':>14} "
-          f"{'new ms':>8}")
+    print(f"{'seq':>7} {'slash':>6} {'vert':>6} | {'select old ms':>13} {'new ms':>8} {'kernel ms':>9} | "
+          f"{'convert old ms':>14} {'new ms':>8}")
     for r in rows:
-        print(f"{r['seq']:>7} {r['mean_slash']:>6.0f} {r['mean_vertical']:>6.0f} | {r['select_old_s'] * 1e3:>13.2f} "
-              f"{r['select_new_s'] * 1e3:>8.2f} | {r['convert_old_s'] * 1e3:>14.2f} {r['convert_new_s'] * 1e3:>8.2f}")
+        k_ms = f"{r['select_kernel_s'] * 1e3:>9.3f}" if "select_kernel_s" in r else f"{'-':>9}"
+        print(f"{r['seq']:>7} {r['mean_slash']:>6.0f} {r['mean_vertical']:>6.0f} | {r['select_old_s'] * 1e3:>13.3f} "
+              f"{r['select_new_s'] * 1e3:>8.3f} {k_ms} | {r['convert_old_s'] * 1e3:>14.3f} "
+              f"{r['convert_new_s'] * 1e3:>8.3f}")
     print(f"\n{'(one call)':>12} {'kernels':>8} {'sorts':>6} {'syncs':>6}   ops")
-    for name in ("select_old", "select_new", "convert_old", "convert_new"):
+    for name in ("select_old", "select_new", "select_kernel", "convert_old", "convert_new"):
+        if name not in rows[-1]:
+            continue
         c = rows[-1][name]
         print(f"{name:>12} {c['kernels']:>8} {c['sorts']:>6} {c['syncs']:>6}   {c['ops']}")
     if est:
@@ -243,7 +277,8 @@ def main(argv=None) -> int:
             print(f"{name:>12} {c['kernels']:>8} {c['sorts']:>6} {c['syncs']:>6}   (of which h2d {c['h2d']}; "
                   f"host-only reads apart: {c['host_only']})  {c['ops']}")
     if args.json:
-        write_json(args.json, result_record({"config": args.config, "rows": rows, "estimate": est}, device="cpu"))
+        write_json(args.json, result_record({"config": args.config, "device": str(dev), "col_dtype": args.col_dtype,
+                                             "rows": rows, "estimate": est}, device=dev))
     return 0
 
 

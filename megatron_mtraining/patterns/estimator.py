@@ -487,38 +487,58 @@ def _all_gather_candidates(score: torch.Tensor, pos: torch.Tensor, group, cp: in
 
 
 def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout: Layout, rank: int, S: int, L: int,
-            config: VerticalSlashConfig, gather=None, static_widths: bool = False) -> VerticalSlashPattern:
+            config: VerticalSlashConfig, gather=None, static_widths: bool = False,
+            fused: bool = False) -> VerticalSlashPattern:
     """Budgets and selection (step 4/5 of the module docstring) from the scores: ``slash [b, hq, S/bs]``
     fp64 (all-reduced), this rank's ``col [b, hq, S_local]`` at ``k_pos`` (fp64, or fp32 values that
     the fp64 path would hold exactly: the fused path with one probe query block).
 
     ``gather`` (cp > 1): ``(score, pos) -> (score, pos)`` concatenated over the CP group in rank order
     (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths), none
-    with ``static_widths`` (the widths are then the caps, see :func:`estimate_vertical_slash`)."""
+    with ``static_widths`` (the widths are then the caps, see :func:`estimate_vertical_slash`).
+    ``fused`` with ``static_widths``: the Triton selection kernel
+    (:func:`megatron_mtraining.patterns.triton.select.select_lines`) selects the slash lines and, at
+    cp 1, the vertical lines (one launch each, no sort)."""
     nb, sl = slash.shape[-1], col.shape[-1]
     target = float(config.recall) * L
     take_all = float(config.recall) >= 1.0
+    kernel = fused and static_widths
+    if kernel:
+        from .triton.select import select_lines
 
     # --- slash selection (identical on every rank): floors = offsets 0 .. local_blocks - 1
-    s_score, s_order = floor_first_sort(slash, config.local_blocks)
-    s_cnt, s_cov = _budget(s_score, config.local_blocks, config.max_slash, target, take_all)
+    if kernel:
+        ws = _widths((None, nb, config.max_slash), static=True)[0]
+        s_sel, s_cnt, s_mass = select_lines(slash, config.local_blocks, config.max_slash, target, take_all, ws, L)
+    else:
+        s_score, s_order = floor_first_sort(slash, config.local_blocks)
+        s_cnt, s_cov = _budget(s_score, config.local_blocks, config.max_slash, target, take_all)
 
-    # --- vertical selection: local top-cap candidates, one all_gather, identical merge everywhere.
-    # At cp 1 the local candidates are already the whole selection order (the merge would sort an
-    # already sorted list: the identity), and the local index is the global position.
+    # --- vertical selection: at cp 1 the local columns are the sequence (positions = indices): the
+    # kernel, or one sorted candidate list (the merge would sort an already sorted list: the identity).
+    # At cp > 1: local top-cap candidates, one all_gather, identical merge everywhere.
+    if kernel and layout.cp_size == 1:
+        wv = _widths((None, sl, config.max_vertical), static=True)[0]
+        v_sel, v_cnt, v_mass = select_lines(col, min(config.sink_tokens, S), config.max_vertical, target, take_all,
+                                            wv, L)
+        return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
+                                    est_slash_mass=s_mass, est_vertical_mass=v_mass)
     kc = min(config.max_vertical, sl)
     v_score, v_pos = _local_candidates(col, k_pos, _count_below(layout, rank, S, config.sink_tokens), kc,
                                        positions_are_local=layout.cp_size == 1)
     if layout.cp_size > 1:
         v_score, v_pos = _merge_candidates(*gather(v_score, v_pos), config.sink_tokens)
     v_cnt, v_cov = _budget(v_score, min(config.sink_tokens, S), config.max_vertical, target, take_all)
-
-    ws, wv = _widths((s_cnt, nb, config.max_slash), (v_cnt, v_pos.shape[-1], config.max_vertical),
-                     static=static_widths)                                # the one host sync (unless static)
-    s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
+    v_mass = v_cov / L
+    if kernel:
+        wv = _widths((v_cnt, v_pos.shape[-1], config.max_vertical), static=True)[0]
+    else:
+        ws, wv = _widths((s_cnt, nb, config.max_slash), (v_cnt, v_pos.shape[-1], config.max_vertical),
+                         static=static_widths)                            # the one host sync (unless static)
+        s_sel, s_mass = _take_sorted(s_order, s_cnt, ws, sentinel=nb), s_cov / L
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_cov / L, est_vertical_mass=v_cov / L)
+                                est_slash_mass=s_mass, est_vertical_mass=v_mass)
 
 
 def _document_floors(documents, sink_tokens: int) -> tuple[torch.Tensor, list]:
@@ -1061,7 +1081,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
         gather = None if cp == 1 else (lambda score, pos: _all_gather_candidates(score, pos, group, cp))
         if documents is not None:
             return _select_documents(slash, col, k_pos, S, L, config, gather, documents, n_real=n_real)
-        return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths=static)
+        return _select(slash, col, k_pos, layout, rank, S, L, config, gather, static_widths=static, fused=fused)
 
 
 def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L: int, nb: int, scale: float,
