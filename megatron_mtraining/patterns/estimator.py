@@ -497,32 +497,34 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
     (:func:`_all_gather_candidates`). Torch ops on the device and one host sync (the widths), none
     with ``static_widths`` (the widths are then the caps, see :func:`estimate_vertical_slash`).
     ``fused`` with ``static_widths``: the Triton selection kernel
-    (:func:`megatron_mtraining.patterns.triton.select.select_lines`) selects the slash lines and, at
-    cp 1, the vertical lines (one launch each, no sort)."""
+    (:func:`megatron_mtraining.patterns.triton.select.select_line_kinds`) selects the slash lines and, at
+    cp 1, the vertical lines (one launch for both, no sort)."""
     nb, sl = slash.shape[-1], col.shape[-1]
     target = float(config.recall) * L
     take_all = float(config.recall) >= 1.0
     kernel = fused and static_widths
     if kernel:
-        from .triton.select import select_lines
+        from .triton.select import select_line_kinds
 
-    # --- slash selection (identical on every rank): floors = offsets 0 .. local_blocks - 1
-    if kernel:
-        ws = _widths((None, nb, config.max_slash), static=True)[0]
-        s_sel, s_cnt, s_mass = select_lines(slash, config.local_blocks, config.max_slash, target, take_all, ws, L)
+        # slash lines (identical on every rank; floors = offsets 0 .. local_blocks - 1) and, at cp 1, the
+        # columns (the local columns are the sequence: positions = indices), side by side in one launch
+        kinds = [(slash, config.local_blocks, config.max_slash, target, take_all,
+                  _widths((None, nb, config.max_slash), static=True)[0], L)]
+        if layout.cp_size == 1:
+            kinds.append((col, min(config.sink_tokens, S), config.max_vertical, target, take_all,
+                          _widths((None, sl, config.max_vertical), static=True)[0], L))
+        picked = select_line_kinds(*kinds)
+        s_sel, s_cnt, s_mass = picked[0]
+        if layout.cp_size == 1:
+            v_sel, v_cnt, v_mass = picked[1]
+            return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
+                                        est_slash_mass=s_mass, est_vertical_mass=v_mass)
     else:
         s_score, s_order = floor_first_sort(slash, config.local_blocks)
         s_cnt, s_cov = _budget(s_score, config.local_blocks, config.max_slash, target, take_all)
 
-    # --- vertical selection: at cp 1 the local columns are the sequence (positions = indices): the
-    # kernel, or one sorted candidate list (the merge would sort an already sorted list: the identity).
-    # At cp > 1: local top-cap candidates, one all_gather, identical merge everywhere.
-    if kernel and layout.cp_size == 1:
-        wv = _widths((None, sl, config.max_vertical), static=True)[0]
-        v_sel, v_cnt, v_mass = select_lines(col, min(config.sink_tokens, S), config.max_vertical, target, take_all,
-                                            wv, L)
-        return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                    est_slash_mass=s_mass, est_vertical_mass=v_mass)
+    # --- vertical selection: at cp 1 one sorted candidate list (the merge would sort an already sorted
+    # list: the identity); at cp > 1 local top-cap candidates, one all_gather, identical merge everywhere.
     kc = min(config.max_vertical, sl)
     v_score, v_pos = _local_candidates(col, k_pos, _count_below(layout, rank, S, config.sink_tokens), kc,
                                        positions_are_local=layout.cp_size == 1)

@@ -52,10 +52,11 @@ def select_lines(*args):
 
 
 def score_cases():
-    """(seed, n, kind, dtype): every tie-heavy kind at one chunk, exactly one and three (CHUNK = 2048 lines)."""
-    out = [(0, 2048, "zeros", F64), (1, 1, "rand", torch.float32)]
+    """(seed, n, kind, dtype): every tie-heavy kind within one chunk and over three (CHUNK = 4096 lines; the
+    bisection finishes in registers once at most CHUNK candidates are left)."""
+    out = [(0, 4096, "zeros", F64), (1, 1, "rand", torch.float32)]
     for kind in ("quantized", "sparse", "rand"):
-        for n in (5, 700, 4500):
+        for n in (5, 700, 9000):
             for dtype in (torch.float32, F64):
                 out.append((len(out), n, kind, dtype))
     return out
@@ -89,6 +90,16 @@ def test_kernel_strided_rows_and_floors_reaching_the_target():
     for nf, target in ((100, 1.0), (0, 1e-9), (5, 1e-9), (40, 30.0)):
         args = (score, nf, 300, target, False, 300, 64)
         assert_same_selection(select_lines(*args), torch_select(*args), 900, (nf, target))
+
+
+def test_tie_run_longer_than_a_chunk():
+    """The threshold's tie run (4500 equal scores) is longer than the kernel's CHUNK of candidates: the
+    bisection isolates it by full passes and keeps the first ties by index."""
+    gen = torch.Generator().manual_seed(5)
+    score = (torch.randint(0, 2, (1, 2, 9000), generator=gen).to(F64) / 8)
+    for recall, cap in ((0.5, 9000), (0.9, 9000), (1.0, 7000), (0.9, 1000)):
+        args = (score.float(), 3, cap, recall * float(score[0, 0].sum()), recall >= 1.0, cap, 64)
+        assert_same_selection(select_lines(*args), torch_select(*args), 9000, (recall, cap))
 
 
 def test_target_is_taken_in_fp64():
@@ -142,15 +153,15 @@ def test_estimate_vertical_slash_static_widths_uses_the_kernel(monkeypatch):
     from megatron_mtraining.patterns.triton import select as S_mod
 
     calls = []
-    orig = S_mod.select_lines
-    monkeypatch.setattr(S_mod, "select_lines", lambda *a: calls.append(a[0].shape) or orig(*a))
+    orig = S_mod.select_line_kinds
+    monkeypatch.setattr(S_mod, "select_line_kinds", lambda *k: calls.append(len(k)) or orig(*k))
     q, k = tie_heavy_qkv(torch.Generator().manual_seed(11), random.Random(11), 2, 256, 4, 2, 16)
     q, k = q.float(), k.float()
     cfg = VerticalSlashConfig(recall=0.9, last_q=64, block_size=64, sink_tokens=4, local_blocks=1,
                               max_vertical=40, max_slash=3)
     layout = Layout("striped", 1, 64)
     new = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="triton", static_widths=True)
-    assert len(calls) == 2
+    assert calls == [2]                                 # slash lines and columns in one launch
     ref = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="triton", static_widths=False)
     assert new.same_selection(ref)
 

@@ -41,9 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["select_lines", "CHUNK"]
+__all__ = ["select_lines", "select_line_kinds", "CHUNK", "CAND"]
 
-CHUNK = 2048        # lines per step of a program's loops (one tl.cumsum / tl.sum)
+CHUNK = 2048        # lines per step of a program's loops over the row (rows up to LONG_ROW lines)
+NUM_WARPS = 8
+LONG_ROW = 65536    # longer rows: LONG_CHUNK lines per step, LONG_NUM_WARPS warps
+LONG_CHUNK = 8192
+LONG_NUM_WARPS = 16
+CAND = 2048         # candidates left when the bisection moves to registers
 
 
 @triton.jit
@@ -62,35 +67,108 @@ def _keys(Row, idx, N, FP64: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(
-    Score, Sel, Cnt, Mass,
-    N, LO, HI, W, H,
-    s_b, s_h,
-    target: tl.float64, L: tl.float64,
-    TAKE_ALL: tl.constexpr, FP64: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
-):
-    r = tl.program_id(0)                               # sample * H + head
-    row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
+def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, goal_s, goal_c, Cx, Ck,
+            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
+    """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
+    ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
+    ``lo_k`` and fails at ``hi_k``; ``s_hi`` / ``c_hi`` are the sum / count at ``hi_k``, ``c_lo`` the count at
+    ``lo_k``. One full pass over the row per step until at most ``CAND`` lines lie in ``[lo_k, hi_k)``; those
+    are then copied to the scratch rows ``Cx`` / ``Ck`` and the bisection ends in registers. Returns the final
+    ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
     offs = tl.arange(0, CHUNK)
-    if KEY_BITS == 64:
-        one_k = tl.full([], 1, tl.int64)
-        key_top = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)     # the largest non-negative key
-    else:
-        one_k = tl.full([], 1, tl.int32)
-        key_top = tl.full([], 0x7FFFFFFF, tl.int32)
+    while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
+        mid = lo_k + (hi_k - lo_k) // 2
+        acc_s = tl.zeros([CHUNK], tl.float64)
+        acc_c = tl.zeros([CHUNK], tl.int32)
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            ge = ok & (idx >= LO) & (key.to(tl.int64) >= mid)
+            if BY_SUM:
+                acc_s += tl.where(ge, x, 0.0)
+            acc_c += ge.to(tl.int32)
+        s_mid = tl.sum(acc_s, 0)
+        c_mid = tl.sum(acc_c, 0)
+        if BY_SUM:
+            up = s_mid >= goal_s
+        else:
+            up = c_mid >= goal_c
+        if up:
+            lo_k = mid
+            c_lo = c_mid
+        else:
+            hi_k = mid
+            s_hi = s_mid
+            c_hi = c_mid
+    if hi_k - lo_k > 1:
+        # at most CAND candidates left: copy them (any order) and finish in registers
+        base = c_hi * 0
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            k64 = key.to(tl.int64)
+            cand = (ok & (idx >= LO) & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
+            pos = base + tl.cumsum(cand, 0) - 1
+            put = (cand > 0) & (pos < CAND)            # always (the counts are exact): never outside the row
+            tl.store(Cx + pos, x, mask=put)
+            tl.store(Ck + pos, k64, mask=put)
+            base += tl.sum(cand, 0)
+        tl.debug_barrier()                             # the stores above are read by other threads below
+        o2 = tl.arange(0, CAND)
+        valid = o2 < base
+        xs = tl.load(Cx + o2, mask=valid, other=0.0)
+        ks = tl.load(Ck + o2, mask=valid, other=-1)    # -1: below every key
+        s_out = s_hi                                   # the lines above the candidates
+        c_out = c_hi
+        while hi_k - lo_k > 1:
+            mid = lo_k + (hi_k - lo_k) // 2
+            ge = ks >= mid
+            c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
+            if BY_SUM:
+                s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
+                up = s_mid >= goal_s
+            else:
+                s_mid = s_hi
+                up = c_mid >= goal_c
+            if up:
+                lo_k = mid
+                c_lo = c_mid
+            else:
+                hi_k = mid
+                s_hi = s_mid
+                c_hi = c_mid
+    return lo_k, hi_k, s_hi, c_lo, c_hi
+
+
+@triton.jit
+def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
+                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
+    """Steps 1-4 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
+    row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
+    cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
+    ck = Ck + r.to(tl.int64) * CAND
+    offs = tl.arange(0, CHUNK)
+    one_k = tl.full([], 1, tl.int64)                   # keys are compared as int64 (fp32 bits fit)
+    key_top = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)     # above every key
     f0 = tl.full([], 0.0, tl.float64)
 
     # ---- 1. the floors' and the rest's sums; the rest's largest key
-    f_sum = f0
-    r_sum = f0
-    k_max = one_k * 0
+    acc_f = tl.zeros([CHUNK], tl.float64)
+    acc_r = tl.zeros([CHUNK], tl.float64)
+    if FP64:
+        acc_k = tl.zeros([CHUNK], tl.int64)
+    else:
+        acc_k = tl.zeros([CHUNK], tl.int32)
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
         rest = ok & (idx >= LO)
-        f_sum += tl.sum(tl.where(idx < LO, x, 0.0), 0)
-        r_sum += tl.sum(tl.where(rest, x, 0.0), 0)
-        k_max = tl.maximum(k_max, tl.max(tl.where(rest, key, 0), 0))
+        acc_f += tl.where(idx < LO, x, 0.0)
+        acc_r += tl.where(rest, x, 0.0)
+        acc_k = tl.maximum(acc_k, tl.where(rest, key, 0))
+    f_sum = tl.sum(acc_f, 0)
+    r_sum = tl.sum(acc_r, 0)
+    k_max = tl.max(acc_k, 0).to(tl.int64)
 
     n_rest = N - LO
     t = target - f_sum
@@ -99,38 +177,18 @@ def _select_kernel(
     ties = n_rest * 0
     count = HI + 0 * n_rest
     by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
-    if not TAKE_ALL:
+    if TAKE_ALL == 0:
         if t <= 0.0:
             # the floors reach the target (the count is the floors; one line when there are none)
             count = tl.maximum(LO + 0 * n_rest, 1)
         elif r_sum >= t:
-            # largest key v with sum(rest >= v) >= t: invariant S(lo_k) >= t > S(hi_k)
-            lo_k = one_k * 0
-            hi_k = k_max + 1
-            s_hi = f0                    # sum(rest >= hi_k) = 0
-            c_hi = n_rest * 0
-            c_lo = n_rest                              # #(rest >= 0) = every rest line
-            while hi_k - lo_k > 1:
-                mid = lo_k + (hi_k - lo_k) // 2
-                s_mid = f0
-                c_mid = n_rest * 0
-                for c0 in range(0, N, CHUNK):
-                    idx = c0 + offs
-                    x, key, ok = _keys(row, idx, N, FP64)
-                    ge = ok & (idx >= LO) & (key >= mid)
-                    s_mid += tl.sum(tl.where(ge, x, 0.0), 0)
-                    c_mid += tl.sum(ge.to(tl.int32), 0)
-                if s_mid >= t:
-                    lo_k = mid
-                    c_lo = c_mid
-                else:
-                    hi_k = mid
-                    s_hi = s_mid
-                    c_hi = c_mid
-            if KEY_BITS == 64:
+            # largest key v with sum(rest >= v) >= t
+            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, one_k * 0, k_max + 1, f0, n_rest, n_rest * 0,
+                                                   t, 0, cx, ck, True, FP64, CHUNK, CAND)
+            if FP64:
                 v = lo_k.to(tl.float64, bitcast=True)
             else:
-                v = lo_k.to(tl.float32, bitcast=True).to(tl.float64)
+                v = lo_k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
             n_eq = c_lo - c_hi
             e = tl.minimum(tl.maximum(tl.math.ceil((t - s_hi) / v), 1.0), n_eq.to(tl.float64)).to(tl.int32)
             count = tl.minimum(LO + c_hi + e, HI)
@@ -142,21 +200,8 @@ def _select_kernel(
     need = count - LO
     if by_count > 0:
         if need > 0:
-            lo_k = one_k * 0
-            hi_k = k_max + 1
-            c_hi = n_rest * 0
-            while hi_k - lo_k > 1:
-                mid = lo_k + (hi_k - lo_k) // 2
-                c_mid = n_rest * 0
-                for c0 in range(0, N, CHUNK):
-                    idx = c0 + offs
-                    x, key, ok = _keys(row, idx, N, FP64)
-                    c_mid += tl.sum((ok & (idx >= LO) & (key >= mid)).to(tl.int32), 0)
-                if c_mid >= need:
-                    lo_k = mid
-                else:
-                    hi_k = mid
-                    c_hi = c_mid
+            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, one_k * 0, k_max + 1, f0, n_rest, n_rest * 0,
+                                                   f0, need, cx, ck, False, FP64, CHUNK, CAND)
             thr = lo_k
             ties = need - c_hi
         else:
@@ -169,7 +214,7 @@ def _select_kernel(
     out = Sel + r.to(tl.int64) * W
     base = n_rest * 0
     seen = n_rest * 0
-    covered = f0
+    acc_cov = tl.zeros([CHUNK], tl.float64)
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
@@ -180,14 +225,89 @@ def _select_kernel(
         keep32 = keep.to(tl.int32)
         pos = base + tl.cumsum(keep32, 0) - 1
         tl.store(out + pos, idx.to(tl.int64), mask=keep)
-        covered += tl.sum(tl.where(keep, x, 0.0), 0)
+        acc_cov += tl.where(keep, x, 0.0)
         base += tl.sum(keep32, 0)
         seen += tl.sum(eq, 0)
     for c0 in range(0, W, CHUNK):
         idx = c0 + offs
         tl.store(out + idx, tl.full([CHUNK], -1, tl.int64), mask=(idx >= base) & (idx < W))
     tl.store(Cnt + r, base.to(tl.int64))
-    tl.store(Mass + r, covered / L)
+    tl.store(Mass + r, tl.sum(acc_cov, 0) / L)
+
+
+@triton.jit
+def _select_kernel(
+    ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA: tl.float64, LA: tl.float64,
+    TAKE_ALL_A,
+    ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB: tl.float64, LB: tl.float64,
+    TAKE_ALL_B,
+    RA,
+    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+):
+    """One program per row: rows ``0 .. RA - 1`` of line kind A, then those of kind B (the two kinds run
+    side by side in one launch)."""
+    pid = tl.program_id(0)
+    if pid < RA:
+        _select_row(pid, ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
+                    TAKE_ALL_A, FP64_A, CHUNK, CAND)
+    else:
+        _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
+                    TAKE_ALL_B, FP64_B, CHUNK, CAND)
+
+
+def launch_shape(n: int):
+    """``(lines per loop step, warps)`` for rows of up to ``n`` lines."""
+    return (CHUNK, NUM_WARPS) if n <= LONG_ROW else (LONG_CHUNK, LONG_NUM_WARPS)
+
+
+def _prepare(score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool, width: int,
+             last_q: float):
+    """Checks one line kind; returns its outputs and, when the kernel has rows to select, its launch arguments."""
+    if score.dim() != 3 or score.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"select_lines: score [b, h, n] fp32/fp64 expected, got {tuple(score.shape)} {score.dtype}")
+    b, h, n = score.shape
+    if n and score.stride(2) != 1:
+        raise ValueError("select_lines: score needs a unit stride along the lines")
+    lo, hi = min(max(n_floor, 0), n), min(cap, n)
+    if hi < lo:
+        raise ValueError(f"select_lines: cap {cap} is below the {lo} floors: the floors must fit under the cap")
+    if width < max(1, hi):
+        raise ValueError(f"select_lines: width {width} is below min(cap, n) = {hi}")
+    dev = score.device
+    sel = torch.empty((b, h, width), dtype=torch.long, device=dev)
+    cnt = torch.empty((b, h), dtype=torch.long, device=dev)
+    mass = torch.empty((b, h), dtype=torch.float64, device=dev)
+    out = (sel, cnt, mass)
+    if b * h == 0:
+        return out, None
+    if hi <= 0:                                        # n == 0 or cap == 0: nothing is kept
+        sel.fill_(-1), cnt.zero_(), mass.zero_()
+        return out, None
+    cx = torch.empty((b * h, CAND), dtype=torch.float64, device=dev)
+    ck = torch.empty((b * h, CAND), dtype=torch.int64, device=dev)
+    args = (score, sel, cnt, mass, cx, ck, n, lo, hi, width, h, score.stride(0), score.stride(1), float(target),
+            float(last_q), int(bool(take_all)))
+    return out, (b * h, args, score.dtype == torch.float64)
+
+
+def select_line_kinds(*kinds):
+    """:func:`select_lines` for one or two line kinds (each a tuple of its arguments) in one kernel launch,
+    whose programs select both kinds' rows side by side; returns one ``(selected, count, covered)`` per kind.
+
+    Raises:
+        ValueError: as :func:`select_lines` for any kind; more than two kinds, or two on different devices.
+    """
+    if not 1 <= len(kinds) <= 2:
+        raise ValueError(f"select_line_kinds: one or two line kinds, got {len(kinds)}")
+    if len(kinds) == 2 and kinds[0][0].device != kinds[1][0].device:
+        raise ValueError(f"select_line_kinds: the kinds' scores are on {kinds[0][0].device} and {kinds[1][0].device}")
+    prepared = [_prepare(*k) for k in kinds]
+    jobs = [p[1] for p in prepared if p[1] is not None]
+    if jobs:
+        (ra, a, fa), (rb, b, fb) = jobs[0], (jobs[1] if len(jobs) == 2 else (0, jobs[0][1], jobs[0][2]))
+        chunk, warps = launch_shape(max(k[0].shape[-1] for k in kinds))
+        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, num_warps=warps)
+    return [p[0] for p in prepared]
 
 
 def select_lines(score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool, width: int,
@@ -211,30 +331,4 @@ def select_lines(score: torch.Tensor, n_floor: int, cap: int, target: float, tak
         ValueError: a dtype other than fp32/fp64, a non-unit inner stride, ``cap < min(n_floor, n)`` or
             ``width < min(cap, n)`` (the kernel writes only inside the row's slots).
     """
-    if score.dim() != 3 or score.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"select_lines: score [b, h, n] fp32/fp64 expected, got {tuple(score.shape)} {score.dtype}")
-    b, h, n = score.shape
-    if n and score.stride(2) != 1:
-        raise ValueError("select_lines: score needs a unit stride along the lines")
-    lo, hi = min(max(n_floor, 0), n), min(cap, n)
-    if hi < lo:
-        raise ValueError(f"select_lines: cap {cap} is below the {lo} floors: the floors must fit under the cap")
-    if width < max(1, hi):
-        raise ValueError(f"select_lines: width {width} is below min(cap, n) = {hi}")
-    dev = score.device
-    sel = torch.empty((b, h, width), dtype=torch.long, device=dev)
-    cnt = torch.empty((b, h), dtype=torch.long, device=dev)
-    mass = torch.empty((b, h), dtype=torch.float64, device=dev)
-    if b * h == 0:
-        return sel, cnt, mass
-    if hi <= 0:                                        # n == 0 or cap == 0: nothing is kept
-        return sel.fill_(-1), cnt.zero_(), mass.zero_()
-    fp64 = score.dtype == torch.float64
-    _select_kernel[(b * h,)](
-        score, sel, cnt, mass,
-        n, lo, hi, width, h,
-        score.stride(0), score.stride(1),
-        float(target), float(last_q),
-        TAKE_ALL=bool(take_all), FP64=fp64, KEY_BITS=64 if fp64 else 32, CHUNK=CHUNK, num_warps=8,
-    )
-    return sel, cnt, mass
+    return select_line_kinds((score, n_floor, cap, target, take_all, width, last_q))[0]
