@@ -79,10 +79,13 @@ probes span, 1 when ``last_q == block_size``); its GPU time has not been measure
 ``tools/bench_estimator.py --impl triton`` reports it), one broadcast of ``b * last_q * hq * d``
 values per owner rank, three all_reduces of ``b * hq * last_q`` / ``b * hq * S / block_size`` fp64
 values and one all_gather of ``2 * b * hq * min(max_vertical, S_local)`` fp64 values. The selection
-is the same in both paths: per row, two stable sorts over disjoint segments (the floors, the rest)
+in torch: per row, two stable sorts over disjoint segments (the floors, the rest)
 of the slash scores and of the local column scores (``[b, hq, S_local]``; fp32 keys on the Triton
 path when the probes span one query block, else fp64), at cp > 1 a merge of the gathered candidates
-(:func:`priority_order`), cumsums for the budgets and a sort of each kept set. **No host sync** with
+(:func:`priority_order`), cumsums for the budgets and a sort of each kept set. On the Triton path with
+static widths one kernel launch selects the slash lines and, at cp 1, the columns without sorting
+(:mod:`megatron_mtraining.patterns.triton.select`; the same lines, the covered masses to rounding); at
+cp > 1 the columns keep the torch candidates and merge. **No host sync** with
 static widths (the default on CUDA: the outputs are padded to the caps ``max_slash`` /
 ``max_vertical``, known on the host), one otherwise (the two output widths, read from the counts);
 the probe gather's owner map is host arithmetic on Python ints, the key positions are built on the
@@ -1011,7 +1014,9 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             ``"triton"``: the fused kernels of :mod:`megatron_mtraining.patterns.triton.estimator`
             (fp32 scores from bf16/fp16/fp32 inputs; CUDA, or CPU under ``TRITON_INTERPRET=1``);
             ``"auto"`` (default): ``"triton"`` for CUDA bf16/fp16/fp32 inputs when Triton imports,
-            else ``"torch"``. The selection is always fp64 torch.
+            else ``"torch"``. The selection runs in torch (fp64 budgets), or with ``"triton"`` and static
+            widths in the Triton selection kernel (:mod:`megatron_mtraining.patterns.triton.select`:
+            the slash lines at any cp, the columns at cp 1; the same lines).
         static_widths: pad ``slash`` to ``min(S / block_size, max_slash)`` and ``vertical`` to
             ``min(candidates, max_vertical)`` entries (the caps: known on the host, so the
             estimator reads nothing back from the device) instead of the largest count (one host

@@ -16,21 +16,28 @@ like their bits as integers; ``-0.0`` counts as ``+0.0``):
 
 1. ``F`` = the floors' sum, ``R`` = the rest's sum (fp64); the rest must supply ``t = target - F``.
 2. ``t <= 0``: no rest line (count ``lo``). ``R < t``: the budget cannot be met: count ``hi``.
-   Otherwise the largest score ``v`` with ``sum(rest >= v) >= t`` (one bisection over the bits, each
-   step one pass over the row); ``G = sum(rest > v)``, ``C = #(rest > v)``, ``E = #(rest == v)``; the
-   prefix reaches ``t`` inside the tie run at ``v`` after ``e = clamp(ceil((t - G) / v), 1, E)``
-   ties: count ``lo + C + e``, capped at ``hi``.
+   Otherwise the largest score ``v`` with ``sum(rest >= v) >= t``; ``G = sum(rest > v)``,
+   ``C = #(rest > v)``, ``E = #(rest == v)``; the prefix reaches ``t`` inside the tie run at ``v`` after
+   ``e = clamp(ceil((t - G) / v), 1, E)`` ties: count ``lo + C + e``, capped at ``hi``.
 3. A capped count (and ``take_all``) keeps the top ``count - lo`` rest lines: the largest score ``v``
-   with ``#(rest >= v) >= count - lo`` (a bisection on counts) and its first ties by index.
+   with ``#(rest >= v) >= count - lo`` and its first ties by index.
 4. One pass writes the kept indices ascending (in-register prefix sums), then ``-1`` padding to the
    output width, the count, and the covered fraction ``sum(kept) / L``.
+
+The searches of steps 2-3 halve an interval of keys per step: one pass over the row per step (per-lane
+partial sums, one block reduction per pass) while more than ``CAND`` lines lie inside it, then those
+lines are copied to a scratch row and the remaining steps run on them in registers.
+:func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
+program per row of either kind, side by side.
 
 Agreement with the torch path: the kept lines and counts are the same except where a cumulative sum lands
 within rounding (about 1e-16 relative) of the target, since the sums here run in another order: the same
 caveat the estimator documents between CP sizes. The covered fraction agrees to that rounding.
 
-Cost: about ``2 * 31 + 3`` passes over each row for fp32 scores (``2 * 63 + 3`` for fp64), one program
-per row, reading the row from L1/L2 after the first pass.
+Cost: per row, two passes plus one per search step until ``CAND`` candidates remain (a handful for
+spread-out scores: each step halves the key interval, and a few steps isolate the scores' binade), and
+up to 31 (fp32) or 63 (fp64) register steps; one program per row, so ``b * h`` programs in all. Rows of
+more than ``LONG_ROW`` lines take longer loop steps with more warps.
 
 Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
 """
