@@ -234,7 +234,8 @@ def main(argv=None) -> int:
         pat_conv = E._select(slash, col, kp, layout, 0, S, L, cfg, static_widths=False) if static else pat_new
         fns["convert_old"] = lambda: oracle.old_convert_pattern(pat_old, layout, 0)
         fns["convert_new"] = lambda: convert_pattern(pat_conv, layout, 0)
-        oracle.assert_same_steps(fns["convert_new"](), fns["convert_old"](), S)
+        if not static:      # on a device the conversion's widths differ from the oracle's (checked by the GPU tests)
+            oracle.assert_same_steps(fns["convert_new"](), fns["convert_old"](), S)
         row = {"seq": S, "heads": args.heads, "mean_slash": float(pat_new.slash_count.float().mean()),
                "mean_vertical": float(pat_new.vertical_count.float().mean())}
         for name, fn in fns.items():
