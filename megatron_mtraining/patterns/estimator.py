@@ -84,7 +84,8 @@ of the slash scores and of the local column scores (``[b, hq, S_local]``; fp32 k
 path when the probes span one query block, else fp64), at cp > 1 a merge of the gathered candidates
 (:func:`priority_order`), cumsums for the budgets and a sort of each kept set. On the Triton path with
 static widths one kernel launch selects the slash lines and, at cp 1, the columns without sorting
-(:mod:`megatron_mtraining.patterns.triton.select`; the same lines, the covered masses to rounding); at
+(:mod:`megatron_mtraining.patterns.triton.select`; the same lines except where a cumulative sum lands
+within fp64 rounding of the target, the covered masses to rounding); at
 cp > 1 the columns keep the torch candidates and merge. **No host sync** with
 static widths (the default on CUDA: the outputs are padded to the caps ``max_slash`` /
 ``max_vertical``, known on the host), one otherwise (the two output widths, read from the counts);
@@ -1016,7 +1017,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, *, layout: Layout,
             ``"auto"`` (default): ``"triton"`` for CUDA bf16/fp16/fp32 inputs when Triton imports,
             else ``"torch"``. The selection runs in torch (fp64 budgets), or with ``"triton"`` and static
             widths in the Triton selection kernel (:mod:`megatron_mtraining.patterns.triton.select`:
-            the slash lines at any cp, the columns at cp 1; the same lines).
+            the slash lines at any cp, the columns at cp 1; the same lines except where the target
+            lies within the rounding of an fp64 sum, see that module).
         static_widths: pad ``slash`` to ``min(S / block_size, max_slash)`` and ``vertical`` to
             ``min(candidates, max_vertical)`` entries (the caps: known on the host, so the
             estimator reads nothing back from the device) instead of the largest count (one host

@@ -14,11 +14,12 @@ The kernel finds the same lines without sorting. The floors are always kept (``h
 lines (the *rest*) are ranked, by a bisection on the scores' bit patterns (non-negative IEEE floats order
 like their bits as integers; ``-0.0`` counts as ``+0.0``):
 
-1. ``F`` = the floors' sum, ``R`` = the rest's sum (fp64); the rest must supply ``t = target - F``.
-2. ``t <= 0``: no rest line (count ``lo``). ``R < t``: the budget cannot be met: count ``hi``.
-   Otherwise the largest score ``v`` with ``sum(rest >= v) >= t``; ``G = sum(rest > v)``,
-   ``C = #(rest > v)``, ``E = #(rest == v)``; the prefix reaches ``t`` inside the tie run at ``v`` after
-   ``e = clamp(ceil((t - G) / v), 1, E)`` ties: count ``lo + C + e``, capped at ``hi``.
+1. ``F`` = the floors' sum, ``R`` = the rest's sum (fp64).
+2. ``F >= target``: no rest line (count ``lo``, or one line when there are no floors, as the torch
+   path's ``#(cumsum < target) + 1``). ``F + R < target``: the budget cannot be met: count ``hi``.
+   Otherwise the largest score ``v`` with ``F + sum(rest >= v) >= target``; ``G = sum(rest > v)``,
+   ``C = #(rest > v)``, ``E = #(rest == v)``; the prefix reaches the target inside the tie run at ``v``
+   after ``e = clamp(ceil((target - (F + G)) / v), 1, E)`` ties: count ``lo + C + e``, capped at ``hi``.
 3. A capped count (and ``take_all``) keeps the top ``count - lo`` rest lines: the largest score ``v``
    with ``#(rest >= v) >= count - lo`` and its first ties by index.
 4. One pass writes the kept indices ascending (in-register prefix sums), then ``-1`` padding to the
@@ -30,14 +31,19 @@ lines are copied to a scratch row and the remaining steps run on them in registe
 :func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
 program per row of either kind, side by side.
 
-Agreement with the torch path: the kept lines and counts are the same except where a cumulative sum lands
-within rounding (about 1e-16 relative) of the target, since the sums here run in another order: the same
-caveat the estimator documents between CP sizes. The covered fraction agrees to that rounding.
+Agreement with the torch path: the kept lines and counts are the same except where the target lies within
+the rounding of an fp64 sum of the kept lines (about ``n * 2**-53`` relative for ``n`` lines summed; a tie
+run counts its ties by one division, not by repeated additions), since the sums here run in another order:
+the caveat the estimator documents between CP sizes. fp32 scores (the column scores of one probe block)
+usually sum exactly in fp64. The covered fraction agrees to that rounding. Scores must be non-negative; a
+NaN ranks above every number (as in torch's descending sort), but a row holding one keeps ``hi`` lines
+where torch stops counting at the NaN; such a row never writes outside its slots.
 
-Cost: per row, two passes plus one per search step until ``CAND`` candidates remain (a handful for
-spread-out scores: each step halves the key interval, and a few steps isolate the scores' binade), and
-up to 31 (fp32) or 63 (fp64) register steps; one program per row, so ``b * h`` programs in all. Rows of
-more than ``LONG_ROW`` lines take longer loop steps with more warps.
+Cost: per row, two passes plus one per search step until at most ``CAND`` candidates remain (a handful
+for spread-out scores: each step halves the key interval, and a few steps isolate the scores' binade; up
+to 31 (fp32) or 63 (fp64) when more than ``CAND`` lines tie at the threshold), then up to 31 or 63 register
+steps; one program per row, so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer
+loop steps with more warps.
 
 Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
 """
@@ -61,20 +67,21 @@ CAND = 2048         # candidates left when the bisection moves to registers
 @triton.jit
 def _keys(Row, idx, N, FP64: tl.constexpr):
     """``(x fp64, key, in range)`` of lines ``idx``: the score and its bits as a non-negative integer
-    (``-0.0`` -> 0); out-of-range lines read as 0."""
+    (``-0.0`` -> 0; every NaN -> one key above ``+inf``'s, so NaNs rank first, as in torch's descending
+    sort, and no key is near the integer range's end); out-of-range lines read as 0."""
     ok = idx < N
     if FP64:
         x = tl.load(Row + idx, mask=ok, other=0.0)
-        key = tl.maximum(x.to(tl.int64, bitcast=True), 0)
+        key = tl.where(x != x, 0x7FF0000000000001, tl.maximum(x.to(tl.int64, bitcast=True), 0))
     else:
         x32 = tl.load(Row + idx, mask=ok, other=0.0)
-        key = tl.maximum(x32.to(tl.int32, bitcast=True), 0)
+        key = tl.where(x32 != x32, 0x7F800001, tl.maximum(x32.to(tl.int32, bitcast=True), 0))
         x = x32.to(tl.float64)
     return x, key, ok
 
 
 @triton.jit
-def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, goal_s, goal_c, Cx, Ck,
+def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
             BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
     """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
     ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
@@ -97,7 +104,7 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, goal_s, goal_c, Cx, Ck,
         s_mid = tl.sum(acc_s, 0)
         c_mid = tl.sum(acc_c, 0)
         if BY_SUM:
-            up = s_mid >= goal_s
+            up = s_base + s_mid >= goal_s
         else:
             up = c_mid >= goal_c
         if up:
@@ -133,7 +140,7 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, goal_s, goal_c, Cx, Ck,
             c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
             if BY_SUM:
                 s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
-                up = s_mid >= goal_s
+                up = s_base + s_mid >= goal_s
             else:
                 s_mid = s_hi
                 up = c_mid >= goal_c
@@ -178,26 +185,27 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     k_max = tl.max(acc_k, 0).to(tl.int64)
 
     n_rest = N - LO
-    t = target - f_sum
     # ---- 2. the count, and (unless capped) the threshold key and the number of its ties to keep
     thr = one_k * 0
     ties = n_rest * 0
     count = HI + 0 * n_rest
     by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
     if TAKE_ALL == 0:
-        if t <= 0.0:
+        # the cumulative score is compared as the torch path does: floors' sum + rest's partial sum vs target
+        if f_sum >= target:
             # the floors reach the target (the count is the floors; one line when there are none)
             count = tl.maximum(LO + 0 * n_rest, 1)
-        elif r_sum >= t:
-            # largest key v with sum(rest >= v) >= t
+        elif f_sum + r_sum >= target:
+            # largest key v with F + sum(rest >= v) >= target
             lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, one_k * 0, k_max + 1, f0, n_rest, n_rest * 0,
-                                                   t, 0, cx, ck, True, FP64, CHUNK, CAND)
+                                                   f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
             if FP64:
                 v = lo_k.to(tl.float64, bitcast=True)
             else:
                 v = lo_k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
             n_eq = c_lo - c_hi
-            e = tl.minimum(tl.maximum(tl.math.ceil((t - s_hi) / v), 1.0), n_eq.to(tl.float64)).to(tl.int32)
+            e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / v), 1.0),
+                           n_eq.to(tl.float64)).to(tl.int32)
             count = tl.minimum(LO + c_hi + e, HI)
             if count == LO + c_hi + e:
                 thr = lo_k
@@ -208,7 +216,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     if by_count > 0:
         if need > 0:
             lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, one_k * 0, k_max + 1, f0, n_rest, n_rest * 0,
-                                                   f0, need, cx, ck, False, FP64, CHUNK, CAND)
+                                                   f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
             thr = lo_k
             ties = need - c_hi
         else:
@@ -231,7 +239,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
         keep = (ok & (idx < LO)) | (rest & (key > thr)) | ((eq > 0) & (eq_rank < ties))
         keep32 = keep.to(tl.int32)
         pos = base + tl.cumsum(keep32, 0) - 1
-        tl.store(out + pos, idx.to(tl.int64), mask=keep)
+        tl.store(out + pos, idx.to(tl.int64), mask=keep & (pos < W))   # pos < W always: never outside the row
         acc_cov += tl.where(keep, x, 0.0)
         base += tl.sum(keep32, 0)
         seen += tl.sum(eq, 0)
@@ -277,7 +285,8 @@ def _prepare(score: torch.Tensor, n_floor: int, cap: int, target: float, take_al
         raise ValueError("select_lines: score needs a unit stride along the lines")
     lo, hi = min(max(n_floor, 0), n), min(cap, n)
     if hi < lo:
-        raise ValueError(f"select_lines: cap {cap} is below the {lo} floors: the floors must fit under the cap")
+        raise ValueError(f"select_lines: cap {cap} keeps {hi} of {n} lines, below the {lo} floors: the floors must "
+                         "fit under the cap")
     if width < max(1, hi):
         raise ValueError(f"select_lines: width {width} is below min(cap, n) = {hi}")
     dev = score.device
@@ -335,7 +344,8 @@ def select_lines(score: torch.Tensor, n_floor: int, cap: int, target: float, tak
         kept score / last_q)``.
 
     Raises:
-        ValueError: a dtype other than fp32/fp64, a non-unit inner stride, ``cap < min(n_floor, n)`` or
-            ``width < min(cap, n)`` (the kernel writes only inside the row's slots).
+        ValueError: a score that is not 3-D fp32/fp64, a non-unit inner stride, ``min(cap, n) <
+            min(n_floor, n)`` (the floors must fit under the cap) or ``width < min(cap, n)`` (the kernel
+            writes only inside the row's slots).
     """
     return select_line_kinds((score, n_floor, cap, target, take_all, width, last_q))[0]
