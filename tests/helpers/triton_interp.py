@@ -39,3 +39,20 @@ def rerun_in_fresh_interpreter(test_file: str, timeout: float = 900) -> None:
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (the default without CUDA)")
+
+
+def run_aot_worker(worker: str, timeout: float = 600) -> str:
+    """Run ``tests/workers/<worker>`` (an ahead-of-time sm_90 compile of Triton kernels) in a subprocess without
+    ``TRITON_INTERPRET``; skip when Triton has no NVIDIA backend; assert it prints ``RESULT PASS``; return its
+    stdout (one line per compiled variant, with the cubin's register / stack use)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "workers", worker)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and "RESULT PASS" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    return r.stdout

@@ -22,7 +22,6 @@ the tests re-run this file in a fresh subprocess instead.
 """
 
 import os
-import subprocess
 import sys
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
@@ -32,7 +31,7 @@ if not _TRITON_PREIMPORTED:  # else compiled Triton is in use (GPU session): the
 import pytest
 import torch
 
-from tests.helpers.triton_interp import rerun_in_fresh_interpreter, use_interpreted_kernels
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter, run_aot_worker, use_interpreted_kernels
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -453,15 +452,6 @@ def test_kernels_compile_for_sm90():
     """The interpreter does not compile: the real Triton compiler builds both kernels for sm_90
     (bf16 and fp32 at head_dim 64/128/80, fp16 at 128) in a subprocess without TRITON_INTERPRET, no GPU needed;
     the 16-bit variants do not spill registers."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("triton has no NVIDIA backend here")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, os.path.join(root, "tests", "workers", "estimator_aot.py")], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "RESULT PASS" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
-    lines = [x for x in r.stdout.splitlines() if x.startswith(("bf16", "fp16"))]
-    assert lines and all("STACK:0 " in x for x in lines if "STACK:" in x), r.stdout
+    out = run_aot_worker("estimator_aot.py")
+    lines = [x for x in out.splitlines() if x.startswith(("bf16", "fp16"))]
+    assert lines and all("STACK:0 " in x for x in lines if "STACK:" in x), out

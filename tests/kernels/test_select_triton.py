@@ -13,7 +13,6 @@ The interpreter must be chosen before triton is imported (as test_convert_triton
 
 import os
 import random
-import subprocess
 import sys
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
@@ -23,7 +22,7 @@ if not _TRITON_PREIMPORTED:  # else compiled Triton is in use (GPU session): the
 import pytest
 import torch
 
-from tests.helpers.triton_interp import rerun_in_fresh_interpreter, use_interpreted_kernels
+from tests.helpers.triton_interp import rerun_in_fresh_interpreter, run_aot_worker, use_interpreted_kernels
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -212,15 +211,6 @@ def test_kernel_compiles_for_sm90():
     """The interpreter does not compile: the real Triton compiler builds the estimator's launches of the kernel
     for sm_90 in a subprocess without TRITON_INTERPRET (tests/workers/select_aot.py), no GPU needed; the
     2048-line step does not spill registers."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("triton has no NVIDIA backend here")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, os.path.join(root, "tests", "workers", "select_aot.py")], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "RESULT PASS" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
-    short = [x for x in r.stdout.splitlines() if "CHUNK=2048" in x and "STACK:" in x]
-    assert all("STACK:0 " in x for x in short), r.stdout
+    out = run_aot_worker("select_aot.py")
+    short = [x for x in out.splitlines() if "CHUNK=2048" in x and "STACK:" in x]
+    assert all("STACK:0 " in x for x in short), out
