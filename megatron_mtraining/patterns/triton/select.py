@@ -81,6 +81,20 @@ def _keys(Row, idx, N, FP64: tl.constexpr):
 
 
 @triton.jit
+def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
+    """One bisection step: the condition held at ``mid`` (``up``: ``mid`` becomes ``lo_k``) or failed (``hi_k``,
+    with its sum and count). Returns ``(lo_k, hi_k, s_hi, c_lo, c_hi)``."""
+    if up:
+        lo_k = mid
+        c_lo = c_mid
+    else:
+        hi_k = mid
+        s_hi = s_mid
+        c_hi = c_mid
+    return lo_k, hi_k, s_hi, c_lo, c_hi
+
+
+@triton.jit
 def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
             BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
     """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
@@ -107,13 +121,7 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
             up = s_base + s_mid >= goal_s
         else:
             up = c_mid >= goal_c
-        if up:
-            lo_k = mid
-            c_lo = c_mid
-        else:
-            hi_k = mid
-            s_hi = s_mid
-            c_hi = c_mid
+        lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
     if hi_k - lo_k > 1:
         # at most CAND candidates left: copy them (any order) and finish in registers
         base = c_hi * 0
@@ -144,13 +152,7 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
             else:
                 s_mid = s_hi
                 up = c_mid >= goal_c
-            if up:
-                lo_k = mid
-                c_lo = c_mid
-            else:
-                hi_k = mid
-                s_hi = s_mid
-                c_hi = c_mid
+            lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
     return lo_k, hi_k, s_hi, c_lo, c_hi
 
 
@@ -162,31 +164,27 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
     ck = Ck + r.to(tl.int64) * CAND
     offs = tl.arange(0, CHUNK)
-    one_k = tl.full([], 1, tl.int64)                   # keys are compared as int64 (fp32 bits fit)
-    key_top = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)     # above every key
+    k0 = tl.full([], 0, tl.int64)                      # keys are compared as int64 (fp32 bits fit)
     f0 = tl.full([], 0.0, tl.float64)
 
     # ---- 1. the floors' and the rest's sums; the rest's largest key
     acc_f = tl.zeros([CHUNK], tl.float64)
     acc_r = tl.zeros([CHUNK], tl.float64)
-    if FP64:
-        acc_k = tl.zeros([CHUNK], tl.int64)
-    else:
-        acc_k = tl.zeros([CHUNK], tl.int32)
+    acc_k = tl.zeros([CHUNK], tl.int64)
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
         rest = ok & (idx >= LO)
         acc_f += tl.where(idx < LO, x, 0.0)
         acc_r += tl.where(rest, x, 0.0)
-        acc_k = tl.maximum(acc_k, tl.where(rest, key, 0))
+        acc_k = tl.maximum(acc_k, tl.where(rest, key.to(tl.int64), 0))
     f_sum = tl.sum(acc_f, 0)
     r_sum = tl.sum(acc_r, 0)
-    k_max = tl.max(acc_k, 0).to(tl.int64)
+    k_max = tl.max(acc_k, 0)
 
     n_rest = N - LO
     # ---- 2. the count, and (unless capped) the threshold key and the number of its ties to keep
-    thr = one_k * 0
+    thr = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)   # no rest line kept unless a search sets it
     ties = n_rest * 0
     count = HI + 0 * n_rest
     by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
@@ -197,7 +195,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
             count = tl.maximum(LO + 0 * n_rest, 1)
         elif f_sum + r_sum >= target:
             # largest key v with F + sum(rest >= v) >= target
-            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, one_k * 0, k_max + 1, f0, n_rest, n_rest * 0,
+            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
                                                    f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
             if FP64:
                 v = lo_k.to(tl.float64, bitcast=True)
@@ -213,18 +211,11 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
                 by_count = 0 * n_rest
     # ---- 3. the top (count - lo) rest lines by a bisection on counts
     need = count - LO
-    if by_count > 0:
-        if need > 0:
-            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, one_k * 0, k_max + 1, f0, n_rest, n_rest * 0,
-                                                   f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
-            thr = lo_k
-            ties = need - c_hi
-        else:
-            thr = key_top
-            ties = n_rest * 0
-    elif need <= 0:
-        thr = key_top
-        ties = n_rest * 0
+    if (by_count > 0) & (need > 0):
+        lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
+                                               f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
+        thr = lo_k
+        ties = need - c_hi
     # ---- 4. kept indices ascending, padding, count and covered fraction
     out = Sel + r.to(tl.int64) * W
     base = n_rest * 0
