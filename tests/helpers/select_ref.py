@@ -21,6 +21,7 @@ def torch_select(score, n_floor, cap, target, take_all, width, L):
 
 
 def same(a, b):
+    """Bitwise equal tensors of the same dtype and shape."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 

@@ -23,6 +23,7 @@ from megatron_mtraining.patterns.convert import check_block_layout, convert_patt
 from megatron_mtraining.patterns.estimator import (VerticalSlashConfig, VerticalSlashPattern,
                                                    estimate_vertical_slash, floor_first_sort, priority_order)
 from megatron_mtraining.patterns.indices import StepIndices
+from tests.helpers.select_ref import same
 
 F64 = torch.float64
 # the selection / conversion tests also run on a GPU when there is one (same scores for both sides:
@@ -259,10 +260,6 @@ def old_convert_pattern(pattern, layout, rank):
     check_block_layout(layout, pattern.seq_len, pattern.block_size)
     return [old_step_indices(pattern, layout, rank, o) for o in range(layout.cp_size)]
 # ================================================================================ end of oracle
-
-
-def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def assert_same_pattern(new, old, ctx):

@@ -53,6 +53,18 @@ def resources(cubin: bytes) -> str:
     return " ".join(line[-1].split()[:3]) if line else "(no resource line)"
 
 
+def compile_report(name: str, fn, sig: dict, consts: dict, num_warps: int) -> bool:
+    """Compile ``fn`` for sm_90 with this signature and constants; print ``name: ok <registers / stack>`` or
+    ``name: FAILED <error>``; True when it compiled."""
+    try:
+        k = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": num_warps})
+    except Exception as e:  # noqa: BLE001 - report every failing variant
+        print(f"{name}: FAILED {type(e).__name__}: {e}")
+        return False
+    print(f"{name}: ok {resources(k.asm['cubin'])}")
+    return True
+
+
 def main() -> int:
     ok = True
     for dt in ("bf16", "fp16", "fp32"):
@@ -69,13 +81,7 @@ def main() -> int:
                         if "HAS_BOUNDS" not in fn.arg_names and (not bounds or bm != max_m):
                             continue         # the per-document kernels: bounded, the launcher's row block only
                         cst = {n: v for n, v in consts.items() if n in fn.arg_names}
-                        try:
-                            k = triton.compile(ASTSource(fn, signature(fn, dt, cst), cst), target=TARGET,
-                                               options={"num_warps": E.NUM_WARPS})
-                            print(f"{name} {fn.__name__}: ok {resources(k.asm['cubin'])}")
-                        except Exception as e:  # noqa: BLE001 - report every failing variant
-                            ok = False
-                            print(f"{name} {fn.__name__}: FAILED {type(e).__name__}: {e}")
+                        ok &= compile_report(f"{name} {fn.__name__}", fn, signature(fn, dt, cst), cst, E.NUM_WARPS)
     print("RESULT", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -18,11 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("select_aot.py: unset TRITON_INTERPRET (the interpreter does not compile)")
 
-import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 from megatron_mtraining.patterns.triton import select as S  # noqa: E402
-from tests.workers.estimator_aot import TARGET, resources  # noqa: E402
+from tests.workers.estimator_aot import compile_report  # noqa: E402
 
 FLOATS = ("targetA", "LA", "targetB", "LB")
 
@@ -51,16 +48,9 @@ def main() -> int:
     # the estimator's launches: fp64 block diagonals with fp32 columns (one probe block) at either step, and
     # with fp64 columns (several probe blocks, kv_group) or alone (cp > 1: the second kind repeats the first)
     for fa, fb, (chunk, warps) in ((True, False, short), (True, False, long), (True, True, short)):
-        if True:
-            consts = dict(FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=S.CAND)
-            name = f"A={'fp64' if fa else 'fp32'} B={'fp64' if fb else 'fp32'} CHUNK={chunk} warps={warps}"
-            try:
-                k = triton.compile(ASTSource(S._select_kernel, signature(fa, fb, consts), consts), target=TARGET,
-                                   options={"num_warps": warps})
-                print(f"{name}: ok {resources(k.asm['cubin'])}")
-            except Exception as e:  # noqa: BLE001 - report every failing variant
-                ok = False
-                print(f"{name}: FAILED {type(e).__name__}: {e}")
+        consts = dict(FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=S.CAND)
+        name = f"A={'fp64' if fa else 'fp32'} B={'fp64' if fb else 'fp32'} CHUNK={chunk} warps={warps}"
+        ok &= compile_report(name, S._select_kernel, signature(fa, fb, consts), consts, warps)
     print("RESULT", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
