@@ -23,7 +23,11 @@ CUDA each mode also records ``kernels``: the ``--kernels`` device kernels with t
 iteration, summed by name over the exported trace
 (:func:`~megatron_mtraining.bench.profile.trace_kernel_rows`), whoever launched them: the region sums
 charge a kernel to the CPU event that launched it, and some launches (among them the sparse
-attention's Triton kernels) are charged to ``other``.
+attention's Triton kernels) are charged to ``other``. ``region_kernels`` charges every kernel of the
+trace to the region open around its launch call, Triton's included
+(:func:`~megatron_mtraining.bench.profile.trace_region_kernels`), and ``overhead`` sums them into the
+pattern's overhead: estimation + conversion + plans, in ms per iteration and as a share of the
+attention kernels' device time (:func:`~megatron_mtraining.bench.profile.overhead_share`).
 
     # SmolLM2-135M shape, 32K, 8 micro-batches per iteration, one H200
     python tools/profile_step.py --shape smollm2-135m --seq-length 32768 --global-batch-size 8 \\
@@ -151,7 +155,8 @@ def run_one(a, mode: str) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from megatron_mtraining.bench.profile import FLUSH, region_rows, summarize, trace_kernel_rows
+    from megatron_mtraining.bench.profile import (FLUSH, overhead_share, region_rows, summarize, trace_kernel_rows,
+                                                  trace_region_kernels)
     from megatron_mtraining.common import REGION_LM_HEAD_LOSS, REGION_OPTIMIZER
     from megatron_mtraining.megatron.args import build_parser as trainer_parser, validate_args
     from megatron_mtraining.training.build import (build_model, build_optimizer, build_plan, padded_vocab_size,
@@ -238,7 +243,7 @@ def run_one(a, mode: str) -> dict:
             sync()
     prof_wall = (time.perf_counter() - t0) / max(1, a.active)
     rank = dist.get_rank()
-    kernels = None
+    kernels = region_kernels = None
     if rank == 0 and (a.trace_dir or cuda):
         trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="profile_trace_")
         os.makedirs(trace_dir, exist_ok=True)
@@ -246,6 +251,7 @@ def run_one(a, mode: str) -> dict:
         prof.export_chrome_trace(trace)
         if cuda:            # device time per kernel name, whoever launched it (regions miss some launches)
             kernels = trace_kernel_rows(trace, iterations=a.active, top=a.kernels)
+            region_kernels = trace_region_kernels(trace, iterations=a.active)
         if not a.trace_dir:
             shutil.rmtree(trace_dir, ignore_errors=True)
     rows = region_rows(prof.events(), iterations=a.active)
@@ -258,6 +264,8 @@ def run_one(a, mode: str) -> dict:
                max_memory_reserved=torch.cuda.max_memory_reserved() if cuda else None,
                memory_outside_torch=_memory_outside_torch() if cuda else None,
                mtraining_config=a.mtraining_config if mode == "mtraining" else None, kernels=kernels,
+               region_kernels=region_kernels,
+               overhead=overhead_share(region_kernels) if region_kernels is not None else None,
                attention_kept=kept)
     dist.barrier()
     ps.destroy_model_parallel()

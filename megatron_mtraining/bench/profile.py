@@ -24,17 +24,22 @@ Public API::
 
 Region sums charge a kernel to the CPU event that launched it; a kernel launched through the driver
 API (Triton's launcher) or from the autograd thread may land in ``other``. :func:`trace_kernel_rows`
-sums the device kernels of an exported Chrome trace by name instead, whoever launched them.
+sums the device kernels of an exported Chrome trace by name instead, whoever launched them, and
+:func:`trace_region_kernels` charges each of them to the region open around its launch call (runtime
+or driver API), so Triton kernels count in their region too; :func:`overhead_share` sums those rows
+into the pattern's overhead (estimation, conversion, plans) over the attention kernels' time.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ..common import REGION_ATTENTION_BWD, REGION_OPTIMIZER, REGIONS
+from ..common import (REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, REGION_CONVERT, REGION_ESTIMATOR_SCORES,
+                      REGION_ESTIMATOR_SELECTION, REGION_OPTIMIZER, REGION_PLAN, REGIONS)
 
-__all__ = ["SYNC_EVENTS", "OTHER", "FLUSH", "ATTENTION_PATH", "region_of_events", "region_rows", "summarize",
-           "markdown_table", "trace_kernel_rows"]
+__all__ = ["SYNC_EVENTS", "OTHER", "FLUSH", "ATTENTION_PATH", "OVERHEAD_REGIONS", "SPARSE_REGIONS",
+           "region_of_events", "region_rows", "summarize", "markdown_table", "trace_kernel_rows", "trace_region_kernels",
+           "overhead_share"]
 
 #: CUDA runtime calls that block the host until the device (stream, event, whole device) is done.
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -46,6 +51,10 @@ _BWD_MARK = "autograd::engine::evaluate_function"
 #: regions of the attention path (run once per layer and micro-batch)
 ATTENTION_PATH = tuple(r for r in REGIONS if r.startswith("mtraining.") and r not in
                        ("mtraining.lm_head_loss", "mtraining.optimizer"))
+#: the pattern's per-layer overhead: estimation (scores, selection), index conversion, kernel plans
+OVERHEAD_REGIONS = (REGION_ESTIMATOR_SCORES, REGION_ESTIMATOR_SELECTION, REGION_CONVERT, REGION_PLAN)
+#: the attention kernels themselves (ring steps, merges; forward and backward)
+SPARSE_REGIONS = (REGION_ATTENTION_FWD, REGION_ATTENTION_BWD)
 
 
 def _is_sync(name: str) -> bool:
@@ -196,7 +205,11 @@ def markdown_table(runs: dict) -> str:
                      f"per layer call ({s['layer_calls']} calls)"
                      + (f"; sparse layers kept {s['attention_kept']['mean']:.3f} of the causal attention work "
                         f"({s['attention_kept']['min']:.3f} to {s['attention_kept']['max']:.3f} by layer)"
-                        if s.get("attention_kept") else ""))
+                        if s.get("attention_kept") else "")
+                     + (f"; estimation + conversion + plans {s['overhead']['overhead_ms']:.2f} ms on the device, "
+                        f"{100 * s['overhead']['share']:.1f} % of the attention kernels' "
+                        f"{s['overhead']['attention_ms']:.2f} ms (every kernel charged to the range around its launch)"
+                        if (s.get("overhead") or {}).get("share") is not None else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -213,12 +226,7 @@ def trace_kernel_rows(trace, iterations: int = 1, top: Optional[int] = None) -> 
         complete events (``"ph": "X"``) of categories ``kernel``, ``gpu_memcpy`` and ``gpu_memset``
         (``dur`` in microseconds).
     """
-    import json
-
-    if not isinstance(trace, (dict, list)):
-        with open(trace, encoding="utf-8") as f:
-            trace = json.load(f)
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    events = _trace_events(trace)
     total, calls = {}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -229,3 +237,105 @@ def trace_kernel_rows(trace, iterations: int = 1, top: Optional[int] = None) -> 
     rows = [{"kernel": k, "device_ms": total[k] / 1e3 / n, "calls": calls[k] / n}
             for k in sorted(total, key=lambda k: -total[k])]
     return rows if top is None else rows[:top]
+
+
+def _trace_events(trace) -> list:
+    import json
+
+    if not isinstance(trace, (dict, list)):
+        with open(trace, encoding="utf-8") as f:
+            trace = json.load(f)
+    return trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def trace_region_kernels(trace, iterations: int = 1) -> list:
+    """Device time of a Chrome trace (``prof.export_chrome_trace``) by region and kernel name.
+
+    Each device event (``"ph": "X"`` of category ``kernel``, ``gpu_memcpy`` or ``gpu_memset``) is matched
+    by its ``args.correlation`` to the host call that launched it (category ``cuda_runtime``, or
+    ``cuda_driver``: Triton launches through the driver API), and charged to the innermost range
+    named in ``REGIONS`` (category ``user_annotation``) open on that call's thread at its start. That
+    covers kernels launched by any API on any thread, side streams included; a kernel whose launch
+    call is missing from the trace, or lies outside every region, is charged to :data:`OTHER`.
+    Unlike :func:`region_rows` there is no forward / backward phase and no autograd-node link: the
+    backward of an op outside a region (the LM head's, say) lands in ``other`` here.
+
+    Args:
+        trace: the trace file's path or its parsed JSON (a dict with ``traceEvents``, or the list).
+        iterations: profiled iterations in the trace (times and calls are per iteration).
+
+    Returns:
+        ``[{"region", "kernel", "device_ms", "calls"}]`` per iteration, by region order, then most
+        time first (``dur`` is in microseconds in the trace).
+    """
+    events = _trace_events(trace)
+    names = set(REGIONS)
+    ranges: dict = {}         # (pid, tid) -> [(start, end, region)]
+    launches: dict = {}       # correlation -> ((pid, tid), ts)
+    device = []
+    flushes: dict = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat in _DEVICE_CATS:
+            device.append(e)
+        elif cat in _LAUNCH_CATS:
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = ((e.get("pid"), e.get("tid")), float(e.get("ts", 0.0)))
+        elif cat == "user_annotation" and (e.get("name") in names or e.get("name") == FLUSH):
+            t0 = float(e.get("ts", 0.0))
+            item = (t0, t0 + float(e.get("dur", 0.0)), e["name"])
+            (flushes if e["name"] == FLUSH else ranges).setdefault((e.get("pid"), e.get("tid")), []).append(item)
+    # per thread: launches in time order, swept against the ranges (they nest on one thread)
+    by_thread: dict = {}
+    for corr, (thread, ts) in launches.items():
+        by_thread.setdefault(thread, []).append((ts, corr))
+    region_of: dict = {}
+    for thread, calls in by_thread.items():
+        calls.sort()
+        rs = sorted(ranges.get(thread, []), key=lambda r: (r[0], -r[1]))
+        stack, i = [], 0
+        for ts, corr in calls:
+            while i < len(rs) and rs[i][0] <= ts:
+                stack.append(rs[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            # an enclosing range may end before an inner one that was pushed later: look down the stack
+            region = next((r[2] for r in reversed(stack) if r[0] <= ts <= r[1]), None)
+            if region is None and any(f[0] <= ts <= f[1] for f in flushes.get(thread, [])):
+                region = FLUSH
+            region_of[corr] = region or OTHER
+    total: dict = {}
+    for e in device:
+        region = region_of.get((e.get("args") or {}).get("correlation"), OTHER)
+        if region == FLUSH:
+            continue
+        key = (region, e.get("name", "?"))
+        t, c = total.get(key, (0.0, 0))
+        total[key] = (t + float(e.get("dur", 0.0)), c + 1)
+    order = {r: i for i, r in enumerate(REGIONS + (OTHER,))}
+    n = max(1, int(iterations))
+    keys = sorted(total, key=lambda k: (order.get(k[0], 99), -total[k][0]))
+    return [{"region": r, "kernel": k, "device_ms": total[(r, k)][0] / 1e3 / n, "calls": total[(r, k)][1] / n}
+            for r, k in keys]
+
+
+def overhead_share(rows: list) -> dict:
+    """The pattern's per-layer overhead from :func:`trace_region_kernels` rows: ``{"regions": {region:
+    device_ms}, "overhead_ms": ..., "attention_ms": ..., "share": overhead_ms / attention_ms}`` with
+    the overhead the device time of :data:`OVERHEAD_REGIONS` (estimation, conversion, plans) and the
+    attention the device time of :data:`SPARSE_REGIONS` (the attention kernels, forward and
+    backward); ``share`` is ``None`` without attention time."""
+    regions: dict = {}
+    for r in rows:
+        regions[r["region"]] = regions.get(r["region"], 0.0) + r["device_ms"]
+    over = sum(regions.get(r, 0.0) for r in OVERHEAD_REGIONS)
+    att = sum(regions.get(r, 0.0) for r in SPARSE_REGIONS)
+    return dict(regions=regions, overhead_ms=over, attention_ms=att, share=over / att if att > 0 else None)

@@ -137,6 +137,45 @@ def test_trace_kernel_rows_sum_device_events_by_name(tmp_path):
     assert trace_kernel_rows(trace["traceEvents"], iterations=1)[-1]["device_ms"] == 0.01
 
 
+def test_trace_region_kernels_charge_kernels_to_the_range_around_their_launch():
+    from megatron_mtraining.bench.profile import OTHER, overhead_share, trace_region_kernels
+    from megatron_mtraining.common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, REGION_ESTIMATOR_SCORES, REGION_PLAN
+
+    X = lambda cat, name, ts, dur, tid=1, corr=None: dict(  # noqa: E731
+        ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=7, tid=tid, **({"args": {"correlation": corr}} if corr else {}))
+    ev = [
+        X("user_annotation", REGION_ATTENTION_FWD, 0, 100),
+        X("user_annotation", REGION_PLAN, 10, 20),                   # nested: the innermost range wins
+        X("cuda_driver", "cuLaunchKernelEx", 12, 1, corr=1),         # Triton launch inside the plan range
+        X("cuda_runtime", "cudaLaunchKernel", 40, 1, corr=2),        # after it, still in the forward range
+        X("cuda_runtime", "cudaLaunchKernel", 150, 1, corr=3),       # outside every range
+        X("user_annotation", REGION_ATTENTION_BWD, 200, 50, tid=2),  # another thread (autograd)
+        X("cuda_driver", "cuLaunchKernelEx", 210, 1, tid=2, corr=4),
+        X("cuda_runtime", "cudaLaunchKernel", 20, 1, tid=2, corr=5),  # the plan range is on thread 1, not 2
+        X("user_annotation", "profile.flush", 300, 10),
+        X("cuda_runtime", "cudaMemcpyAsync", 301, 1, corr=6),        # the tool's own flush: left out
+        X("user_annotation", REGION_ESTIMATOR_SCORES, 400, 10),
+        X("kernel", "_col_bits_kernel", 500, 3000.0, corr=1),
+        X("kernel", "_sparse_fwd_kernel", 510, 5000.0, corr=2),
+        X("kernel", "elementwise", 520, 700.0, corr=3),
+        X("kernel", "_sparse_bwd_dq_kernel", 530, 4000.0, corr=4),
+        X("kernel", "elementwise", 540, 100.0, corr=5),
+        X("gpu_memcpy", "Memcpy DtoH", 550, 50.0, corr=6),
+        X("kernel", "orphan", 560, 20.0, corr=99),                   # its launch call is not in the trace
+        X("kernel", "_col_bits_kernel", 600, 1000.0, corr=1)]        # same launch id: same region
+    rows = trace_region_kernels({"traceEvents": ev}, iterations=2)
+    assert rows == [
+        {"region": REGION_PLAN, "kernel": "_col_bits_kernel", "device_ms": 2.0, "calls": 1.0},
+        {"region": REGION_ATTENTION_FWD, "kernel": "_sparse_fwd_kernel", "device_ms": 2.5, "calls": 0.5},
+        {"region": REGION_ATTENTION_BWD, "kernel": "_sparse_bwd_dq_kernel", "device_ms": 2.0, "calls": 0.5},
+        {"region": OTHER, "kernel": "elementwise", "device_ms": 0.4, "calls": 1.0},
+        {"region": OTHER, "kernel": "orphan", "device_ms": 0.01, "calls": 0.5}]
+    share = overhead_share(rows)
+    assert share["overhead_ms"] == 2.0 and share["attention_ms"] == 4.5
+    assert abs(share["share"] - 2.0 / 4.5) < 1e-12
+    assert overhead_share([])["share"] is None
+
+
 def test_trainer_argv_and_shapes():
     a = ps.build_parser().parse_args(["--shape", "smollm2-135m", "--seq-length", "32768", "--", "--foo"])
     argv = ps.trainer_argv(a, "mtraining")
@@ -200,6 +239,46 @@ def test_cuda_syncs_are_found_in_a_real_trace():
     assert by[(REGION_CONVERT, "forward")]["syncs"] >= 1
     assert by[(REGION_CONVERT, "forward")]["device_ms"] > 0
     assert by[(REGION_ATTENTION_FWD, "forward")]["syncs"] == 0 and by[(REGION_ATTENTION_FWD, "forward")]["device_ms"] > 0
+
+
+@pytest.mark.gpu
+def test_triton_launches_are_charged_to_their_region_in_a_real_trace(tmp_path):
+    """CUDA: a Triton kernel (launched through the driver API) inside a range, on the main thread and
+    in an autograd backward (another thread), lands in that range's region of
+    ``trace_region_kernels``; a torch kernel outside every range lands in ``other``."""
+    from megatron_mtraining.bench.profile import OTHER, trace_region_kernels
+    from megatron_mtraining.common import REGION_ATTENTION_BWD, REGION_PLAN
+    from megatron_mtraining.ops.triton.launch import _leading_below
+
+    index = torch.arange(64, device="cuda", dtype=torch.int32).view(1, 1, 1, 64).expand(1, 2, 4, 64).contiguous()
+    count = torch.full((1, 2, 4), 64, device="cuda", dtype=torch.int32)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            with record_function(REGION_ATTENTION_BWD):
+                _leading_below(index, count, 1)
+            return g * 2
+
+    x = torch.randn(256, device="cuda", requires_grad=True)
+    _leading_below(index, count, 1)          # compiled before the trace
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(REGION_PLAN):
+            _leading_below(index, count, 1)
+        Probe.apply(x).sum().backward()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    rows = trace_region_kernels(str(path))
+    where = {(r["region"], r["kernel"]) for r in rows}
+    assert (REGION_PLAN, "_leading_below_kernel") in where, rows
+    assert (REGION_ATTENTION_BWD, "_leading_below_kernel") in where, rows
+    assert all(r["region"] == OTHER for r in rows if r["kernel"] != "_leading_below_kernel"), rows
 
 
 @pytest.mark.parametrize("argv, message", [
