@@ -277,14 +277,17 @@ def _csr(plan, nkb, hq, hkv):
     return off, mid, ent[:int(off[-1])], shape
 
 
+@pytest.mark.parametrize("scan_block", [launch._SCAN_BLOCK, 8])   # 8: the offsets scan takes several steps
 @pytest.mark.parametrize("heads,hq,hkv", [(4, 4, 2), (2, 6, 2), (1, 2, 1)])     # per query head, per group, shared
-def test_diagonal_plans_equal_the_sorted_ones(heads, hq, hkv):
+def test_diagonal_plans_equal_the_sorted_ones(heads, hq, hkv, scan_block, monkeypatch):
     """Block lists known to be block diagonals (:class:`DiagonalBlocks`: the converter at cp 1, the
     synthetic patterns) build the causal split and the inverted block index from each row's offsets,
     without a sort and, static, without a host read: the same split, offsets, mids and entries as the
     sorted plans. Negative controls: an index edited in place loses the record; a non-diagonal index
     forced through the diagonal path gives another index."""
     from megatron_mtraining.patterns.synthetic import vertical_slash_indices
+
+    monkeypatch.setattr(launch, "_SCAN_BLOCK", scan_block)
 
     s = 640
     nkb = s // 64
@@ -380,12 +383,15 @@ def test_leading_below_kernel_equals_the_torch_split():
     assert cut[:3] == [True, True, True]          # slots that fail the rule inside the count
 
 
-def test_column_plan_kernels_equal_the_torch_ops(monkeypatch):
+@pytest.mark.parametrize("scan_block", [launch._SCAN_BLOCK, 8])   # 8: the union scan takes many steps
+def test_column_plan_kernels_equal_the_torch_ops(monkeypatch, scan_block):
     """The deterministic column plan built by the kernels that read only the listed slots (present
     columns, per-tile chunk masks by atomic OR, then per segment counts and prefix sums instead of a
-    sort) equals the torch ops over every slot: the union, its size, the CSR offsets and mid and the
-    entries, static and data dependent; for GQA rows with garbage
-    padding, shuffled lists, a non-causal step and a batch shared by one index."""
+    sort) and scan each row once (union ranks and the union) equals the torch ops over every slot: the
+    union, its size, the CSR offsets and mid and the entries, static and data dependent; for GQA rows
+    with garbage padding, shuffled lists, a non-causal step, a batch shared by one index and a tile
+    whose listed columns spread over many union chunks."""
+    monkeypatch.setattr(launch, "_SCAN_BLOCK", scan_block)
     from megatron_mtraining.patterns.synthetic import vertical_slash_indices
 
     gen = torch.Generator().manual_seed(3)
@@ -424,3 +430,15 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch):
     n = int(want[2][-1])
     assert n == 1 and torch.equal(got[2], want[2]) and torch.equal(got[4][:n], want[4][:n])
     assert torch.equal(got[5][:n], want[5][:n])
+    # a tile whose 64 listed columns are spread over ten union chunks (one atomic per column), next to
+    # tiles whose steps fall in one or two chunks (one OR-reduction per chunk)
+    ci, cc = torch.full((1, 1, nqb, 640), -1, dtype=torch.int32), torch.tensor([[[640, 64, 70]]], dtype=torch.int32)
+    ci[0, 0, 0], ci[0, 0, 1, :64], ci[0, 0, 2, :70] = torch.arange(640), torch.arange(0, 640, 10), torch.arange(3, 73)
+    spread = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True)  # noqa: E731
+    got = launch._col_plan(spread(), 640, 1, 1)
+    with monkeypatch.context() as mp:
+        mp.setattr(launch, "triton_runs_on", lambda device: False)
+        want = launch._col_plan(spread(), 640, 1, 1)
+    n = int(want[2][-1])
+    assert n == 10 + 10 + 2 and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    assert torch.equal(got[4][:n], want[4][:n]) and torch.equal(got[5][:n], want[5][:n])

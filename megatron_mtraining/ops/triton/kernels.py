@@ -852,6 +852,67 @@ def _delta_kernel(DO, O, Delta, s_db, s_ds, s_dh, s_ob, s_os, s_oh, s_lb, s_lh, 
 
 
 @triton.jit
+def _kv_csr_diagonal_count_kernel(Last, N, H0, Lo, Total, Unmasked, width, num_kb, rep, num_rows,
+                                  ROWS: tl.constexpr, BLOCK_K: tl.constexpr, LOG_W: tl.constexpr):
+    """Segment sizes of ``launch._kv_csr_diagonal``, one program per (key block range, KV head, batch
+    entry): per index row ``Lo[row, kb]``, the first slot of ``Last[row]`` (ascending, padded with
+    int32 max) at or past ``kb`` (``torch.searchsorted``, by a binary search per key block); per
+    segment the tiles listing the block summed over the group's query heads (``ROWS`` as in
+    :func:`_kv_csr_diagonal_kernel`; a row shared by ``rep`` heads counts ``rep`` times) in ``Total``, and
+    their unmasked part in ``Unmasked``."""
+    kb = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    g = tl.program_id(1)
+    bz = tl.program_id(2)
+    live = kb < num_kb
+    tot = kb * 0
+    unm = kb * 0
+    nrows = rep if ROWS == 2 else 1
+    for r in range(nrows):
+        if ROWS == 0:
+            row = bz * num_rows
+        elif ROWS == 1:
+            row = bz * num_rows + g
+        else:
+            row = bz * num_rows + g * rep + r
+        n = tl.load(N + row)
+        h0 = tl.load(H0 + row)
+        lo = kb * 0
+        hi = lo + width
+        for _ in range(LOG_W):      # first slot with Last >= kb in [lo, hi)
+            mid = (lo + hi) // 2
+            v = tl.load(Last + row * width + mid, mask=live & (mid < hi), other=2147483647)
+            go = (v < kb) & (mid < hi)
+            lo = tl.where(go, mid + 1, lo)
+            hi = tl.where(go, hi, mid)
+        tl.store(Lo + row * num_kb + kb, lo, mask=live)
+        tot += n - lo
+        unm += n - lo - h0
+    if ROWS != 2:
+        tot = tot * rep
+        unm = unm * rep
+    seg = (bz * tl.num_programs(1) + g) * num_kb + kb
+    tl.store(Total + seg, tot, mask=live)
+    tl.store(Unmasked + seg, unm, mask=live)
+
+
+@triton.jit
+def _csr_offsets_kernel(Total, Unmasked, Offsets, Mids, num_seg, BLOCK: tl.constexpr):
+    """One program: ``Offsets[0] = 0``, ``Offsets[s + 1]`` the running total of ``Total[:s + 1]`` and ``Mids[s]
+    = Offsets[s] + Unmasked[s]`` (the end of segment ``s``'s unmasked entries)."""
+    offs = tl.arange(0, BLOCK)
+    carry = tl.sum(offs * 0, 0)
+    tl.store(Offsets, carry)
+    for s0 in range(0, num_seg, BLOCK):
+        s = s0 + offs
+        live = s < num_seg
+        tot = tl.load(Total + s, mask=live, other=0)
+        incl = carry + tl.cumsum(tot, 0)
+        tl.store(Offsets + s + 1, incl, mask=live)
+        tl.store(Mids + s, incl - tot + tl.load(Unmasked + s, mask=live, other=0), mask=live)
+        carry += tl.sum(tot, 0)
+
+
+@triton.jit
 def _kv_csr_diagonal_kernel(Last, N, Lo, H0, Offsets, Mids, Entries, width, num_kb, num_q_blocks, rep, num_rows,
                             ROWS: tl.constexpr, BLOCK_J: tl.constexpr):
     """Entries of the inverted block index of diagonal block lists (``launch._kv_csr_diagonal``): one
@@ -921,7 +982,7 @@ def _col_present_kernel(Cols, Count, Present, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh
                         BLOCK_J: tl.constexpr):
     """``launch._col_plan``: ``Present[b, h, t] = 1`` for every column ``t`` that query tile ``qb`` of row
     ``(b, h)`` lists (slots ``< Count``); one program per (tile, row, batch entry). Programs that list
-    the same column store the same value."""
+    the same column store the same value, once it is there they leave it."""
     qb = tl.program_id(0)
     h = tl.program_id(1)
     bz = tl.program_id(2)
@@ -932,15 +993,50 @@ def _col_present_kernel(Cols, Count, Present, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh
     for j0 in range(0, cnt, BLOCK_J):
         live = j0 + offs < cnt
         t = tl.load(base + (j0 + offs) * s_cs, mask=live, other=0)
-        tl.store(dst + t, tl.full([BLOCK_J], 1, tl.int32), mask=live)
+        # most columns are listed by many tiles: store only where no program has yet (a read is cheaper
+        # than a store that many SMs make to one line)
+        seen = tl.load(dst + t, mask=live, other=1)
+        tl.store(dst + t, tl.full([BLOCK_J], 1, tl.int32), mask=live & (seen == 0))
+
+
+@triton.jit
+def _col_union_kernel(Present, Rank, ColU, UCount, width, sk, upad, WRITE_U: tl.constexpr, BLOCK: tl.constexpr):
+    """``launch._col_plan``, one program per index row: ``Rank[row, t]`` = (columns ``< sk`` present at or
+    before ``t``) - 1 for every ``t < width`` (the union slot of a present column), ``UCount[row]`` the
+    union size and, with ``WRITE_U``, the union ``ColU[row, :upad]`` ascending with zeros past it (slots
+    ``>= upad``, a union bound below the real union, are dropped). ``Present`` past ``sk`` is ignored."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    base = tl.sum(offs * 0, 0)
+    for j0 in range(0, width, BLOCK):
+        t = j0 + offs
+        p = tl.load(Present + row * width + t, mask=t < sk, other=0)
+        rank = base + tl.cumsum(p, 0) - 1
+        tl.store(Rank + row * width + t, rank, mask=t < width)
+        if WRITE_U:
+            tl.store(ColU + row * upad + rank, t, mask=(p != 0) & (rank < upad))
+        base += tl.sum(p, 0)
+    tl.store(UCount + row, base)
+    if WRITE_U:
+        for j0 in range(0, upad, BLOCK):
+            t = j0 + offs
+            tl.store(ColU + row * upad + t, offs * 0, mask=(t >= base) & (t < upad))
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
 
 
 @triton.jit
 def _col_bits_kernel(Cols, Count, Rank, Bits, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh, s_nq, width, num_chunks,
-                     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+                     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, SPAN: tl.constexpr):
     """``launch._col_plan``: per query tile the 64-bit masks of the union chunks it lists, ``Bits[b, h, qb,
     slot // BLOCK_C] |= 1 << (slot % BLOCK_C)`` with ``slot = Rank[b, h, t]`` the union slot of each listed
-    column ``t`` (``Bits`` zeroed before; an OR, so the order of the updates does not matter)."""
+    column ``t`` (``Bits`` zeroed before; an OR, so the order of the updates does not matter). A step of
+    ``BLOCK_J`` listed columns whose slots fall in at most ``SPAN`` consecutive chunks (ascending lists of
+    nearby columns: nearly always) ORs each chunk's bits in registers and adds them with one atomic per
+    chunk; other steps take one atomic per column (64 atomics on one address queue behind each other)."""
     qb = tl.program_id(0)
     h = tl.program_id(1)
     bz = tl.program_id(2)
@@ -950,13 +1046,22 @@ def _col_bits_kernel(Cols, Count, Rank, Bits, s_cb, s_ch, s_cq, s_cs, s_nb, s_nh
     rank = Rank + row * width
     dst = Bits + (row * tl.num_programs(0) + qb) * num_chunks
     offs = tl.arange(0, BLOCK_J)
+    span = tl.arange(0, SPAN)
     for j0 in range(0, cnt, BLOCK_J):
         live = j0 + offs < cnt
         t = tl.load(base + (j0 + offs) * s_cs, mask=live, other=0)
         slot = tl.load(rank + t, mask=live, other=0)
-        bit = tl.full([BLOCK_J], 1, tl.int64) << (slot % BLOCK_C).to(tl.int64)
         # a union slot past the buffer (a union bound below the real union) is dropped, as by the torch ops
-        tl.atomic_or(dst + slot // BLOCK_C, bit, mask=live & (slot < num_chunks * BLOCK_C))
+        ok = live & (slot < num_chunks * BLOCK_C)
+        chunk = slot // BLOCK_C
+        bit = tl.where(ok, tl.full([BLOCK_J], 1, tl.int64) << (slot % BLOCK_C).to(tl.int64), 0)
+        lo = tl.min(tl.where(ok, chunk, num_chunks), 0)
+        hi = tl.max(tl.where(ok, chunk, -1), 0)
+        if hi - lo < SPAN:          # [SPAN] ORs of the chunks lo, lo + 1, ... (no live column: all zero)
+            acc = tl.reduce(tl.where(chunk[None, :] == lo + span[:, None], bit[None, :], 0), 1, _or)
+            tl.atomic_or(dst + lo + span, acc, mask=acc != 0)
+        else:
+            tl.atomic_or(dst + chunk, bit, mask=ok)
 
 
 @triton.jit

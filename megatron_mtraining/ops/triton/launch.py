@@ -37,6 +37,11 @@ from ...common import triton_runs_on
 BLOCK = 64          # query tile rows = key block width (the StepIndices block size)
 BLOCK_C = 64        # vertical columns gathered per tile
 _SPREAD = 64        # sentinel slots that padding entries of the plans' scatters are spread over
+_SCAN_BLOCK = 4096  # elements per loop step of the one-program scans (column union, diagonal offsets)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _kernels():
@@ -417,31 +422,35 @@ def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     """:func:`_kv_csr` of a diagonal plan (``plan.diagonal``): the same offsets, mids and entries (in
     ``entries[:offsets[-1]]``; the buffer is sized by a host bound, nothing is read back) without a
     sort. Key block ``kb`` of row ``(b', h)`` is listed by the query tiles ``kb + d`` for the row's offsets
-    ``d <= nqb - 1 - kb``: a prefix of the row's offsets taken from the last tile's list (one
-    ``searchsorted``). Segment sizes come from these counts (a cumsum gives the offsets), and one
-    Triton launch (:func:`~.kernels._kv_csr_diagonal_kernel`) writes each segment's entries: per query head
-    of the group the unmasked tiles in ascending order, then the masked diagonal tiles (offset 0, causal)."""
+    ``d <= nqb - 1 - kb``: a prefix of the row's offsets taken from the last tile's list (a binary
+    search). Three Triton launches: the segment sizes from these prefixes
+    (:func:`~.kernels._kv_csr_diagonal_count_kernel`), their running sums as offsets and mids (one
+    program, :func:`~.kernels._csr_offsets_kernel`), then one program per
+    segment writes its entries (:func:`~.kernels._kv_csr_diagonal_kernel`): per query head of the group
+    the unmasked tiles in ascending order, then the masked diagonal tiles (offset 0, causal)."""
     bi, bc = plan.block_index, plan.block_count
     B_, H_, nqb, width = bi.shape
     rep = hq // hkv
     dev = bi.device
     lastp, n, h0 = plan._diag_rows or _diagonal_rows(bi, bc, plan.mask_mode == 1)
-    kbs = torch.arange(nkb, device=dev, dtype=torch.int32).expand(B_, H_, nkb).contiguous()
-    lo = torch.searchsorted(lastp, kbs, out_int32=True)              # offsets too large for kb: [0, lo)
-    cnt = n[..., None] - lo                                          # [B', H', nkb] tiles listing kb
-    unm = cnt - h0[..., None]
     if H_ == 1 or _grouped(H_, hq, hkv):     # one row serves every head of the group: rep entries per tile
         G_, rows = (1 if H_ == 1 else hkv), (0 if H_ == 1 else 1)
-        total, unm = cnt * rep, unm * rep
     else:
         G_, rows = hkv, 2
-        total, unm = cnt.view(B_, hkv, rep, nkb).sum(2), unm.view(B_, hkv, rep, nkb).sum(2)
     nseg = B_ * G_ * nkb
-    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(total.reshape(-1), 0, dtype=torch.int32, out=offsets[1:])
-    mids = offsets[:-1] + unm.reshape(-1)
+    # lo [B', H', nkb]: the row's offsets too large for kb are its slots [0, lo); the offsets count the
+    # tiles listing each key block (n - lo per row) over the group's heads, the mids their unmasked part
+    lo = torch.empty((B_, H_, nkb), dtype=torch.int32, device=dev)
+    sizes = torch.empty((2, nseg), dtype=torch.int32, device=dev)      # per segment: entries, unmasked ones
+    offsets = torch.empty(nseg + 1, dtype=torch.int32, device=dev)
+    mids = torch.empty(nseg, dtype=torch.int32, device=dev)
+    K = _kernels()
+    K._kv_csr_diagonal_count_kernel[(_cdiv(nkb, 128), G_, B_)](
+        lastp, n, h0, lo, sizes[0], sizes[1], width, nkb, rep, H_,
+        ROWS=rows, BLOCK_K=128, LOG_W=max(1, width.bit_length()), num_warps=4)
+    K._csr_offsets_kernel[(1,)](sizes[0], sizes[1], offsets, mids, nseg, BLOCK=_SCAN_BLOCK, num_warps=8)
     entries = torch.empty(max(1, nseg * rep * width), dtype=torch.int32, device=dev)
-    _kernels()._kv_csr_diagonal_kernel[(nkb, G_, B_)](
+    K._kv_csr_diagonal_kernel[(nkb, G_, B_)](
         lastp, n, lo, h0, offsets, mids, entries, width, nkb, nqb, rep, H_,
         ROWS=rows, BLOCK_J=64, num_warps=1)
     return offsets, mids, entries, B_, G_
@@ -520,8 +529,8 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     if key in plan._col:
         return plan._col[key]
     dev = ci.device
-    # where Triton runs, two kernels read only the listed slots (present columns, then the tiles' chunk
-    # masks); else torch ops over every slot of the index
+    # where Triton runs, kernels read only the listed slots (present columns, then the tiles' chunk masks)
+    # and scan each row once (ranks, union); else torch ops over every slot of the index
     fused = triton_runs_on(dev)
     cc = cc.expand(B_, H_, nqb)
     width = sk + _SPREAD
@@ -535,23 +544,35 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         # padding slots write to SPREAD sentinels past sk (one shared sentinel serialises the scatters)
         cidx = torch.where(valid, ci.long(), sk + slot % _SPREAD)
         present.scatter_(2, cidx.view(B_, H_, -1), 1)
-    present[..., sk:] = 0
-    rank, ucount = _row_ranks(present)          # slot of column p in U; [B', H'] union sizes
     if plan.static:     # a host bound of the union width (chunks past a row's union have no entries)
         umax = max(min(sk, nqb * max_nc, sk if plan.column_union_max is None else plan.column_union_max), 1)
+    col_u = None
+    if fused:           # one program per row: ranks, union sizes and (with a host bound) the union itself
+        rank = torch.empty(B_, H_, width, dtype=torch.int32, device=dev)
+        ucount = torch.empty(B_, H_, dtype=torch.int32, device=dev)
+        if plan.static:
+            upad = BLOCK_C * math.ceil(umax / BLOCK_C)
+            col_u = torch.empty(B_, H_, upad, dtype=torch.int32, device=dev)
+        _kernels()._col_union_kernel[(B_ * H_,)](present, rank, rank if col_u is None else col_u, ucount, width, sk,
+                                                 upad if plan.static else 0, WRITE_U=plan.static, BLOCK=_SCAN_BLOCK,
+                                                 num_warps=8)
     else:
+        present[..., sk:] = 0
+        rank, ucount = _row_ranks(present)          # slot of column p in U; [B', H'] union sizes
+    if not plan.static:
         umax = max(int(ucount.max()), 1)
     upad = BLOCK_C * math.ceil(umax / BLOCK_C)
     nchunks = upad // BLOCK_C
-    col_u = torch.zeros(B_, H_, upad + _SPREAD, dtype=torch.int32, device=dev)
-    pos = torch.arange(width, device=dev, dtype=torch.int32)
-    dst = torch.where(present.bool(), rank.long(), upad + (pos % _SPREAD).long())
-    col_u.scatter_(2, dst, pos.expand(B_, H_, width))   # non-present positions land past slot upad (dropped)
-    col_u = col_u[..., :upad].contiguous()
+    if col_u is None:
+        col_u = torch.zeros(B_, H_, upad + _SPREAD, dtype=torch.int32, device=dev)
+        pos = torch.arange(width, device=dev, dtype=torch.int32)
+        dst = torch.where(present.bool() & (pos < sk), rank.long(), upad + (pos % _SPREAD).long())
+        col_u.scatter_(2, dst, pos.expand(B_, H_, width))   # non-present positions land past slot upad (dropped)
+        col_u = col_u[..., :upad].contiguous()
     if fused:
         bits = torch.zeros(B_, H_, nqb, nchunks, dtype=torch.int64, device=dev)
         _kernels()._col_bits_kernel[(nqb, H_, B_)](ci, cc, rank, bits, *ci.stride(), *cc.stride(), width, nchunks,
-                                                   BLOCK_J=64, BLOCK_C=BLOCK_C, num_warps=2)
+                                                   BLOCK_J=64, BLOCK_C=BLOCK_C, SPAN=4, num_warps=2)
     else:
         slots = rank.gather(2, cidx.view(B_, H_, -1)).view(B_, H_, nqb, max_nc).long()
         chunk = torch.where(valid, slots // BLOCK_C, nchunks + slot % _SPREAD)
@@ -594,8 +615,9 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
 
 
 def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchunks: int, nsplit: int, qbps: int):
-    """The entries of :func:`_col_plan` by two kernels where Triton runs (no sort, no device read): per
-    segment the counts of its listed and of its whole-chunk tiles (a cumsum gives the offsets and mid),
+    """The entries of :func:`_col_plan` by three kernels where Triton runs (no sort, no device read): per
+    segment the counts of its listed and of its whole-chunk tiles (one program sums them into the
+    offsets and mid),
     then each segment's entries by prefix sums of its tiles' flags. The offsets, mid and
     ``entries[:offsets[-1]]`` are those of :func:`_col_entries_static`; the entry buffers hold one slot
     per (row, tile, chunk)."""
@@ -612,9 +634,9 @@ def _col_entries(plan: SparsePlan, bits: torch.Tensor, col_u: torch.Tensor, nchu
     grid = (nsplit, nchunks, B_ * H_)
     K = _kernels()
     K._col_entry_count_kernel[grid](bits, col_u, counts, fulls, *args, **meta)
-    offsets = torch.zeros(nseg + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
-    mid = offsets[:-1] + fulls
+    offsets = torch.empty(nseg + 1, dtype=torch.int32, device=dev)
+    mid = torch.empty(nseg, dtype=torch.int32, device=dev)
+    K._csr_offsets_kernel[(1,)](counts, fulls, offsets, mid, nseg, BLOCK=_SCAN_BLOCK, num_warps=8)
     size = max(1, bits.numel())
     entries_qb = torch.empty(size, dtype=torch.int32, device=dev)
     entries_bits = torch.empty(size, dtype=torch.int64, device=dev)
