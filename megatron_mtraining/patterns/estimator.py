@@ -1106,23 +1106,32 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
 
     bounds = None if documents is None else (documents.lo[:, S - L:], documents.hi[:, S - L:])
     if fused:
-        from .triton.estimator import probe_column_sums, probe_softmax_stats
+        from .triton.estimator import probe_column_sums, probe_softmax_lse, probe_softmax_stats, slash_sums
 
         # --- exact softmax rows of the probes across the CP group: local (m, z) from the kernel
-        m, z = probe_softmax_stats(probe, k, k_pos, S, scale, bounds=bounds)
-        lse = _global_lse(m, z, group, cp)
+        # (cp 1: the lse itself, merged in the same launch)
+        if cp == 1:
+            lse = probe_softmax_lse(probe, k, k_pos, S, scale, bounds=bounds)
+        else:
+            m, z = probe_softmax_stats(probe, k, k_pos, S, scale, bounds=bounds)
+            lse = _global_lse(m, z, group, cp)
         # --- line scores: per-key sums split by probe query block (fp32), cast to fp64
         colu32 = probe_column_sums(probe, k, k_pos, S, lse, scale, bs, bounds=bounds)   # [b, hq, nu, sl]
-        colu = colu32.to(f64)
-        assert colu.shape[2] == len(q_blocks)
-        # one query block: the column scores are fp32 values; the selection sorts them as fp32 (the
-        # fp64 copies are the same numbers: same order, ties included) and casts the kept ones
-        col = colu32[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
-        slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
-        k_blk = k_pos // bs
-        for i, (u, _, _) in enumerate(q_blocks):
-            # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
-            slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
+        assert colu32.shape[2] == len(q_blocks)
+        if cp == 1 and len(q_blocks) == 1:
+            # one query block, every key local in order: the column scores are fp32 values (the
+            # selection sorts them as fp32; fp64 copies are the same numbers: same order, ties
+            # included) and each diagonal sums one key block, in one launch
+            col = colu32[:, :, 0]
+            slash = slash_sums(col, q_blocks[0][0], nb, bs)
+        else:
+            colu = colu32.to(f64)
+            col = colu32[:, :, 0] if colu.shape[2] == 1 else colu.sum(2)
+            slash = torch.zeros((b, hq, nb), dtype=f64, device=dev)
+            k_blk = k_pos // bs
+            for i, (u, _, _) in enumerate(q_blocks):
+                # future keys (k_blk > u) carry exactly zero probability; clamp keeps the index valid
+                slash.index_add_(-1, (u - k_blk).clamp(min=0), colu[:, :, i])
     else:
         col, slash = _torch_scores(probe, k, k_pos, q_blocks, S, bs, scale, group, cp, bounds=bounds)
     if share_kv_group:

@@ -175,6 +175,48 @@ def test_cp1_local_stats_are_the_row_max_and_sum():
     assert max_rel(m + torch.log(z), lse_r) <= TOL
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")      # the interpreter's max of the NaN row
+def test_cp1_lse_and_slash_sums_in_one_launch_each():
+    """cp 1: :func:`probe_softmax_lse` equals the lse of the oracle (and the merge of the tiles' (m, z)
+    that the CP path all-reduces); a row without a visible key gets 0; a NaN logit gives NaN, never a
+    finite lse. :func:`slash_sums` equals the fp64 sums of the key blocks (block sizes 64 and 48, keys
+    of later blocks 0). Negative control: the slash of the next query block differs."""
+    E = _ops()
+    b, S, hq, hkv, d, L, bs = 2, 256, 4, 2, 32, 64, 64
+    q, k = _inputs(b, S, hq, hkv, d, torch.float32, seed=7)
+    scale = d ** -0.5
+    lse_r, _, slash_r = oracle(q, k, L, bs, scale)
+    probe = q[:, S - L:]
+    lse = E.probe_softmax_lse(probe, k, torch.arange(S), S, scale)
+    assert lse.dtype == F64 and lse.shape == (b, hq, L)
+    assert max_rel(lse, lse_r) <= TOL
+    m, z = E.probe_softmax_stats(probe, k, torch.arange(S), S, scale)
+    assert float((lse - (m + torch.log(z))).abs().max()) <= 1e-12 * float(lse.abs().max())
+    lo = torch.zeros(b, L, dtype=torch.int64)
+    hi = torch.full((b, L), S - 1, dtype=torch.int64)
+    hi[0, 3], lo[0, 3] = 0, 1                                 # row 3 of sample 0 sees no key
+    lse_b = E.probe_softmax_lse(probe, k, torch.arange(S), S, scale, bounds=(lo, hi))
+    assert bool((lse_b[0, :, 3] == 0).all()) and bool(torch.isfinite(lse_b).all())
+    bad = probe.clone()
+    bad[1, 5, 2, 0] = float("nan")
+    lse_n = E.probe_softmax_lse(bad, k, torch.arange(S), S, scale)
+    assert bool(torch.isnan(lse_n[1, 2, 5])) and int(torch.isnan(lse_n).sum()) == 1
+    colu = E.probe_column_sums(probe, k, torch.arange(S), S, lse, scale, bs)[:, :, 0]
+    u = (S - 1) // bs
+    got = E.slash_sums(colu, u, S // bs, bs)
+    assert max_rel(got, slash_r) <= TOL
+    for block, n in ((64, S), (48, 240)):                   # 240 keys: five blocks of 48
+        nb, c = n // block, colu[..., :n]
+        want = torch.zeros(b, hq, nb, dtype=F64)
+        kb = torch.arange(n) // block
+        uu = nb - 1
+        want.index_add_(-1, uu - kb, c.to(F64))
+        got = E.slash_sums(c, uu, nb, block)
+        assert torch.allclose(got, want, rtol=1e-12, atol=0), block
+        assert bool((E.slash_sums(c, uu - 1, nb, block)[..., -1] == 0).all())     # no block -1
+    assert not torch.allclose(E.slash_sums(colu, u - 1, S // bs, bs), E.slash_sums(colu, u, S // bs, bs), rtol=1e-3)
+
+
 def test_shifted_key_positions_are_caught():
     """Negative control: keys attributed to the wrong global positions change the scores."""
     b, S, hq, hkv, d, L, bs = 1, 256, 2, 1, 32, 64, 64

@@ -24,7 +24,7 @@ import triton.language as tl
 
 __all__ = ["convert_rows", "CHUNK"]
 
-CHUNK = 1024        # candidates per step of a program's loop (one tl.cumsum)
+CHUNK = 256         # candidates per step of a program's loop (one tl.cumsum)
 
 
 @triton.jit
@@ -52,7 +52,8 @@ def _convert_rows_kernel(
     for c0 in range(0, WB, CHUNK):
         idx = c0 + offs
         tl.store(BIdx + out_row * WB + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WB))
-    # --- columns: visible (t // bs <= i) and not in an active block, in the pattern's order
+    # --- columns: visible (t // bs <= i) and not in an active block, in the pattern's order; a chunk
+    # without a visible column (past the tile or padding: most chunks of the early tiles) is skipped
     base = i * 0
     for c0 in range(0, NV, CHUNK):
         idx = c0 + offs
@@ -60,12 +61,13 @@ def _convert_rows_kernel(
         valid = t >= 0
         tb = tl.where(valid, t // BS, 0)
         vis = valid & (tb <= i)
-        act = tl.load(SMask + r * s_mr + (i - tb), mask=vis, other=0)
-        keep = vis & (act == 0)
-        keep32 = keep.to(tl.int32)
-        pos = base + tl.cumsum(keep32, 0) - 1
-        tl.store(CIdx + out_row * WC + pos, t.to(tl.int32), mask=keep)
-        base += tl.sum(keep32, 0)
+        if tl.max(vis.to(tl.int32), 0) > 0:
+            act = tl.load(SMask + r * s_mr + (i - tb), mask=vis, other=0)
+            keep = vis & (act == 0)
+            keep32 = keep.to(tl.int32)
+            pos = base + tl.cumsum(keep32, 0) - 1
+            tl.store(CIdx + out_row * WC + pos, t.to(tl.int32), mask=keep)
+            base += tl.sum(keep32, 0)
     tl.store(CCnt + out_row, base)
     for c0 in range(0, WC, CHUNK):
         idx = c0 + offs

@@ -51,7 +51,7 @@ import triton.language as tl
 
 
 __all__ = ["BLOCK_N", "MAX_BLOCK_M", "BLOCK_N_FP32", "MAX_BLOCK_M_FP32", "NUM_WARPS", "tile_sizes",
-           "probe_softmax_stats", "probe_column_sums", "probe_block_range",
+           "probe_softmax_stats", "probe_softmax_lse", "probe_column_sums", "slash_sums", "probe_block_range",
            "document_probe_stats", "document_probe_column_sums"]
 
 BLOCK_N = 64        # local keys per program (one K tile, read once per pass); bf16/fp16 inputs
@@ -257,6 +257,57 @@ def _doc_colsum_kernel(
 
 
 # ----------------------------------------------------------------------------------- launchers
+@triton.jit
+def _probe_merge_kernel(MP, ZP, M, Z, Lse, nt, L, s_pr, s_pt,
+                        WRITE_LSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Merge the per-tile ``(m, z)`` of :func:`_probe_stats_kernel` (``[rows, nt, L]`` fp32, rows = b *
+    hq) in fp64: ``M`` the max over the tiles (NaN if any is NaN), ``Z = sum zp * exp(mp - safe)`` with
+    ``safe = M`` (0 where ``M = -inf``); with ``WRITE_LSE`` only ``Lse = safe + log(Z)`` (``log 1`` where
+    ``Z <= 0``), the log-sum-exp of :func:`~megatron_mtraining.patterns.estimator._global_lse` at cp 1."""
+    row = tl.program_id(0)
+    rows_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_t = tl.arange(0, BLOCK_T)
+    l_ok = rows_l < L
+    m = tl.full([BLOCK_L], float("-inf"), tl.float64)
+    nan = tl.zeros([BLOCK_L], tl.int32)
+    for t0 in range(0, nt, BLOCK_T):
+        t = t0 + offs_t
+        ok = (t[:, None] < nt) & l_ok[None, :]
+        x = tl.load(MP + row * s_pr + t[:, None] * s_pt + rows_l[None, :], mask=ok, other=float("-inf"))
+        m = tl.maximum(m, tl.max(x, 0).to(tl.float64))
+        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), 0))
+    m = tl.where(nan != 0, float("nan"), m)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    z = tl.zeros([BLOCK_L], tl.float64)
+    for t0 in range(0, nt, BLOCK_T):
+        t = t0 + offs_t
+        ok = (t[:, None] < nt) & l_ok[None, :]
+        ptr = row * s_pr + t[:, None] * s_pt + rows_l[None, :]
+        xm = tl.load(MP + ptr, mask=ok, other=float("-inf")).to(tl.float64)
+        xz = tl.load(ZP + ptr, mask=ok, other=0.0).to(tl.float64)
+        z += tl.sum(xz * tl.exp(xm - safe[None, :]), 0)
+    if WRITE_LSE:
+        tl.store(Lse + row * L + rows_l, safe + tl.log(tl.where(z > 0, z, 1.0)), mask=l_ok)
+    else:
+        tl.store(M + row * L + rows_l, m, mask=l_ok)
+        tl.store(Z + row * L + rows_l, z, mask=l_ok)
+
+
+@triton.jit
+def _slash_sums_kernel(Colu, Slash, u, nb, sl, s_cr, BS: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """``Slash[row, d]`` = the fp64 sum of ``Colu[row, key]`` (fp32) over the keys of block ``u - d``
+    (``key // BS``), 0 for ``d > u``: the block-diagonal scores of one probe query block ``u`` when the
+    keys are the sequence in order (cp 1). One program per (row, ``BLOCK_D`` diagonals)."""
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    kk = tl.arange(0, BLOCK_K)
+    key = (u - d)[:, None] * BS + kk[None, :]
+    ok = (d[:, None] <= u) & (kk[None, :] < BS) & (key < sl)
+    x = tl.load(Colu + row * s_cr + key, mask=ok, other=0.0).to(tl.float64)
+    tl.store(Slash + row * nb + d, tl.sum(x, 1), mask=d < nb)
+
+
 def probe_block_range(seq_len: int, last_q: int, block_size: int) -> "tuple[int, int]":
     """``(u0, nu)``: the probe rows (global positions ``S - L .. S - 1``) lie in the global query
     blocks ``u0 .. u0 + nu - 1``; rows of block ``u`` are ``[max(0, u*bs - (S-L)), min(L, (u+1)*bs - (S-L)))``."""
@@ -343,6 +394,27 @@ def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Ten
     Raises:
         ValueError: shapes, dtypes or devices that do not match.
     """
+    return _probe_stats(probe_q, k, k_pos, seq_len, softmax_scale, bounds, lse=False)
+
+
+def probe_softmax_lse(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
+                      softmax_scale: float, bounds=None) -> torch.Tensor:
+    """The log-sum-exp of the probe rows over this rank's keys: at cp 1 (every key local) the global
+    ``lse`` that :func:`probe_column_sums` takes, without the cross-rank merge of ``(m, z)``.
+
+    Args: as in :func:`probe_softmax_stats`.
+
+    Returns:
+        ``[b, hq, L]`` fp64 ``m' + log(z)`` with ``(m, z)`` of :func:`probe_softmax_stats`, ``m' = m``
+        (0 where ``m = -inf``) and ``log 1`` where ``z <= 0`` (a row without a visible key: 0).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    return _probe_stats(probe_q, k, k_pos, seq_len, softmax_scale, bounds, lse=True)
+
+
+def _probe_stats(probe_q, k, k_pos, seq_len, softmax_scale, bounds, lse: bool):
     q, kk, kp, meta, grid = _prep(probe_q, k, k_pos, seq_len)
     b, L, hq, _ = q.shape
     lo, hi, span = _bounds(bounds, b, L, q.device)
@@ -361,11 +433,38 @@ def probe_softmax_stats(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Ten
         0 if lo is None else lo.stride(0),
         mp.stride(0), mp.stride(1), mp.stride(2),
         HAS_BOUNDS=lo is not None, **meta)
-    mp, zp = mp.double(), zp.double()
-    m = mp.amax(2)
-    safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    z = (zp * torch.exp(mp - safe[:, :, None])).sum(2)
-    return m, z
+    # the tiles' partials merged in fp64 (one launch): (m, z), or at cp 1 the lse itself
+    out = torch.empty((1 if lse else 2, b, hq, L), dtype=torch.float64, device=q.device)
+    _probe_merge_kernel[(b * hq, triton.cdiv(L, 64))](
+        mp, zp, out[0], out[-1], out[0], nt, L, mp.stride(1), mp.stride(2),
+        WRITE_LSE=lse, BLOCK_T=16, BLOCK_L=64, num_warps=4)
+    return out[0] if lse else (out[0], out[1])
+
+
+def slash_sums(colu: torch.Tensor, u: int, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Block-diagonal scores of one probe query block at cp 1 (every key local, in sequence order).
+
+    Args:
+        colu: ``[b, hq, S]`` fp32 per-key probe sums of query block ``u`` (:func:`probe_column_sums`
+            with ``nu = 1``, any strides with a unit last one).
+        u: the probe query block; num_blocks: ``S / block_size``; block_size: ``bs``.
+
+    Returns:
+        ``[b, hq, num_blocks]`` fp64: entry ``d`` sums the keys of block ``u - d`` (0 for ``d > u``; keys
+        of later blocks are invisible to the probes, their sums exactly 0), each in one fixed order.
+    """
+    b, hq, sl = colu.shape
+    if colu.stride(-1) != 1:
+        colu = colu.contiguous()
+    out = torch.empty((b, hq, num_blocks), dtype=torch.float64, device=colu.device)
+    if b * hq * num_blocks == 0:
+        return out
+    rows = colu.reshape(b * hq, sl) if colu.is_contiguous() else colu.contiguous().view(b * hq, sl)
+    block_k = max(16, triton.next_power_of_2(block_size))
+    block_d = max(1, 4096 // block_k)              # a [block_d, block_k] tile per program
+    _slash_sums_kernel[(b * hq, triton.cdiv(num_blocks, block_d))](
+        rows, out, u, num_blocks, sl, rows.stride(0), BS=block_size, BLOCK_D=block_d, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 def probe_column_sums(probe_q: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
