@@ -852,6 +852,18 @@ def _delta_kernel(DO, O, Delta, s_db, s_ds, s_dh, s_ob, s_os, s_oh, s_lb, s_lh, 
 
 
 @triton.jit
+def _index_row(bz, g, r, rep, num_rows, ROWS: tl.constexpr):
+    """The index row that query head ``r`` of KV head ``g`` (batch entry ``bz``) reads: one row shared by
+    every head (``ROWS == 0``), one per group (1) or one per query head (2)."""
+    if ROWS == 0:
+        return bz * num_rows
+    elif ROWS == 1:
+        return bz * num_rows + g
+    else:
+        return bz * num_rows + g * rep + r
+
+
+@triton.jit
 def _kv_csr_diagonal_count_kernel(Last, N, H0, Lo, Total, Unmasked, width, num_kb, rep, num_rows,
                                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr, LOG_W: tl.constexpr):
     """Segment sizes of ``launch._kv_csr_diagonal``, one program per (key block range, KV head, batch
@@ -868,12 +880,7 @@ def _kv_csr_diagonal_count_kernel(Last, N, H0, Lo, Total, Unmasked, width, num_k
     unm = kb * 0
     nrows = rep if ROWS == 2 else 1
     for r in range(nrows):
-        if ROWS == 0:
-            row = bz * num_rows
-        elif ROWS == 1:
-            row = bz * num_rows + g
-        else:
-            row = bz * num_rows + g * rep + r
+        row = _index_row(bz, g, r, rep, num_rows, ROWS)
         n = tl.load(N + row)
         h0 = tl.load(H0 + row)
         lo = kb * 0
@@ -931,12 +938,7 @@ def _kv_csr_diagonal_kernel(Last, N, Lo, H0, Offsets, Mids, Entries, width, num_
     mpos = tl.load(Mids + seg)
     offs = tl.arange(0, BLOCK_J)
     for r in range(rep):
-        if ROWS == 0:
-            row = bz * num_rows
-        elif ROWS == 1:
-            row = bz * num_rows + g
-        else:
-            row = bz * num_rows + g * rep + r
+        row = _index_row(bz, g, r, rep, num_rows, ROWS)
         n = tl.load(N + row)
         h0 = tl.load(H0 + row)
         lo = tl.load(Lo + row * num_kb + kb)
