@@ -178,8 +178,9 @@ def test_cp1_local_stats_are_the_row_max_and_sum():
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")      # the interpreter's max of the NaN row
 def test_cp1_lse_and_slash_sums_in_one_launch_each():
     """cp 1: :func:`probe_softmax_lse` equals the lse of the oracle (and the merge of the tiles' (m, z)
-    that the CP path all-reduces); a row without a visible key gets 0; a NaN logit gives NaN, never a
-    finite lse. :func:`slash_sums` equals the fp64 sums of the key blocks (block sizes 64 and 48, keys
+    that the CP path all-reduces); a row without a visible key gets 0; a NaN in a probe whose key
+    tiles are all visible gives that row a NaN lse (the merge keeps a tile's NaN max; the stats
+    kernel's max over a partly visible tile may skip it, as before). :func:`slash_sums` equals the fp64 sums of the key blocks (block sizes 64 and 48, keys
     of later blocks 0). Negative control: the slash of the next query block differs."""
     E = _ops()
     b, S, hq, hkv, d, L, bs = 2, 256, 4, 2, 32, 64, 64

@@ -417,21 +417,26 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch, scan_block):
             got[4:6], want[4:6] = [t[:n] for t in got[4:6]], [t[:n] for t in want[4:6]]   # the entries (buffers padded)
             for i, (g, w) in enumerate(zip(got, want)):
                 assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, (i, static)
-    # a union bound below the real union drops the columns past it (never another tile's chunk)
-    nqb, cols = 3, torch.arange(100, dtype=torch.int32)
-    ci, cc = torch.zeros(1, 1, nqb, 100, dtype=torch.int32), torch.zeros(1, 1, nqb, dtype=torch.int32)
-    ci[0, 0, 0], cc[0, 0, 0] = cols, 100
+    # a union bound below the real union drops the columns past it (never another tile's chunk), by 36
+    # columns and by more than a chunk (the torch ops' scatters stay inside their buffers)
+    nqb = 4
     bc, bi = torch.zeros(1, 1, nqb, dtype=torch.int32), torch.zeros(1, 1, nqb, 1, dtype=torch.int32)
-    small = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True, column_union_max=64)  # noqa: E731
-    got = launch._col_plan(small(), nqb * 64, 1, 1)
-    with monkeypatch.context() as mp:
-        mp.setattr(launch, "triton_runs_on", lambda device: False)
-        want = launch._col_plan(small(), nqb * 64, 1, 1)
-    n = int(want[2][-1])
-    assert n == 1 and torch.equal(got[2], want[2]) and torch.equal(got[4][:n], want[4][:n])
-    assert torch.equal(got[5][:n], want[5][:n])
+    for ncols in (100, 200):
+        ci, cc = torch.zeros(1, 1, nqb, ncols, dtype=torch.int32), torch.zeros(1, 1, nqb, dtype=torch.int32)
+        ci[0, 0, 0], cc[0, 0, 0] = torch.arange(ncols, dtype=torch.int32), ncols
+        small = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True, column_union_max=64)  # noqa: E731
+        got = launch._col_plan(small(), nqb * 64, 1, 1)
+        with monkeypatch.context() as mp:
+            mp.setattr(launch, "triton_runs_on", lambda device: False)
+            want = launch._col_plan(small(), nqb * 64, 1, 1)
+        n = int(want[2][-1])
+        assert n == 1 and torch.equal(got[2], want[2]) and torch.equal(got[4][:n], want[4][:n])
+        assert torch.equal(got[5][:n], want[5][:n]) and int(want[5][0]) == -1      # the 64 kept columns
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # a tile whose 64 listed columns are spread over ten union chunks (one atomic per column), next to
     # tiles whose steps fall in one or two chunks (one OR-reduction per chunk)
+    nqb = 3
+    bc, bi = torch.zeros(1, 1, nqb, dtype=torch.int32), torch.zeros(1, 1, nqb, 1, dtype=torch.int32)
     ci, cc = torch.full((1, 1, nqb, 640), -1, dtype=torch.int32), torch.tensor([[[640, 64, 70]]], dtype=torch.int32)
     ci[0, 0, 0], ci[0, 0, 1, :64], ci[0, 0, 2, :70] = torch.arange(640), torch.arange(0, 640, 10), torch.arange(3, 73)
     spread = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True)  # noqa: E731

@@ -566,7 +566,8 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     if col_u is None:
         col_u = torch.zeros(B_, H_, upad + _SPREAD, dtype=torch.int32, device=dev)
         pos = torch.arange(width, device=dev, dtype=torch.int32)
-        dst = torch.where(present.bool() & (pos < sk), rank.long(), upad + (pos % _SPREAD).long())
+        # union slots past upad (a host bound below the real union) are dropped, as by the kernels
+        dst = torch.where(present.bool() & (pos < sk) & (rank < upad), rank.long(), upad + (pos % _SPREAD).long())
         col_u.scatter_(2, dst, pos.expand(B_, H_, width))   # non-present positions land past slot upad (dropped)
         col_u = col_u[..., :upad].contiguous()
     if fused:
@@ -575,8 +576,9 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
                                                    BLOCK_J=64, BLOCK_C=BLOCK_C, SPAN=4, num_warps=2)
     else:
         slots = rank.gather(2, cidx.view(B_, H_, -1)).view(B_, H_, nqb, max_nc).long()
-        chunk = torch.where(valid, slots // BLOCK_C, nchunks + slot % _SPREAD)
-        bit = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(slots), slots % BLOCK_C),
+        kept = valid & (slots < nchunks * BLOCK_C)        # slots past the union bound are dropped
+        chunk = torch.where(kept, slots // BLOCK_C, nchunks + slot % _SPREAD)
+        bit = torch.where(kept, torch.bitwise_left_shift(torch.ones_like(slots), slots % BLOCK_C),
                           torch.zeros_like(slots))
         bits = torch.zeros(B_, H_, nqb, nchunks + _SPREAD, dtype=torch.int64, device=dev)
         bits.scatter_add_(3, chunk, bit)                  # distinct powers of two: the sum is the OR
