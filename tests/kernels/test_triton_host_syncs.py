@@ -402,21 +402,27 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch, scan_block):
     shuffled = dataclasses.replace(rnd, column_index=rnd.column_index.gather(-1, rev))
     cases = [(vertical_slash_indices(768, 2, 0.6, batch=2)[0], 2, 4), (rnd, 2, 6), (shuffled, 2, 3),
              (random_step_indices(1, 2, 5, 5, False, gen, p_col=0.2), 1, 2)]
+    def same_plans(make, sk, b, hq, trap=False):
+        """Both column plans of ``make()`` (kernels, under a host-read trap if ``trap``; torch ops), equal
+        in every output with the entries cut at the real count; returns ``(count, torch plan)``."""
+        with HostReadTrap() if trap else contextlib.nullcontext():
+            got = launch._col_plan(make(), sk, b, hq)
+        with monkeypatch.context() as mp:
+            mp.setattr(launch, "triton_runs_on", lambda device: False)
+            want = launch._col_plan(make(), sk, b, hq)
+        assert len(got) == len(want)
+        n = int(want[2][-1])
+        assert got[4].numel() >= n and got[5].numel() >= n
+        got, want = list(got), list(want)
+        got[4:6], want[4:6] = [t[:n] for t in got[4:6]], [t[:n] for t in want[4:6]]   # the entries (buffers padded)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, i
+        return n, want
+
     for idx, b, hq in cases:
         sk = idx.block_index.shape[-2] * 64
         for static in (True, False):
-            with HostReadTrap() if static else contextlib.nullcontext():
-                got = launch._col_plan(plan_for(idx, static=static), sk, b, hq)
-            with monkeypatch.context() as mp:
-                mp.setattr(launch, "triton_runs_on", lambda device: False)
-                want = launch._col_plan(plan_for(idx, static=static), sk, b, hq)
-            assert len(got) == len(want)
-            n = int(want[2][-1])
-            assert got[4].numel() >= n and got[5].numel() >= n
-            got, want = list(got), list(want)
-            got[4:6], want[4:6] = [t[:n] for t in got[4:6]], [t[:n] for t in want[4:6]]   # the entries (buffers padded)
-            for i, (g, w) in enumerate(zip(got, want)):
-                assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w, (i, static)
+            same_plans(lambda: plan_for(idx, static=static), sk, b, hq, trap=static)  # noqa: B023
     # a union bound below the real union drops the columns past it (never another tile's chunk), by 36
     # columns and by more than a chunk (the torch ops' scatters stay inside their buffers)
     nqb = 4
@@ -424,26 +430,14 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch, scan_block):
     for ncols in (100, 200):
         ci, cc = torch.zeros(1, 1, nqb, ncols, dtype=torch.int32), torch.zeros(1, 1, nqb, dtype=torch.int32)
         ci[0, 0, 0], cc[0, 0, 0] = torch.arange(ncols, dtype=torch.int32), ncols
-        small = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True, column_union_max=64)  # noqa: E731
-        got = launch._col_plan(small(), nqb * 64, 1, 1)
-        with monkeypatch.context() as mp:
-            mp.setattr(launch, "triton_runs_on", lambda device: False)
-            want = launch._col_plan(small(), nqb * 64, 1, 1)
-        n = int(want[2][-1])
-        assert n == 1 and torch.equal(got[2], want[2]) and torch.equal(got[4][:n], want[4][:n])
-        assert torch.equal(got[5][:n], want[5][:n]) and int(want[5][0]) == -1      # the 64 kept columns
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        n, want = same_plans(lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True,  # noqa: B023
+                                                              column_union_max=64), nqb * 64, 1, 1)
+        assert n == 1 and int(want[5][0]) == -1      # the 64 kept columns
     # a tile whose 64 listed columns are spread over ten union chunks (one atomic per column), next to
     # tiles whose steps fall in one or two chunks (one OR-reduction per chunk)
     nqb = 3
     bc, bi = torch.zeros(1, 1, nqb, dtype=torch.int32), torch.zeros(1, 1, nqb, 1, dtype=torch.int32)
     ci, cc = torch.full((1, 1, nqb, 640), -1, dtype=torch.int32), torch.tensor([[[640, 64, 70]]], dtype=torch.int32)
     ci[0, 0, 0], ci[0, 0, 1, :64], ci[0, 0, 2, :70] = torch.arange(640), torch.arange(0, 640, 10), torch.arange(3, 73)
-    spread = lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True)  # noqa: E731
-    got = launch._col_plan(spread(), 640, 1, 1)
-    with monkeypatch.context() as mp:
-        mp.setattr(launch, "triton_runs_on", lambda device: False)
-        want = launch._col_plan(spread(), 640, 1, 1)
-    n = int(want[2][-1])
-    assert n == 10 + 10 + 2 and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
-    assert torch.equal(got[4][:n], want[4][:n]) and torch.equal(got[5][:n], want[5][:n])
+    n, _ = same_plans(lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True), 640, 1, 1)
+    assert n == 10 + 10 + 2

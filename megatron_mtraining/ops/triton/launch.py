@@ -40,10 +40,6 @@ _SPREAD = 64        # sentinel slots that padding entries of the plans' scatters
 _SCAN_BLOCK = 4096  # elements per loop step of the one-program scans (column union, diagonal offsets)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _kernels():
     from . import kernels as K   # lazy: see kernels.py
     return K
@@ -445,7 +441,7 @@ def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     offsets = torch.empty(nseg + 1, dtype=torch.int32, device=dev)
     mids = torch.empty(nseg, dtype=torch.int32, device=dev)
     K = _kernels()
-    K._kv_csr_diagonal_count_kernel[(_cdiv(nkb, 128), G_, B_)](
+    K._kv_csr_diagonal_count_kernel[(math.ceil(nkb / 128), G_, B_)](
         lastp, n, h0, lo, sizes[0], sizes[1], width, nkb, rep, H_,
         ROWS=rows, BLOCK_K=128, LOG_W=max(1, width.bit_length()), num_warps=4)
     K._csr_offsets_kernel[(1,)](sizes[0], sizes[1], offsets, mids, nseg, BLOCK=_SCAN_BLOCK, num_warps=8)

@@ -446,7 +446,7 @@ def slash_sums(colu: torch.Tensor, u: int, num_blocks: int, block_size: int) -> 
 
     Args:
         colu: ``[b, hq, S]`` fp32 per-key probe sums of query block ``u`` (:func:`probe_column_sums`
-            with ``nu = 1``, any strides with a unit last one).
+            with ``nu = 1``; any strides, copied unless the rows are views with a unit last stride).
         u: the probe query block; num_blocks: ``S / block_size``; block_size: ``bs``.
 
     Returns:
@@ -454,12 +454,12 @@ def slash_sums(colu: torch.Tensor, u: int, num_blocks: int, block_size: int) -> 
         of later blocks are invisible to the probes, their sums exactly 0), each in one fixed order.
     """
     b, hq, sl = colu.shape
-    if colu.stride(-1) != 1:
-        colu = colu.contiguous()
     out = torch.empty((b, hq, num_blocks), dtype=torch.float64, device=colu.device)
     if b * hq * num_blocks == 0:
         return out
-    rows = colu.reshape(b * hq, sl) if colu.is_contiguous() else colu.contiguous().view(b * hq, sl)
+    rows = colu.reshape(b * hq, sl)                # a view where the strides allow it
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     block_k = max(16, triton.next_power_of_2(block_size))
     block_d = max(1, 4096 // block_k)              # a [block_d, block_k] tile per program
     _slash_sums_kernel[(b * hq, triton.cdiv(num_blocks, block_d))](
