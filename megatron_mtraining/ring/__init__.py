@@ -45,7 +45,9 @@ def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, wh
 
     ``kv`` is this rank's entry K/V (not modified); at step ``j`` the rank holds the K/V that
     entered the ring ``j`` ranks earlier and ``owner_of_step(j)`` names its CP owner. The next
-    exchange is posted before the step's compute (double buffering).
+    exchange is posted before the step's compute (double buffering). ``out, lse = None, None``: no
+    partial yet (the first computed step's result is taken as it is, not merged into zeros); they
+    stay ``None`` if no step computes.
 
     A failed or timed-out exchange raises :class:`~megatron_mtraining.distributed.CommError` naming
     ``"{ring} ring forward step {j}{where}"`` (steps count from 0), this rank and its neighbours.
@@ -57,21 +59,32 @@ def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, wh
                                     f"forward step {step}{where} (K/V exchange for step {step + 1})")
         partial = kernel.forward(q, kv[0], kv[1], owner_of_step(step))
         if partial is not None:
-            out, lse = merge_attention(out, lse, *partial)
+            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
         if pending is not None:
             kv = tuple(pending.wait())
     return out, lse
 
 
+def merge_partial(out, lse, partial, acc: torch.dtype):
+    """``(out, lse)`` merged with a step's ``partial = (out, lse)`` by LSE
+    (:func:`~megatron_mtraining.ops.merge.merge_attention`); ``out is None`` (nothing merged yet): the
+    partial itself in ``acc`` (``lse`` contiguous), which is what merging it into zeros and ``-inf``
+    gives, without the full-size passes over the output."""
+    if out is None:
+        return partial[0].to(acc), partial[1].to(acc).contiguous()
+    return merge_attention(out, lse, *partial)
+
+
 def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owner_of_step, where: str = ""):
-    """Backward of :func:`ring_pass_forward`: adds this rank's dQ into ``dq`` (in place) and
-    returns the dK/dV of the entry ``kv`` summed over every rank of the ring.
+    """Backward of :func:`ring_pass_forward`: returns ``(dq, (dk, dv))``: this rank's dQ added into
+    ``dq`` (in place; ``None``: the first computed step's dQ becomes the accumulator, and ``dq`` stays
+    ``None`` if no step computes), and the dK/dV of the entry ``kv`` summed over every rank of the ring.
 
     The fp32 accumulator of each K/V travels one exchange behind it and, after ``comm.size``
     hops, arrives back at the rank that put the K/V into the ring. Failures raise
     :class:`~megatron_mtraining.distributed.CommError` naming ``"{ring} ring backward step {j}{where}"``.
     """
-    acc = dq.dtype
+    acc = acc_dtype(q.dtype)
     dkv_pending = None   # in-flight exchange of accumulators
     dkv = None
     for step in range(comm.size):
@@ -82,7 +95,10 @@ def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owne
         grads = kernel.backward(dout, q, kv[0], kv[1], lse, delta, owner_of_step(step))
         if grads is not None:
             dq_s, dk_s, dv_s = grads
-            dq += dq_s
+            if dq is None:
+                dq = dq_s.to(acc)
+            else:
+                dq += dq_s
         else:
             dk_s = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
             dv_s = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
@@ -98,7 +114,7 @@ def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owne
             kv = tuple(kv_pending.wait())
     if dkv_pending is not None:
         dkv = tuple(dkv_pending.wait())
-    return dkv
+    return dq, dkv
 
 
 def _empty_out_lse(q):
@@ -234,14 +250,15 @@ class RingAttentionFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, kernel, comm, delta: Optional[DeltaFunction] = None):
         comm = comm if isinstance(comm, RingComm) else RingComm(comm)
         cp, rank = comm.size, comm.rank
-        out, lse = _empty_out_lse(q)
         cols = column_phase_of(kernel)
         if cols is not None:
             cols.begin_forward(k, v)
-        out, lse = ring_pass_forward(kernel, comm, q, (k.contiguous(), v.contiguous()), out, lse,
+        out, lse = ring_pass_forward(kernel, comm, q, (k.contiguous(), v.contiguous()), None, None,
                                      lambda step: (rank - step) % cp)
         if cols is not None and (partial := cols.forward(q)) is not None:
-            out, lse = merge_attention(out, lse, *partial)
+            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
+        if out is None:                            # no step saw a key
+            out, lse = _empty_out_lse(q)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.comm, ctx.delta = kernel, comm, delta or attention_delta_torch
@@ -255,14 +272,17 @@ class RingAttentionFunc(torch.autograd.Function):
         comm = ctx.comm
         cp, rank = comm.size, comm.rank
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         delta = ctx.delta(dout, out)              # [b, hq, sq] in acc_dtype(out.dtype)
         begin_backward(ctx.kernel, out)
         cols = column_phase_of(ctx.kernel)
+        dq = None                                 # the first computed step's dQ, unless the columns add first
         if cols is not None:
+            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
             cols.begin_backward(dout, q, lse, delta, dq)
-        dk, dv = ring_pass_backward(ctx.kernel, comm, dout, q, (k.contiguous(), v.contiguous()), lse,
-                                    delta, dq, lambda step: (rank - step) % cp)
+        dq, (dk, dv) = ring_pass_backward(ctx.kernel, comm, dout, q, (k.contiguous(), v.contiguous()), lse,
+                                          delta, dq, lambda step: (rank - step) % cp)
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         if cols is not None:
             cols.finish_backward(dk, dv)
         end_backward(ctx)

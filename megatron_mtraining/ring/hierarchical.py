@@ -43,11 +43,10 @@ from ..layout import LAYOUT_KINDS, Layout
 from ..layout.documents import documents_agreement_key
 from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
-from ..ops.merge import merge_attention
 from ..ops.reference import attention_delta_torch
 from . import (_empty_out_lse, backend_for, begin_backward, check_api_arguments, column_phase_of, dense_step_kernel,
-               documents_error, end_backward, last_dim_contiguous, packed_documents, ring_input_error,
-               ring_pass_backward, ring_pass_forward)
+               documents_error, end_backward, last_dim_contiguous, merge_partial, packed_documents,
+               ring_input_error, ring_pass_backward, ring_pass_forward)
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
 
@@ -98,7 +97,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
                 delta: Optional[DeltaFunction] = None):
         n_in, n_out = inner.size, outer.size
         r_in, r_out = inner.rank, outer.rank
-        out, lse = _empty_out_lse(q)
+        out, lse = None, None                     # the first computed step's partial, then merged
         cols = column_phase_of(kernel)
         if cols is not None:
             cols.begin_forward(k, v)
@@ -116,7 +115,9 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
             if pending is not None:
                 kv_outer = tuple(pending.wait()) if overlap else kv_next
         if cols is not None and (partial := cols.forward(q)) is not None:
-            out, lse = merge_attention(out, lse, *partial)
+            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
+        if out is None:                            # no step saw a key
+            out, lse = _empty_out_lse(q)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.inner, ctx.outer, ctx.overlap = kernel, inner, outer, overlap
@@ -134,9 +135,10 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         dout = dout.contiguous()
         delta = ctx.delta(dout, out)
         begin_backward(kernel, out)
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         cols = column_phase_of(kernel)
+        dq = None                                  # the first computed step's dQ, unless the columns add first
         if cols is not None:
+            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
             cols.begin_backward(dout, q, lse, delta, dq)
         kv_outer = (k.contiguous(), v.contiguous())
         acc_pending = None         # node-level dK/dV accumulator travelling on the outer ring
@@ -148,7 +150,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
                 if not overlap:
                     kv_next = tuple(kv_pending.wait())
             node = (r_out - o) % n_out
-            dk_node, dv_node = ring_pass_backward(kernel, inner, dout, q, kv_outer, lse, delta, dq,
+            dq, (dk_node, dv_node) = ring_pass_backward(kernel, inner, dout, q, kv_outer, lse, delta, dq,
                                                   lambda j, node=node: node * n_in + (r_in - j) % n_in,
                                                   f" of outer step {o}")
             if acc_pending is not None:            # other nodes' sum for the same owner
@@ -163,6 +165,8 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
             if kv_pending is not None:
                 kv_outer = tuple(kv_pending.wait()) if overlap else kv_next
         dk, dv = acc_pending.wait()
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         if cols is not None:
             cols.finish_backward(dk, dv)
         end_backward(ctx)
