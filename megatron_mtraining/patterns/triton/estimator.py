@@ -59,6 +59,8 @@ MAX_BLOCK_M = 64    # probe rows per tl.dot (L is processed in chunks of at most
 BLOCK_N_FP32 = 32   # the same for fp32 inputs
 MAX_BLOCK_M_FP32 = 16
 NUM_WARPS = 4
+MERGE_BLOCK_T = 256  # key tiles per loop step of the (m, z) merge
+MERGE_BLOCK_L = 8    # probe rows per merge program
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)     # read inside the kernels: must be a constexpr global
@@ -435,9 +437,9 @@ def _probe_stats(probe_q, k, k_pos, seq_len, softmax_scale, bounds, lse: bool):
         HAS_BOUNDS=lo is not None, **meta)
     # the tiles' partials merged in fp64 (one launch): (m, z), or at cp 1 the lse itself
     out = torch.empty((1 if lse else 2, b, hq, L), dtype=torch.float64, device=q.device)
-    _probe_merge_kernel[(b * hq, triton.cdiv(L, 64))](
+    _probe_merge_kernel[(b * hq, triton.cdiv(L, MERGE_BLOCK_L))](
         mp, zp, out[0], out[-1], out[0], nt, L, mp.stride(1), mp.stride(2),
-        WRITE_LSE=lse, BLOCK_T=16, BLOCK_L=64, num_warps=4)
+        WRITE_LSE=lse, BLOCK_T=MERGE_BLOCK_T, BLOCK_L=MERGE_BLOCK_L, num_warps=4)
     return out[0] if lse else (out[0], out[1])
 
 
