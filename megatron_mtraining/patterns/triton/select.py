@@ -62,7 +62,6 @@ LONG_ROW = 65536    # longer rows: LONG_CHUNK lines per step, LONG_NUM_WARPS war
 LONG_CHUNK = 8192
 LONG_NUM_WARPS = 16
 CAND = 2048         # candidates left when the bisection moves to registers
-PROBES = 1          # keys tested per search step, a power of 2 (1: bisection; 4: five parts per step)
 
 
 @triton.jit
@@ -96,38 +95,8 @@ def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
 
 
 @triton.jit
-def _probe_keys(lo_k, hi_k, PROBES: tl.constexpr):
-    """The ``PROBES`` keys that cut ``[lo_k, hi_k)`` into ``PROBES + 1`` near-equal parts, ascending:
-    ``lo_k + floor(span * j / (PROBES + 1))`` for ``j = 1 .. PROBES`` (computed without overflowing int64)."""
-    j = (tl.arange(0, PROBES) + 1).to(tl.int64)
-    span = hi_k - lo_k
-    return lo_k + (span // (PROBES + 1)) * j + ((span % (PROBES + 1)) * j) // (PROBES + 1)
-
-
-@triton.jit
-def _probe_step(holds, m, s_m, c_m, lo_k, hi_k, s_hi, c_lo, c_hi, PROBES: tl.constexpr):
-    """One multi-probe step: ``holds[j]`` is the condition at key ``m[j]`` (non-increasing in ``j``, as the
-    sums and counts over ``rest >= m[j]`` are); the interval becomes ``[m[J - 1], m[J])`` for ``J`` the number
-    of probes that hold (``lo_k`` / ``hi_k`` where ``J`` is 0 / ``PROBES``). Returns ``(lo_k, hi_k, s_hi,
-    c_lo, c_hi)``."""
-    j = tl.arange(0, PROBES) + 1
-    n_hold = tl.sum(holds.to(tl.int32), 0)
-    at_lo = j == n_hold
-    at_hi = j == n_hold + 1
-    if n_hold > 0:
-        lo_k = tl.sum(tl.where(at_lo, m, 0), 0)
-        c_lo = tl.sum(tl.where(at_lo, c_m, 0), 0)
-    if n_hold < PROBES:
-        hi_k = tl.sum(tl.where(at_hi, m, 0), 0)
-        s_hi = tl.sum(tl.where(at_hi, s_m, 0.0), 0)
-        c_hi = tl.sum(tl.where(at_hi, c_m, 0), 0)
-    return lo_k, hi_k, s_hi, c_lo, c_hi
-
-
-@triton.jit
 def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
-            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
-            PROBES: tl.constexpr):
+            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
     """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
     ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
     ``lo_k`` and fails at ``hi_k``; ``s_hi`` / ``c_hi`` are the sum / count at ``hi_k``, ``c_lo`` the count at
@@ -136,42 +105,23 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
     ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
     offs = tl.arange(0, CHUNK)
     while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
-        if PROBES == 1:
-            mid = lo_k + (hi_k - lo_k) // 2
-            acc_s = tl.zeros([CHUNK], tl.float64)
-            acc_c = tl.zeros([CHUNK], tl.int32)
-            for c0 in range(0, N, CHUNK):
-                idx = c0 + offs
-                x, key, ok = _keys(row, idx, N, FP64)
-                ge = ok & (idx >= LO) & (key.to(tl.int64) >= mid)
-                if BY_SUM:
-                    acc_s += tl.where(ge, x, 0.0)
-                acc_c += ge.to(tl.int32)
-            s_mid = tl.sum(acc_s, 0)
-            c_mid = tl.sum(acc_c, 0)
+        mid = lo_k + (hi_k - lo_k) // 2
+        acc_s = tl.zeros([CHUNK], tl.float64)
+        acc_c = tl.zeros([CHUNK], tl.int32)
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            ge = ok & (idx >= LO) & (key.to(tl.int64) >= mid)
             if BY_SUM:
-                up = s_base + s_mid >= goal_s
-            else:
-                up = c_mid >= goal_c
-            lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
+                acc_s += tl.where(ge, x, 0.0)
+            acc_c += ge.to(tl.int32)
+        s_mid = tl.sum(acc_s, 0)
+        c_mid = tl.sum(acc_c, 0)
+        if BY_SUM:
+            up = s_base + s_mid >= goal_s
         else:
-            m = _probe_keys(lo_k, hi_k, PROBES)
-            acc_s2 = tl.zeros([CHUNK, PROBES], tl.float64)
-            acc_c2 = tl.zeros([CHUNK, PROBES], tl.int32)
-            for c0 in range(0, N, CHUNK):
-                idx = c0 + offs
-                x, key, ok = _keys(row, idx, N, FP64)
-                ge2 = (ok & (idx >= LO))[:, None] & (key.to(tl.int64)[:, None] >= m[None, :])
-                if BY_SUM:
-                    acc_s2 += tl.where(ge2, x[:, None], 0.0)
-                acc_c2 += ge2.to(tl.int32)
-            s_m = tl.sum(acc_s2, 0)
-            c_m = tl.sum(acc_c2, 0)
-            if BY_SUM:
-                holds = s_base + s_m >= goal_s
-            else:
-                holds = c_m >= goal_c
-            lo_k, hi_k, s_hi, c_lo, c_hi = _probe_step(holds, m, s_m, c_m, lo_k, hi_k, s_hi, c_lo, c_hi, PROBES)
+            up = c_mid >= goal_c
+        lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
     if hi_k - lo_k > 1:
         # at most CAND candidates left: copy them (any order) and finish in registers
         base = c_hi * 0
@@ -193,35 +143,22 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
         s_out = s_hi                                   # the lines above the candidates
         c_out = c_hi
         while hi_k - lo_k > 1:
-            if PROBES == 1:
-                mid = lo_k + (hi_k - lo_k) // 2
-                ge = ks >= mid
-                c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
-                if BY_SUM:
-                    s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
-                    up = s_base + s_mid >= goal_s
-                else:
-                    s_mid = s_hi
-                    up = c_mid >= goal_c
-                lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
+            mid = lo_k + (hi_k - lo_k) // 2
+            ge = ks >= mid
+            c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
+            if BY_SUM:
+                s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
+                up = s_base + s_mid >= goal_s
             else:
-                m = _probe_keys(lo_k, hi_k, PROBES)
-                ge2 = ks[:, None] >= m[None, :]
-                c_m = c_out + tl.sum(ge2.to(tl.int32), 0)
-                if BY_SUM:
-                    s_m = s_out + tl.sum(tl.where(ge2, xs[:, None], 0.0), 0)
-                    holds = s_base + s_m >= goal_s
-                else:
-                    s_m = tl.zeros([PROBES], tl.float64) + s_hi
-                    holds = c_m >= goal_c
-                lo_k, hi_k, s_hi, c_lo, c_hi = _probe_step(holds, m, s_m, c_m, lo_k, hi_k, s_hi, c_lo, c_hi,
-                                                           PROBES)
+                s_mid = s_hi
+                up = c_mid >= goal_c
+            lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
     return lo_k, hi_k, s_hi, c_lo, c_hi
 
 
 @triton.jit
 def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
-                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, PROBES: tl.constexpr):
+                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
     """Steps 1-4 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
     row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
     cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
@@ -259,7 +196,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
         elif f_sum + r_sum >= target:
             # largest key v with F + sum(rest >= v) >= target
             lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
-                                                   f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND, PROBES)
+                                                   f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
             if FP64:
                 v = lo_k.to(tl.float64, bitcast=True)
             else:
@@ -276,7 +213,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     need = count - LO
     if (by_count > 0) & (need > 0):
         lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
-                                               f0, f0, need, cx, ck, False, FP64, CHUNK, CAND, PROBES)
+                                               f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
         thr = lo_k
         ties = need - c_hi
     # ---- 4. kept indices ascending, padding, count and covered fraction
@@ -311,17 +248,17 @@ def _select_kernel(
     ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB: tl.float64, LB: tl.float64,
     TAKE_ALL_B,
     RA,
-    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, PROBES: tl.constexpr,
+    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
 ):
     """One program per row: rows ``0 .. RA - 1`` of line kind A, then those of kind B (the two kinds run
     side by side in one launch)."""
     pid = tl.program_id(0)
     if pid < RA:
         _select_row(pid, ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
-                    TAKE_ALL_A, FP64_A, CHUNK, CAND, PROBES)
+                    TAKE_ALL_A, FP64_A, CHUNK, CAND)
     else:
         _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
-                    TAKE_ALL_B, FP64_B, CHUNK, CAND, PROBES)
+                    TAKE_ALL_B, FP64_B, CHUNK, CAND)
 
 
 def launch_shape(n: int):
@@ -376,8 +313,7 @@ def select_line_kinds(*kinds):
     if jobs:
         (ra, a, fa), (rb, b, fb) = jobs[0], (jobs[1] if len(jobs) == 2 else (0, jobs[0][1], jobs[0][2]))
         chunk, warps = launch_shape(max(k[0].shape[-1] for k in kinds))
-        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND,
-                                   PROBES=PROBES, num_warps=warps)
+        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, num_warps=warps)
     return [p[0] for p in prepared]
 
 

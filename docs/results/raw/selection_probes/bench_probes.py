@@ -1,6 +1,9 @@
 """Selection kernel: keys tested per search step (PROBES) and loop shapes, timed per pair launch (columns
 fp32 + block diagonals fp64, one launch) on the synthetic score rows of the selection-kernel record, each
-checked against the torch selection first. Writes one JSON line per (variant, case) to argv[1]."""
+checked against the torch selection first. Writes one JSON line per (variant, case) to argv[1].
+
+Needs the kernel with the PROBES constant (commit 54118c8); run from the repository root with PYTHONPATH=.
+"""
 import json
 import sys
 import time
