@@ -151,8 +151,8 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
                     kv_next = tuple(kv_pending.wait())
             node = (r_out - o) % n_out
             dq, (dk_node, dv_node) = ring_pass_backward(kernel, inner, dout, q, kv_outer, lse, delta, dq,
-                                                  lambda j, node=node: node * n_in + (r_in - j) % n_in,
-                                                  f" of outer step {o}")
+                                                        lambda j, node=node: node * n_in + (r_in - j) % n_in,
+                                                        f" of outer step {o}")
             if acc_pending is not None:            # other nodes' sum for the same owner
                 dk_in, dv_in = acc_pending.wait()
                 dk_node = dk_node + dk_in
