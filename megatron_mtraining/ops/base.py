@@ -37,6 +37,8 @@ class StepKernel(Protocol):
     ``forward(q, k, v, owner) -> (out, lse) | None`` and
     ``backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) | None``, in the shapes and dtypes
     of the module docstring; ``None`` means the step has no visible key (no compute, no gradient).
+    Each call returns tensors of its own (not buffers reused by a later call): the ring keeps the first
+    computed step's ``(out, lse)`` as its running result and adds later steps' dQ into the first one's.
     A kernel may carry ``column_phase`` (a :class:`ColumnWork`): work outside the ring, merged by
     LSE.
     """

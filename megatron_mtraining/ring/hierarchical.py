@@ -118,7 +118,9 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
             out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
         if out is None:                            # no step saw a key
             out, lse = _empty_out_lse(q)
-        out = out.to(q.dtype)
+        # detach: the first partial may be a view of a kernel's buffer; the output stays a plain tensor,
+        # which callers may edit in place as before (no copy)
+        out = out.to(q.dtype).detach()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.inner, ctx.outer, ctx.overlap = kernel, inner, outer, overlap
         ctx.delta = delta or attention_delta_torch

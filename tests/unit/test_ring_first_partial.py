@@ -1,6 +1,7 @@
-"""The ring's first computed partial is taken as it is (no merge into zeros): the same bits as the
-LSE merge of that partial into an empty result, for the output, the LSE and the gradients; a ring
-whose steps see no key gives zeros (CP=1, no process group)."""
+"""The ring's first computed partial is taken as it is (no merge into zeros): the same values as the
+LSE merge of that partial into an empty result, for the output, the LSE and the gradients (the same bits
+except that a zero keeps its sign: the merge turned -0.0 into +0.0); a ring whose steps see no key gives
+zeros (CP=1, no process group)."""
 import torch
 
 from megatron_mtraining.ops.merge import merge_attention
@@ -49,3 +50,23 @@ def test_no_visible_key_gives_zeros():
     out, dq, dk, dv = _run(_Fixed(q, k, visible=False), q, k, v)
     for t in (out, dq, dk, dv):
         assert torch.equal(t, torch.zeros_like(t))
+
+
+def test_output_is_not_a_view_of_a_step_buffer():
+    """At CP=1 the fp32 output is the torch kernel's own partial (a transposed buffer); the ring returns it
+    detached, so an in-place edit with autograd on is allowed (as when the partial was merged into zeros),
+    and a backward after it is refused by the usual saved-tensor check."""
+    from megatron_mtraining.layout import Layout
+    from megatron_mtraining.ring import ring_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, layout=Layout("striped", 1, 16))
+    assert not out._is_view()
+    out.add_(1.0)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    else:
+        raise AssertionError("a backward through an output edited in place must be refused")
