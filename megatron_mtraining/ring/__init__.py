@@ -124,6 +124,24 @@ def _empty_out_lse(q):
     return out, lse
 
 
+def finish_forward(q, out, lse, cols):
+    """A ring Function's ``(out, lse)`` after its steps (``out, lse = None, None`` if no step computed):
+    the column phase's partial (``cols``, or ``None``) merged in by LSE, zeros and ``-inf`` where nothing
+    saw a key, ``out`` in ``q``'s dtype and detached (the first partial may be a view of a step kernel's
+    buffer: the output stays a plain tensor that callers may edit in place, without a copy)."""
+    if cols is not None and (partial := cols.forward(q)) is not None:
+        out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
+    if out is None:
+        out, lse = _empty_out_lse(q)
+    return out.to(q.dtype).detach(), lse
+
+
+def zero_dq(q):
+    """A zero dQ accumulator for ``q`` (its accumulation dtype): where the column phase adds first, or
+    where no step of the ring computed."""
+    return torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+
+
 def column_phase_of(kernel):
     """The kernel's out-of-ring column work (:class:`~megatron_mtraining.ring.sparse.ColumnPhase`) or ``None``.
 
@@ -255,13 +273,7 @@ class RingAttentionFunc(torch.autograd.Function):
             cols.begin_forward(k, v)
         out, lse = ring_pass_forward(kernel, comm, q, (k.contiguous(), v.contiguous()), None, None,
                                      lambda step: (rank - step) % cp)
-        if cols is not None and (partial := cols.forward(q)) is not None:
-            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
-        if out is None:                            # no step saw a key
-            out, lse = _empty_out_lse(q)
-        # detach: the first partial may be a view of a kernel's buffer; the output stays a plain tensor,
-        # which callers may edit in place as before (no copy)
-        out = out.to(q.dtype).detach()
+        out, lse = finish_forward(q, out, lse, cols)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.comm, ctx.delta = kernel, comm, delta or attention_delta_torch
         return out
@@ -279,12 +291,12 @@ class RingAttentionFunc(torch.autograd.Function):
         cols = column_phase_of(ctx.kernel)
         dq = None                                 # the first computed step's dQ, unless the columns add first
         if cols is not None:
-            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+            dq = zero_dq(q)
             cols.begin_backward(dout, q, lse, delta, dq)
         dq, (dk, dv) = ring_pass_backward(ctx.kernel, comm, dout, q, (k.contiguous(), v.contiguous()), lse,
                                           delta, dq, lambda step: (rank - step) % cp)
         if dq is None:
-            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+            dq = zero_dq(q)
         if cols is not None:
             cols.finish_backward(dk, dv)
         end_backward(ctx)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, acc_dtype, first_order_only, \
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, first_order_only, \
     profiled, resolve_softmax_scale, softmax_scale_error
 from ..distributed import (RingComm, check_hierarchical_consistent, group_rank, group_size,
                            hierarchical_numbering_error)
@@ -44,9 +44,9 @@ from ..layout.documents import documents_agreement_key
 from ..ops.backends import KernelBackend
 from ..ops.base import DeltaFunction, StepKernel
 from ..ops.reference import attention_delta_torch
-from . import (_empty_out_lse, backend_for, begin_backward, check_api_arguments, column_phase_of, dense_step_kernel,
-               documents_error, end_backward, last_dim_contiguous, merge_partial, packed_documents,
-               ring_input_error, ring_pass_backward, ring_pass_forward)
+from . import (backend_for, begin_backward, check_api_arguments, column_phase_of, dense_step_kernel, documents_error,
+               end_backward, finish_forward, last_dim_contiguous, packed_documents, ring_input_error,
+               ring_pass_backward, ring_pass_forward, zero_dq)
 
 __all__ = ["hierarchical_ring_attention", "HierarchicalRingAttentionFunc", "DelayedComm"]
 
@@ -114,13 +114,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
                                          lambda j, node=node: node * n_in + (r_in - j) % n_in, f" of outer step {o}")
             if pending is not None:
                 kv_outer = tuple(pending.wait()) if overlap else kv_next
-        if cols is not None and (partial := cols.forward(q)) is not None:
-            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
-        if out is None:                            # no step saw a key
-            out, lse = _empty_out_lse(q)
-        # detach: the first partial may be a view of a kernel's buffer; the output stays a plain tensor,
-        # which callers may edit in place as before (no copy)
-        out = out.to(q.dtype).detach()
+        out, lse = finish_forward(q, out, lse, cols)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.inner, ctx.outer, ctx.overlap = kernel, inner, outer, overlap
         ctx.delta = delta or attention_delta_torch
@@ -140,7 +134,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
         cols = column_phase_of(kernel)
         dq = None                                  # the first computed step's dQ, unless the columns add first
         if cols is not None:
-            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+            dq = zero_dq(q)
             cols.begin_backward(dout, q, lse, delta, dq)
         kv_outer = (k.contiguous(), v.contiguous())
         acc_pending = None         # node-level dK/dV accumulator travelling on the outer ring
@@ -168,7 +162,7 @@ class HierarchicalRingAttentionFunc(torch.autograd.Function):
                 kv_outer = tuple(kv_pending.wait()) if overlap else kv_next
         dk, dv = acc_pending.wait()
         if dq is None:
-            dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+            dq = zero_dq(q)
         if cols is not None:
             cols.finish_backward(dk, dv)
         end_backward(ctx)
