@@ -3,7 +3,8 @@ estimator's torch selection, bit for bit, at training sizes; covered fractions w
 sum in another order.
 
 Cases (CP=1, ``configs/e2e_sparse.yaml``-like budgets: 64 sink columns, caps 4096 columns / 1024
-diagonals): column scores ``[1, 9, S]`` fp32 (heavy-tailed, and quantized: exact ties) at 32K and 128K,
+diagonals, and ``configs/long_context_r098.yaml``'s 2048 / 256, whose rows the kernel selects among the
+candidates under the cap bound): column scores ``[1, 9, S]`` fp32 (heavy-tailed, and quantized: exact ties) at 32K and 128K,
 block-diagonal scores ``[1, 16, S / 64]`` fp64, recall 0.95, 0.98 and 1; and ``_select`` with the kernel
 against the torch selection on the same scores. The CPU interpreter runs the same comparisons at small
 sizes in tests/kernels/test_select_triton.py.
@@ -38,7 +39,7 @@ def test_select_kernel_matches_torch_on_gpu(S, kind):
     slash = (1.0 / (d + 1) ** 1.1) * (0.2 + torch.rand(1, 16, nb, generator=gen, dtype=torch.float64))
     slash = (slash / slash.sum(-1, keepdim=True) * 64).cuda()
     for recall in (0.95, 0.98, 1.0):
-        for score, nf, cap in ((col, 64, 4096), (slash, 2, 1024)):
+        for score, nf, cap in ((col, 64, 4096), (col, 64, 2048), (slash, 2, 1024), (slash, 2, 256)):
             w = min(cap, score.shape[-1])
             args = (score, nf, cap, recall * 64, recall >= 1.0, w, 64)
             assert_same_selection(select_lines(*args), torch_select(*args), score.shape[-1], (S, kind, recall, nf))
