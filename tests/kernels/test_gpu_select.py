@@ -3,8 +3,7 @@ estimator's torch selection, bit for bit, at training sizes; covered fractions w
 sum in another order.
 
 Cases (CP=1, ``configs/e2e_sparse.yaml``-like budgets: 64 sink columns, caps 4096 columns / 1024
-diagonals, and ``configs/long_context_r098.yaml``'s 2048 / 256, whose rows the kernel selects among the
-candidates under the cap bound): column scores ``[1, 9, S]`` fp32 (heavy-tailed, and quantized: exact ties) at 32K and 128K,
+diagonals, and ``configs/long_context_r098.yaml``'s 2048 / 256): column scores ``[1, 9, S]`` fp32 (heavy-tailed, and quantized: exact ties) at 32K and 128K,
 block-diagonal scores ``[1, 16, S / 64]`` fp64, recall 0.95, 0.98 and 1; and ``_select`` with the kernel
 against the torch selection on the same scores. The CPU interpreter runs the same comparisons at small
 sizes in tests/kernels/test_select_triton.py.

@@ -143,69 +143,6 @@ def test_target_is_taken_in_fp64():
     assert_same_selection(select_lines(score, 0, 3, target, False, 3, 64), ref, 3, "fp64 target")
 
 
-def candidate_path(score: torch.Tensor, n_floor: int, cap: int) -> str:
-    """Which way the kernel finds the candidates of a row of up to LONG_ROW lines (a host mirror of
-    ``_select_row``'s rules; CAND = 2048, 256 bins): ``"all"`` (at most CAND rest lines), ``"binade"`` /
-    ``"sub-binade"`` (at most CAND rest lines at or above the bin where the count from the top reaches cap -
-    floors) or ``"passes"``."""
-    from megatron_mtraining.patterns.triton.select import CAND
-
-    n = score.shape[-1]
-    lo, hi = min(n_floor, n), min(cap, n)
-    rest = score[..., lo:].reshape(-1)
-    if hi - lo > CAND:
-        return "passes"
-    if rest.numel() <= CAND:
-        return "all"
-    if score.dtype != torch.float32:
-        return "passes"
-    key = rest.view(torch.int32).clamp(min=0).long()
-    need = hi - lo
-    exp = key >> 23
-    b1 = max(b for b in range(256) if int((exp >= b).sum()) >= need) if need > 0 else 255
-    if int((exp >= b1).sum()) <= CAND:
-        return "binade"
-    sub = (key >> 15) & 255
-    above = int((exp > b1).sum())
-    inside = exp == b1
-    b2 = max(b for b in range(256) if above + int((inside & (sub >= b)).sum()) >= need)
-    return "sub-binade" if above + int((inside & (sub >= b2)).sum()) <= CAND else "passes"
-
-
-def test_every_candidate_path_matches_torch():
-    """Each way of finding the candidates (every rest line; the lines at or above the binade, or the 1/256
-    binade, where the count from the top reaches the cap; the bisection by passes when too many lie there, for
-    caps above CAND and for fp64 rows longer than CAND)
-    keeps the torch selection's lines, capped and uncapped, and with the fast path off (``FAST = False``, the
-    bisection by passes only) the kernel keeps the same lines."""
-    from megatron_mtraining.patterns.triton import select as S_mod
-
-    gen = torch.Generator().manual_seed(7)
-    heavy = (torch.rand(1, 1, 6000, generator=gen, dtype=F64) ** 12).float()     # spread over many binades
-    flat = (0.5 + torch.rand(1, 1, 6000, generator=gen, dtype=F64) / 2).float()   # one binade
-    ties = torch.where(torch.arange(6000) % 7 == 0, flat, torch.full_like(flat, 0.75))   # one long tie run
-    cases = [(heavy[..., :1500], 4, 700, "all"), (heavy, 64, 1000, "binade"), (flat, 3, 1000, "sub-binade"),
-             (ties, 3, 1000, "passes"), (flat, 3, 4000, "passes"), (heavy.double(), 64, 1000, "passes")]
-    seen = set()
-    for score, nf, cap, path in cases:
-        assert candidate_path(score, nf, cap) == path, (path, candidate_path(score, nf, cap))
-        total = float(score[0, 0, nf:].double().sum())
-        for recall in (0.3, 0.99):                    # the target reached under the cap, and capped
-            args = (score, nf, cap, recall * total, False, cap, 64)
-            ref = torch_select(*args)
-            assert_same_selection(select_lines(*args), ref, score.shape[-1], (path, recall))
-            seen.add((path, int(ref[1]) == min(cap, score.shape[-1])))
-    assert {p for p, _ in seen} == {"all", "binade", "sub-binade", "passes"}
-    assert {c for _, c in seen} == {True, False}
-    S_mod.FAST = False
-    try:
-        score, nf, cap, _ = cases[2]
-        args = (score, nf, cap, 0.3 * float(score[0, 0, nf:].double().sum()), False, cap, 64)
-        assert_same_selection(select_lines(*args), torch_select(*args), score.shape[-1], "FAST off")
-    finally:
-        S_mod.FAST = True
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_estimator_select_with_kernel_matches_torch(seed):
     """``_select(fused=True)`` against ``fused=False`` on the same scores: cp 1 (both line kinds by the

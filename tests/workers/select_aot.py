@@ -33,7 +33,7 @@ def signature(fp64_a: bool, fp64_b: bool, consts: dict) -> dict:
             sig[n] = "*fp64" if (fp64_a if n.endswith("A") else fp64_b) else "*fp32"
         elif n.startswith(("Sel", "Cnt", "Ck")):
             sig[n] = "*i64"
-        elif n.startswith("Mass"):
+        elif n.startswith(("Mass", "Cx")):
             sig[n] = "*fp64"
         elif n in FLOATS:
             sig[n] = "fp64"
@@ -48,7 +48,7 @@ def main() -> int:
     # the estimator's launches: fp64 block diagonals with fp32 columns (one probe block) at either step, and
     # with fp64 columns (several probe blocks, kv_group) or alone (cp > 1: the second kind repeats the first)
     for fa, fb, (chunk, warps) in ((True, False, short), (True, False, long), (True, True, short)):
-        consts = dict(FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=S.candidates(warps), FAST=S.FAST)
+        consts = dict(FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=S.CAND)
         name = f"A={'fp64' if fa else 'fp32'} B={'fp64' if fb else 'fp32'} CHUNK={chunk} warps={warps}"
         ok &= compile_report(name, S._select_kernel, signature(fa, fb, consts), consts, warps)
     print("RESULT", "PASS" if ok else "FAIL")

@@ -25,18 +25,11 @@ like their bits as integers; ``-0.0`` counts as ``+0.0``):
 4. One pass writes the kept indices ascending (in-register prefix sums), then ``-1`` padding to the
    output width, the count, and the covered fraction ``sum(kept) / L``.
 
-The candidates: no kept rest line ranks below the ``(hi - lo)``-th largest rest line, so steps 2-3 need only
-the rest lines at or above it. Pass 1 also counts the rest lines per binade (fp32 scores: the exponent bits,
-``tl.histogram``); the lines at or above the binade where the count from the top reaches ``hi - lo`` (or,
-when that binade holds too many, at or above the 1/256 binade found by one more pass) are copied to a
-scratch row when there are at most ``CAND`` of them (every rest line when the row has at most ``CAND``), and
-steps 2-3 run on them in registers: a target that these lines do not reach gives the capped count ``hi``
-(at least ``hi - lo`` rest lines lie above any lower threshold). Otherwise (more than ``CAND`` lines there,
-e.g. long tie runs, or fp64 rows of more than ``CAND`` rest lines) the searches of steps 2-3 halve an
-interval of keys per step: one pass over the row per step (per-lane partial sums, one block reduction per
-pass) while more than ``CAND`` lines lie inside it, then those lines are copied to the scratch row and the
-remaining steps run on them in registers. :func:`select_line_kinds` runs two line kinds (the block
-diagonals and the columns) in one launch, one program per row of either kind, side by side.
+The searches of steps 2-3 halve an interval of keys per step: one pass over the row per step (per-lane
+partial sums, one block reduction per pass) while more than ``CAND`` lines lie inside it, then those
+lines are copied to a scratch row and the remaining steps run on them in registers.
+:func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
+program per row of either kind, side by side.
 
 Agreement with the torch path: the kept lines and counts are the same except where the target lies within
 the rounding of an fp64 sum of the kept lines (about ``n * 2**-53`` relative for ``n`` lines summed; a tie
@@ -46,11 +39,11 @@ usually sum exactly in fp64. The covered fraction agrees to that rounding. Score
 NaN ranks above every number (as in torch's descending sort), but a row holding one keeps ``hi`` lines
 where torch stops counting at the NaN; such a row never writes outside its slots.
 
-Cost: per row, with the candidates found by the binade counts, three passes over the row (four with the
-1/256-binade counts) and up to 31 (fp32) or 63 (fp64) register steps per search; by the bisection, two passes
-plus one per search step until at most ``CAND`` candidates remain (a handful for spread-out scores; up to 31
-or 63 when more than ``CAND`` lines tie at the threshold), then the register steps. One program per row, so
-``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer loop steps with more warps.
+Cost: per row, two passes plus one per search step until at most ``CAND`` candidates remain (a handful
+for spread-out scores: each step halves the key interval, and a few steps isolate the scores' binade; up
+to 31 (fp32) or 63 (fp64) when more than ``CAND`` lines tie at the threshold), then up to 31 or 63 register
+steps; one program per row, so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer
+loop steps with more warps.
 
 Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
 """
@@ -68,10 +61,7 @@ NUM_WARPS = 8
 LONG_ROW = 65536    # longer rows: LONG_CHUNK lines per step, LONG_NUM_WARPS warps
 LONG_CHUNK = 8192
 LONG_NUM_WARPS = 16
-CAND_PER_WARP = 256  # candidates held in registers per warp (the bisection by passes moves there at this many)
-CAND = CAND_PER_WARP * NUM_WARPS     # rows up to LONG_ROW lines: 2048; longer rows CAND_PER_WARP * LONG_NUM_WARPS
-BINS = tl.constexpr(256)  # histogram bins of the candidate bound (fp32 keys: one per binade, then per 1/256 binade)
-FAST = True         # steps 2-3 on the candidates below the cap bound where they fit (False: passes only)
+CAND = 2048         # candidates left when the bisection moves to registers
 
 
 @triton.jit
@@ -105,89 +95,13 @@ def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
 
 
 @triton.jit
-def _copy_candidates(row, N, LO, lo_k, hi_k, Ck, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
-    """One pass: the keys of the rest lines with keys in ``[lo_k, hi_k)`` (at most ``CAND``: the caller counted
-    them) copied in any order to the scratch row ``Ck``; returns ``(keys [CAND] int64, count)`` loaded back, ``-1``
-    (below every key) past them."""
-    offs = tl.arange(0, CHUNK)
-    base = tl.full([], 0, tl.int32)
-    for c0 in range(0, N, CHUNK):
-        idx = c0 + offs
-        x, key, ok = _keys(row, idx, N, FP64)
-        k64 = key.to(tl.int64)
-        cand = (ok & (idx >= LO) & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
-        pos = base + tl.cumsum(cand, 0) - 1
-        put = (cand > 0) & (pos < CAND)                # always (the counts are exact): never outside the row
-        tl.store(Ck + pos, k64, mask=put)
-        base += tl.sum(cand, 0)
-    tl.debug_barrier()                                 # the stores above are read by other threads below
-    o2 = tl.arange(0, CAND)
-    ks = tl.load(Ck + o2, mask=o2 < base, other=-1)
-    return ks, base
-
-
-@triton.jit
-def _value(ks, FP64: tl.constexpr):
-    """The scores of keys ``ks`` (int64; ``-1``: none, read as 0): the key's bits as a float, which is the score
-    itself except for ``-0.0`` (key 0: ``+0.0``) and a NaN (key: another NaN), the same in every sum."""
-    if FP64:
-        x = ks.to(tl.float64, bitcast=True)
-    else:
-        x = ks.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
-    return tl.where(ks >= 0, x, 0.0)
-
-
-@triton.jit
-def _search_registers(ks, s_out, c_out, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c,
-                      BY_SUM: tl.constexpr, FP64: tl.constexpr):
-    """The bisection of :func:`_search` on candidates held in registers: ``ks`` holds the keys of every rest
-    line with a key in ``[lo_k, hi_k)`` (others: ``-1``); ``s_out`` / ``c_out`` are the sum / count of the rest
-    lines at or above ``hi_k``. Returns the final ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
-    while hi_k - lo_k > 1:
-        mid = lo_k + (hi_k - lo_k) // 2
-        ge = ks >= mid
-        c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
-        if BY_SUM:
-            s_mid = s_out + tl.sum(tl.where(ge, _value(ks, FP64), 0.0), 0)
-            up = s_base + s_mid >= goal_s
-        else:
-            s_mid = s_hi
-            up = c_mid >= goal_c
-        lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
-    return lo_k, hi_k, s_hi, c_lo, c_hi
-
-
-@triton.jit
-def _count_search_registers(ks, need, KEY_BITS: tl.constexpr):
-    """Step 3 on candidates held in registers (``ks``: every rest line at or above some key, others ``-1``;
-    at least ``need >= 1`` of them): the ``need``-th largest key ``thr`` and ``#(ks > thr)``, by a radix
-    select on 8-bit digits of the keys, from the top (``KEY_BITS``: 32 for fp32 keys, 64 for fp64), one
-    histogram per digit. Returns ``(thr, above)``."""
-    prefix = tl.full([], 0, tl.int64)
-    above = need * 0
-    digits = tl.arange(0, BINS)
-    for i in tl.static_range(KEY_BITS // 8):
-        shift = KEY_BITS - 8 * (i + 1)
-        if shift + 8 >= 64:
-            inside = ks >= 0
-        else:
-            inside = (ks >= 0) & ((ks >> (shift + 8)) == prefix)
-        d = ((ks >> shift) & (BINS - 1)).to(tl.int32)
-        ge = above + tl.cumsum(tl.histogram(d, BINS, mask=inside), 0, reverse=True)
-        b = tl.max(tl.where(ge >= need, digits, 0), 0)
-        above = tl.sum(tl.where(digits == b + 1, ge, 0), 0) + tl.where(b == BINS - 1, above, 0)
-        prefix = (prefix << 8) | b.to(tl.int64)
-    return prefix, above
-
-
-@triton.jit
-def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Ck,
+def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
             BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
     """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
     ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
     ``lo_k`` and fails at ``hi_k``; ``s_hi`` / ``c_hi`` are the sum / count at ``hi_k``, ``c_lo`` the count at
     ``lo_k``. One full pass over the row per step until at most ``CAND`` lines lie in ``[lo_k, hi_k)``; those
-    keys are then copied to the scratch row ``Ck`` and the bisection ends in registers. Returns the final
+    are then copied to the scratch rows ``Cx`` / ``Ck`` and the bisection ends in registers. Returns the final
     ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
     offs = tl.arange(0, CHUNK)
     while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
@@ -210,59 +124,53 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Ck
         lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
     if hi_k - lo_k > 1:
         # at most CAND candidates left: copy them (any order) and finish in registers
-        ks, _n = _copy_candidates(row, N, LO, lo_k, hi_k, Ck, FP64, CHUNK, CAND)
-        lo_k, hi_k, s_hi, c_lo, c_hi = _search_registers(ks, s_hi, c_hi, lo_k, hi_k, s_hi, c_lo, c_hi, s_base,
-                                                         goal_s, goal_c, BY_SUM, FP64)
+        base = c_hi * 0
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            k64 = key.to(tl.int64)
+            cand = (ok & (idx >= LO) & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
+            pos = base + tl.cumsum(cand, 0) - 1
+            put = (cand > 0) & (pos < CAND)            # always (the counts are exact): never outside the row
+            tl.store(Cx + pos, x, mask=put)
+            tl.store(Ck + pos, k64, mask=put)
+            base += tl.sum(cand, 0)
+        tl.debug_barrier()                             # the stores above are read by other threads below
+        o2 = tl.arange(0, CAND)
+        valid = o2 < base
+        xs = tl.load(Cx + o2, mask=valid, other=0.0)
+        ks = tl.load(Ck + o2, mask=valid, other=-1)    # -1: below every key
+        s_out = s_hi                                   # the lines above the candidates
+        c_out = c_hi
+        while hi_k - lo_k > 1:
+            mid = lo_k + (hi_k - lo_k) // 2
+            ge = ks >= mid
+            c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
+            if BY_SUM:
+                s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
+                up = s_base + s_mid >= goal_s
+            else:
+                s_mid = s_hi
+                up = c_mid >= goal_c
+            lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
     return lo_k, hi_k, s_hi, c_lo, c_hi
 
 
 @triton.jit
-def _cap_bin(hist, above, need, NB: tl.constexpr):
-    """The highest bin ``b`` of ``hist [NB]`` (counts) with ``above + #(bins >= b) >= need``, and that count
-    (``b = NB - 1`` with the top bin's count when ``need <= above``)."""
-    ge = above + tl.cumsum(hist, 0, reverse=True)
-    bins = tl.arange(0, NB)
-    b = tl.maximum(tl.max(tl.where(ge >= need, bins, -1), 0), 0)
-    return b, tl.sum(tl.where(bins == b, ge, 0), 0)
-
-
-@triton.jit
-def _budget(lo_k, s_hi, c_lo, c_hi, f_sum, target, LO, HI, FP64: tl.constexpr):
-    """Step 2's count from the by-sum search's result (``lo_k`` = the threshold key ``v``): ``(count, thr,
-    ties, by_count)``, ``by_count = 1`` when the count is capped (step 3 then picks the threshold)."""
-    if FP64:
-        v = lo_k.to(tl.float64, bitcast=True)
-    else:
-        v = lo_k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
-    n_eq = c_lo - c_hi
-    e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / v), 1.0), n_eq.to(tl.float64)).to(tl.int32)
-    count = tl.minimum(LO + c_hi + e, HI)
-    thr = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    ties = e * 0
-    by_count = 1 + e * 0
-    if count == LO + c_hi + e:
-        thr = lo_k
-        ties = e
-        by_count = 0 * e
-    return count, thr, ties, by_count
-
-
-@triton.jit
-def _select_row(r, Score, Sel, Cnt, Mass, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
-                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, FAST: tl.constexpr):
+def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
+                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
     """Steps 1-4 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
     row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
-    ck = Ck + r.to(tl.int64) * CAND                    # this row's scratch (candidate keys)
+    cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
+    ck = Ck + r.to(tl.int64) * CAND
     offs = tl.arange(0, CHUNK)
     k0 = tl.full([], 0, tl.int64)                      # keys are compared as int64 (fp32 bits fit)
     f0 = tl.full([], 0.0, tl.float64)
-    bins = tl.arange(0, BINS)
 
-    # ---- 1. the floors' and the rest's sums; the rest's largest key; (fp32) its lines per binade
+    # ---- 1. the floors' and the rest's sums; the rest's largest key
     acc_f = tl.zeros([CHUNK], tl.float64)
     acc_r = tl.zeros([CHUNK], tl.float64)
     acc_k = tl.zeros([CHUNK], tl.int64)
-    hist = tl.zeros([BINS], tl.int32)
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
@@ -270,76 +178,44 @@ def _select_row(r, Score, Sel, Cnt, Mass, Ck, N, LO, HI, W, H, s_b, s_h, target,
         acc_f += tl.where(idx < LO, x, 0.0)
         acc_r += tl.where(rest, x, 0.0)
         acc_k = tl.maximum(acc_k, tl.where(rest, key.to(tl.int64), 0))
-        if FAST and not FP64:
-            if HI - LO <= CAND:
-                hist += tl.histogram((key >> 23).to(tl.int32), BINS, mask=rest)
     f_sum = tl.sum(acc_f, 0)
     r_sum = tl.sum(acc_r, 0)
     k_max = tl.max(acc_k, 0)
 
     n_rest = N - LO
+    # ---- 2. the count, and (unless capped) the threshold key and the number of its ties to keep
     thr = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)   # no rest line kept unless a search sets it
     ties = n_rest * 0
     count = HI + 0 * n_rest
     by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
-    # ---- the candidates: no kept rest line ranks below the (HI - LO)-th largest, so every line that can be
-    # kept lies at or above the binade (fp32; then the 1/256 binade) where the rest's count from the top
-    # reaches HI - LO; when at most CAND lines lie there, steps 2-3 run on them in registers
-    lo_c = tl.full([], -1, tl.int64)                   # the candidates' lowest key; -1: the bisection by passes
-    need_max = HI - LO
-    if FAST & (need_max <= CAND):
-        if n_rest <= CAND:
-            lo_c = k0
-        elif not FP64:
-            b1, c_top = _cap_bin(hist, 0, need_max, BINS)
-            if c_top <= CAND:
-                lo_c = b1.to(tl.int64) << 23
-            else:
-                above = c_top - tl.sum(tl.where(bins == b1, hist, 0), 0)
-                sub = tl.zeros([BINS], tl.int32)
-                for c0 in range(0, N, CHUNK):
-                    idx = c0 + offs
-                    x, key, ok = _keys(row, idx, N, FP64)
-                    inside = ok & (idx >= LO) & ((key >> 23) == b1)
-                    sub += tl.histogram(((key >> 15) & (BINS - 1)).to(tl.int32), BINS, mask=inside)
-                b2, c_top2 = _cap_bin(sub, above, need_max, BINS)
-                if c_top2 <= CAND:
-                    lo_c = (b1.to(tl.int64) << 23) | (b2.to(tl.int64) << 15)
-    if lo_c >= 0:
-        big = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)
-        ks, c_cand = _copy_candidates(row, N, LO, lo_c, big, ck, FP64, CHUNK, CAND)
-        if TAKE_ALL == 0:
-            if f_sum >= target:
-                count = tl.maximum(LO + 0 * n_rest, 1)
-            elif f_sum + tl.sum(_value(ks, FP64), 0) >= target:
-                # F + sum(rest >= lo_c) reaches the target: v >= lo_c, among the candidates
-                lo_k, hi_k, s_hi, c_lo, c_hi = _search_registers(ks, f0, n_rest * 0, lo_c, k_max + 1, f0, c_cand,
-                                                                 n_rest * 0, f_sum, target, 0, True, FP64)
-                count, thr, ties, by_count = _budget(lo_k, s_hi, c_lo, c_hi, f_sum, target, LO, HI, FP64)
-            # else v < lo_c: at least HI - LO rest lines lie above it, the count is capped at HI
-        need = count - LO
-        if (by_count > 0) & (need > 0):
-            thr, c_hi = _count_search_registers(ks, need, 64 if FP64 else 32)
-            ties = need - c_hi
-    else:
-        # ---- 2. the count, and (unless capped) the threshold key and the number of its ties to keep
-        if TAKE_ALL == 0:
-            # the cumulative score is compared as the torch path does: floors' sum + rest's partial sum vs target
-            if f_sum >= target:
-                # the floors reach the target (the count is the floors; one line when there are none)
-                count = tl.maximum(LO + 0 * n_rest, 1)
-            elif f_sum + r_sum >= target:
-                # largest key v with F + sum(rest >= v) >= target
-                lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
-                                                       f_sum, target, 0, ck, True, FP64, CHUNK, CAND)
-                count, thr, ties, by_count = _budget(lo_k, s_hi, c_lo, c_hi, f_sum, target, LO, HI, FP64)
-        # ---- 3. the top (count - lo) rest lines by a bisection on counts
-        need = count - LO
-        if (by_count > 0) & (need > 0):
+    if TAKE_ALL == 0:
+        # the cumulative score is compared as the torch path does: floors' sum + rest's partial sum vs target
+        if f_sum >= target:
+            # the floors reach the target (the count is the floors; one line when there are none)
+            count = tl.maximum(LO + 0 * n_rest, 1)
+        elif f_sum + r_sum >= target:
+            # largest key v with F + sum(rest >= v) >= target
             lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
-                                                   f0, f0, need, ck, False, FP64, CHUNK, CAND)
-            thr = lo_k
-            ties = need - c_hi
+                                                   f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
+            if FP64:
+                v = lo_k.to(tl.float64, bitcast=True)
+            else:
+                v = lo_k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
+            n_eq = c_lo - c_hi
+            e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / v), 1.0),
+                           n_eq.to(tl.float64)).to(tl.int32)
+            count = tl.minimum(LO + c_hi + e, HI)
+            if count == LO + c_hi + e:
+                thr = lo_k
+                ties = e
+                by_count = 0 * n_rest
+    # ---- 3. the top (count - lo) rest lines by a bisection on counts
+    need = count - LO
+    if (by_count > 0) & (need > 0):
+        lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
+                                               f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
+        thr = lo_k
+        ties = need - c_hi
     # ---- 4. kept indices ascending, padding, count and covered fraction
     out = Sel + r.to(tl.int64) * W
     base = n_rest * 0
@@ -367,22 +243,22 @@ def _select_row(r, Score, Sel, Cnt, Mass, Ck, N, LO, HI, W, H, s_b, s_h, target,
 
 @triton.jit
 def _select_kernel(
-    ScoreA, SelA, CntA, MassA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA: tl.float64, LA: tl.float64,
+    ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA: tl.float64, LA: tl.float64,
     TAKE_ALL_A,
-    ScoreB, SelB, CntB, MassB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB: tl.float64, LB: tl.float64,
+    ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB: tl.float64, LB: tl.float64,
     TAKE_ALL_B,
     RA,
-    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, FAST: tl.constexpr,
+    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
 ):
     """One program per row: rows ``0 .. RA - 1`` of line kind A, then those of kind B (the two kinds run
     side by side in one launch)."""
     pid = tl.program_id(0)
     if pid < RA:
-        _select_row(pid, ScoreA, SelA, CntA, MassA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
-                    TAKE_ALL_A, FP64_A, CHUNK, CAND, FAST)
+        _select_row(pid, ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
+                    TAKE_ALL_A, FP64_A, CHUNK, CAND)
     else:
-        _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
-                    TAKE_ALL_B, FP64_B, CHUNK, CAND, FAST)
+        _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
+                    TAKE_ALL_B, FP64_B, CHUNK, CAND)
 
 
 def launch_shape(n: int):
@@ -390,13 +266,8 @@ def launch_shape(n: int):
     return (CHUNK, NUM_WARPS) if n <= LONG_ROW else (LONG_CHUNK, LONG_NUM_WARPS)
 
 
-def candidates(warps: int) -> int:
-    """Candidates a launch of ``warps`` warps holds in registers (``CAND`` at the short rows' ``NUM_WARPS``)."""
-    return CAND_PER_WARP * warps
-
-
 def _prepare(score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool, width: int,
-             last_q: float, cand: int = CAND):
+             last_q: float):
     """Checks one line kind; returns its outputs and, when the kernel has rows to select, its launch arguments."""
     if score.dim() != 3 or score.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"select_lines: score [b, h, n] fp32/fp64 expected, got {tuple(score.shape)} {score.dtype}")
@@ -419,8 +290,9 @@ def _prepare(score: torch.Tensor, n_floor: int, cap: int, target: float, take_al
     if hi <= 0:                                        # n == 0 or cap == 0: nothing is kept
         sel.fill_(-1), cnt.zero_(), mass.zero_()
         return out, None
-    ck = torch.empty((b * h, cand), dtype=torch.int64, device=dev)
-    args = (score, sel, cnt, mass, ck, n, lo, hi, width, h, score.stride(0), score.stride(1), float(target),
+    cx = torch.empty((b * h, CAND), dtype=torch.float64, device=dev)
+    ck = torch.empty((b * h, CAND), dtype=torch.int64, device=dev)
+    args = (score, sel, cnt, mass, cx, ck, n, lo, hi, width, h, score.stride(0), score.stride(1), float(target),
             float(last_q), int(bool(take_all)))
     return out, (b * h, args, score.dtype == torch.float64)
 
@@ -436,15 +308,12 @@ def select_line_kinds(*kinds):
         raise ValueError(f"select_line_kinds: one or two line kinds, got {len(kinds)}")
     if len(kinds) == 2 and kinds[0][0].device != kinds[1][0].device:
         raise ValueError(f"select_line_kinds: the kinds' scores are on {kinds[0][0].device} and {kinds[1][0].device}")
-    chunk, warps = launch_shape(max(k[0].shape[-1] if isinstance(k[0], torch.Tensor) and k[0].dim() else 0
-                                    for k in kinds))
-    cand = candidates(warps)
-    prepared = [_prepare(*k, cand=cand) for k in kinds]
+    prepared = [_prepare(*k) for k in kinds]
     jobs = [p[1] for p in prepared if p[1] is not None]
     if jobs:
         (ra, a, fa), (rb, b, fb) = jobs[0], (jobs[1] if len(jobs) == 2 else (0, jobs[0][1], jobs[0][2]))
-        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=cand, FAST=FAST,
-                                   num_warps=warps)
+        chunk, warps = launch_shape(max(k[0].shape[-1] for k in kinds))
+        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, num_warps=warps)
     return [p[0] for p in prepared]
 
 
