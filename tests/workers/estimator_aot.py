@@ -53,11 +53,11 @@ def resources(cubin: bytes) -> str:
     return " ".join(line[-1].split()[:3]) if line else "(no resource line)"
 
 
-def compile_report(name: str, fn, sig: dict, consts: dict, num_warps: int) -> bool:
-    """Compile ``fn`` for sm_90 with this signature and constants; print ``name: ok <registers / stack>`` or
-    ``name: FAILED <error>``; True when it compiled."""
+def compile_report(name: str, fn, sig: dict, consts: dict, num_warps: int, **options) -> bool:
+    """Compile ``fn`` for sm_90 with this signature and constants (and other launch ``options``, e.g.
+    ``maxnreg``); print ``name: ok <registers / stack>`` or ``name: FAILED <error>``; True when it compiled."""
     try:
-        k = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": num_warps})
+        k = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": num_warps, **options})
     except Exception as e:  # noqa: BLE001 - report every failing variant
         print(f"{name}: FAILED {type(e).__name__}: {e}")
         return False

@@ -62,6 +62,8 @@ LONG_ROW = 65536    # longer rows: LONG_CHUNK lines per step, LONG_NUM_WARPS war
 LONG_CHUNK = 8192
 LONG_NUM_WARPS = 16
 CAND = 2048         # candidates left when the bisection moves to registers
+MAX_REGISTERS = 168  # per thread, launches of NUM_WARPS warps (launch_registers)
+LOCKSTEP = True     # step 2's passes also advance step 3's search for a capped count (False: one after the other)
 
 
 @triton.jit
@@ -158,7 +160,7 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
 
 @triton.jit
 def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
-                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
+                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr):
     """Steps 1-4 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
     row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
     cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
@@ -188,14 +190,41 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     ties = n_rest * 0
     count = HI + 0 * n_rest
     by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
+    need_cap = HI - LO                                 # step 3's count when the count is capped
+    lo_c, hi_c, c_lo_c, c_hi_c = k0, k_max + 1, n_rest, n_rest * 0   # its search's state
     if TAKE_ALL == 0:
         # the cumulative score is compared as the torch path does: floors' sum + rest's partial sum vs target
         if f_sum >= target:
             # the floors reach the target (the count is the floors; one line when there are none)
             count = tl.maximum(LO + 0 * n_rest, 1)
         elif f_sum + r_sum >= target:
-            # largest key v with F + sum(rest >= v) >= target
-            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
+            # largest key v with F + sum(rest >= v) >= target; each of its passes over the row also takes one
+            # step of step 3's search for a capped count (need = hi - lo), whose state step 3 then continues
+            lo_k, hi_k, s_hi, c_lo, c_hi = k0, k_max + 1, f0, n_rest, n_rest * 0
+            if LOCKSTEP:
+                while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
+                    mid = lo_k + (hi_k - lo_k) // 2
+                    more = (hi_c - lo_c > 1) & (c_lo_c - c_hi_c > CAND)
+                    mid_c = lo_c + (hi_c - lo_c) // 2
+                    acc_s = tl.zeros([CHUNK], tl.float64)
+                    acc_c = tl.zeros([CHUNK], tl.int32)      # per lane: count at mid + 65536 * count at mid_c
+                    for c0 in range(0, N, CHUNK):
+                        idx = c0 + offs
+                        x, key, ok = _keys(row, idx, N, FP64)
+                        rest = ok & (idx >= LO)
+                        k64 = key.to(tl.int64)
+                        ge = rest & (k64 >= mid)
+                        acc_s += tl.where(ge, x, 0.0)
+                        acc_c += ge.to(tl.int32) + ((rest & (k64 >= mid_c)).to(tl.int32) << 16)
+                    s_mid = tl.sum(acc_s, 0)
+                    c_mid = tl.sum(acc_c & 0xFFFF, 0)
+                    cc_mid = tl.sum(acc_c >> 16, 0)
+                    lo_k, hi_k, s_hi, c_lo, c_hi = _step(f_sum + s_mid >= target, mid, s_mid, c_mid, lo_k, hi_k, s_hi,
+                                                         c_lo, c_hi)
+                    if more:
+                        lo_c, hi_c, _s, c_lo_c, c_hi_c = _step(cc_mid >= need_cap, mid_c, f0, cc_mid, lo_c, hi_c, f0,
+                                                               c_lo_c, c_hi_c)
+            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi,
                                                    f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
             if FP64:
                 v = lo_k.to(tl.float64, bitcast=True)
@@ -209,10 +238,13 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
                 thr = lo_k
                 ties = e
                 by_count = 0 * n_rest
-    # ---- 3. the top (count - lo) rest lines by a bisection on counts
+    # ---- 3. the top (count - lo) rest lines by a bisection on counts (from the state step 2's passes left for
+    # the capped count; from the whole key range for another count)
     need = count - LO
     if (by_count > 0) & (need > 0):
-        lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, k0, k_max + 1, f0, n_rest, n_rest * 0,
+        if need != need_cap:
+            lo_c, hi_c, c_lo_c, c_hi_c = k0, k_max + 1, n_rest, n_rest * 0
+        lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_c, hi_c, f0, c_lo_c, c_hi_c,
                                                f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
         thr = lo_k
         ties = need - c_hi
@@ -248,22 +280,29 @@ def _select_kernel(
     ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB: tl.float64, LB: tl.float64,
     TAKE_ALL_B,
     RA,
-    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr,
 ):
     """One program per row: rows ``0 .. RA - 1`` of line kind A, then those of kind B (the two kinds run
     side by side in one launch)."""
     pid = tl.program_id(0)
     if pid < RA:
         _select_row(pid, ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
-                    TAKE_ALL_A, FP64_A, CHUNK, CAND)
+                    TAKE_ALL_A, FP64_A, CHUNK, CAND, LOCKSTEP)
     else:
         _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
-                    TAKE_ALL_B, FP64_B, CHUNK, CAND)
+                    TAKE_ALL_B, FP64_B, CHUNK, CAND, LOCKSTEP)
 
 
 def launch_shape(n: int):
     """``(lines per loop step, warps)`` for rows of up to ``n`` lines."""
     return (CHUNK, NUM_WARPS) if n <= LONG_ROW else (LONG_CHUNK, LONG_NUM_WARPS)
+
+
+def launch_registers(warps: int) -> dict:
+    """The register limit of a launch of ``warps`` warps (``maxnreg``): one program per row and a few rows per
+    GPU, so a program may take more registers than two programs per SM leave it (the compiler's 128 at 8 warps
+    spills); 16 warps keep the hardware's 128."""
+    return {"maxnreg": MAX_REGISTERS} if warps * 32 * MAX_REGISTERS <= 65536 else {}
 
 
 def _prepare(score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool, width: int,
@@ -313,7 +352,8 @@ def select_line_kinds(*kinds):
     if jobs:
         (ra, a, fa), (rb, b, fb) = jobs[0], (jobs[1] if len(jobs) == 2 else (0, jobs[0][1], jobs[0][2]))
         chunk, warps = launch_shape(max(k[0].shape[-1] for k in kinds))
-        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, num_warps=warps)
+        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP,
+                                   num_warps=warps, **launch_registers(warps))
     return [p[0] for p in prepared]
 
 
