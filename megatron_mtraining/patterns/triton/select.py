@@ -27,8 +27,10 @@ like their bits as integers; ``-0.0`` counts as ``+0.0``):
 
 The searches of steps 2-3 halve an interval of keys per step: one pass over the row per step (per-lane
 partial sums, one block reduction per pass) while more than ``CAND`` lines lie inside it, then those
-lines are copied to a scratch row and the remaining steps run on them in registers.
-:func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
+lines are copied to a scratch row and the remaining steps run on them in registers. Step 2's passes also
+take one step each of step 3's search for the capped count (``hi - lo`` lines), two counts per lane packed
+in one int32: when the count turns out capped, step 3 continues from there instead of from the whole key
+range. :func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
 program per row of either kind, side by side.
 
 Agreement with the torch path: the kept lines and counts are the same except where the target lies within
@@ -39,7 +41,8 @@ usually sum exactly in fp64. The covered fraction agrees to that rounding. Score
 NaN ranks above every number (as in torch's descending sort), but a row holding one keeps ``hi`` lines
 where torch stops counting at the NaN; such a row never writes outside its slots.
 
-Cost: per row, two passes plus one per search step until at most ``CAND`` candidates remain (a handful
+Cost: per row, two passes plus one per search step (the two searches' steps shared while step 2 streams)
+until at most ``CAND`` candidates remain (a handful
 for spread-out scores: each step halves the key interval, and a few steps isolate the scores' binade; up
 to 31 (fp32) or 63 (fp64) when more than ``CAND`` lines tie at the threshold), then up to 31 or 63 register
 steps; one program per row, so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer
