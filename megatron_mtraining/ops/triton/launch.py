@@ -568,7 +568,8 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         col_u = col_u[..., :upad].contiguous()
     if fused:
         bits = torch.zeros(B_, H_, nqb, nchunks, dtype=torch.int64, device=dev)
-        # one warp per program: 29.8 against 43.6 us per 32K step (2 warps), 151 against 243 at 128K (H100, alone)
+        # one warp per program: 29.8 against 43.6 us per 32K step (2 warps), 151 against 243 at 128K (H100, alone;
+        # docs/results.md, select-candidates)
         _kernels()._col_bits_kernel[(nqb, H_, B_)](ci, cc, rank, bits, *ci.stride(), *cc.stride(), width, nchunks,
                                                    BLOCK_J=64, BLOCK_C=BLOCK_C, SPAN=4, num_warps=1)
     else:
