@@ -207,6 +207,16 @@ def test_kernel_input_errors():
         select_lines(x.transpose(1, 2).contiguous().transpose(1, 2), 1, 4, 1.0, False, 4, 64)
 
 
+def test_kernel_refuses_rows_its_packed_counts_cannot_hold(monkeypatch):
+    """A pass packs two per-lane counts (each at most lines / loop step) in 16 bits: rows of 2**15 loop steps or
+    more are refused by name (2**15 * 8192 lines with the real step; here a 1-line step makes that 32768)."""
+    from megatron_mtraining.patterns.triton import select as S_mod
+
+    monkeypatch.setattr(S_mod, "launch_shape", lambda n: (1, 1))
+    with pytest.raises(ValueError, match="packed in 16 bits"):
+        select_lines(torch.rand(1, 1, 2 ** 15, dtype=F64), 1, 4, 1.0, False, 4, 64)
+
+
 def test_kernel_compiles_for_sm90():
     """The interpreter does not compile: the real Triton compiler builds the estimator's launches of the kernel
     for sm_90 in a subprocess without TRITON_INTERPRET (tests/workers/select_aot.py), no GPU needed; the

@@ -210,7 +210,8 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
                     more = (hi_c - lo_c > 1) & (c_lo_c - c_hi_c > CAND)
                     mid_c = lo_c + (hi_c - lo_c) // 2
                     acc_s = tl.zeros([CHUNK], tl.float64)
-                    acc_c = tl.zeros([CHUNK], tl.int32)      # per lane: count at mid + 65536 * count at mid_c
+                    # per lane: count at mid + 65536 * count at mid_c, each at most N / CHUNK (< 2**15)
+                    acc_c = tl.zeros([CHUNK], tl.int32)
                     for c0 in range(0, N, CHUNK):
                         idx = c0 + offs
                         x, key, ok = _keys(row, idx, N, FP64)
@@ -344,7 +345,8 @@ def select_line_kinds(*kinds):
     whose programs select both kinds' rows side by side; returns one ``(selected, count, covered)`` per kind.
 
     Raises:
-        ValueError: as :func:`select_lines` for any kind; more than two kinds, or two on different devices.
+        ValueError: as :func:`select_lines` for any kind; more than two kinds, or two on different devices; rows
+            of ``2**15 * LONG_CHUNK`` lines or more.
     """
     if not 1 <= len(kinds) <= 2:
         raise ValueError(f"select_line_kinds: one or two line kinds, got {len(kinds)}")
@@ -354,7 +356,11 @@ def select_line_kinds(*kinds):
     jobs = [p[1] for p in prepared if p[1] is not None]
     if jobs:
         (ra, a, fa), (rb, b, fb) = jobs[0], (jobs[1] if len(jobs) == 2 else (0, jobs[0][1], jobs[0][2]))
-        chunk, warps = launch_shape(max(k[0].shape[-1] for k in kinds))
+        n = max(k[0].shape[-1] for k in kinds)
+        chunk, warps = launch_shape(n)
+        if n >= 2 ** 15 * chunk:
+            raise ValueError(f"select_line_kinds: rows of {n} lines; the kernel counts at most {2 ** 15 * chunk - 1} "
+                             "(a pass's per-lane counts are packed in 16 bits)")
         _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP,
                                    num_warps=warps, **launch_registers(warps))
     return [p[0] for p in prepared]
