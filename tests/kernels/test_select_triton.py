@@ -207,6 +207,17 @@ def test_kernel_input_errors():
         select_lines(x.transpose(1, 2).contiguous().transpose(1, 2), 1, 4, 1.0, False, 4, 64)
 
 
+def test_launch_registers():
+    """8-warp launches with at most one program per SM may take MAX_REGISTERS registers per thread (the
+    compiler's 128 spills); more programs than SMs, and 16-warp launches, keep the default."""
+    from megatron_mtraining.patterns.triton.select import MAX_REGISTERS, launch_registers
+
+    assert launch_registers(8, 18, 132) == {"maxnreg": MAX_REGISTERS}
+    assert launch_registers(8, 18, None) == {"maxnreg": MAX_REGISTERS}
+    assert launch_registers(8, 133, 132) == {}
+    assert launch_registers(16, 1, 132) == {}
+
+
 def test_kernel_refuses_rows_its_packed_counts_cannot_hold(monkeypatch):
     """A pass packs two per-lane counts (each at most lines / loop step) in 16 bits: rows of 2**15 loop steps or
     more are refused by name (2**15 * 8192 lines with the real step; here a 1-line step makes that 32768)."""

@@ -53,6 +53,9 @@ Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -302,11 +305,19 @@ def launch_shape(n: int):
     return (CHUNK, NUM_WARPS) if n <= LONG_ROW else (LONG_CHUNK, LONG_NUM_WARPS)
 
 
-def launch_registers(warps: int) -> dict:
-    """The register limit of a launch of ``warps`` warps (``maxnreg``): one program per row and a few rows per
-    GPU, so a program may take more registers than two programs per SM leave it (the compiler's 128 at 8 warps
-    spills); 16 warps keep the hardware's 128."""
-    return {"maxnreg": MAX_REGISTERS} if warps * 32 * MAX_REGISTERS <= 65536 else {}
+def launch_registers(warps: int, programs: int = 1, sms: Optional[int] = None) -> dict:
+    """The register limit of a launch of ``programs`` programs of ``warps`` warps (``maxnreg``): with at most one
+    program per SM (``sms``: the GPU's SM count, ``None``: not known) a program may take more registers than two
+    programs per SM leave it (the compiler's 128 at 8 warps spills); more programs keep two per SM, and 16 warps
+    keep the hardware's 128."""
+    if warps * 32 * MAX_REGISTERS > 65536 or (sms is not None and programs > sms):
+        return {}
+    return {"maxnreg": MAX_REGISTERS}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _prepare(score: torch.Tensor, n_floor: int, cap: int, target: float, take_all: bool, width: int,
@@ -361,8 +372,11 @@ def select_line_kinds(*kinds):
         if n >= 2 ** 15 * chunk:
             raise ValueError(f"select_line_kinds: rows of {n} lines; the kernel counts at most {2 ** 15 * chunk - 1} "
                              "(a pass's per-lane counts are packed in 16 bits)")
+        dev = kinds[0][0].device
+        sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" \
+            else None
         _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP,
-                                   num_warps=warps, **launch_registers(warps))
+                                   num_warps=warps, **launch_registers(warps, ra + rb, sms))
     return [p[0] for p in prepared]
 
 
