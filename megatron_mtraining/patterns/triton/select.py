@@ -245,12 +245,11 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
                 thr = lo_k
                 ties = e
                 by_count = 0 * n_rest
-    # ---- 3. the top (count - lo) rest lines by a bisection on counts (from the state step 2's passes left for
-    # the capped count; from the whole key range for another count)
+    # ---- 3. the top (count - lo) rest lines by a bisection on counts, from the state step 2's passes left: they
+    # advanced it only when step 2 ran, after which step 3 runs only for a capped count (need == need_cap);
+    # otherwise it is still the whole key range, valid for any count
     need = count - LO
     if (by_count > 0) & (need > 0):
-        if need != need_cap:
-            lo_c, hi_c, c_lo_c, c_hi_c = k0, k_max + 1, n_rest, n_rest * 0
         lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_c, hi_c, f0, c_lo_c, c_hi_c,
                                                f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
         thr = lo_k
