@@ -191,6 +191,13 @@ def triton_runs_on(device) -> bool:
     return triton_importable()
 
 
+def cuda_index(device) -> int:
+    """The index of the CUDA ``device`` (a ``torch.device``, string or index); the current device for a bare
+    ``"cuda"``."""
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def free_local_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` / a ``tcp://`` init
     method of a one-process world)."""

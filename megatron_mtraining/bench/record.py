@@ -96,6 +96,8 @@ def environment(device: Any = None, argv: Optional[Sequence[str]] = None, tool: 
     """
     import torch
 
+    from ..common import cuda_index
+
     args = list(sys.argv[1:] if argv is None else argv)
     script = sys.argv[0] if sys.argv and sys.argv[0] else "python"
     now = _dt.datetime.now(_dt.timezone.utc)
@@ -107,7 +109,7 @@ def environment(device: Any = None, argv: Optional[Sequence[str]] = None, tool: 
             "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "triton": _version("triton"), "megatron_core": _version("megatron-core"), "cuda": torch.version.cuda}
     if dev.type == "cuda" and torch.cuda.is_available():
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        index = cuda_index(dev)
         meta["device"] = torch.cuda.get_device_name(index)
         meta["gpu"] = {"name": meta["device"], **_gpu(index)}
     else:

@@ -52,6 +52,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..common import cuda_index
 from ..patterns.indices import packed_index_lists
 from .merge import merge_attention
 from .sparse_reference import SparseStepKernel
@@ -929,10 +930,8 @@ def fa4_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int)
     why = fa4_unavailable_reason(device, dtype, head_dim)
     if why is not None:
         return why
-    dev = torch.device(device)
     with _self_check_mode():
-        return _self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
-                                  int(head_dim), int(hq), int(hkv))
+        return _self_check_cached(cuda_index(device), dtype, int(head_dim), int(hq), int(hkv))
 
 
 #: The self-check's packed streams (``cu_seqlens``, ``cu_seqlens_padded``): 2 rows of 256 tokens;
@@ -994,7 +993,6 @@ def fa4_varlen_self_check(device, dtype: torch.dtype, head_dim: int, hq: int, hk
     why = fa4_unavailable_reason(device, dtype, head_dim)
     if why is not None:
         return why
-    dev = torch.device(device)
     with _self_check_mode():
-        return _varlen_self_check_cached(dev.index if dev.index is not None else torch.cuda.current_device(), dtype,
-                                         int(head_dim), int(hq), int(hkv), bool(deterministic))
+        return _varlen_self_check_cached(cuda_index(device), dtype, int(head_dim), int(hq), int(hkv),
+                                         bool(deterministic))

@@ -63,7 +63,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, record_function
+from ..common import REGION_ATTENTION_BWD, REGION_ATTENTION_FWD, cuda_index, record_function
 
 __all__ = ["CUDAGraphedAttention", "DOCUMENTS_RULE", "SECOND_FORWARD_RULE", "SECOND_BACKWARD_RULE",
            "REPLAY_ORDER_RULE", "OUTPUT_KEPT_WARNING", "cuda_graphs_error"]
@@ -143,7 +143,7 @@ _POOLS: dict = {}
 
 
 def _pool(device: torch.device) -> _Pool:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     if idx not in _POOLS:
         _POOLS[idx] = _Pool()
     return _POOLS[idx]

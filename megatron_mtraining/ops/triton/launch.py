@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ...common import triton_runs_on
+from ...common import cuda_index, triton_runs_on
 
 BLOCK = 64          # query tile rows = key block width (the StepIndices block size)
 BLOCK_C = 64        # vertical columns gathered per tile
@@ -679,7 +679,7 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device):
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     s = _SIDE_STREAMS.get(idx)
     if s is None:
         s = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)   # high priority

@@ -60,6 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...common import cuda_index
+
 __all__ = ["select_lines", "select_line_kinds", "CHUNK", "CAND"]
 
 CHUNK = 2048        # lines per step of a program's loops over the row (rows up to LONG_ROW lines)
@@ -372,8 +374,7 @@ def select_line_kinds(*kinds):
             raise ValueError(f"select_line_kinds: rows of {n} lines; the kernel counts at most {2 ** 15 * chunk - 1} "
                              "(a pass's per-lane counts are packed in 16 bits)")
         dev = kinds[0][0].device
-        sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" \
-            else None
+        sms = _sm_count(cuda_index(dev)) if dev.type == "cuda" else None
         _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP,
                                    num_warps=warps, **launch_registers(warps, ra + rb, sms))
     return [p[0] for p in prepared]
