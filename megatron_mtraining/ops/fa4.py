@@ -103,22 +103,26 @@ class BlockSparsity:
     Attributes:
         fwd_cnt: ``[1, 1, M]`` int32, visible key blocks per query block.
         fwd_idx: ``[1, 1, M, max(1, max fwd_cnt)]`` int32, their indices, ascending, packed left.
-        bwd_cnt: ``[1, 1, N]`` int32, query blocks that see each key block.
-        bwd_idx: ``[1, 1, N, max(1, max bwd_cnt)]`` int32, their indices, ascending, packed left.
+        bwd_cnt: ``[1, 1, N]`` int32, query blocks that see each key block (``None`` in lists built
+            for the forward only: :func:`sparsity_from_indices` with ``backward=False``).
+        bwd_idx: ``[1, 1, N, max(1, max bwd_cnt)]`` int32, their indices, ascending, packed left
+            (``None`` with ``bwd_cnt``).
         empty_rows: ``[M]`` bool, query blocks that see no key (their out is 0, lse ``-inf``).
         tiles: number of computed 128×128 tiles.
     """
 
     fwd_cnt: torch.Tensor
     fwd_idx: torch.Tensor
-    bwd_cnt: torch.Tensor
-    bwd_idx: torch.Tensor
+    bwd_cnt: Optional[torch.Tensor]
+    bwd_idx: Optional[torch.Tensor]
     empty_rows: torch.Tensor
     tiles: int
 
     def to(self, device) -> "BlockSparsity":
-        return BlockSparsity(self.fwd_cnt.to(device), self.fwd_idx.to(device), self.bwd_cnt.to(device),
-                             self.bwd_idx.to(device), self.empty_rows.to(device), self.tiles)
+        def move(t):
+            return None if t is None else t.to(device)
+        return BlockSparsity(self.fwd_cnt.to(device), self.fwd_idx.to(device), move(self.bwd_cnt),
+                             move(self.bwd_idx), self.empty_rows.to(device), self.tiles)
 
 
 @dataclass(frozen=True)
@@ -220,12 +224,15 @@ def plan_step(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True,
 _FULL_WIDTH_LIMIT = 1 << 26
 
 
-def sparsity_from_indices(idx) -> BlockSparsity:
+def sparsity_from_indices(idx, backward: bool = True) -> BlockSparsity:
     """FA4 block lists of the slash blocks of one sparse ring step, per batch and query head.
 
     Args:
         idx: a :class:`~megatron_mtraining.patterns.indices.StepIndices` with ``block_size`` equal to
             :data:`FA4_BLOCK` (its columns are ignored: they run elsewhere).
+        backward: also build the backward (per key block) lists; ``False`` leaves ``bwd_cnt`` and
+            ``bwd_idx`` ``None`` (the forward needs only the forward lists; the backward lists of a
+            128K step take ``b * hq * M * M`` int32, 38 MB at 9 heads).
 
     Returns:
         a :class:`BlockSparsity` with ``fwd_cnt [b, hq, M]`` (``idx.block_count``), ``fwd_idx
@@ -247,6 +254,8 @@ def sparsity_from_indices(idx) -> BlockSparsity:
     dev = cnt.device
     valid = torch.arange(w, device=dev) < cnt[..., None].long()                    # [b, h, M, W]
     fwd_idx = torch.where(valid, idx.block_index, torch.zeros_like(idx.block_index)).to(torch.int32).contiguous()
+    if not backward:
+        return BlockSparsity(cnt.contiguous(), fwd_idx, None, None, cnt == 0, -1)
     tile = torch.zeros(b, h, m, n + 1, dtype=torch.bool, device=dev)
     col = torch.where(valid, idx.block_index.long().clamp(0, n - 1), torch.full_like(idx.block_index, n).long())
     tile.scatter_(-1, col, True)
@@ -322,8 +331,8 @@ def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_sc
                                    block_sparse_tensors=bst, return_lse=True)
     if sparsity is not None and sparsity.empty_rows.dim() == 3:       # per-head lists: no host read
         rows = sparsity.empty_rows.repeat_interleave(FA4_BLOCK, dim=-1)          # [b, hq, sq]
-        lse = torch.where(rows, torch.full_like(lse, float("-inf")), lse)
-        out = torch.where(rows.transpose(1, 2)[..., None], torch.zeros_like(out), out)
+        lse = lse.masked_fill(rows, float("-inf"))
+        out.masked_fill_(rows.transpose(1, 2)[..., None], 0.0)                    # FA4's own buffer
     elif sparsity is not None and bool(sparsity.empty_rows.any()):
         rows = sparsity.empty_rows.repeat_interleave(FA4_BLOCK)
         out[:, rows] = 0
@@ -446,6 +455,9 @@ def make_fa4_dense_step(layout, rank: int, seq_len: int, softmax_scale: float, c
     return FA4DenseStepKernel(q_pos, k_pos_of, softmax_scale, causal, fb, deterministic=deterministic)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _without_blocks(idx):
     """``idx`` with its block (slash) work removed: the vertical columns only."""
     from ..patterns.indices import KnownMax, StepIndices
@@ -518,13 +530,18 @@ class FA4SparseStepKernel(SparseStepKernel):
         self._out = out
 
     def end_backward(self) -> None:
-        """Drop the output held since :meth:`begin_backward` (its autograd node refers back to this kernel)."""
+        """Drop the output held since :meth:`begin_backward` (its autograd node refers back to this kernel)
+        and the steps' block lists."""
         self._out = None
+        self._cache.clear()
 
     def _parts(self, idx):
+        """The step's forward block lists (``None``: no block) and its columns-only indices (``None``: no
+        column), built once per step. The backward lists are built by the backward itself, so that a
+        layer's forward keeps only the forward lists until its backward."""
         hit = self._cache.get(id(idx))
         if hit is None or hit[0] is not idx:
-            sp = sparsity_from_indices(idx) if _has(idx, "block") else None
+            sp = sparsity_from_indices(idx, backward=False) if _has(idx, "block") else None
             cols = _without_blocks(idx) if _has(idx, "column") else None
             hit = self._cache[id(idx)] = (idx, sp, cols)
         return hit[1], hit[2]
@@ -535,30 +552,32 @@ class FA4SparseStepKernel(SparseStepKernel):
         sp, cols = self._parts(idx)
         res = None
         if sp is not None:
-            out, lse = fa4_forward(q, k, v, softmax_scale=scale, causal=bool(idx.causal), sparsity=sp)
-            res = (out.float(), lse)
+            res = fa4_forward(q, k, v, softmax_scale=scale, causal=bool(idx.causal), sparsity=sp)
         if cols is not None:
             o2, l2 = self.fallback.forward_fn(q, k, v, cols, scale)
+            # the merge reads FA4's half-precision output as it is (promoted to fp32 in the products)
             res = (o2, l2) if res is None else merge_attention(res[0], res[1], o2, l2)
         if res is None:
             return self.fallback.forward_fn(q, k, v, idx, scale)
-        return res
+        return (res[0].float(), res[1]) if res[0].dtype in _HALF else res
 
     def _backward_step(self, dout, q, k, v, lse, delta, idx, scale: float):
         if id(idx) not in self._ring_ids or self.deterministic or self._out is None:
             return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
-        sp, cols = self._parts(idx)
+        _, cols = self._parts(idx)
         grads = None
-        if sp is not None:
-            dq, dk, dv = fa4_backward(dout, q, k, v, self._out, lse, softmax_scale=scale, causal=bool(idx.causal),
-                                      sparsity=sp)
-            grads = (dq.float(), dk.float(), dv.float())
+        if _has(idx, "block"):
+            sp = sparsity_from_indices(idx)
+            grads = fa4_backward(dout, q, k, v, self._out, lse, softmax_scale=scale, causal=bool(idx.causal),
+                                 sparsity=sp)
+            del sp
         if cols is not None:
             g2 = self.fallback.backward_fn(dout, q, k, v, lse, delta, cols, scale)
-            grads = g2 if grads is None else tuple(a + b for a, b in zip(grads, g2))
+            # FA4's half-precision gradients added into the columns' fp32 ones (tensors of the call's own)
+            grads = g2 if grads is None else tuple(b.add_(a) for a, b in zip(grads, g2))
         if grads is None:
             return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
-        return grads
+        return tuple(g.float() if g.dtype in _HALF else g for g in grads)
 
     forward_fn = _forward_step
     backward_fn = _backward_step

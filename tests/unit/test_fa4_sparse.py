@@ -181,3 +181,40 @@ def test_coarsen_pattern_keeps_every_pair_and_rounds_to_touched_tiles():
     assert torch.equal(tiles_f, tiles_c)
     with pytest.raises(ValueError, match="multiple"):
         fine.coarsen(96)
+
+
+def test_fa4_sparse_step_keeps_only_forward_lists_until_its_backward(monkeypatch):
+    """A layer's forward keeps the forward block lists only (the backward lists, ``b*hq*M*M`` int32 per
+    step, are built by the backward) and the backward drops them all; the gradients are those with the
+    lists built up front (bitwise)."""
+    seen = []
+
+    def fake_backward(*a, sparsity=None, **kw):
+        seen.append(sparsity.bwd_idx is not None)
+        return _fake_backward(*a, sparsity=sparsity, **kw)
+    monkeypatch.setattr(fa4_mod, "fa4_forward", _fake_forward)
+    monkeypatch.setattr(fa4_mod, "fa4_backward", fake_backward)
+    lay = Layout("striped", cp_size=1, granularity=128)
+    pat = random_pattern(512, 128, 1, 2, seed=4, shared_columns=(7,))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 512, h, 16, generator=g, dtype=torch.float64) for h in (2, 1, 1, 2))
+    steps = convert_pattern(pat, lay, 0)
+    kern = make_fa4_sparse_step(steps, 0.25, fallback=SparseStepKernel)
+    out, lse = kern.forward(q, k, v, 0)
+    (_, sp, cols), = kern._cache.values()
+    assert sp.bwd_cnt is None and sp.bwd_idx is None and cols is not None
+    o = out.to(q.dtype)
+    kern.begin_backward(o)
+    delta = (do * o).sum(-1).transpose(1, 2)
+    grads = kern.backward(do, q, k, v, lse, delta, 0)
+    kern.end_backward()
+    assert seen == [True] and not kern._cache
+    # the same step with both lists built before the forward gives the same values
+    monkeypatch.setattr(FA4SparseStepKernel, "_parts",
+                        lambda self, idx: (sparsity_from_indices(idx), fa4_mod._without_blocks(idx)))
+    kern2 = make_fa4_sparse_step(steps, 0.25, fallback=SparseStepKernel)
+    out2, lse2 = kern2.forward(q, k, v, 0)
+    kern2.begin_backward(o)
+    ref = kern2.backward(do, q, k, v, lse2, delta, 0)
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, ref))
+    assert grads[1].abs().sum() > 0
