@@ -65,6 +65,7 @@ __all__ = [
     "block_sparsity_from_tiles",
     "plan_step",
     "sparsity_from_indices",
+    "with_backward_lists",
     "fa4_unavailable_reason",
     "fa4_shape_problem",
     "fa4_forward",
@@ -248,21 +249,32 @@ def sparsity_from_indices(idx, backward: bool = True) -> BlockSparsity:
     if idx.block_size != FA4_BLOCK:
         raise ValueError(f"FA4 block sparsity needs {FA4_BLOCK}-token blocks, got block_size {idx.block_size}")
     cnt = idx.block_count.to(torch.int32)
+    w = idx.block_index.shape[-1]
+    valid = torch.arange(w, device=cnt.device) < cnt[..., None].long()                # [b, h, M, W]
+    fwd_idx = torch.where(valid, idx.block_index, torch.zeros_like(idx.block_index)).to(torch.int32).contiguous()
+    sp = BlockSparsity(cnt.contiguous(), fwd_idx, None, None, cnt == 0, -1)
+    return with_backward_lists(sp) if backward else sp
+
+
+def with_backward_lists(sp: BlockSparsity) -> BlockSparsity:
+    """``sp`` (lists of :func:`sparsity_from_indices`, ``fwd_cnt [b, hq, M]``) with its backward lists
+    built from its forward lists: ``bwd_cnt [b, hq, N]`` and ``bwd_idx [b, hq, N, W']``, per key block
+    the query blocks that list it, ascending, packed left (``N = M``). Built on the lists' device
+    without a host read when ``b * hq * M * N <= 2**26`` (``W' = M``); larger steps read the widest
+    backward list once. Returns ``sp`` itself when it has them already."""
+    if sp.bwd_cnt is not None:
+        return sp
+    cnt, fwd_idx = sp.fwd_cnt, sp.fwd_idx
     b, h, m = cnt.shape
     n = m                                       # a ring step's query and key shards have the same length
-    w = idx.block_index.shape[-1]
     dev = cnt.device
-    valid = torch.arange(w, device=dev) < cnt[..., None].long()                    # [b, h, M, W]
-    fwd_idx = torch.where(valid, idx.block_index, torch.zeros_like(idx.block_index)).to(torch.int32).contiguous()
-    if not backward:
-        return BlockSparsity(cnt.contiguous(), fwd_idx, None, None, cnt == 0, -1)
+    valid = torch.arange(fwd_idx.shape[-1], device=dev) < cnt[..., None].long()
     tile = torch.zeros(b, h, m, n + 1, dtype=torch.bool, device=dev)
-    col = torch.where(valid, idx.block_index.long().clamp(0, n - 1), torch.full_like(idx.block_index, n).long())
+    col = torch.where(valid, fwd_idx.long().clamp(0, n - 1), n)
     tile.scatter_(-1, col, True)
     tt = tile[..., :n].transpose(-1, -2)                                          # [b, h, N, M]
     bwd_cnt, bwd_idx = packed_index_lists(tt, width=m if b * h * m * n <= _FULL_WIDTH_LIMIT else None, fill=0)
-    bwd_idx = bwd_idx.contiguous()
-    return BlockSparsity(cnt.contiguous(), fwd_idx, bwd_cnt.contiguous(), bwd_idx, cnt == 0, -1)
+    return BlockSparsity(sp.fwd_cnt, sp.fwd_idx, bwd_cnt.contiguous(), bwd_idx.contiguous(), sp.empty_rows, sp.tiles)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -564,10 +576,10 @@ class FA4SparseStepKernel(SparseStepKernel):
     def _backward_step(self, dout, q, k, v, lse, delta, idx, scale: float):
         if id(idx) not in self._ring_ids or self.deterministic or self._out is None:
             return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
-        _, cols = self._parts(idx)
+        sp, cols = self._parts(idx)
         grads = None
-        if _has(idx, "block"):
-            sp = sparsity_from_indices(idx)
+        if sp is not None:
+            sp = with_backward_lists(sp)         # the backward lists from the cached forward ones
             grads = fa4_backward(dout, q, k, v, self._out, lse, softmax_scale=scale, causal=bool(idx.causal),
                                  sparsity=sp)
             del sp
