@@ -52,7 +52,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..common import cuda_index
+from ..common import acc_dtype, cuda_index
 from ..patterns.indices import packed_index_lists
 from .merge import merge_attention
 from .sparse_reference import SparseStepKernel
@@ -467,9 +467,6 @@ def make_fa4_dense_step(layout, rank: int, seq_len: int, softmax_scale: float, c
     return FA4DenseStepKernel(q_pos, k_pos_of, softmax_scale, causal, fb, deterministic=deterministic)
 
 
-_HALF = (torch.bfloat16, torch.float16)
-
-
 def _without_blocks(idx):
     """``idx`` with its block (slash) work removed: the vertical columns only."""
     from ..patterns.indices import KnownMax, StepIndices
@@ -571,7 +568,7 @@ class FA4SparseStepKernel(SparseStepKernel):
             res = (o2, l2) if res is None else merge_attention(res[0], res[1], o2, l2)
         if res is None:
             return self.fallback.forward_fn(q, k, v, idx, scale)
-        return (res[0].float(), res[1]) if res[0].dtype in _HALF else res
+        return res[0].to(acc_dtype(res[0].dtype)), res[1]
 
     def _backward_step(self, dout, q, k, v, lse, delta, idx, scale: float):
         if id(idx) not in self._ring_ids or self.deterministic or self._out is None:
@@ -589,7 +586,7 @@ class FA4SparseStepKernel(SparseStepKernel):
             grads = g2 if grads is None else tuple(b.add_(a) for a, b in zip(grads, g2))
         if grads is None:
             return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
-        return tuple(g.float() if g.dtype in _HALF else g for g in grads)
+        return tuple(g.to(acc_dtype(g.dtype)) for g in grads)
 
     forward_fn = _forward_step
     backward_fn = _backward_step
