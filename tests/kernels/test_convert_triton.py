@@ -130,8 +130,8 @@ def test_triton_conversion_matches_torch_on_estimated_patterns(seed):
 
 
 def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
-    """Offset and column lists over several kernel chunks (the running offset between chunks), and the
-    column masks over them, b=2, hq=2; negative control: one corrupted column entry fails the comparison. The kernel's chunk width is a
+    """Offset and column lists over several kernel chunks (the running offset between chunks), b=2, hq=2;
+    negative control: one corrupted column entry fails the comparison. The kernel's chunk width is a
     launch constant (``CHUNK``, 1024): here it is set to 64, so that rows of a few chunks stay small
     enough for the interpreter; the chunk loop and the running offsets are the same code."""
     from megatron_mtraining.patterns.triton import convert as triton_convert
@@ -146,13 +146,14 @@ def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
     slash = [[sorted(rng.sample(range(nb), CHUNK + 20)), sorted(rng.sample(range(nb), 40))] for _ in range(2)]
     vert = [[sorted(rng.sample(range(S), CHUNK + CHUNK // 2)), sorted(rng.sample(range(S), 2 * CHUNK + 5))]
             for _ in range(2)]
-    pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)   # ascending lists: the column masks too
-    pat = dataclasses.replace(pat, vertical_ascending=True)
+    pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)
     layout = Layout("striped", 1, bs)
     new, ref = convert_pattern(pat, layout, 0, impl="triton"), convert_pattern(pat, layout, 0, impl="torch")
     assert ref[0].block_index.shape[-1] > CHUNK and ref[0].column_index.shape[-1] > CHUNK
     assert_same_with_maxima(new, ref, "long rows")
-    assert torch.equal(new[0].given_column_union.bits, expected_masks(new[0], pat.vertical))  # over several chunks
+    assert new[0].column_union is None                  # from_lists does not record ascending vertical lists
+    asc = convert_pattern(dataclasses.replace(pat, vertical_ascending=True), layout, 0, impl="triton")[0]
+    assert torch.equal(asc.given_column_union.bits, expected_masks(asc, pat.vertical))   # masks over several chunks
     bad = new[0].column_index.clone()
     bad[0, 0, -1, 0] += 1
     corrupted = [dataclasses.replace(new[0], column_index=bad)]

@@ -30,6 +30,11 @@ CHUNK = 256         # candidates per step of a program's loop (one tl.cumsum)
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
 def _convert_rows_kernel(
     DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
     NS, NV, WB, WC, NQB, BS, NW,
@@ -75,8 +80,7 @@ def _convert_rows_kernel(
             base += tl.sum(keep32, 0)
             if WRITE_BITS:
                 bit = tl.where(keep, tl.full([CHUNK], 1, tl.int64) << (offs % 64).to(tl.int64), 0)
-                # distinct powers of two per word: their sum is their OR (two's complement for bit 63)
-                words = tl.sum(tl.where((offs // 64)[None, :] == wid[:, None], bit[None, :], 0), 1)
+                words = tl.reduce(tl.where((offs // 64)[None, :] == wid[:, None], bit[None, :], 0), 1, _or)
         if WRITE_BITS:
             w = c0 // 64 + wid
             tl.store(Bits + out_row * NW + w, words, mask=w < NW)
