@@ -477,7 +477,8 @@ def _without_blocks(idx):
     known = (KnownMax.of(bc, idx.column_count, 0, k.column, k.exact, k.union)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
     return StepIndices(bc, torch.full((b, hq, nqb, 1), -1, dtype=idx.block_index.dtype, device=bc.device),
-                       idx.column_count, idx.column_index, idx.causal, idx.block_size, known_max=known)
+                       idx.column_count, idx.column_index, idx.causal, idx.block_size, known_max=known,
+                       column_union=idx.column_union)     # the same column lists: a valid record stays valid
 
 
 def _has(idx, which: str) -> bool:

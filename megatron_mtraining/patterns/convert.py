@@ -41,7 +41,7 @@ import torch
 from ..common import REGION_CONVERT, record_function, triton_runs_on
 from ..layout import Layout
 from .estimator import VerticalSlashPattern
-from .indices import DiagonalBlocks, KnownMax, StepIndices, packed_index_lists
+from .indices import ColumnUnion, DiagonalBlocks, KnownMax, StepIndices, packed_index_lists
 
 __all__ = ["check_block_layout", "local_block_ids", "step_indices", "convert_pattern", "step_key_mask",
            "without_columns", "refine_indices", "step_column_positions", "column_phase_indices",
@@ -177,15 +177,21 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     if _use_triton(impl, d_desc, cp):      # cp 1: one owner, the rank itself; the same lists in one launch
         from .triton.convert import convert_rows
 
-        b_cnt, b_idx, c_cnt, c_idx = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs)
+        # an ascending vertical list is each row's column union: its slot masks come from the same pass
+        union = pattern.vertical_ascending
+        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs,
+                                                          bits=union)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         b_idx = b_idx[..., :max(1, mb)].contiguous()
+        c_idx = c_idx[..., :max(1, mc)].contiguous()
         return [StepIndices(block_count=b_cnt, block_index=b_idx, column_count=c_cnt,
-                            column_index=c_idx[..., :max(1, mc)].contiguous(), causal=True, block_size=bs,
+                            column_index=c_idx, causal=True, block_size=bs,
                             known_max=KnownMax.of(b_cnt, c_cnt, mb, mc, exact=not static_widths,
                                                                  union=mc if static_widths else None),
-                            diagonal=DiagonalBlocks.of(b_cnt, b_idx))]
+                            diagonal=DiagonalBlocks.of(b_cnt, b_idx),
+                            column_union=ColumnUnion.of(pattern.vertical.to(i32), masks[0], c_cnt, c_idx)
+                            if union else None)]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
@@ -310,8 +316,8 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     ``f`` query blocks ``i*f .. i*f+f-1``; each listed key block ``j`` becomes ``j*f .. j*f+f-1``
     (ascending, so lists stay sorted); the vertical columns of ``i`` are listed for each of its
     ``f`` sub-blocks. ``causal`` is kept: the local-index mask still removes the sub-tiles above the
-    diagonal. Pure and vectorized (no host sync); ``known_max`` carries over, scaled; document bounds
-    (token-level) carry over unchanged.
+    diagonal. Pure and vectorized (no host sync); ``known_max`` carries over, scaled, and a valid
+    ``column_union`` with its masks repeated per sub-block; document bounds (token-level) carry over unchanged.
 
     Lets kernels with a fixed tile (the Triton kernels' 64 rows) run patterns estimated at a coarser
     slash granularity (e.g. 128, the tile of FlashAttention-4's block-sparse backward).
@@ -345,8 +351,11 @@ def refine_indices(idx: StepIndices, block_size: int) -> StepIndices:
     k = idx.known_max
     known = (KnownMax.of(bc, cc, k.block * f, k.column, k.exact, k.union)
              if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
-    return StepIndices(bc.contiguous(), bi.contiguous(), cc.contiguous(), ci.contiguous(), idx.causal, block_size,
-                       known_max=known, doc_lo=idx.doc_lo, doc_hi=idx.doc_hi, key_pos=idx.key_pos)
+    cc, ci = cc.contiguous(), ci.contiguous()
+    u = idx.given_column_union
+    return StepIndices(bc.contiguous(), bi.contiguous(), cc, ci, idx.causal, block_size,
+                       known_max=known, doc_lo=idx.doc_lo, doc_hi=idx.doc_hi, key_pos=idx.key_pos,
+                       column_union=u.repeat_blocks(f, cc, ci) if u is not None else None)
 
 
 def step_column_positions(steps: List[StepIndices], layout: Layout, seq_len: int):

@@ -206,6 +206,10 @@ class VerticalSlashPattern:
         vertical_count: ``[b, hq]`` int64.
         est_slash_mass, est_vertical_mass: ``[b, hq]`` fp64 fraction of the probe mass covered by
             the chosen slash / vertical lines (estimator diagnostics; ``None`` for hand-built patterns).
+        vertical_ascending: host record that every row of ``vertical`` is strictly ascending with its
+            ``-1`` padding after the last position (the estimator's patterns; ``False``: not known). The
+            Triton conversion at cp 1 then also hands the backward's column plan each row's vertical list
+            as its column union (:class:`~megatron_mtraining.patterns.indices.ColumnUnion`).
     """
 
     seq_len: int
@@ -216,6 +220,7 @@ class VerticalSlashPattern:
     vertical_count: torch.Tensor
     est_slash_mass: Optional[torch.Tensor] = None
     est_vertical_mass: Optional[torch.Tensor] = None
+    vertical_ascending: bool = False
 
     @classmethod
     def from_lists(cls, seq_len: int, block_size: int, slash, vertical) -> "VerticalSlashPattern":
@@ -274,7 +279,8 @@ class VerticalSlashPattern:
         for part in (d // f, (d + f - 1) // f):
             hit.scatter_(-1, torch.where(ok, part.clamp(max=nb - 1), torch.full_like(part, nb)), True)
         cnt, slash = packed_index_lists(hit[..., :nb], fill=-1, dtype=torch.int64)
-        return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count)
+        return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count,
+                                    vertical_ascending=self.vertical_ascending)
 
     def check(self) -> None:
         """Validate a hand-built pattern (one host synchronisation): integer ``[b, hq, n]`` lists, every entry
@@ -304,7 +310,7 @@ class VerticalSlashPattern:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return VerticalSlashPattern(self.seq_len, self.block_size, mv(self.slash), mv(self.slash_count),
                                     mv(self.vertical), mv(self.vertical_count), mv(self.est_slash_mass),
-                                    mv(self.est_vertical_mass))
+                                    mv(self.est_vertical_mass), self.vertical_ascending)
 
     def slash_mask(self) -> torch.Tensor:
         """``[b, hq, S / bs]`` bool: block diagonal ``d`` selected."""
@@ -522,7 +528,7 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
         if layout.cp_size == 1:
             v_sel, v_cnt, v_mass = picked[1]
             return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                        est_slash_mass=s_mass, est_vertical_mass=v_mass)
+                                        est_slash_mass=s_mass, est_vertical_mass=v_mass, vertical_ascending=True)
     else:
         s_score, s_order = floor_first_sort(slash, config.local_blocks)
         s_cnt, s_cov = _budget(s_score, config.local_blocks, config.max_slash, target, take_all)
@@ -544,7 +550,7 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
         s_sel, s_mass = _take_sorted(s_order, s_cnt, ws, sentinel=nb), s_cov / L
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_mass, est_vertical_mass=v_mass)
+                                est_slash_mass=s_mass, est_vertical_mass=v_mass, vertical_ascending=True)
 
 
 def _document_floors(documents, sink_tokens: int) -> tuple[torch.Tensor, list]:
@@ -616,7 +622,7 @@ def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tenso
     s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_cov / norm, est_vertical_mass=v_cov / norm)
+                                est_slash_mass=s_cov / norm, est_vertical_mass=v_cov / norm, vertical_ascending=True)
 
 
 def _document_probe_positions(documents, last_q: int) -> list:

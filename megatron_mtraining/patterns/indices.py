@@ -55,7 +55,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BLOCK_SIZE", "DiagonalBlocks", "KnownMax", "StepIndices", "packed_index_lists"]
+__all__ = ["BLOCK_SIZE", "ColumnUnion", "DiagonalBlocks", "KnownMax", "StepIndices", "packed_index_lists"]
 
 BLOCK_SIZE = 64
 
@@ -153,6 +153,61 @@ class DiagonalBlocks:
                 and self._versions == (block_count._version, block_index._version))
 
 
+class ColumnUnion:
+    """Device record, made by the conversion at ``cp_size == 1`` from a pattern whose vertical lists are
+    strictly ascending (``VerticalSlashPattern.vertical_ascending``), of every index row's column union and of
+    which of its columns each query block lists (MTraining §3.3; the Triton backward's column plan,
+    :func:`~megatron_mtraining.ops.triton.launch.plan_from_indices`, takes them instead of building them
+    from the lists).
+
+    Attributes:
+        union: ``[b, h, nv]`` int32, the row's vertical positions, strictly ascending, ``-1`` padded at the
+            end: every column a query block of the row lists is one of them.
+        bits: ``[b, h, nqb, ceil(nv / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` is set iff query
+            block ``i`` lists column ``union[b, h, j]``.
+
+    Valid only while ``column_count`` and ``column_index`` are the very tensors it was made for, unmodified
+    (identity and version counter), like :class:`KnownMax`: indices rebuilt from them (documents, head
+    repeats) carry none, and their plans build the union from the lists."""
+
+    __slots__ = ("union", "bits", "_refs", "_versions")
+
+    def __init__(self, union: torch.Tensor, bits: torch.Tensor, column_count: torch.Tensor,
+                 column_index: torch.Tensor):
+        self.union, self.bits = union, bits
+        self._refs = (weakref.ref(column_count), weakref.ref(column_index))
+        self._versions = (column_count._version, column_index._version)
+
+    @classmethod
+    def of(cls, union: torch.Tensor, bits: torch.Tensor, column_count: torch.Tensor,
+           column_index: torch.Tensor) -> Optional["ColumnUnion"]:
+        """A record, or ``None`` for inference tensors (they keep no version counter).
+
+        Raises:
+            ValueError: shapes that do not match (``union [b, h, nv]``, ``bits [b, h, nqb, ceil(nv / 64)]`` with
+                the ``[b, h, nqb]`` of ``column_count``).
+        """
+        b, h, nqb = column_count.shape
+        nv = union.shape[-1]
+        if union.shape != (b, h, nv) or bits.shape != (b, h, nqb, -(-nv // 64)) or bits.dtype != torch.int64:
+            raise ValueError(f"ColumnUnion: union {tuple(union.shape)} and bits {tuple(bits.shape)} {bits.dtype} do not "
+                             f"match column_count {tuple(column_count.shape)} (union [b, h, nv], bits int64 "
+                             "[b, h, nqb, ceil(nv / 64)])")
+        if column_count.is_inference() or column_index.is_inference():
+            return None
+        return cls(union, bits, column_count, column_index)
+
+    def valid_for(self, column_count: torch.Tensor, column_index: torch.Tensor) -> bool:
+        return (self._refs[0]() is column_count and self._refs[1]() is column_index
+                and self._versions == (column_count._version, column_index._version))
+
+    def repeat_blocks(self, f: int, column_count: torch.Tensor, column_index: torch.Tensor) -> Optional["ColumnUnion"]:
+        """The record of indices whose query blocks are each split into ``f`` (every sub-block lists its
+        block's columns: :func:`~megatron_mtraining.patterns.convert.refine_indices`), for their new
+        ``column_count`` / ``column_index``."""
+        return ColumnUnion.of(self.union, self.bits.repeat_interleave(f, dim=2), column_count, column_index)
+
+
 @dataclass
 class StepIndices:
     """Sparse work of one (query rank, K/V owner) pair; see the module docstring for shapes.
@@ -160,7 +215,9 @@ class StepIndices:
     ``known_max`` (optional, set by the converter): the counts' maxima on the host, so that
     :meth:`is_empty` needs no device read while they are valid (:class:`KnownMax`). ``diagonal``
     (optional, set by the converter where the layout allows it): the block lists are block diagonals
-    (:class:`DiagonalBlocks`), which the Triton backward's plan uses."""
+    (:class:`DiagonalBlocks`), which the Triton backward's plan uses. ``column_union`` (optional, set by the
+    Triton conversion at cp 1): each row's column union and per-block column masks (:class:`ColumnUnion`),
+    which the Triton backward's column plan uses."""
 
     block_count: torch.Tensor
     block_index: torch.Tensor
@@ -173,11 +230,21 @@ class StepIndices:
     doc_hi: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     key_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     diagonal: Optional[DiagonalBlocks] = field(default=None, compare=False, repr=False)
+    column_union: Optional[ColumnUnion] = field(default=None, compare=False, repr=False)
 
     @property
     def diagonal_blocks(self) -> bool:
         """True when the block lists are known block diagonals (a valid :class:`DiagonalBlocks`)."""
         return self.diagonal is not None and self.diagonal.valid_for(self.block_count, self.block_index)
+
+    @property
+    def given_column_union(self) -> Optional[ColumnUnion]:
+        """The :class:`ColumnUnion` record when it is valid for these column lists (and there are no
+        documents), else ``None``."""
+        u = self.column_union
+        if u is None or self.doc_lo is not None or not u.valid_for(self.column_count, self.column_index):
+            return None
+        return u
 
     @property
     def has_documents(self) -> bool:

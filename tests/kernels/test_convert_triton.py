@@ -54,6 +54,51 @@ def assert_same_with_maxima(new, ref, ctx):
         assert a.is_empty() == b.is_empty(), ctx
 
 
+def expected_masks(step, vertical):
+    """``[b, h, nqb, ceil(nv / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` set iff the block lists
+    ``vertical[..., j]`` (brute force over the lists)."""
+    ci, cc = step.column_index.long(), step.column_count.long()
+    listed_slot = torch.arange(ci.shape[-1]) < cc[..., None]                            # [b, h, nqb, w]
+    hit = (vertical[:, :, None, :, None] == ci[:, :, :, None, :]) & listed_slot[:, :, :, None, :]
+    listed = hit.any(-1) & (vertical >= 0)[:, :, None, :]                                 # [b, h, nqb, nv]
+    nv = vertical.shape[-1]
+    nw = -(-nv // 64)
+    listed = torch.nn.functional.pad(listed, (0, nw * 64 - nv)).view(*listed.shape[:3], nw, 64)
+    return (listed.long() << torch.arange(64)).sum(-1)         # distinct powers of two (two's complement)
+
+
+def test_triton_conversion_column_union_masks():
+    """Estimated patterns (ascending vertical lists, ``vertical_ascending``): the Triton conversion records
+    each row's vertical list as its column union with the per-block masks of what the block lists
+    (brute force from the lists), refine_indices repeats them per sub-block, and the record stops being
+    valid once the lists are modified in place (negative control). Patterns not known to be ascending get
+    none."""
+    from megatron_mtraining.patterns.convert import refine_indices
+
+    gen, rng = torch.Generator().manual_seed(321), random.Random(321)
+    S = 1024
+    q, k = tie_heavy_qkv(gen, rng, 1, S, 2, 1, 16)
+    for bs in (64, 128):
+        cfg = VerticalSlashConfig(recall=0.9, last_q=64, block_size=bs, sink_tokens=8, local_blocks=1,
+                                  max_vertical=150, max_slash=4)
+        layout = Layout("striped", 1, bs)
+        pat = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="torch")
+        assert pat.vertical_ascending and pat.to("cpu").vertical_ascending and pat.coarsen(2 * bs).vertical_ascending
+        st = convert_pattern(pat, layout, 0, impl="triton")[0]
+        u = st.given_column_union
+        assert u is not None and torch.equal(u.union, pat.vertical.to(torch.int32))
+        masks = expected_masks(st, pat.vertical)
+        assert int((masks != 0).sum()) > 0 and torch.equal(u.bits, masks)
+        fine = refine_indices(st, 64)
+        if bs != 64:
+            assert torch.equal(fine.given_column_union.bits, expected_masks(fine, pat.vertical))
+        st.column_index.add_(0)                            # an in-place write: the record no longer holds
+        assert st.given_column_union is None
+        plain = convert_pattern(dataclasses.replace(pat, vertical_ascending=False), layout, 0, impl="triton")[0]
+        assert plain.column_union is None
+        assert_same_steps([plain], convert_pattern(pat, layout, 0, impl="torch"), bs)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_triton_conversion_matches_torch_on_random_patterns(seed):
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
@@ -85,8 +130,8 @@ def test_triton_conversion_matches_torch_on_estimated_patterns(seed):
 
 
 def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
-    """Offset and column lists over several kernel chunks (the running offset between chunks), b=2, hq=2;
-    negative control: one corrupted column entry fails the comparison. The kernel's chunk width is a
+    """Offset and column lists over several kernel chunks (the running offset between chunks), and the
+    column masks over them, b=2, hq=2; negative control: one corrupted column entry fails the comparison. The kernel's chunk width is a
     launch constant (``CHUNK``, 1024): here it is set to 64, so that rows of a few chunks stay small
     enough for the interpreter; the chunk loop and the running offsets are the same code."""
     from megatron_mtraining.patterns.triton import convert as triton_convert
@@ -101,11 +146,13 @@ def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
     slash = [[sorted(rng.sample(range(nb), CHUNK + 20)), sorted(rng.sample(range(nb), 40))] for _ in range(2)]
     vert = [[sorted(rng.sample(range(S), CHUNK + CHUNK // 2)), sorted(rng.sample(range(S), 2 * CHUNK + 5))]
             for _ in range(2)]
-    pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)
+    pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)   # ascending lists: the column masks too
+    pat = dataclasses.replace(pat, vertical_ascending=True)
     layout = Layout("striped", 1, bs)
     new, ref = convert_pattern(pat, layout, 0, impl="triton"), convert_pattern(pat, layout, 0, impl="torch")
     assert ref[0].block_index.shape[-1] > CHUNK and ref[0].column_index.shape[-1] > CHUNK
     assert_same_with_maxima(new, ref, "long rows")
+    assert torch.equal(new[0].given_column_union.bits, expected_masks(new[0], pat.vertical))  # over several chunks
     bad = new[0].column_index.clone()
     bad[0, 0, -1, 0] += 1
     corrupted = [dataclasses.replace(new[0], column_index=bad)]

@@ -560,3 +560,48 @@ def test_tma_default_follows_the_device_and_the_triton_version(monkeypatch):
     assert launch._tma_descriptors(64, x)[0] is not None
     monkeypatch.setitem(sys.modules, "triton.tools.tensor_descriptor", None)     # import fails
     assert launch._tma_descriptors(64, x) == (None,)
+
+
+def test_column_union_from_the_conversion_matches_fp64():
+    """The backward's column plan taking the conversion's column union and per-tile masks (an estimated
+    pattern converted by the Triton kernel at cp 1, slash blocks of 64 and of 128 tokens) gives out, LSE,
+    dQ, dK and dV of the fp64 oracle, with the plan's union being the pattern's vertical list; negative
+    control: a mask word with one listed column cleared loses that column's dK/dV."""
+    from megatron_mtraining.ops.triton import plan_for
+    from megatron_mtraining.patterns.convert import convert_pattern, refine_indices
+    from megatron_mtraining.patterns.estimator import VerticalSlashConfig, estimate_vertical_slash
+
+    gen = torch.Generator().manual_seed(23)
+    b, s, hq, hkv, d = 1, 512, 2, 1, 64
+    q, k, v, dout = _inputs(b, s, hq, hkv, d, torch.float32, gen)
+    k[:, :8] *= 3
+    scale = d ** -0.5
+    for bs in (64, 128):
+        cfg = VerticalSlashConfig(recall=0.9, last_q=64, block_size=bs, sink_tokens=8, local_blocks=1,
+                                  max_vertical=96, max_slash=3)
+        layout = Layout("striped", 1, bs)
+        pat = estimate_vertical_slash(q, k, layout=layout, config=cfg, softmax_scale=scale, impl="torch")
+        st = refine_indices(convert_pattern(pat, layout, 0, impl="triton")[0], 64)
+        assert st.given_column_union is not None
+        plan = plan_for(st)
+        assert plan.column_union is not None
+        out, lse = launch.sparse_forward(q, k, v, plan, scale)
+        delta = (dout * out).sum(-1).transpose(1, 2).contiguous()
+        grads = launch.sparse_backward(dout, q, k, v, lse, delta, plan, scale, True)
+        col_u, ucount = plan._col[("col", s, b, hq)][:2]
+        nv = pat.vertical.shape[-1]
+        assert torch.equal(col_u[..., :nv], pat.vertical.clamp(min=0).to(torch.int32))
+        assert torch.equal(ucount, (pat.vertical >= 0).sum(-1).to(torch.int32))
+        mask_fn = lambda r0, r1: dense_mask_rows(st, r0, r1, s)  # noqa: E731
+        o_ref, l_ref = oracle(q, k, v, mask_fn, scale)
+        delta_ref = (dout.double() * o_ref).sum(-1).transpose(1, 2)
+        *_, dq_r, dk_r, dv_r, _, _ = oracle(q, k, v, mask_fn, scale, dout, l_ref, delta_ref)
+        _check_all((out, lse) + grads, (o_ref, l_ref, dq_r, dk_r, dv_r), TOL[torch.float32])
+        if bs == 64:      # negative control: one listed column dropped from one tile's mask
+            bits = st.column_union.bits.clone()
+            h, t, w = (int(x[0]) for x in (bits != 0).nonzero(as_tuple=True)[1:])
+            bits[0, h, t, w] &= bits[0, h, t, w] - 1                         # clear the lowest set bit
+            bad = plan_for(st)
+            bad.column_union = (st.column_union.union, bits)
+            _, dk_bad, dv_bad = launch.sparse_backward(dout, q, k, v, lse, delta, bad, scale, True)
+            assert max(rel_err(dk_bad, dk_r), rel_err(dv_bad, dv_r)) > 1e-4

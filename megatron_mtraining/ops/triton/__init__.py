@@ -76,7 +76,9 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
     phase), data-dependent otherwise. The column union's buffer is sized by ``known_max.union``
     when valid, else by ``min(sk, nqb * max_nc)`` (up to the dense key count: costly for long
     sequences). The gradients equal those of the data-dependent plans (the same entries in the same
-    order; a wider column union only changes the split of the column partials)."""
+    order; a wider column union only changes the split of the column partials). A valid
+    ``indices.column_union`` (:class:`~megatron_mtraining.patterns.indices.ColumnUnion`) is the column plan's
+    union and per-tile masks: no union is built from the lists, and the plan needs no bound for it."""
     indices = _tiles(indices)
     k = indices.known_max
     if k is not None and not k.valid_for(indices.block_count, indices.column_count):
@@ -86,10 +88,12 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
         static = indices.block_index.is_cuda and union is not None
     static = bool(static)
     union = union if static else None
+    given = indices.given_column_union
     return plan_from_indices(indices.block_count, indices.block_index, indices.column_count, indices.column_index,
                              bool(indices.causal), static=static, column_union_max=union,
                              doc_lo=indices.doc_lo, doc_hi=indices.doc_hi, key_pos=indices.key_pos,
-                             diagonal=indices.diagonal_blocks)
+                             diagonal=indices.diagonal_blocks,
+                             column_union=(given.union, given.bits) if given is not None else None)
 
 
 def _scale(q, softmax_scale):

@@ -70,6 +70,8 @@ class SparsePlan:
     doc_lo: Optional[torch.Tensor] = None  # [B'', sq] int32 document key bounds (packed documents), with k_pos
     doc_hi: Optional[torch.Tensor] = None  # [B'', sq] int32 (a padding query: lo > hi)
     diagonal: bool = False                # block lists are block diagonals (StepIndices.diagonal_blocks)
+    column_union: Optional[tuple] = None  # (union [B', H', nv] int32 ascending, -1 padded; masks [B', H', nqb,
+    #                                       ceil(nv / 64)] int64): the column plan's union, given (ColumnUnion)
     _diag_rows: Optional[tuple] = field(default=None, repr=False)  # their _diagonal_rows (causal plans)
 
     @property
@@ -163,7 +165,8 @@ def _tile_bounds(doc_lo: torch.Tensor, doc_hi: torch.Tensor):
 def plan_from_indices(block_count, block_index, column_count, column_index, causal: bool,
                       static: bool = False, column_union_max: Optional[int] = None,
                       doc_lo: Optional[torch.Tensor] = None, doc_hi: Optional[torch.Tensor] = None,
-                      key_pos: Optional[torch.Tensor] = None, diagonal: bool = False) -> SparsePlan:
+                      key_pos: Optional[torch.Tensor] = None, diagonal: bool = False,
+                      column_union: Optional[tuple] = None) -> SparsePlan:
     """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask).
 
     ``static``: the backward plans get sizes known on the host (no device read, the CUDA default of
@@ -181,7 +184,14 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     query tile ``i`` lists ``i - d`` for one offset set ``d in D`` per index row, ascending, with as
     many query tiles as key blocks). Then the causal split and the backward's inverted block index
     come from each row's offsets (:func:`_diagonal_rows`) without a sort; the plan is the same.
-    Ignored with documents."""
+    Ignored with documents.
+
+    ``column_union``: ``(union, masks)`` of a
+    :class:`~megatron_mtraining.patterns.indices.ColumnUnion` valid for ``column_index`` (each index row's
+    columns, strictly ascending and ``-1`` padded, a superset of what its tiles list, and per tile the
+    64-bit masks of the slots it lists): the backward's column plan takes them as its union and tile
+    masks instead of building them from the lists (:func:`_col_plan`; the same columns, split into
+    chunks of the given union). Ignored with documents."""
     block_count, block_index = _i32(block_count), _i32(block_index)
     docs = doc_lo is not None
     if docs and (doc_hi is None or key_pos is None):
@@ -213,7 +223,8 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
                       _i32(column_count) if has_cols else None, _i32(column_index) if has_cols else None,
                       1 if causal else 0, k_pos=bound(key_pos), static=bool(static),
                       column_union_max=column_union_max, doc_lo=bound(doc_lo), doc_hi=bound(doc_hi),
-                      diagonal=diagonal, _diag_rows=diag_rows)
+                      diagonal=diagonal, _diag_rows=diag_rows,
+                      column_union=column_union if has_cols and not docs else None)
 
 
 def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
@@ -525,6 +536,16 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     if key in plan._col:
         return plan._col[key]
     dev = ci.device
+    if plan.column_union is not None:      # given by the conversion (ColumnUnion): no present / rank / bits pass
+        union, bits = plan.column_union
+        nv = union.shape[-1]
+        upad = BLOCK_C * max(1, math.ceil(nv / BLOCK_C))
+        nchunks = upad // BLOCK_C
+        ok = union >= 0
+        col_u = torch.nn.functional.pad(torch.where(ok, union, 0), (0, upad - nv))
+        ucount = ok.sum(-1, dtype=torch.int32)
+        bits = bits if bits.shape[-1] == nchunks else torch.nn.functional.pad(bits, (0, nchunks - bits.shape[-1]))
+        return _col_finish(plan, key, col_u, ucount, bits, upad, nchunks, b, hq, triton_runs_on(dev))
     # where Triton runs, kernels read only the listed slots (present columns, then the tiles' chunk masks)
     # and scan each row once (ranks, union); else torch ops over every slot of the index
     fused = triton_runs_on(dev)
@@ -581,6 +602,15 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         bits = torch.zeros(B_, H_, nqb, nchunks + _SPREAD, dtype=torch.int64, device=dev)
         bits.scatter_add_(3, chunk, bit)                  # distinct powers of two: the sum is the OR
         bits = bits[..., :nchunks]
+    return _col_finish(plan, key, col_u, ucount, bits, upad, nchunks, b, hq, fused)
+
+
+def _col_finish(plan: SparsePlan, key: tuple, col_u, ucount, bits, upad: int, nchunks: int, b: int, hq: int,
+                fused: bool):
+    """The rest of :func:`_col_plan` from the union ``col_u [B', H', upad]`` (``ucount`` slots used), and the
+    tiles' chunk masks ``bits [B', H', nqb, nchunks]``: the entries, cached on ``plan`` under ``key``."""
+    B_, H_, nqb = bits.shape[:3]
+    dev = bits.device
     # split the query tiles so that there are enough programs to fill the GPU
     qbps = max(16, min(nqb, 256))
     while qbps > 16 and b * hq * nchunks * math.ceil(nqb / qbps) < 4 * 132:

@@ -11,7 +11,9 @@ the row's count get -1. Per row ``i`` (query block ``i``, keys in local = global
 * blocks: the selected block-diagonal offsets ``d`` (unique, descending, padded with a value > any
   block) with ``d <= i``, in that order, as key blocks ``i - d`` (ascending);
 * columns: the pattern's vertical positions ``t`` (in the pattern's order; -1 = padding) with
-  ``t // bs <= i`` whose block ``t // bs`` is not active for ``i`` (offset ``i - t // bs`` not selected).
+  ``t // bs <= i`` whose block ``t // bs`` is not active for ``i`` (offset ``i - t // bs`` not selected);
+  optionally also as 64-bit masks over the slots of the row's vertical list (bit ``j % 64`` of word
+  ``j // 64``: slot ``j`` listed), the per-block masks of the backward's column plan.
 
 Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
 """
@@ -29,10 +31,10 @@ CHUNK = 256         # candidates per step of a program's loop (one tl.cumsum)
 
 @triton.jit
 def _convert_rows_kernel(
-    DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx,
-    NS, NV, WB, WC, NQB, BS,
+    DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
+    NS, NV, WB, WC, NQB, BS, NW,
     s_dr, s_vr, s_mr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, WRITE_BITS: tl.constexpr,
 ):
     i = tl.program_id(0)                 # query block = local row
     r = tl.program_id(1)                 # sample * hq + head
@@ -54,13 +56,16 @@ def _convert_rows_kernel(
         tl.store(BIdx + out_row * WB + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WB))
     # --- columns: visible (t // bs <= i) and not in an active block, in the pattern's order; a chunk
     # without a visible column (past the tile or padding: most chunks of the early tiles) is skipped
+    # with WRITE_BITS also the chunk's CHUNK // 64 words of slot masks (zero for a skipped chunk)
     base = i * 0
+    wid = tl.arange(0, CHUNK // 64)
     for c0 in range(0, NV, CHUNK):
         idx = c0 + offs
         t = tl.load(Vert + r * s_vr + idx, mask=idx < NV, other=-1)
         valid = t >= 0
         tb = tl.where(valid, t // BS, 0)
         vis = valid & (tb <= i)
+        words = tl.zeros([CHUNK // 64], dtype=tl.int64)
         if tl.max(vis.to(tl.int32), 0) > 0:
             act = tl.load(SMask + r * s_mr + (i - tb), mask=vis, other=0)
             keep = vis & (act == 0)
@@ -68,13 +73,21 @@ def _convert_rows_kernel(
             pos = base + tl.cumsum(keep32, 0) - 1
             tl.store(CIdx + out_row * WC + pos, t.to(tl.int32), mask=keep)
             base += tl.sum(keep32, 0)
+            if WRITE_BITS:
+                bit = tl.where(keep, tl.full([CHUNK], 1, tl.int64) << (offs % 64).to(tl.int64), 0)
+                # distinct powers of two per word: their sum is their OR (two's complement for bit 63)
+                words = tl.sum(tl.where((offs // 64)[None, :] == wid[:, None], bit[None, :], 0), 1)
+        if WRITE_BITS:
+            w = c0 // 64 + wid
+            tl.store(Bits + out_row * NW + w, words, mask=w < NW)
     tl.store(CCnt + out_row, base)
     for c0 in range(0, WC, CHUNK):
         idx = c0 + offs
         tl.store(CIdx + out_row * WC + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WC))
 
 
-def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int):
+def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int,
+                 bits: bool = False):
     """Block and column lists of every (sample, head, query block) row at CP=1.
 
     Args:
@@ -83,11 +96,14 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
         vertical: ``[b, hq, nv]`` int64 (or int32) column positions, -1 = padding.
         slash_mask: ``[b, hq, nb]`` bool, offset ``d`` selected.
         nqb: query blocks (= key blocks = ``S / block_size``); block_size: tokens per block.
+        bits: also return the column lists as slot masks over ``vertical`` (below).
 
     Returns:
         ``(block_count [b, hq, nqb] int32, block_index [b, hq, nqb, max(1, ns)] int32, column_count
         [b, hq, nqb] int32, column_index [b, hq, nqb, max(1, nv)] int32)``; index slots past the count hold
-        -1 (the caller trims the widths to the largest count, at least 1).
+        -1 (the caller trims the widths to the largest count, at least 1). With ``bits``, a fifth tensor
+        ``[b, hq, nqb, ceil(nv / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` is set iff the row lists
+        ``vertical[..., j]``.
     """
     b, hq, ns = d_desc.shape
     nv = vertical.shape[-1]
@@ -100,12 +116,15 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
     wb, wc = max(1, ns), max(1, nv)        # at least one (-1) slot, as the torch path
     bidx = torch.empty((b, hq, nqb, wb), dtype=torch.int32, device=dev)
     cidx = torch.empty((b, hq, nqb, wc), dtype=torch.int32, device=dev)
+    nw = -(-nv // 64)
+    masks = torch.empty((b, hq, nqb, nw), dtype=torch.int64, device=dev) if bits else None   # every word written
+    out = (bcnt, bidx, ccnt, cidx) + ((masks,) if bits else ())
     if b * hq * nqb == 0:
-        return bcnt, bidx, ccnt, cidx
+        return out
     _convert_rows_kernel[(nqb, b * hq)](
-        dd, vt, sm, bcnt, bidx, ccnt, cidx,
-        ns, nv, wb, wc, nqb, block_size,
+        dd, vt, sm, bcnt, bidx, ccnt, cidx, masks if bits else ccnt,
+        ns, nv, wb, wc, nqb, block_size, nw,
         dd.stride(0), vt.stride(0), sm.stride(0),
-        CHUNK=CHUNK, num_warps=4,
+        CHUNK=CHUNK, WRITE_BITS=bool(bits), num_warps=4,
     )
-    return bcnt, bidx, ccnt, cidx
+    return out
