@@ -86,7 +86,22 @@ def packed_index_lists(mask: torch.Tensor, width: Optional[int] = None, fill: in
     return count, torch.where(keep, order, torch.full_like(order, fill))
 
 
-class KnownMax:
+class _PinnedToPair:
+    """Base of the host records below that describe two tensors of one :class:`StepIndices`: valid only
+    while those are the very tensors the record was made for, unmodified (identity and version
+    counter). Writes that bypass the version counter (``.data``, NumPy views) are not seen."""
+
+    __slots__ = ("_refs", "_versions")
+
+    def _pin(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self._refs = (weakref.ref(a), weakref.ref(b))
+        self._versions = (a._version, b._version)
+
+    def valid_for(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return self._refs[0]() is a and self._refs[1]() is b and self._versions == (a._version, b._version)
+
+
+class KnownMax(_PinnedToPair):
     """Host copies of ``block_count.max()`` and ``column_count.max()`` of one :class:`StepIndices`
     (the converter reads them anyway for the index widths), valid only while its two count tensors
     are the very tensors they were read from, unmodified (identity and version counter).
@@ -99,14 +114,13 @@ class KnownMax:
     column of a row is one of the row's vertical lines held by the owner). The Triton backward's
     column plan sizes its union buffer with it; ``None``: not known."""
 
-    __slots__ = ("block", "column", "exact", "union", "_refs", "_versions")
+    __slots__ = ("block", "column", "exact", "union")
 
     def __init__(self, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int,
                  exact: bool = True, union: Optional[int] = None):
         self.block, self.column, self.exact = int(block), int(column), bool(exact)
         self.union = None if union is None else int(union)
-        self._refs = (weakref.ref(block_count), weakref.ref(column_count))
-        self._versions = (block_count._version, column_count._version)
+        self._pin(block_count, column_count)
 
     @classmethod
     def of(cls, block_count: torch.Tensor, column_count: torch.Tensor, block: int, column: int,
@@ -116,12 +130,8 @@ class KnownMax:
             return None
         return cls(block_count, column_count, block, column, exact, union)
 
-    def valid_for(self, block_count: torch.Tensor, column_count: torch.Tensor) -> bool:
-        return (self._refs[0]() is block_count and self._refs[1]() is column_count
-                and self._versions == (block_count._version, column_count._version))
 
-
-class DiagonalBlocks:
+class DiagonalBlocks(_PinnedToPair):
     """Host record that the block lists of one :class:`StepIndices` are block diagonals: every index
     row ``(b, h)`` has one set ``D`` of offsets ``d >= 0`` and query block ``i`` lists exactly the key
     blocks ``i - d`` for ``d in D`` with ``d <= i``, ascending, with as many query as key blocks
@@ -134,11 +144,10 @@ class DiagonalBlocks:
     Valid only while ``block_count`` and ``block_index`` are the very tensors it was made for, unmodified
     (identity and version counter), like :class:`KnownMax`."""
 
-    __slots__ = ("_refs", "_versions")
+    __slots__ = ()
 
     def __init__(self, block_count: torch.Tensor, block_index: torch.Tensor):
-        self._refs = (weakref.ref(block_count), weakref.ref(block_index))
-        self._versions = (block_count._version, block_index._version)
+        self._pin(block_count, block_index)
 
     @classmethod
     def of(cls, block_count: torch.Tensor, block_index: torch.Tensor) -> Optional["DiagonalBlocks"]:
@@ -148,12 +157,8 @@ class DiagonalBlocks:
             return None
         return cls(block_count, block_index)
 
-    def valid_for(self, block_count: torch.Tensor, block_index: torch.Tensor) -> bool:
-        return (self._refs[0]() is block_count and self._refs[1]() is block_index
-                and self._versions == (block_count._version, block_index._version))
 
-
-class ColumnUnion:
+class ColumnUnion(_PinnedToPair):
     """Device record, made by the conversion at ``cp_size == 1`` from a pattern whose vertical lists are
     strictly ascending (``VerticalSlashPattern.vertical_ascending``), of every index row's column union and of
     which of its columns each query block lists (MTraining §3.3; the Triton backward's column plan,
@@ -170,13 +175,12 @@ class ColumnUnion:
     (identity and version counter), like :class:`KnownMax`: indices rebuilt from them (documents, head
     repeats) carry none, and their plans build the union from the lists."""
 
-    __slots__ = ("union", "bits", "_refs", "_versions")
+    __slots__ = ("union", "bits")
 
     def __init__(self, union: torch.Tensor, bits: torch.Tensor, column_count: torch.Tensor,
                  column_index: torch.Tensor):
         self.union, self.bits = union, bits
-        self._refs = (weakref.ref(column_count), weakref.ref(column_index))
-        self._versions = (column_count._version, column_index._version)
+        self._pin(column_count, column_index)
 
     @classmethod
     def of(cls, union: torch.Tensor, bits: torch.Tensor, column_count: torch.Tensor,
@@ -196,10 +200,6 @@ class ColumnUnion:
         if column_count.is_inference() or column_index.is_inference():
             return None
         return cls(union, bits, column_count, column_index)
-
-    def valid_for(self, column_count: torch.Tensor, column_index: torch.Tensor) -> bool:
-        return (self._refs[0]() is column_count and self._refs[1]() is column_index
-                and self._versions == (column_count._version, column_index._version))
 
     def repeat_blocks(self, f: int, column_count: torch.Tensor, column_index: torch.Tensor) -> Optional["ColumnUnion"]:
         """The record of indices whose query blocks are each split into ``f`` (every sub-block lists its
