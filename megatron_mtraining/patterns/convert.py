@@ -178,9 +178,9 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         from .triton.convert import convert_rows
 
         # an ascending vertical list is each row's column union: its slot masks come from the same pass
-        union = pattern.vertical_ascending
+        ascending = pattern.vertical_ascending
         b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs,
-                                                          bits=union)
+                                                          bits=ascending)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         b_idx = b_idx[..., :max(1, mb)].contiguous()
@@ -191,7 +191,7 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
                                                                  union=mc if static_widths else None),
                             diagonal=DiagonalBlocks.of(b_cnt, b_idx),
                             column_union=ColumnUnion.of(pattern.vertical.to(i32), masks[0], c_cnt, c_idx)
-                            if union else None)]
+                            if ascending else None)]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)
