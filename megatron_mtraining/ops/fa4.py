@@ -540,10 +540,14 @@ class FA4SparseStepKernel(SparseStepKernel):
         self._out = out
 
     def end_backward(self) -> None:
-        """Drop the output held since :meth:`begin_backward` (its autograd node refers back to this kernel)
-        and the steps' block lists."""
+        """Drop the output held since :meth:`begin_backward` (its autograd node refers back to this kernel).
+
+        The steps' forward block lists stay with the kernel, which is released with the ring's autograd
+        node: the backward reads them, and under CUDA graphs (:mod:`~megatron_mtraining.ring.graphs`) each
+        forward replay rewrites them where the capture allocated them, so they must stay allocated until the
+        layer's graphs are dropped. Freed here, the shared pool would hand their memory to the next layer's
+        capture, and every backward replay would read that layer's lists instead of its own."""
         self._out = None
-        self._cache.clear()
 
     def _parts(self, idx):
         """The step's forward block lists (``None``: no block) and its columns-only indices (``None``: no

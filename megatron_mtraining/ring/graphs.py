@@ -52,7 +52,11 @@ layer's capture freed may hold the saved tensors of a layer captured later, so t
 an order that keeps those intact: while a layer's forward awaits its backward, only layers captured after
 it may run in between (training's order: forwards 1..N, backwards N..1, with or without recomputing the
 core attention in the backward). A replay out of that order raises ``RuntimeError``
-(:data:`REPLAY_ORDER_RULE`) before it runs.
+(:data:`REPLAY_ORDER_RULE`) before it runs. For the same reason, what a forward writes and its backward reads
+must stay referenced until the layer's autograd node is released (its saved tensors, and whatever the step
+kernels keep from the forward, such as plans and block lists): memory freed during the backward's capture
+goes back to the shared pool, a later layer's capture may take it, and that layer's replays would then
+overwrite it between this layer's forward and backward.
 """
 
 from __future__ import annotations

@@ -104,6 +104,18 @@ def test_no_grad_runs_eagerly_and_a_second_forward_in_flight_is_refused():
     assert torch.equal(kept, first)                   # ...and a copy, not the graph's buffer
 
 
+def _two_layers(fns, seed):
+    """Two attention layers in training order (forwards 1, 2, then the backward through both); returns out, dQ,
+    dK, dV of the inputs."""
+    (q, k, v), do = _inputs(seed)
+    h = fns[0](q, k, v, softmax_scale=SCALE)
+    # k and v reach both layers: their gradients add up the two layers' (shared) gradient buffers' copies
+    k2, v2 = h[:, :, :HKV] + k, h[:, :, HKV:2 * HKV] + v
+    out = fns[1](h, k2, v2, softmax_scale=SCALE)
+    out.backward(do)
+    return out.detach().clone(), q.grad, k.grad, v.grad
+
+
 def test_layers_share_the_pool_in_training_order():
     """Two layers: forwards 1, 2 then one backward through both equals the eager model bitwise (the shared pool
     keeps each forward's saved tensors while the other layer runs, and the layers share the backward's static
@@ -112,15 +124,7 @@ def test_layers_share_the_pool_in_training_order():
                     "vertical_slash": {"recall": 0.9, "max_vertical": 512, "max_slash": 16}}, cp_group=None, seq_len=S)
     layers = [plan.for_layer(1), plan.for_layer(2)]
     runners = [p.attention_runner() for p in layers]
-
-    def model(fns, seed):
-        (q, k, v), do = _inputs(seed)
-        h = fns[0](q, k, v, softmax_scale=SCALE)
-        # k and v reach both layers: their gradients add up the two layers' (shared) gradient buffers' copies
-        k2, v2 = h[:, :, :HKV] + k, h[:, :, HKV:2 * HKV] + v
-        out = fns[1](h, k2, v2, softmax_scale=SCALE)
-        out.backward(do)
-        return out.detach().clone(), q.grad, k.grad, v.grad
+    model = _two_layers
 
     for seed in (5, 6):
         eager = model([p.attention for p in layers], seed)
@@ -149,3 +153,46 @@ def test_a_second_backward_through_one_forward_is_refused():
     out.backward(do, retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward through one forward"):
         out.backward(do)
+
+
+def _fa4_missing() -> bool:
+    from megatron_mtraining.ops.fa4 import fa4_unavailable_reason
+    return not torch.cuda.is_available() or fa4_unavailable_reason("cuda", torch.bfloat16, D) is not None
+
+
+@pytest.mark.skipif(_fa4_missing(), reason="needs flash-attn-4 on a Hopper or Blackwell GPU")
+def test_fa4_sparse_layers_replay_what_the_eager_model_computes():
+    """FlashAttention-4 slash blocks (128-token blocks, kernel_backend fa4, fast mode) through two layers' graphs in
+    training order: out, dQ, dK and dV match the eager model within FA4's atomic summation order (2 bf16 ulps of the
+    largest gradient). The step kernel keeps each forward's block lists until the layer is released; freed by the
+    backward's capture, the next layer's capture takes their memory and layer 1's backward replays read layer 2's
+    lists (the negative control: gradients off by far more than that)."""
+    from megatron_mtraining.ops.fa4 import FA4SparseStepKernel
+
+    def run(end_backward=None):
+        plan = resolve({"pattern": "vertical_slash", "deterministic": False, "cuda_graphs": True,
+                        "kernel_backend": "fa4", "granularity": 128,
+                        "vertical_slash": {"recall": 0.9, "block_size": 128, "max_vertical": 512, "max_slash": 8}},
+                       cp_group=None, seq_len=S)
+        layers = [plan.for_layer(1), plan.for_layer(2)]
+        runners = [p.attention_runner() for p in layers]
+        errs = []
+        for seed in (9, 10):
+            eager = _two_layers([p.attention for p in layers], seed)
+            graphed = _two_layers(runners, seed)
+            errs.append(max(float((g.float() - e.float()).abs().max() / e.float().abs().max())
+                            for g, e in zip(graphed, eager)))
+        assert all(e.generation == 2 for r in runners for g in r.graphs.values() for e in g._entries.values())
+        return max(errs)
+
+    assert run() <= 2 ** -7
+    clear = FA4SparseStepKernel.end_backward
+
+    def end_backward_and_free_lists(self):
+        clear(self)
+        self._cache.clear()
+    FA4SparseStepKernel.end_backward = end_backward_and_free_lists
+    try:
+        assert run() > 2 ** -4
+    finally:
+        FA4SparseStepKernel.end_backward = clear

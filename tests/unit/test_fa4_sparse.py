@@ -3,6 +3,8 @@ FA4 block lists from a step's indices, and the FA4 sparse step kernel's merge an
 run with an fp64 emulation of FA4's block-sparse kernels against the fp64 dense-mask reference."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -185,8 +187,10 @@ def test_coarsen_pattern_keeps_every_pair_and_rounds_to_touched_tiles():
 
 def test_fa4_sparse_step_keeps_only_forward_lists_until_its_backward(monkeypatch):
     """A layer's forward keeps the forward block lists only (the backward lists, ``b*hq*M*M`` int32 per
-    step, are built by the backward) and the backward drops them all; the gradients are those with the
-    lists built up front (bitwise)."""
+    step, are built by the backward and dropped after it); the gradients are those with the lists built up
+    front (bitwise). ``end_backward`` drops the output (the reference cycle) but not the forward lists: a CUDA
+    graph's backward replay reads them where the forward's capture put them, so they live as long as the
+    kernel (freed with it by reference counting), never handed back to the graphs' pool in between."""
     seen = []
 
     def fake_backward(*a, sparsity=None, **kw):
@@ -208,7 +212,12 @@ def test_fa4_sparse_step_keeps_only_forward_lists_until_its_backward(monkeypatch
     delta = (do * o).sum(-1).transpose(1, 2)
     grads = kern.backward(do, q, k, v, lse, delta, 0)
     kern.end_backward()
-    assert seen == [True] and not kern._cache
+    assert seen == [True] and kern._out is None
+    (_, sp_after, cols_after), = kern._cache.values()
+    assert sp_after is sp and cols_after is cols      # the forward's lists themselves, still held
+    lists = weakref.ref(sp.fwd_idx)
+    del sp, sp_after, cols, cols_after
+    assert lists() is not None
     # the same step with both lists built before the forward gives the same values
     monkeypatch.setattr(FA4SparseStepKernel, "_parts",
                         lambda self, idx: (sparsity_from_indices(idx), fa4_mod._without_blocks(idx)))
@@ -218,3 +227,5 @@ def test_fa4_sparse_step_keeps_only_forward_lists_until_its_backward(monkeypatch
     ref = kern2.backward(do, q, k, v, lse2, delta, 0)
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, ref))
     assert grads[1].abs().sum() > 0
+    del kern
+    assert lists() is None                            # ...and freed with the kernel
