@@ -59,6 +59,7 @@ from .sparse_reference import SparseStepKernel
 
 __all__ = [
     "FA4_BLOCK",
+    "FA4_CAPTURE_RULE",
     "BlockSparsity",
     "StepPlan",
     "classify_tiles",
@@ -489,6 +490,18 @@ def _has(idx, which: str) -> bool:
     return True
 
 
+#: Why the FA4 sparse steps are not captured in CUDA graphs (raised inside a capture; the layer then runs
+#: eagerly, :class:`~megatron_mtraining.ring.graphs.CUDAGraphedAttention` warns once).
+FA4_CAPTURE_RULE = ("FlashAttention-4's sparse steps (vertical_slash.block_size 128) are not captured in CUDA graphs: "
+                    "their graph replays are not yet checked against the eager kernels; this layer runs eagerly "
+                    "(for graphs, keep block_size 64 on the Triton kernels: configs/long_context_r098_graphs.yaml)")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s CUDA stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class FA4SparseStepKernel(SparseStepKernel):
     """Vertical-slash ring step kernel: slash blocks on FA4, vertical columns on the Triton kernels.
 
@@ -515,7 +528,13 @@ class FA4SparseStepKernel(SparseStepKernel):
 
     Raises:
         ValueError: a step whose ``block_size`` is not 128.
+        RuntimeError: a forward inside a CUDA-graph capture while :attr:`capture` is ``False``
+            (:data:`FA4_CAPTURE_RULE`; ``cuda_graphs: true`` then runs the layer eagerly).
     """
+
+    #: Whether a CUDA-graph capture may record these steps (``False``: a capture raises
+    #: :data:`FA4_CAPTURE_RULE`).
+    capture = False
 
     def __init__(self, steps, softmax_scale: float, *, fallback, deterministic: bool = False):
         self.fallback, self.deterministic = fallback, bool(deterministic)
@@ -563,6 +582,8 @@ class FA4SparseStepKernel(SparseStepKernel):
     def _forward_step(self, q, k, v, idx, scale: float):
         if id(idx) not in self._ring_ids:                       # out-of-ring columns
             return self.fallback.forward_fn(q, k, v, idx, scale)
+        if not self.capture and _capturing(q):
+            raise RuntimeError(FA4_CAPTURE_RULE)
         sp, cols = self._parts(idx)
         res = None
         if sp is not None:
