@@ -492,9 +492,11 @@ def _has(idx, which: str) -> bool:
 
 #: Why the FA4 sparse steps are not captured in CUDA graphs (raised inside a capture; the layer then runs
 #: eagerly, :class:`~megatron_mtraining.ring.graphs.CUDAGraphedAttention` warns once).
-FA4_CAPTURE_RULE = ("FlashAttention-4's sparse steps (vertical_slash.block_size 128) are not captured in CUDA graphs: "
-                    "their graph replays are not yet checked against the eager kernels; this layer runs eagerly "
-                    "(for graphs, keep block_size 64 on the Triton kernels: configs/long_context_r098_graphs.yaml)")
+FA4_CAPTURE_RULE = ("FlashAttention-4's sparse steps (vertical_slash.block_size 128) are not captured in CUDA graphs "
+                    "(their graph replays are not yet checked against the eager kernels): with cuda_graphs: true such a "
+                    "layer runs eagerly, and other captures around the attention (Megatron's CUDA graphs, "
+                    "torch.compile's reduce-overhead mode) are refused; for graphs, keep block_size 64 on the Triton "
+                    "kernels (configs/long_context_r098_graphs.yaml)")
 
 
 def _capturing(t: torch.Tensor) -> bool:

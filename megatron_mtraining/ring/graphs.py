@@ -322,9 +322,10 @@ class CUDAGraphedAttention:
             for key in set(entry.pool.shared) - had:      # buffer sets this failed capture created
                 del entry.pool.shared[key]
             cause = e.__context__ if e.__context__ is not None else e    # the op that broke the capture, if any
-            warnings.warn(f"cuda_graphs: capturing the attention of inputs {tuple(q.shape)} failed "
-                          f"({type(cause).__name__}: {cause}); this layer runs without CUDA graphs", RuntimeWarning,
-                          stacklevel=3)
+            text = f"{type(cause).__name__}: {cause}"
+            del cause     # its traceback holds this frame: kept, the failed capture's tensors wait for the collector
+            warnings.warn(f"cuda_graphs: capturing the attention of inputs {tuple(q.shape)} failed ({text}); this layer "
+                          f"runs without CUDA graphs", RuntimeWarning, stacklevel=3)
             return None
         entry.out_data = entry.out.detach()
         entry.order = entry.pool.captured
