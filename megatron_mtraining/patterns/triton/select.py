@@ -70,8 +70,10 @@ LONG_ROW = 65536    # longer rows: LONG_CHUNK lines per step, LONG_NUM_WARPS war
 LONG_CHUNK = 8192
 LONG_NUM_WARPS = 16
 CAND = 2048         # candidates left when the bisection moves to registers
-MAX_REGISTERS = 168  # per thread, launches of NUM_WARPS warps (launch_registers)
+MAX_REGISTERS = 184  # per thread, launches of NUM_WARPS warps (launch_registers)
 LOCKSTEP = True     # step 2's passes also advance step 3's search for a capped count (False: one after the other)
+RADIX = True        # the capped count's threshold first, by a radix search over the keys' digits (False: LOCKSTEP's)
+DIGIT = 8           # bits per digit of that search
 
 
 @triton.jit
@@ -91,6 +93,16 @@ def _keys(Row, idx, N, FP64: tl.constexpr):
 
 
 @triton.jit
+def _key_value(k, FP64: tl.constexpr):
+    """The score (fp64) whose key is ``k``."""
+    if FP64:
+        v = k.to(tl.float64, bitcast=True)
+    else:
+        v = k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
+    return v
+
+
+@triton.jit
 def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
     """One bisection step: the condition held at ``mid`` (``up``: ``mid`` becomes ``lo_k``) or failed (``hi_k``,
     with its sum and count). Returns ``(lo_k, hi_k, s_hi, c_lo, c_hi)``."""
@@ -106,13 +118,16 @@ def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
 
 @triton.jit
 def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
-            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
+            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+            NEED_SUM: tl.constexpr = False):
     """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
     ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
     ``lo_k`` and fails at ``hi_k``; ``s_hi`` / ``c_hi`` are the sum / count at ``hi_k``, ``c_lo`` the count at
     ``lo_k``. One full pass over the row per step until at most ``CAND`` lines lie in ``[lo_k, hi_k)``; those
     are then copied to the scratch rows ``Cx`` / ``Ck`` and the bisection ends in registers. Returns the final
-    ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
+    ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``). ``NEED_SUM`` (count search only): ``s_hi`` is
+    also returned right, the sum of the rest lines at or above the final ``hi_k`` (the caller's ``s_hi`` is
+    not used; the copy pass sums the lines above the candidates, else one pass sums them)."""
     offs = tl.arange(0, CHUNK)
     while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
         mid = lo_k + (hi_k - lo_k) // 2
@@ -135,21 +150,27 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
     if hi_k - lo_k > 1:
         # at most CAND candidates left: copy them (any order) and finish in registers
         base = c_hi * 0
+        acc_a = tl.zeros([CHUNK], tl.float64)
         for c0 in range(0, N, CHUNK):
             idx = c0 + offs
             x, key, ok = _keys(row, idx, N, FP64)
             k64 = key.to(tl.int64)
-            cand = (ok & (idx >= LO) & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
+            rest = ok & (idx >= LO)
+            cand = (rest & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
             pos = base + tl.cumsum(cand, 0) - 1
             put = (cand > 0) & (pos < CAND)            # always (the counts are exact): never outside the row
             tl.store(Cx + pos, x, mask=put)
             tl.store(Ck + pos, k64, mask=put)
             base += tl.sum(cand, 0)
+            if NEED_SUM:
+                acc_a += tl.where(rest & (k64 >= hi_k), x, 0.0)
         tl.debug_barrier()                             # the stores above are read by other threads below
         o2 = tl.arange(0, CAND)
         valid = o2 < base
         xs = tl.load(Cx + o2, mask=valid, other=0.0)
         ks = tl.load(Ck + o2, mask=valid, other=-1)    # -1: below every key
+        if NEED_SUM:
+            s_hi = tl.sum(acc_a, 0)
         s_out = s_hi                                   # the lines above the candidates
         c_out = c_hi
         while hi_k - lo_k > 1:
@@ -160,15 +181,84 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
                 s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
                 up = s_base + s_mid >= goal_s
             else:
-                s_mid = s_hi
+                if NEED_SUM:
+                    s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
+                else:
+                    s_mid = s_hi
                 up = c_mid >= goal_c
             lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
+    elif NEED_SUM:
+        # the bracket was one key wide already: one pass sums the lines above it
+        acc_a = tl.zeros([CHUNK], tl.float64)
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            acc_a += tl.where(ok & (idx >= LO) & (key.to(tl.int64) >= hi_k), x, 0.0)
+        s_hi = tl.sum(acc_a, 0)
     return lo_k, hi_k, s_hi, c_lo, c_hi
 
 
 @triton.jit
+def _digit_hist(row, N, LO, prefix, prev, shift, FP64: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
+    """Counts of the next digit, bits ``[shift, prev)`` of the key, over the rest lines whose bits from ``prev``
+    up equal ``prefix``: ``[2 * 2**DIGIT]`` int32 (bins ``>= 2**DIGIT`` count the other lines)."""
+    NB: tl.constexpr = 1 << DIGIT
+    offs = tl.arange(0, CHUNK)
+    hist = tl.zeros([2 * NB], tl.int32)
+    for c0 in range(0, N, CHUNK):
+        idx = c0 + offs
+        x, key, ok = _keys(row, idx, N, FP64)
+        k64 = key.to(tl.int64)
+        match = ok & (idx >= LO) & ((k64 >> prev) == prefix)
+        d = tl.where(match, ((k64 >> shift) & (NB - 1)).to(tl.int32), NB)
+        hist += tl.histogram(d, 2 * NB)
+    return hist
+
+
+@triton.jit
+def _pick_digit(hist, above, need, DIGIT: tl.constexpr):
+    """The digit bin holding the ``need``-th largest rest line, given ``above`` lines above the bins: ``(bin,
+    lines above it, lines in it)``."""
+    NB: tl.constexpr = 1 << DIGIT
+    ar = tl.arange(0, 2 * NB)
+    h = tl.where(ar < NB, hist, 0)
+    suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h          # lines in bins >= j
+    j = tl.max(tl.where(above + suffix >= need, ar, -1), 0)
+    in_j = tl.sum(tl.where(ar == j, h, 0), 0)
+    at_or_above = tl.sum(tl.where(ar == j, suffix, 0), 0)
+    return j.to(tl.int64), above + at_or_above - in_j, in_j
+
+
+@triton.jit
+def _top_count(row, N, LO, need, k_max, hist0, cx, ck, FP64: tl.constexpr, CHUNK: tl.constexpr,
+               CAND: tl.constexpr, DIGIT: tl.constexpr):
+    """The ``need``-th largest rest key ``v`` (``need >= 1``) by a radix search over the key's digits (``hist0``:
+    the first digit's counts, from pass 1) until at most ``CAND`` lines share the chosen leading digits, then the
+    register bisection of :func:`_search`. Returns ``(v, #(rest > v), #(rest >= v), sum(rest > v))``."""
+    TOP: tl.constexpr = 63 if FP64 else 31
+    prev = tl.full([], TOP - DIGIT, tl.int32)
+    prefix, above, cand = _pick_digit(hist0, need * 0, need, DIGIT)
+    while (cand > CAND) & (prev > 0):
+        shift = tl.maximum(prev - DIGIT, 0)
+        hist = _digit_hist(row, N, LO, prefix, prev, shift, FP64, CHUNK, DIGIT)
+        j, above, cand = _pick_digit(hist, above, need, DIGIT)
+        prefix = (prefix << (prev - shift)) | j
+        prev = shift
+    lo_k = prefix << prev
+    if prefix == (k_max >> prev):                      # (prefix + 1) << prev may not fit below the largest key
+        hi_k = k_max + 1
+    else:
+        hi_k = (prefix + 1) << prev
+    f0 = tl.full([], 0.0, tl.float64)
+    lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_k, hi_k, f0, above + cand, above, f0, f0, need, cx, ck,
+                                           False, FP64, CHUNK, CAND, True)
+    return lo_k, c_hi, c_lo, s_hi
+
+
+@triton.jit
 def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
-                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr):
+                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr,
+                RADIX: tl.constexpr, DIGIT: tl.constexpr):
     """Steps 1-4 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
     row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
     cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
@@ -181,6 +271,9 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     acc_f = tl.zeros([CHUNK], tl.float64)
     acc_r = tl.zeros([CHUNK], tl.float64)
     acc_k = tl.zeros([CHUNK], tl.int64)
+    NB: tl.constexpr = 1 << DIGIT
+    TOP: tl.constexpr = 63 if FP64 else 31
+    hist0 = tl.zeros([2 * NB], tl.int32)              # RADIX: the rest keys' leading digits
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
@@ -188,6 +281,9 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
         acc_f += tl.where(idx < LO, x, 0.0)
         acc_r += tl.where(rest, x, 0.0)
         acc_k = tl.maximum(acc_k, tl.where(rest, key.to(tl.int64), 0))
+        if RADIX:
+            d = tl.where(rest, ((key.to(tl.int64) >> (TOP - DIGIT)) & (NB - 1)).to(tl.int32), NB)
+            hist0 += tl.histogram(d, 2 * NB)
     f_sum = tl.sum(acc_f, 0)
     r_sum = tl.sum(acc_r, 0)
     k_max = tl.max(acc_k, 0)
@@ -200,7 +296,37 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
     need_cap = HI - LO                                 # step 3's count when the count is capped
     lo_c, hi_c, c_lo_c, c_hi_c = k0, k_max + 1, n_rest, n_rest * 0   # its search's state
-    if TAKE_ALL == 0:
+    if RADIX:
+        # the capped count's threshold first (a radix search by counts); the budget's bisection by sums then
+        # runs only where the first hi - 1 lines in priority order reach the target, above that threshold
+        by_count = 0 * n_rest
+        need = need_cap
+        budget = 0 * n_rest
+        if TAKE_ALL == 0:
+            if f_sum >= target:
+                count = tl.maximum(LO + 0 * n_rest, 1)
+                need = count - LO
+            elif f_sum + r_sum >= target:
+                budget = 1 + 0 * n_rest
+        if need > 0:
+            v_c, c_gt, c_ge, s_gt = _top_count(row, N, LO, need, k_max, hist0, cx, ck, FP64, CHUNK, CAND, DIGIT)
+            thr = v_c
+            ties = need - c_gt
+            if budget > 0:
+                vv = _key_value(v_c, FP64)
+                extra = tl.where(ties > 1, (ties - 1).to(tl.float64) * vv, 0.0)
+                if f_sum + s_gt + extra >= target:     # not capped: the budget's threshold lies in [v_c, k_max]
+                    lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, v_c, k_max + 1, f0, c_ge, n_rest * 0,
+                                                           f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
+                    v = _key_value(lo_k, FP64)
+                    n_eq = c_lo - c_hi
+                    e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / v), 1.0),
+                                   n_eq.to(tl.float64)).to(tl.int32)
+                    if LO + c_hi + e < HI:
+                        count = LO + c_hi + e
+                        thr = lo_k
+                        ties = e
+    elif TAKE_ALL == 0:
         # the cumulative score is compared as the torch path does: floors' sum + rest's partial sum vs target
         if f_sum >= target:
             # the floors reach the target (the count is the floors; one line when there are none)
@@ -289,16 +415,17 @@ def _select_kernel(
     TAKE_ALL_B,
     RA,
     FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr,
+    RADIX: tl.constexpr, DIGIT: tl.constexpr,
 ):
     """One program per row: rows ``0 .. RA - 1`` of line kind A, then those of kind B (the two kinds run
     side by side in one launch)."""
     pid = tl.program_id(0)
     if pid < RA:
         _select_row(pid, ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
-                    TAKE_ALL_A, FP64_A, CHUNK, CAND, LOCKSTEP)
+                    TAKE_ALL_A, FP64_A, CHUNK, CAND, LOCKSTEP, RADIX, DIGIT)
     else:
         _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
-                    TAKE_ALL_B, FP64_B, CHUNK, CAND, LOCKSTEP)
+                    TAKE_ALL_B, FP64_B, CHUNK, CAND, LOCKSTEP, RADIX, DIGIT)
 
 
 def launch_shape(n: int):
@@ -375,7 +502,7 @@ def select_line_kinds(*kinds):
                              "(a pass's per-lane counts are packed in 16 bits)")
         dev = kinds[0][0].device
         sms = _sm_count(cuda_index(dev)) if dev.type == "cuda" else None
-        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP,
+        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP, RADIX=RADIX, DIGIT=DIGIT,
                                    num_warps=warps, **launch_registers(warps, ra + rb, sms))
     return [p[0] for p in prepared]
 
