@@ -25,7 +25,15 @@ like their bits as integers; ``-0.0`` counts as ``+0.0``):
 4. One pass writes the kept indices ascending (in-register prefix sums), then ``-1`` padding to the
    output width, the count, and the covered fraction ``sum(kept) / L``.
 
-The searches of steps 2-3 halve an interval of keys per step: one pass over the row per step (per-lane
+With ``RADIX`` (the default) the capped count's threshold comes first: step 3's search for ``hi - lo`` rest
+lines is a radix search over the keys' ``DIGIT``-bit digits (the first digit's counts come with pass 1; each
+further digit is one pass with ``tl.histogram``) until at most ``CAND`` lines share the chosen leading digits,
+then the register bisection below. The count is capped exactly when the first ``hi - 1`` lines in priority
+order, ``F + sum(rest > v) + (e - 1) v``, stay below the target; otherwise step 2's threshold lies at or above
+that ``v``, where at most ``CAND`` lines usually remain, and step 2's bisection by sums starts there. A 32K or
+128K row then takes 3-4 passes instead of 11-16.
+
+The searches of steps 2-3 (without ``RADIX``) halve an interval of keys per step: one pass over the row per step (per-lane
 partial sums, one block reduction per pass) while more than ``CAND`` lines lie inside it, then those
 lines are copied to a scratch row and the remaining steps run on them in registers. Step 2's passes also
 take one step each of step 3's search for the capped count (``hi - lo`` lines), two counts per lane packed
