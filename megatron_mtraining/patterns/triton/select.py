@@ -203,16 +203,15 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
 def _digit_hist(row, N, LO, prefix, prev, shift, FP64: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
     """Counts of the next digit, bits ``[shift, prev)`` of the key, over the rest lines whose bits from ``prev``
     up equal ``prefix``: ``[2 * 2**DIGIT]`` int32 (bins ``>= 2**DIGIT`` count the other lines)."""
-    NB: tl.constexpr = 1 << DIGIT
     offs = tl.arange(0, CHUNK)
-    hist = tl.zeros([2 * NB], tl.int32)
+    hist = tl.zeros([2 << DIGIT], tl.int32)
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
         k64 = key.to(tl.int64)
         match = ok & (idx >= LO) & ((k64 >> prev) == prefix)
-        d = tl.where(match, ((k64 >> shift) & (NB - 1)).to(tl.int32), NB)
-        hist += tl.histogram(d, 2 * NB)
+        d = tl.where(match, ((k64 >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT)
+        hist += tl.histogram(d, 2 << DIGIT)
     return hist
 
 
@@ -220,9 +219,8 @@ def _digit_hist(row, N, LO, prefix, prev, shift, FP64: tl.constexpr, CHUNK: tl.c
 def _pick_digit(hist, above, need, DIGIT: tl.constexpr):
     """The digit bin holding the ``need``-th largest rest line, given ``above`` lines above the bins: ``(bin,
     lines above it, lines in it)``."""
-    NB: tl.constexpr = 1 << DIGIT
-    ar = tl.arange(0, 2 * NB)
-    h = tl.where(ar < NB, hist, 0)
+    ar = tl.arange(0, 2 << DIGIT)
+    h = tl.where(ar < (1 << DIGIT), hist, 0)
     suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h          # lines in bins >= j
     j = tl.max(tl.where(above + suffix >= need, ar, -1), 0)
     in_j = tl.sum(tl.where(ar == j, h, 0), 0)
@@ -236,8 +234,11 @@ def _top_count(row, N, LO, need, k_max, hist0, cx, ck, FP64: tl.constexpr, CHUNK
     """The ``need``-th largest rest key ``v`` (``need >= 1``) by a radix search over the key's digits (``hist0``:
     the first digit's counts, from pass 1) until at most ``CAND`` lines share the chosen leading digits, then the
     register bisection of :func:`_search`. Returns ``(v, #(rest > v), #(rest >= v), sum(rest > v))``."""
-    TOP: tl.constexpr = 63 if FP64 else 31
-    prev = tl.full([], TOP - DIGIT, tl.int32)
+    if FP64:                                           # key bits: 63 (fp64) or 31 (fp32)
+        top = 63
+    else:
+        top = 31
+    prev = tl.full([], top - DIGIT, tl.int32)
     prefix, above, cand = _pick_digit(hist0, need * 0, need, DIGIT)
     while (cand > CAND) & (prev > 0):
         shift = tl.maximum(prev - DIGIT, 0)
@@ -265,14 +266,16 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
     ck = Ck + r.to(tl.int64) * CAND
     offs = tl.arange(0, CHUNK)
     f0 = tl.full([], 0.0, tl.float64)
-    NB: tl.constexpr = 1 << DIGIT
-    TOP: tl.constexpr = 63 if FP64 else 31
+    if FP64:                                           # key bits: 63 (fp64) or 31 (fp32)
+        top = 63
+    else:
+        top = 31
 
     # ---- 1. the floors' and the rest's sums; the rest's largest key; the counts of its keys' leading digits
     acc_f = tl.zeros([CHUNK], tl.float64)
     acc_r = tl.zeros([CHUNK], tl.float64)
     acc_k = tl.zeros([CHUNK], tl.int64)
-    hist0 = tl.zeros([2 * NB], tl.int32)              # bins >= NB: the floors and past the row
+    hist0 = tl.zeros([2 << DIGIT], tl.int32)          # bins >= 2**DIGIT: the floors and past the row
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
@@ -281,7 +284,8 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
         acc_f += tl.where(idx < LO, x, 0.0)
         acc_r += tl.where(rest, x, 0.0)
         acc_k = tl.maximum(acc_k, tl.where(rest, k64, 0))
-        hist0 += tl.histogram(tl.where(rest, ((k64 >> (TOP - DIGIT)) & (NB - 1)).to(tl.int32), NB), 2 * NB)
+        d = tl.where(rest, ((k64 >> (top - DIGIT)) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT)
+        hist0 += tl.histogram(d, 2 << DIGIT)
     f_sum = tl.sum(acc_f, 0)
     r_sum = tl.sum(acc_r, 0)
     k_max = tl.max(acc_k, 0)
