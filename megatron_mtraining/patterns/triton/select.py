@@ -74,7 +74,7 @@ LONG_CHUNK = 8192
 LONG_NUM_WARPS = 16
 CAND = 2048         # candidates left when the bisection moves to registers
 MAX_REGISTERS = 184  # per thread, launches of NUM_WARPS warps (launch_registers)
-DIGIT = 8           # bits per digit of the radix search (step 3)
+DIGIT = 6           # bits per digit of the radix search (step 3)
 
 
 @triton.jit
