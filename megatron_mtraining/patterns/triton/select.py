@@ -21,9 +21,10 @@ bits as integers, the *keys*; ``-0.0`` counts as ``+0.0``):
    or 1 without floors, as the torch path's ``#(cumsum < target) + 1``).
 3. The ``need``-th largest rest score ``v`` by a radix search: each further ``DIGIT``-bit digit of the keys
    is one pass counting them (``tl.histogram``) among the lines that share the leading digits chosen so far,
-   until at most ``CAND`` lines do; those are copied to a scratch row and a bisection on their keys ends the
-   search in registers. The same copy pass sums the lines above them: ``G = sum(rest > v)``; ``C =
-   #(rest > v)``; the top ``need`` lines are those above ``v`` and the first ``need - C`` of its ties by index.
+   until at most ``CAND`` lines do; one pass copies those to a scratch row, and their remaining digits are
+   counted in registers, one histogram per digit. The same copy pass sums the lines above them: ``G = sum(rest
+   > v)``; ``C = #(rest > v)``; the top ``need`` lines are those above ``v`` and the first ``need - C`` of its
+   ties by index.
 4. Otherwise (``F < target <= F + R``) the count is capped exactly when the first ``hi - 1`` lines in
    priority order stay below the target, ``F + G + (need - C - 1) v < target`` (step 3 run for ``need = hi -
    lo``). If not, the budget's threshold lies at or above ``v``: the largest score ``u >= v`` with ``F +
@@ -47,8 +48,9 @@ where torch stops counting at the NaN; such a row never writes outside its slots
 
 Cost: per row, pass 1, one pass per further digit while more than ``CAND`` lines share the chosen digits
 (none or one for spread-out scores: the first digit holds the exponent), the copy pass, a second copy pass
-when the budget is not capped, and the writing pass; up to 31 (fp32) or 63 (fp64) register steps per search;
-one program per row, so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer loop
+when the budget is not capped, and the writing pass; in registers one histogram per remaining digit of the
+capped count's search, and up to 31 (fp32) or 63 (fp64) bisection steps for the budget's; one program per row,
+so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer loop
 steps with more warps.
 
 Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
@@ -118,17 +120,14 @@ def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
 
 
 @triton.jit
-def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
-            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
-            NEED_SUM: tl.constexpr = False):
-    """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
-    ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
-    ``lo_k`` and fails at ``hi_k``; ``s_hi`` / ``c_hi`` are the sum / count at ``hi_k``, ``c_lo`` the count at
+def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, Cx, Ck, FP64: tl.constexpr,
+            CHUNK: tl.constexpr, CAND: tl.constexpr):
+    """Bisection by sums over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
+    ``s_base + sum(rest >= v) >= goal_s``. Invariant: the condition holds at ``lo_k`` and fails at ``hi_k``;
+    ``s_hi`` / ``c_hi`` are the sum / count of the rest lines at or above ``hi_k``, ``c_lo`` the count at
     ``lo_k``. One full pass over the row per step until at most ``CAND`` lines lie in ``[lo_k, hi_k)``; those
     are then copied to the scratch rows ``Cx`` / ``Ck`` and the bisection ends in registers. Returns the final
-    ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``). ``NEED_SUM`` (count search only): ``s_hi`` is
-    also returned right, the sum of the rest lines at or above the final ``hi_k`` (the caller's ``s_hi`` is
-    not used; the copy pass sums the lines above the candidates, else one pass sums them)."""
+    ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
     offs = tl.arange(0, CHUNK)
     while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
         mid = lo_k + (hi_k - lo_k) // 2
@@ -138,64 +137,39 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
             idx = c0 + offs
             x, key, ok = _keys(row, idx, N, FP64)
             ge = ok & (idx >= LO) & (key.to(tl.int64) >= mid)
-            if BY_SUM:
-                acc_s += tl.where(ge, x, 0.0)
+            acc_s += tl.where(ge, x, 0.0)
             acc_c += ge.to(tl.int32)
         s_mid = tl.sum(acc_s, 0)
         c_mid = tl.sum(acc_c, 0)
-        if BY_SUM:
-            up = s_base + s_mid >= goal_s
-        else:
-            up = c_mid >= goal_c
-        lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
+        lo_k, hi_k, s_hi, c_lo, c_hi = _step(s_base + s_mid >= goal_s, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo,
+                                             c_hi)
     if hi_k - lo_k > 1:
         # at most CAND candidates left: copy them (any order) and finish in registers
         base = c_hi * 0
-        acc_a = tl.zeros([CHUNK], tl.float64)
         for c0 in range(0, N, CHUNK):
             idx = c0 + offs
             x, key, ok = _keys(row, idx, N, FP64)
             k64 = key.to(tl.int64)
-            rest = ok & (idx >= LO)
-            cand = (rest & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
+            cand = (ok & (idx >= LO) & (k64 >= lo_k) & (k64 < hi_k)).to(tl.int32)
             pos = base + tl.cumsum(cand, 0) - 1
             put = (cand > 0) & (pos < CAND)            # always (the counts are exact): never outside the row
             tl.store(Cx + pos, x, mask=put)
             tl.store(Ck + pos, k64, mask=put)
             base += tl.sum(cand, 0)
-            if NEED_SUM:
-                acc_a += tl.where(rest & (k64 >= hi_k), x, 0.0)
         tl.debug_barrier()                             # the stores above are read by other threads below
         o2 = tl.arange(0, CAND)
         valid = o2 < base
         xs = tl.load(Cx + o2, mask=valid, other=0.0)
         ks = tl.load(Ck + o2, mask=valid, other=-1)    # -1: below every key
-        if NEED_SUM:
-            s_hi = tl.sum(acc_a, 0)
         s_out = s_hi                                   # the lines above the candidates
         c_out = c_hi
         while hi_k - lo_k > 1:
             mid = lo_k + (hi_k - lo_k) // 2
             ge = ks >= mid
             c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
-            if BY_SUM:
-                s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
-                up = s_base + s_mid >= goal_s
-            else:
-                if NEED_SUM:
-                    s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
-                else:
-                    s_mid = s_hi
-                up = c_mid >= goal_c
-            lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
-    elif NEED_SUM:
-        # the bracket was one key wide already: one pass sums the lines above it
-        acc_a = tl.zeros([CHUNK], tl.float64)
-        for c0 in range(0, N, CHUNK):
-            idx = c0 + offs
-            x, key, ok = _keys(row, idx, N, FP64)
-            acc_a += tl.where(ok & (idx >= LO) & (key.to(tl.int64) >= hi_k), x, 0.0)
-        s_hi = tl.sum(acc_a, 0)
+            s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
+            lo_k, hi_k, s_hi, c_lo, c_hi = _step(s_base + s_mid >= goal_s, mid, s_mid, c_mid, lo_k, hi_k, s_hi,
+                                                 c_lo, c_hi)
     return lo_k, hi_k, s_hi, c_lo, c_hi
 
 
@@ -229,11 +203,12 @@ def _pick_digit(hist, above, need, DIGIT: tl.constexpr):
 
 
 @triton.jit
-def _top_count(row, N, LO, need, k_max, hist0, cx, ck, FP64: tl.constexpr, CHUNK: tl.constexpr,
-               CAND: tl.constexpr, DIGIT: tl.constexpr):
+def _top_count(row, N, LO, need, hist0, cx, ck, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+               DIGIT: tl.constexpr):
     """The ``need``-th largest rest key ``v`` (``need >= 1``) by a radix search over the key's digits (``hist0``:
-    the first digit's counts, from pass 1) until at most ``CAND`` lines share the chosen leading digits, then the
-    register bisection of :func:`_search`. Returns ``(v, #(rest > v), #(rest >= v), sum(rest > v))``."""
+    the first digit's counts, from pass 1): one pass per digit while more than ``CAND`` lines share the chosen
+    leading digits; then one pass copies those lines to the scratch row (and sums the lines above them), and the
+    remaining digits are counted in registers. Returns ``(v, #(rest > v), #(rest >= v), sum(rest > v))``."""
     if FP64:                                           # key bits: 63 (fp64) or 31 (fp32)
         top = 63
     else:
@@ -246,15 +221,45 @@ def _top_count(row, N, LO, need, k_max, hist0, cx, ck, FP64: tl.constexpr, CHUNK
         j, above, cand = _pick_digit(hist, above, need, DIGIT)
         prefix = (prefix << (prev - shift)) | j
         prev = shift
-    lo_k = prefix << prev
-    if prefix == (k_max >> prev):                      # (prefix + 1) << prev may not fit below the largest key
-        hi_k = k_max + 1
+    offs = tl.arange(0, CHUNK)
+    acc_a = tl.zeros([CHUNK], tl.float64)              # the rest lines above the chosen leading digits
+    if prev > 0:
+        # at most CAND lines share them: copy those (any order), then count their remaining digits in registers
+        base = need * 0
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            k64 = key.to(tl.int64)
+            rest = ok & (idx >= LO)
+            lead = k64 >> prev
+            take = (rest & (lead == prefix)).to(tl.int32)
+            pos = base + tl.cumsum(take, 0) - 1
+            put = (take > 0) & (pos < CAND)            # always (the counts are exact): never outside the row
+            tl.store(cx + pos, x, mask=put)
+            tl.store(ck + pos, k64, mask=put)
+            base += tl.sum(take, 0)
+            acc_a += tl.where(rest & (lead > prefix), x, 0.0)
+        tl.debug_barrier()                             # the stores above are read by other threads below
+        o2 = tl.arange(0, CAND)
+        valid = o2 < base
+        xs = tl.load(cx + o2, mask=valid, other=0.0)
+        ks = tl.load(ck + o2, mask=valid, other=-1)    # -1: shares no leading digits
+        while prev > 0:
+            shift = tl.maximum(prev - DIGIT, 0)
+            match = (ks >> prev) == prefix
+            d = tl.where(match, ((ks >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT)
+            j, above, cand = _pick_digit(tl.histogram(d, 2 << DIGIT), above, need, DIGIT)
+            prefix = (prefix << (prev - shift)) | j
+            prev = shift
+        s_gt = tl.sum(acc_a, 0) + tl.sum(tl.where(ks > prefix, xs, 0.0), 0)
     else:
-        hi_k = (prefix + 1) << prev
-    f0 = tl.full([], 0.0, tl.float64)
-    lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_k, hi_k, f0, above + cand, above, f0, f0, need, cx, ck,
-                                           False, FP64, CHUNK, CAND, True)
-    return lo_k, c_hi, c_lo, s_hi
+        # every digit counted over the row (more than CAND lines tie at v): one pass sums the lines above v
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            acc_a += tl.where(ok & (idx >= LO) & (key.to(tl.int64) > prefix), x, 0.0)
+        s_gt = tl.sum(acc_a, 0)
+    return prefix, above, above + cand, s_gt
 
 
 @triton.jit
@@ -307,7 +312,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
             budget = 1 + 0 * n_rest
     # ---- 3. the need-th largest rest key by the radix search, and the lines above it
     if need > 0:
-        v_c, c_gt, c_ge, s_gt = _top_count(row, N, LO, need, k_max, hist0, cx, ck, FP64, CHUNK, CAND, DIGIT)
+        v_c, c_gt, c_ge, s_gt = _top_count(row, N, LO, need, hist0, cx, ck, FP64, CHUNK, CAND, DIGIT)
         thr = v_c
         ties = need - c_gt
         # ---- 4. capped unless the first hi - 1 lines in priority order reach the target
@@ -316,7 +321,7 @@ def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, tar
             if f_sum + s_gt + extra >= target:
                 # the largest key u >= v_c with F + sum(rest >= u) >= target: it holds at v_c, fails past k_max
                 lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, v_c, k_max + 1, f0, c_ge, n_rest * 0,
-                                                       f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
+                                                       f_sum, target, cx, ck, FP64, CHUNK, CAND)
                 u = _key_value(lo_k, FP64)
                 n_eq = c_lo - c_hi
                 e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / u), 1.0),
