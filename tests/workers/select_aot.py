@@ -48,7 +48,7 @@ def main() -> int:
     # the estimator's launches: fp64 block diagonals with fp32 columns (one probe block) at either step, and
     # with fp64 columns (several probe blocks, kv_group) or alone (cp > 1: the second kind repeats the first)
     for fa, fb, (chunk, warps) in ((True, False, short), (True, False, long), (True, True, short)):
-        consts = dict(FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=S.CAND, LOCKSTEP=S.LOCKSTEP)
+        consts = dict(FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=S.CAND, DIGIT=S.DIGIT)
         name = f"A={'fp64' if fa else 'fp32'} B={'fp64' if fb else 'fp32'} CHUNK={chunk} warps={warps}"
         ok &= compile_report(name, S._select_kernel, signature(fa, fb, consts), consts, warps, **S.launch_registers(warps))
     print("RESULT", "PASS" if ok else "FAIL")

@@ -11,26 +11,31 @@ The kept lines' indices are returned ascending.
 
 The kernel finds the same lines without sorting. The floors are always kept (``hi >= lo``, which
 :class:`~megatron_mtraining.patterns.estimator.VerticalSlashConfig` guarantees), so only the non-floor
-lines (the *rest*) are ranked, by a bisection on the scores' bit patterns (non-negative IEEE floats order
-like their bits as integers; ``-0.0`` counts as ``+0.0``):
+lines (the *rest*) are ranked, by their scores' bit patterns (non-negative IEEE floats order like their
+bits as integers, the *keys*; ``-0.0`` counts as ``+0.0``):
 
-1. ``F`` = the floors' sum, ``R`` = the rest's sum (fp64).
-2. ``F >= target``: no rest line (count ``lo``, or one line when there are no floors, as the torch
-   path's ``#(cumsum < target) + 1``). ``F + R < target``: the budget cannot be met: count ``hi``.
-   Otherwise the largest score ``v`` with ``F + sum(rest >= v) >= target``; ``G = sum(rest > v)``,
-   ``C = #(rest > v)``, ``E = #(rest == v)``; the prefix reaches the target inside the tie run at ``v``
-   after ``e = clamp(ceil((target - (F + G)) / v), 1, E)`` ties: count ``lo + C + e``, capped at ``hi``.
-3. A capped count (and ``take_all``) keeps the top ``count - lo`` rest lines: the largest score ``v``
-   with ``#(rest >= v) >= count - lo`` and its first ties by index.
-4. One pass writes the kept indices ascending (in-register prefix sums), then ``-1`` padding to the
+1. One pass: ``F`` = the floors' sum, ``R`` = the rest's sum (fp64), the largest rest key, and the counts
+   of the keys' leading ``DIGIT`` bits.
+2. The number of rest lines to keep when the count is capped (``need = hi - lo``; ``take_all``; ``F + R <
+   target``, the budget cannot be met) or when the floors reach the target (``F >= target``: ``need`` is 0,
+   or 1 without floors, as the torch path's ``#(cumsum < target) + 1``).
+3. The ``need``-th largest rest score ``v`` by a radix search: each further ``DIGIT``-bit digit of the keys
+   is one pass counting them (``tl.histogram``) among the lines that share the leading digits chosen so far,
+   until at most ``CAND`` lines do; one pass copies those to a scratch row, and their remaining digits are
+   counted in registers, one histogram per digit. The same copy pass sums the lines above them: ``G = sum(rest
+   > v)``; ``C = #(rest > v)``; the top ``need`` lines are those above ``v`` and the first ``need - C`` of its
+   ties by index.
+4. Otherwise (``F < target <= F + R``) the count is capped exactly when the first ``hi - 1`` lines in
+   priority order stay below the target, ``F + G + (need - C - 1) v < target`` (step 3 run for ``need = hi -
+   lo``). If not, the budget's threshold lies at or above ``v``: the largest score ``u >= v`` with ``F +
+   sum(rest >= u) >= target`` by a bisection by sums over the keys from ``v`` up (at most ``CAND`` lines
+   lie there unless many tie at ``v``; more take one pass per step first); with ``G' = sum(rest > u)``,
+   ``C' = #(rest > u)``, ``E' = #(rest == u)`` the prefix reaches the target inside the tie run at ``u``
+   after ``e = clamp(ceil((target - (F + G')) / u), 1, E')`` ties: count ``lo + C' + e``.
+5. One pass writes the kept indices ascending (in-register prefix sums), then ``-1`` padding to the
    output width, the count, and the covered fraction ``sum(kept) / L``.
 
-The searches of steps 2-3 halve an interval of keys per step: one pass over the row per step (per-lane
-partial sums, one block reduction per pass) while more than ``CAND`` lines lie inside it, then those
-lines are copied to a scratch row and the remaining steps run on them in registers. Step 2's passes also
-take one step each of step 3's search for the capped count (``hi - lo`` lines), two counts per lane packed
-in one int32: when the count turns out capped, step 3 continues from there instead of from the whole key
-range. :func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
+:func:`select_line_kinds` runs two line kinds (the block diagonals and the columns) in one launch, one
 program per row of either kind, side by side.
 
 Agreement with the torch path: the kept lines and counts are the same except where the target lies within
@@ -41,12 +46,12 @@ usually sum exactly in fp64. The covered fraction agrees to that rounding. Score
 NaN ranks above every number (as in torch's descending sort), but a row holding one keeps ``hi`` lines
 where torch stops counting at the NaN; such a row never writes outside its slots.
 
-Cost: per row, two passes plus one per search step (the two searches' steps shared while step 2 streams)
-until at most ``CAND`` candidates remain (a handful
-for spread-out scores: each step halves the key interval, and a few steps isolate the scores' binade; up
-to 31 (fp32) or 63 (fp64) when more than ``CAND`` lines tie at the threshold), then up to 31 or 63 register
-steps; one program per row, so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer
-loop steps with more warps.
+Cost: per row, pass 1, one pass per further digit while more than ``CAND`` lines share the chosen digits
+(none or one for spread-out scores: the first digit holds the exponent), the copy pass, a second copy pass
+when the budget is not capped, and the writing pass; in registers one histogram per remaining digit of the
+capped count's search, and up to 31 (fp32) or 63 (fp64) bisection steps for the budget's; one program per row,
+so ``b * h`` programs in all. Rows of more than ``LONG_ROW`` lines take longer loop
+steps with more warps.
 
 Imported lazily (``triton.jit`` picks compiled or interpreted mode at decoration time).
 """
@@ -70,8 +75,8 @@ LONG_ROW = 65536    # longer rows: LONG_CHUNK lines per step, LONG_NUM_WARPS war
 LONG_CHUNK = 8192
 LONG_NUM_WARPS = 16
 CAND = 2048         # candidates left when the bisection moves to registers
-MAX_REGISTERS = 168  # per thread, launches of NUM_WARPS warps (launch_registers)
-LOCKSTEP = True     # step 2's passes also advance step 3's search for a capped count (False: one after the other)
+MAX_REGISTERS = 184  # per thread, launches of NUM_WARPS warps (launch_registers)
+DIGIT = 6           # bits per digit of the radix search (step 3)
 
 
 @triton.jit
@@ -91,6 +96,16 @@ def _keys(Row, idx, N, FP64: tl.constexpr):
 
 
 @triton.jit
+def _key_value(k, FP64: tl.constexpr):
+    """The score (fp64) whose key is ``k``."""
+    if FP64:
+        v = k.to(tl.float64, bitcast=True)
+    else:
+        v = k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
+    return v
+
+
+@triton.jit
 def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
     """One bisection step: the condition held at ``mid`` (``up``: ``mid`` becomes ``lo_k``) or failed (``hi_k``,
     with its sum and count). Returns ``(lo_k, hi_k, s_hi, c_lo, c_hi)``."""
@@ -105,11 +120,11 @@ def _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi):
 
 
 @triton.jit
-def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx, Ck,
-            BY_SUM: tl.constexpr, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr):
-    """Bisection over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
-    ``sum(rest >= v) >= goal_s`` (``BY_SUM``) or ``#(rest >= v) >= goal_c``. Invariant: the condition holds at
-    ``lo_k`` and fails at ``hi_k``; ``s_hi`` / ``c_hi`` are the sum / count at ``hi_k``, ``c_lo`` the count at
+def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, Cx, Ck, FP64: tl.constexpr,
+            CHUNK: tl.constexpr, CAND: tl.constexpr):
+    """Bisection by sums over the rest lines' keys (int64 here): the largest key ``v`` in ``[lo_k, hi_k)`` with
+    ``s_base + sum(rest >= v) >= goal_s``. Invariant: the condition holds at ``lo_k`` and fails at ``hi_k``;
+    ``s_hi`` / ``c_hi`` are the sum / count of the rest lines at or above ``hi_k``, ``c_lo`` the count at
     ``lo_k``. One full pass over the row per step until at most ``CAND`` lines lie in ``[lo_k, hi_k)``; those
     are then copied to the scratch rows ``Cx`` / ``Ck`` and the bisection ends in registers. Returns the final
     ``(lo_k, hi_k, s_hi, c_lo, c_hi)`` (``hi_k = lo_k + 1``)."""
@@ -122,16 +137,12 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
             idx = c0 + offs
             x, key, ok = _keys(row, idx, N, FP64)
             ge = ok & (idx >= LO) & (key.to(tl.int64) >= mid)
-            if BY_SUM:
-                acc_s += tl.where(ge, x, 0.0)
+            acc_s += tl.where(ge, x, 0.0)
             acc_c += ge.to(tl.int32)
         s_mid = tl.sum(acc_s, 0)
         c_mid = tl.sum(acc_c, 0)
-        if BY_SUM:
-            up = s_base + s_mid >= goal_s
-        else:
-            up = c_mid >= goal_c
-        lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
+        lo_k, hi_k, s_hi, c_lo, c_hi = _step(s_base + s_mid >= goal_s, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo,
+                                             c_hi)
     if hi_k - lo_k > 1:
         # at most CAND candidates left: copy them (any order) and finish in registers
         base = c_hi * 0
@@ -156,107 +167,170 @@ def _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi, s_base, goal_s, goal_c, Cx
             mid = lo_k + (hi_k - lo_k) // 2
             ge = ks >= mid
             c_mid = c_out + tl.sum(ge.to(tl.int32), 0)
-            if BY_SUM:
-                s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
-                up = s_base + s_mid >= goal_s
-            else:
-                s_mid = s_hi
-                up = c_mid >= goal_c
-            lo_k, hi_k, s_hi, c_lo, c_hi = _step(up, mid, s_mid, c_mid, lo_k, hi_k, s_hi, c_lo, c_hi)
+            s_mid = s_out + tl.sum(tl.where(ge, xs, 0.0), 0)
+            lo_k, hi_k, s_hi, c_lo, c_hi = _step(s_base + s_mid >= goal_s, mid, s_mid, c_mid, lo_k, hi_k, s_hi,
+                                                 c_lo, c_hi)
     return lo_k, hi_k, s_hi, c_lo, c_hi
 
 
 @triton.jit
+def _digit_hist(row, N, LO, prefix, prev, shift, FP64: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
+    """Counts of the next digit, bits ``[shift, prev)`` of the key, over the rest lines whose bits from ``prev``
+    up equal ``prefix``: ``[2 * 2**DIGIT]`` int32 (bins ``>= 2**DIGIT`` count the other lines)."""
+    offs = tl.arange(0, CHUNK)
+    hist = tl.zeros([2 << DIGIT], tl.int32)
+    for c0 in range(0, N, CHUNK):
+        idx = c0 + offs
+        x, key, ok = _keys(row, idx, N, FP64)
+        k64 = key.to(tl.int64)
+        match = ok & (idx >= LO) & ((k64 >> prev) == prefix)
+        d = tl.where(match, ((k64 >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT)
+        hist += tl.histogram(d, 2 << DIGIT)
+    return hist
+
+
+@triton.jit
+def _pick_digit(hist, above, need, DIGIT: tl.constexpr):
+    """The digit bin holding the ``need``-th largest rest line, given ``above`` lines above the bins: ``(bin,
+    lines above it, lines in it)``."""
+    ar = tl.arange(0, 2 << DIGIT)
+    h = tl.where(ar < (1 << DIGIT), hist, 0)
+    suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h          # lines in bins >= j
+    j = tl.max(tl.where(above + suffix >= need, ar, -1), 0)
+    in_j = tl.sum(tl.where(ar == j, h, 0), 0)
+    at_or_above = tl.sum(tl.where(ar == j, suffix, 0), 0)
+    return j.to(tl.int64), above + at_or_above - in_j, in_j
+
+
+@triton.jit
+def _top_count(row, N, LO, need, hist0, cx, ck, FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+               DIGIT: tl.constexpr):
+    """The ``need``-th largest rest key ``v`` (``need >= 1``) by a radix search over the key's digits (``hist0``:
+    the first digit's counts, from pass 1): one pass per digit while more than ``CAND`` lines share the chosen
+    leading digits; then one pass copies those lines to the scratch row (and sums the lines above them), and the
+    remaining digits are counted in registers. Returns ``(v, #(rest > v), #(rest >= v), sum(rest > v))``."""
+    if FP64:                                           # key bits: 63 (fp64) or 31 (fp32)
+        top = 63
+    else:
+        top = 31
+    prev = tl.full([], top - DIGIT, tl.int32)
+    prefix, above, cand = _pick_digit(hist0, need * 0, need, DIGIT)
+    while (cand > CAND) & (prev > 0):
+        shift = tl.maximum(prev - DIGIT, 0)
+        hist = _digit_hist(row, N, LO, prefix, prev, shift, FP64, CHUNK, DIGIT)
+        j, above, cand = _pick_digit(hist, above, need, DIGIT)
+        prefix = (prefix << (prev - shift)) | j
+        prev = shift
+    offs = tl.arange(0, CHUNK)
+    acc_a = tl.zeros([CHUNK], tl.float64)              # the rest lines above the chosen leading digits
+    if prev > 0:
+        # at most CAND lines share them: copy those (any order), then count their remaining digits in registers
+        base = need * 0
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            k64 = key.to(tl.int64)
+            rest = ok & (idx >= LO)
+            lead = k64 >> prev
+            take = (rest & (lead == prefix)).to(tl.int32)
+            pos = base + tl.cumsum(take, 0) - 1
+            put = (take > 0) & (pos < CAND)            # always (the counts are exact): never outside the row
+            tl.store(cx + pos, x, mask=put)
+            tl.store(ck + pos, k64, mask=put)
+            base += tl.sum(take, 0)
+            acc_a += tl.where(rest & (lead > prefix), x, 0.0)
+        tl.debug_barrier()                             # the stores above are read by other threads below
+        o2 = tl.arange(0, CAND)
+        valid = o2 < base
+        xs = tl.load(cx + o2, mask=valid, other=0.0)
+        ks = tl.load(ck + o2, mask=valid, other=-1)    # -1: shares no leading digits
+        while prev > 0:
+            shift = tl.maximum(prev - DIGIT, 0)
+            match = (ks >> prev) == prefix
+            d = tl.where(match, ((ks >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT)
+            j, above, cand = _pick_digit(tl.histogram(d, 2 << DIGIT), above, need, DIGIT)
+            prefix = (prefix << (prev - shift)) | j
+            prev = shift
+        s_gt = tl.sum(acc_a, 0) + tl.sum(tl.where(ks > prefix, xs, 0.0), 0)
+    else:
+        # every digit counted over the row (more than CAND lines tie at v): one pass sums the lines above v
+        for c0 in range(0, N, CHUNK):
+            idx = c0 + offs
+            x, key, ok = _keys(row, idx, N, FP64)
+            acc_a += tl.where(ok & (idx >= LO) & (key.to(tl.int64) > prefix), x, 0.0)
+        s_gt = tl.sum(acc_a, 0)
+    return prefix, above, above + cand, s_gt
+
+
+@triton.jit
 def _select_row(r, Score, Sel, Cnt, Mass, Cx, Ck, N, LO, HI, W, H, s_b, s_h, target, L, TAKE_ALL,
-                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr):
-    """Steps 1-4 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
+                FP64: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, DIGIT: tl.constexpr):
+    """Steps 1-5 of the module docstring for row ``r`` (sample * H + head) of one line kind."""
     row = Score + (r // H).to(tl.int64) * s_b + (r % H).to(tl.int64) * s_h
     cx = Cx + r.to(tl.int64) * CAND                    # this row's scratch (candidate scores and keys)
     ck = Ck + r.to(tl.int64) * CAND
     offs = tl.arange(0, CHUNK)
-    k0 = tl.full([], 0, tl.int64)                      # keys are compared as int64 (fp32 bits fit)
     f0 = tl.full([], 0.0, tl.float64)
+    if FP64:                                           # key bits: 63 (fp64) or 31 (fp32)
+        top = 63
+    else:
+        top = 31
 
-    # ---- 1. the floors' and the rest's sums; the rest's largest key
+    # ---- 1. the floors' and the rest's sums; the rest's largest key; the counts of its keys' leading digits
     acc_f = tl.zeros([CHUNK], tl.float64)
     acc_r = tl.zeros([CHUNK], tl.float64)
     acc_k = tl.zeros([CHUNK], tl.int64)
+    hist0 = tl.zeros([2 << DIGIT], tl.int32)          # bins >= 2**DIGIT: the floors and past the row
     for c0 in range(0, N, CHUNK):
         idx = c0 + offs
         x, key, ok = _keys(row, idx, N, FP64)
         rest = ok & (idx >= LO)
+        k64 = key.to(tl.int64)
         acc_f += tl.where(idx < LO, x, 0.0)
         acc_r += tl.where(rest, x, 0.0)
-        acc_k = tl.maximum(acc_k, tl.where(rest, key.to(tl.int64), 0))
+        acc_k = tl.maximum(acc_k, tl.where(rest, k64, 0))
+        d = tl.where(rest, ((k64 >> (top - DIGIT)) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT)
+        hist0 += tl.histogram(d, 2 << DIGIT)
     f_sum = tl.sum(acc_f, 0)
     r_sum = tl.sum(acc_r, 0)
     k_max = tl.max(acc_k, 0)
 
     n_rest = N - LO
-    # ---- 2. the count, and (unless capped) the threshold key and the number of its ties to keep
+    # ---- 2. the rest lines to keep when the count is capped (or the floors reach the target)
     thr = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)   # no rest line kept unless a search sets it
     ties = n_rest * 0
     count = HI + 0 * n_rest
-    by_count = 1 + 0 * n_rest                          # 1: step 3 decides the threshold
-    need_cap = HI - LO                                 # step 3's count when the count is capped
-    lo_c, hi_c, c_lo_c, c_hi_c = k0, k_max + 1, n_rest, n_rest * 0   # its search's state
+    need = HI - LO
+    budget = 0 * n_rest
     if TAKE_ALL == 0:
         # the cumulative score is compared as the torch path does: floors' sum + rest's partial sum vs target
         if f_sum >= target:
             # the floors reach the target (the count is the floors; one line when there are none)
             count = tl.maximum(LO + 0 * n_rest, 1)
+            need = count - LO
         elif f_sum + r_sum >= target:
-            # largest key v with F + sum(rest >= v) >= target; each of its passes over the row also takes one
-            # step of step 3's search for a capped count (need = hi - lo), whose state step 3 then continues
-            lo_k, hi_k, s_hi, c_lo, c_hi = k0, k_max + 1, f0, n_rest, n_rest * 0
-            if LOCKSTEP:
-                while (hi_k - lo_k > 1) & (c_lo - c_hi > CAND):
-                    mid = lo_k + (hi_k - lo_k) // 2
-                    more = (hi_c - lo_c > 1) & (c_lo_c - c_hi_c > CAND)
-                    mid_c = lo_c + (hi_c - lo_c) // 2
-                    acc_s = tl.zeros([CHUNK], tl.float64)
-                    # per lane: count at mid + 65536 * count at mid_c, each at most N / CHUNK (< 2**15)
-                    acc_c = tl.zeros([CHUNK], tl.int32)
-                    for c0 in range(0, N, CHUNK):
-                        idx = c0 + offs
-                        x, key, ok = _keys(row, idx, N, FP64)
-                        rest = ok & (idx >= LO)
-                        k64 = key.to(tl.int64)
-                        ge = rest & (k64 >= mid)
-                        acc_s += tl.where(ge, x, 0.0)
-                        acc_c += ge.to(tl.int32) + ((rest & (k64 >= mid_c)).to(tl.int32) << 16)
-                    s_mid = tl.sum(acc_s, 0)
-                    c_mid = tl.sum(acc_c & 0xFFFF, 0)
-                    cc_mid = tl.sum(acc_c >> 16, 0)
-                    lo_k, hi_k, s_hi, c_lo, c_hi = _step(f_sum + s_mid >= target, mid, s_mid, c_mid, lo_k, hi_k, s_hi,
-                                                         c_lo, c_hi)
-                    if more:
-                        lo_c, hi_c, _s, c_lo_c, c_hi_c = _step(cc_mid >= need_cap, mid_c, f0, cc_mid, lo_c, hi_c, f0,
-                                                               c_lo_c, c_hi_c)
-            lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_k, hi_k, s_hi, c_lo, c_hi,
-                                                   f_sum, target, 0, cx, ck, True, FP64, CHUNK, CAND)
-            if FP64:
-                v = lo_k.to(tl.float64, bitcast=True)
-            else:
-                v = lo_k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
-            n_eq = c_lo - c_hi
-            e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / v), 1.0),
-                           n_eq.to(tl.float64)).to(tl.int32)
-            count = tl.minimum(LO + c_hi + e, HI)
-            if count == LO + c_hi + e:
-                thr = lo_k
-                ties = e
-                by_count = 0 * n_rest
-    # ---- 3. the top (count - lo) rest lines by a bisection on counts, from the state step 2's passes left: they
-    # advanced it only when step 2 ran, after which step 3 runs only for a capped count (need == need_cap);
-    # otherwise it is still the whole key range, valid for any count
-    need = count - LO
-    if (by_count > 0) & (need > 0):
-        lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, lo_c, hi_c, f0, c_lo_c, c_hi_c,
-                                               f0, f0, need, cx, ck, False, FP64, CHUNK, CAND)
-        thr = lo_k
-        ties = need - c_hi
-    # ---- 4. kept indices ascending, padding, count and covered fraction
+            budget = 1 + 0 * n_rest
+    # ---- 3. the need-th largest rest key by the radix search, and the lines above it
+    if need > 0:
+        v_c, c_gt, c_ge, s_gt = _top_count(row, N, LO, need, hist0, cx, ck, FP64, CHUNK, CAND, DIGIT)
+        thr = v_c
+        ties = need - c_gt
+        # ---- 4. capped unless the first hi - 1 lines in priority order reach the target
+        if budget > 0:
+            extra = tl.where(ties > 1, (ties - 1).to(tl.float64) * _key_value(v_c, FP64), 0.0)
+            if f_sum + s_gt + extra >= target:
+                # the largest key u >= v_c with F + sum(rest >= u) >= target: it holds at v_c, fails past k_max
+                lo_k, hi_k, s_hi, c_lo, c_hi = _search(row, N, LO, v_c, k_max + 1, f0, c_ge, n_rest * 0,
+                                                       f_sum, target, cx, ck, FP64, CHUNK, CAND)
+                u = _key_value(lo_k, FP64)
+                n_eq = c_lo - c_hi
+                e = tl.minimum(tl.maximum(tl.math.ceil((target - (f_sum + s_hi)) / u), 1.0),
+                               n_eq.to(tl.float64)).to(tl.int32)
+                if LO + c_hi + e < HI:                 # else capped after all (a sum rounded the other way)
+                    count = LO + c_hi + e
+                    thr = lo_k
+                    ties = e
+    # ---- 5. kept indices ascending, padding, count and covered fraction
     out = Sel + r.to(tl.int64) * W
     base = n_rest * 0
     seen = n_rest * 0
@@ -288,17 +362,17 @@ def _select_kernel(
     ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB: tl.float64, LB: tl.float64,
     TAKE_ALL_B,
     RA,
-    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, LOCKSTEP: tl.constexpr,
+    FP64_A: tl.constexpr, FP64_B: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, DIGIT: tl.constexpr,
 ):
     """One program per row: rows ``0 .. RA - 1`` of line kind A, then those of kind B (the two kinds run
     side by side in one launch)."""
     pid = tl.program_id(0)
     if pid < RA:
         _select_row(pid, ScoreA, SelA, CntA, MassA, CxA, CkA, NA, LOA, HIA, WA, HA, sa_b, sa_h, targetA, LA,
-                    TAKE_ALL_A, FP64_A, CHUNK, CAND, LOCKSTEP)
+                    TAKE_ALL_A, FP64_A, CHUNK, CAND, DIGIT)
     else:
         _select_row(pid - RA, ScoreB, SelB, CntB, MassB, CxB, CkB, NB, LOB, HIB, WB, HB, sb_b, sb_h, targetB, LB,
-                    TAKE_ALL_B, FP64_B, CHUNK, CAND, LOCKSTEP)
+                    TAKE_ALL_B, FP64_B, CHUNK, CAND, DIGIT)
 
 
 def launch_shape(n: int):
@@ -375,7 +449,7 @@ def select_line_kinds(*kinds):
                              "(a pass's per-lane counts are packed in 16 bits)")
         dev = kinds[0][0].device
         sms = _sm_count(cuda_index(dev)) if dev.type == "cuda" else None
-        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, LOCKSTEP=LOCKSTEP,
+        _select_kernel[(ra + rb,)](*a, *b, ra, FP64_A=fa, FP64_B=fb, CHUNK=chunk, CAND=CAND, DIGIT=DIGIT,
                                    num_warps=warps, **launch_registers(warps, ra + rb, sms))
     return [p[0] for p in prepared]
 
