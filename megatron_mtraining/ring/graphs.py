@@ -34,10 +34,12 @@ the eager output is:
 
 * modified in place before the backward (it or a view of it), the backward raises autograd's
   ``RuntimeError`` for a saved tensor modified by an inplace operation;
-* still referenced when the layer's next forward comes (the model keeps it, a view of it or its
-  storage past the backward), that forward runs eagerly, so the kept tensor is never overwritten, and
-  warns once; from then on the layer hands out copies of its graph's output (one output's memory more
-  per layer), and runs eagerly for as long as a tensor handed out before is referenced;
+* still referenced past its backward (the model keeps it, a view of it or its storage), it keeps its
+  values: the layer's next forward runs eagerly, and a replay of a layer captured before it (the next
+  layers down in the backward, the first layers of the next forward) may reuse its memory, so its values
+  are copied aside before that replay and back after it. The layer warns once; from then on it hands out
+  copies of its graph's output (one output's memory more per layer), and runs eagerly for as long as a
+  tensor handed out before is referenced;
 * under saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``,
   activation offloading), which skip that version check, the call hands out a copy.
 
@@ -91,9 +93,10 @@ REPLAY_ORDER_RULE = (
 
 
 OUTPUT_KEPT_WARNING = (
-    "cuda_graphs: the output of this layer's previous call is still referenced at its next forward (the model keeps "
-    "the attention output, or a view of it, past the backward); this call runs eagerly so that the kept tensor is not "
-    "overwritten, and the layer hands out copies of its graph's output from now on (one output's memory more)")
+    "cuda_graphs: the output of this layer's previous call is still referenced past its backward (the model keeps "
+    "the attention output, or a view of it); it is kept intact (the layer's next forward runs eagerly, and the "
+    "replays of the layers before it save and restore it), and the layer hands out copies of its graph's output "
+    "from now on (one output's memory more)")
 
 
 def _alias(t: torch.Tensor):
@@ -126,6 +129,29 @@ class _Pool:
         self.captured = 0
         self.in_flight: list = []            # entries whose forward awaits its backward
         self.shared: dict = {}               # the backward's static buffers, one set per signature
+        self.entries: list = []              # weak references to the captured entries, in capture order
+
+    def add(self, entry: "_Entry") -> None:
+        """Register a captured entry: its capture order, and its output kept intact by the replays of entries
+        captured before it (:meth:`replay`)."""
+        entry.order = self.captured
+        self.captured += 1
+        self.entries.append(weakref.ref(entry))
+
+    def replay(self, entry: "_Entry", graph) -> None:
+        """Replay ``graph`` (``entry``'s forward or backward) without losing an output that a layer captured
+        after ``entry`` handed out and the model still references: that layer's capture may have placed its
+        output in memory that ``entry``'s capture had freed (``entry``'s transients), which this replay writes.
+        Such outputs are copied aside before the replay and back after it (stream order, no host
+        synchronisation), and their layers hand out copies from then on (:data:`OUTPUT_KEPT_WARNING`). In
+        training nothing keeps an attention output past its backward, and this costs nothing."""
+        self.entries = [r for r in self.entries if r() is not None]
+        kept = [e for e in (r() for r in self.entries) if e is not None and e.order > entry.order and e.output_kept()]
+        saved = [e.out_data.clone() for e in kept]
+        graph.replay()
+        for e, data in zip(kept, saved):
+            e.out_data.copy_(data)
+            e.keep_copies()
 
     def shared_like(self, role: str, *like: torch.Tensor) -> tuple:
         """Buffers shaped (and strided) like ``like``, one set per ``role`` and signature of ``like``, shared by
@@ -193,6 +219,12 @@ class _Entry:
         replay would overwrite it (copies never are)."""
         return self.handed is not None and not self.handed.expired()
 
+    def keep_copies(self) -> None:
+        """Hand out copies of the output buffer from now on (an output handed out was kept); warns once."""
+        if not self.copy_out:
+            warnings.warn(OUTPUT_KEPT_WARNING, RuntimeWarning, stacklevel=3)
+            self.copy_out = True
+
     def check_free(self) -> None:
         if self.live():
             raise RuntimeError(SECOND_FORWARD_RULE)
@@ -206,7 +238,7 @@ class _Replay(torch.autograd.Function):
         with record_function(REGION_ATTENTION_FWD):
             for dst, src in zip(entry.inputs, (q, k, v)):
                 dst.copy_(src)
-            entry.fwd.replay()
+            entry.pool.replay(entry, entry.fwd)
             alias = None if entry.copy_out or _saved_tensor_hooks_active() else _alias(entry.out_data)
             if alias is None:
                 out = entry.out_data.clone()
@@ -231,7 +263,7 @@ class _Replay(torch.autograd.Function):
         ctx.saved_tensors       # the version check of a handed-out output buffer
         with record_function(REGION_ATTENTION_BWD):
             entry.grad_out.copy_(dout)
-            entry.bwd.replay()
+            entry.pool.replay(entry, entry.bwd)
             grads = tuple(g.clone() for g in entry.grads)
         entry.pending = None
         ctx.done = True
@@ -283,9 +315,7 @@ class CUDAGraphedAttention:
         if entry is None:                       # the capture failed (warned): eager
             return self.fn(q, k, v)
         if not entry.live() and entry.output_kept():    # a replay would overwrite a kept output: eager
-            if not entry.copy_out:
-                warnings.warn(OUTPUT_KEPT_WARNING, RuntimeWarning, stacklevel=2)
-                entry.copy_out = True
+            entry.keep_copies()
             return self.fn(q, k, v)
         return _Replay.apply(entry, q, k, v)
 
@@ -328,6 +358,5 @@ class CUDAGraphedAttention:
                           f"runs without CUDA graphs", RuntimeWarning, stacklevel=3)
             return None
         entry.out_data = entry.out.detach()
-        entry.order = entry.pool.captured
-        entry.pool.captured += 1
+        entry.pool.add(entry)
         return entry
