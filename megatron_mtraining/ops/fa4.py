@@ -490,13 +490,12 @@ def _has(idx, which: str) -> bool:
     return True
 
 
-#: Why the FA4 sparse steps are not captured in CUDA graphs (raised inside a capture; the layer then runs
-#: eagerly, :class:`~megatron_mtraining.ring.graphs.CUDAGraphedAttention` warns once).
-FA4_CAPTURE_RULE = ("FlashAttention-4's sparse steps (vertical_slash.block_size 128) are not captured in CUDA graphs "
-                    "(their graph replays are not yet checked against the eager kernels): with cuda_graphs: true such a "
-                    "layer runs eagerly, and other captures around the attention (Megatron's CUDA graphs, "
-                    "torch.compile's reduce-overhead mode) are refused; for graphs, keep block_size 64 on the Triton "
-                    "kernels (configs/long_context_r098_graphs.yaml)")
+#: Raised inside a CUDA-graph capture by the FA4 sparse steps while :attr:`FA4SparseStepKernel.capture` is ``False``
+#: (the layer then runs eagerly, :class:`~megatron_mtraining.ring.graphs.CUDAGraphedAttention` warns once).
+FA4_CAPTURE_RULE = ("FlashAttention-4's sparse steps (vertical_slash.block_size 128) are set not to be captured in CUDA "
+                    "graphs (FA4SparseStepKernel.capture is False): with cuda_graphs: true such a layer runs eagerly, "
+                    "and other captures around the attention (Megatron's CUDA graphs, torch.compile's reduce-overhead "
+                    "mode) are refused; set FA4SparseStepKernel.capture = True to capture them")
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -535,8 +534,8 @@ class FA4SparseStepKernel(SparseStepKernel):
     """
 
     #: Whether a CUDA-graph capture may record these steps (``False``: a capture raises
-    #: :data:`FA4_CAPTURE_RULE`).
-    capture = False
+    #: :data:`FA4_CAPTURE_RULE`, and ``cuda_graphs: true`` runs such layers eagerly).
+    capture = True
 
     def __init__(self, steps, softmax_scale: float, *, fallback, deterministic: bool = False):
         self.fallback, self.deterministic = fallback, bool(deterministic)

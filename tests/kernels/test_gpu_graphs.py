@@ -174,13 +174,13 @@ def _fa4_missing() -> bool:
 
 
 @pytest.mark.skipif(_fa4_missing(), reason="needs flash-attn-4 on a Hopper or Blackwell GPU")
-def test_fa4_sparse_layers_run_eagerly_or_replay_what_the_eager_model_computes(monkeypatch):
+def test_fa4_sparse_layers_replay_what_the_eager_model_computes(monkeypatch):
     """FlashAttention-4 slash blocks (128-token blocks, kernel_backend fa4, fast mode) through two layers in training
-    order. By default their capture is refused by name and the layers run eagerly (a warning). With
-    ``FA4SparseStepKernel.capture`` set, the layers replay graphs: out, dQ, dK and dV match the eager model within
-    FA4's atomic summation order (2 bf16 ulps of the largest gradient). Negative control: a step kernel that frees
-    its forward's block lists in ``end_backward`` lets the next layer's capture take their memory, so layer 1's
-    backward replays read other lists (gradients off by far more)."""
+    order replay graphs: out, dQ, dK and dV match the eager model within FA4's atomic summation order (2 bf16 ulps
+    of the largest gradient). With ``FA4SparseStepKernel.capture`` off their capture is refused by name and the
+    layers run eagerly (a warning). Negative control: a step kernel that frees its forward's block lists in
+    ``end_backward`` lets the next layer's capture take their memory, so layer 1's backward replays read other
+    lists (gradients off by far more)."""
     from megatron_mtraining.ops.fa4 import FA4SparseStepKernel
     from megatron_mtraining.ring import graphs
 
@@ -205,10 +205,11 @@ def test_fa4_sparse_layers_run_eagerly_or_replay_what_the_eager_model_computes(m
             assert entries and all(e is None for e in entries)        # the capture failed: eager
         return max(errs)
 
-    with pytest.warns(RuntimeWarning, match="not captured in CUDA graphs"):
+    assert run(expect_replays=True) <= 2 ** -7
+    monkeypatch.setattr(FA4SparseStepKernel, "capture", False)
+    with pytest.warns(RuntimeWarning, match="set not to be captured in CUDA graphs"):
         assert run(expect_replays=False) <= 2 ** -7
     monkeypatch.setattr(FA4SparseStepKernel, "capture", True)
-    assert run(expect_replays=True) <= 2 ** -7
     keep = FA4SparseStepKernel.end_backward
 
     def end_backward_freeing_the_lists(self):

@@ -232,8 +232,9 @@ def test_fa4_sparse_step_keeps_only_forward_lists_until_its_backward(monkeypatch
 
 
 def test_fa4_sparse_steps_refuse_a_cuda_graph_capture_by_name(monkeypatch):
-    """Inside a CUDA-graph capture the FA4 sparse step raises FA4_CAPTURE_RULE (the graphs module then runs the
-    layer eagerly and warns) unless ``capture`` is set; outside a capture it runs. The capture is simulated."""
+    """Inside a CUDA-graph capture the FA4 sparse step runs as outside one (``capture``, the default), and raises
+    FA4_CAPTURE_RULE with ``capture`` off (the graphs module then runs the layer eagerly and warns). The capture
+    is simulated."""
     monkeypatch.setattr(fa4_mod, "fa4_forward", _fake_forward)
     lay = Layout("striped", cp_size=1, granularity=128)
     steps = convert_pattern(random_pattern(512, 128, 1, 2, seed=4, shared_columns=(7,)), lay, 0)
@@ -241,8 +242,8 @@ def test_fa4_sparse_steps_refuse_a_cuda_graph_capture_by_name(monkeypatch):
     kern = make_fa4_sparse_step(steps, 0.25, fallback=SparseStepKernel)
     ref = kern.forward(q, k, v, 0)
     monkeypatch.setattr(fa4_mod, "_capturing", lambda t: True)
-    with pytest.raises(RuntimeError, match="not captured in CUDA graphs"):
-        kern.forward(q, k, v, 0)
-    monkeypatch.setattr(FA4SparseStepKernel, "capture", True)
     got = kern.forward(q, k, v, 0)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    monkeypatch.setattr(FA4SparseStepKernel, "capture", False)
+    with pytest.raises(RuntimeError, match="set not to be captured in CUDA graphs"):
+        kern.forward(q, k, v, 0)
