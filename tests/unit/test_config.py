@@ -35,6 +35,7 @@ EXPECTED = {  # file -> (implementation, pattern, recall or None, granularity)
     "long_context_r098.yaml": ("striped", "vertical_slash", 0.98, 64),
     "long_context_r098_auto.yaml": ("striped", "vertical_slash", 0.98, 64),
     "long_context_r098_graphs.yaml": ("striped", "vertical_slash", 0.98, 64),
+    "long_context_fa4_b128_graphs.yaml": ("striped", "vertical_slash", 0.98, 128),
     "fa4_128k.yaml": ("striped", "vertical_slash", 0.9, 128),
     "packed_documents_r090.yaml": ("striped", "vertical_slash", 0.9, 64),
 }
@@ -80,6 +81,14 @@ def test_the_graphs_config_is_r098_with_cuda_graphs_on_the_triton_kernels():
                                                                            "long_context_r098.yaml"))
     assert graphs.cuda_graphs and graphs.kernel_backend == "triton"
     assert dataclasses.replace(graphs, cuda_graphs=False, kernel_backend="auto") == fixed
+
+
+def test_the_fa4_graphs_config_is_the_graphs_config_at_128_token_blocks_on_fa4():
+    fa4, graphs = (load_mtraining_config(ROOT / "configs" / n) for n in ("long_context_fa4_b128_graphs.yaml",
+                                                                        "long_context_r098_graphs.yaml"))
+    vs = dataclasses.replace(fa4.vertical_slash, block_size=64, local_blocks=2, max_slash=256)
+    assert fa4.kernel_backend == "fa4" and fa4.cuda_graphs
+    assert dataclasses.replace(fa4, granularity=64, vertical_slash=vs, kernel_backend="triton") == graphs
 
 
 def test_paper_main_run_settings():
