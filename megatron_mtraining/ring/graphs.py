@@ -34,12 +34,13 @@ the eager output is:
 
 * modified in place before the backward (it or a view of it), the backward raises autograd's
   ``RuntimeError`` for a saved tensor modified by an inplace operation;
-* still referenced past its backward (the model keeps it, a view of it or its storage), it keeps its
-  values: the layer's next forward runs eagerly, and a replay of a layer captured before it (the next
-  layers down in the backward, the first layers of the next forward) may reuse its memory, so its values
-  are copied aside before that replay and back after it. The layer warns once; from then on it hands out
-  copies of its graph's output (one output's memory more per layer), and runs eagerly for as long as a
-  tensor handed out before is referenced;
+* still referenced past its backward (the model keeps it, a view of it or its storage, or a retained
+  autograd graph holds it), it keeps its values: the layer's next forward runs eagerly, and a replay of a
+  layer captured before it (in training order, the next layers down in the backward and the first layers
+  of the next forward) may reuse its memory, so its values are copied aside before that replay and back
+  after it; the pool keeps that memory allocated while the output is referenced, even if the layer is
+  dropped. The layer warns once; from then on it hands out copies of its graph's output (one output's
+  memory more per layer), and runs eagerly for as long as a tensor handed out before is referenced;
 * under saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``,
   activation offloading), which skip that version check, the call hands out a copy.
 
@@ -94,9 +95,9 @@ REPLAY_ORDER_RULE = (
 
 OUTPUT_KEPT_WARNING = (
     "cuda_graphs: the output of this layer's previous call is still referenced past its backward (the model keeps "
-    "the attention output, or a view of it); it is kept intact (the layer's next forward runs eagerly, and the "
-    "replays of the layers before it save and restore it), and the layer hands out copies of its graph's output "
-    "from now on (one output's memory more)")
+    "the attention output or a view of it, or a retained autograd graph holds it); it is kept intact (the layer's "
+    "next forward runs eagerly, and the replays of the layers captured before it save and restore it), and the "
+    "layer hands out copies of its graph's output from now on (one output's memory more)")
 
 
 def _alias(t: torch.Tensor):
@@ -129,14 +130,17 @@ class _Pool:
         self.captured = 0
         self.in_flight: list = []            # entries whose forward awaits its backward
         self.shared: dict = {}               # the backward's static buffers, one set per signature
-        self.entries: list = []              # weak references to the captured entries, in capture order
+        self.holding: dict = {}              # capture order -> entry whose handed-out output may be referenced
 
     def add(self, entry: "_Entry") -> None:
-        """Register a captured entry: its capture order, and its output kept intact by the replays of entries
-        captured before it (:meth:`replay`)."""
+        """Register a captured entry: its capture order."""
         entry.order = self.captured
         self.captured += 1
-        self.entries.append(weakref.ref(entry))
+
+    def hold(self, entry: "_Entry") -> None:
+        """``entry`` handed out its output buffer: the pool keeps the entry (and so that memory) alive while the
+        output may be referenced, even if its layer is dropped, and :meth:`replay` keeps its values."""
+        self.holding[entry.order] = entry
 
     def replay(self, entry: "_Entry", graph) -> None:
         """Replay ``graph`` (``entry``'s forward or backward) without losing an output that a layer captured
@@ -144,9 +148,15 @@ class _Pool:
         output in memory that ``entry``'s capture had freed (``entry``'s transients), which this replay writes.
         Such outputs are copied aside before the replay and back after it (stream order, no host
         synchronisation), and their layers hand out copies from then on (:data:`OUTPUT_KEPT_WARNING`). In
-        training nothing keeps an attention output past its backward, and this costs nothing."""
-        self.entries = [r for r in self.entries if r() is not None]
-        kept = [e for e in (r() for r in self.entries) if e is not None and e.order > entry.order and e.output_kept()]
+        training nothing keeps an attention output past its backward: the outputs handed out by the layers
+        captured after ``entry`` are checked (and released once no longer referenced), nothing is copied."""
+        kept = []
+        for order, other in list(self.holding.items()):
+            if order > entry.order:
+                if other.output_kept():
+                    kept.append(other)
+                else:
+                    del self.holding[order]
         saved = [e.out_data.clone() for e in kept]
         graph.replay()
         for e, data in zip(kept, saved):
@@ -244,6 +254,7 @@ class _Replay(torch.autograd.Function):
                 out = entry.out_data.clone()
             else:   # the output buffer itself, as a tensor of its own (not an autograd view of out_data), saved:
                 out, entry.handed = alias   # autograd refuses the backward if it (or a view) was modified in place
+                entry.pool.hold(entry)
                 ctx.save_for_backward(out)
         entry.generation += 1
         ctx.entry, ctx.generation = entry, entry.generation

@@ -3,6 +3,9 @@ order rule, with stand-in graphs whose replay reruns the captured function into 
 semantics of a CUDA graph replay). The real capture and replay on a GPU: tests/kernels/test_gpu_graphs.py."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -68,7 +71,7 @@ class _SharingMemory(_CPUGraphed):
 
 def _pool():
     p = G._Pool.__new__(G._Pool)
-    p.handle, p.captured, p.in_flight, p.shared, p.entries = None, 0, [], {}, []
+    p.handle, p.captured, p.in_flight, p.shared, p.holding = None, 0, [], {}, {}
     return p
 
 
@@ -271,6 +274,23 @@ def test_an_output_kept_past_its_backward_survives_the_replays_of_the_layers_bef
     assert out2.untyped_storage().data_ptr() != _entry(l2).out_data.untyped_storage().data_ptr()
     out2.sum().backward()
     assert torch.equal(out, ref) and torch.equal(out2, eager(q2, k2, v2))
+
+    # layer 2 dropped while the model keeps (a detached view of) its output: the pool still keeps it intact
+    l1, l2 = model(_pool())
+    q, k, v = _inputs(3)
+    out = l2(l1(q, k, v), k, v)
+    with pytest.warns(RuntimeWarning, match="still referenced past its backward"):
+        out.sum().backward()
+    kept, entry2 = out.detach(), weakref.ref(_entry(l2))
+    del out, l2
+    gc.collect()
+    assert entry2() is not None                   # held by the pool while its output is referenced
+    l1(*_inputs(4)).sum().backward()
+    assert torch.equal(kept, eager(q, k, v))
+    del kept
+    l1(*_inputs(5)).sum().backward()              # released: the pool lets go of layer 2's graphs
+    gc.collect()
+    assert entry2() is None
 
     monkeypatch.setattr(G._Pool, "replay", lambda self, entry, graph: graph.replay())    # negative control
     l1, l2 = model(_pool())
