@@ -65,6 +65,10 @@ DOCUMENT_POSITION_FLAGS = ("reset_position_ids", "dataloader_inter_document_mask
 CUDA_GRAPHS_DOCUMENTS_RULE = GRAPHS_DOCUMENTS_RULE
 CUDA_GRAPHS_PIPELINE_RULE = ("mtraining config 'cuda_graphs: true' keeps one forward in flight per layer, and pipeline "
                              "schedules run several forwards before their backwards; set cuda_graphs: false")
+#: why ``cuda_graphs: true`` refuses Megatron's fine-grained offloading of the attention output
+CUDA_GRAPHS_OFFLOAD_RULE = ("mtraining config 'cuda_graphs: true' hands each layer's attention output to the model in "
+                            "its graph's memory, which offloading attn_proj's input would free after copying it out; "
+                            "remove attn_proj from --offload-modules or set cuda_graphs: false")
 #: why per-document RoPE positions with a micro-batch above 1 need unfused RoPE
 ROPE_FUSION_RULE = ("needs --no-rope-fusion (the fused RoPE kernel takes one row of angles per token position, "
                     "shared by the batch)")
@@ -758,6 +762,9 @@ def config_from_args(args: Any, cuda: Optional[bool] = None) -> MTrainingConfig:
     if cfg.cuda_graphs and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
                          + CUDA_GRAPHS_PIPELINE_RULE)
+    if (cfg.cuda_graphs and getattr(args, "fine_grained_activation_offloading", False)
+            and "attn_proj" in (getattr(args, "offload_modules", None) or ())):
+        raise ValueError("--fine-grained-activation-offloading --offload-modules attn_proj: " + CUDA_GRAPHS_OFFLOAD_RULE)
     problem = kernel_backend_problem(args, cfg, cuda)
     if problem is not None:
         raise ValueError(problem)

@@ -237,8 +237,8 @@ def test_kernel_summary_names_the_chosen_kernels_once():
 
 
 def test_cuda_graphs_rules_on_every_path():
-    """``cuda_graphs: true``: a bool; refused at cp_size > 1, with document masks and with pipeline parallelism
-    (config, resolve, the front door), and at call time for CPU inputs and packed documents (CUDA capture and
+    """``cuda_graphs: true``: a bool; refused at cp_size > 1, with document masks, with pipeline parallelism and
+    with Megatron's offloading of the attention output (config, resolve, the front door), and at call time for CPU inputs and packed documents (CUDA capture and
     replay: tests/kernels/test_gpu_graphs.py)."""
     from megatron_mtraining.plan import DocumentPacking
 
@@ -260,6 +260,11 @@ def test_cuda_graphs_rules_on_every_path():
     with pytest.raises(ValueError, match=r"^--reset-attention-mask: .*cannot capture packed documents"):
         config_from_args(args)
     args.reset_attention_mask = False
+    args.fine_grained_activation_offloading, args.offload_modules = True, ["core_attn", "attn_proj"]
+    with pytest.raises(ValueError, match=r"^--fine-grained-activation-offloading --offload-modules attn_proj: .*"
+                                         r"remove attn_proj"):
+        config_from_args(args)
+    args.offload_modules = ["core_attn"]          # its inputs are copied into the graph's buffers: fine
     assert config_from_args(args).cuda_graphs
 
     plan = resolve(sparse, cp_group=None, seq_len=256)
