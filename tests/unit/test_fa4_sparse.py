@@ -3,6 +3,7 @@ FA4 block lists from a step's indices, and the FA4 sparse step kernel's merge an
 run with an fp64 emulation of FA4's block-sparse kernels against the fp64 dense-mask reference."""
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -247,3 +248,7 @@ def test_fa4_sparse_steps_refuse_a_cuda_graph_capture_by_name(monkeypatch):
     monkeypatch.setattr(FA4SparseStepKernel, "capture", False)
     with pytest.raises(RuntimeError, match="set not to be captured in CUDA graphs"):
         kern.forward(q, k, v, 0)
+    # out-of-ring column work (not the ring's own steps) runs the fallback kernels, captured either way
+    other = dataclasses.replace(steps[0], block_count=steps[0].block_count.clone())
+    got = kern.forward_fn(q, k, v, other, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(got, kern.fallback.forward_fn(q, k, v, other, 0.25)))
