@@ -156,6 +156,43 @@ def test_layers_share_the_pool_in_training_order():
     assert torch.equal(out, before) and e2.copy_out
 
 
+def test_a_kept_output_survives_the_replays_of_a_layer_captured_before_it(monkeypatch):
+    """Real CUDA graphs in one fresh pool: layer 1's capture frees transients of the output's size (its forward's
+    intermediate, its backward's gradients), and layer 2's capture, a single op, places its output in one of them,
+    so layer 1's replays (the backward after layer 2's, the next step's forward) write there. Kept past the backward,
+    layer 2's output keeps its values (warned). Negative control: the same replays without the save and restore
+    change it."""
+    from megatron_mtraining.ring import graphs
+
+    def layer1(q, k, v):
+        t = q * 3.0 + k.sum() * v.sum()          # freed when the function returns (nothing saves it)
+        return t * 0.5
+
+    def layer2(q, k, v):
+        return q + q
+
+    def run():
+        monkeypatch.setattr(graphs, "_POOLS", {})
+        l1, l2 = graphs.CUDAGraphedAttention(layer1), graphs.CUDAGraphedAttention(layer2)
+        mk = lambda s: [torch.randn(2, 256, 4, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(s))  # noqa: E731
+                        .requires_grad_(True) for _ in range(3)]
+        q, k, v = mk(0)
+        l2(l1(q, k, v), k, v).sum().backward()          # both captured, nothing kept
+        q, k, v = mk(1)
+        out = l2(l1(q, k, v), k, v)
+        before = out.detach().clone()
+        out.sum().backward()                            # layer 1's backward replay
+        l1(*mk(2)).sum().backward()                     # the next step's layer-1 forward and backward replays
+        torch.cuda.synchronize()
+        return torch.equal(out, before), l2
+
+    with pytest.warns(RuntimeWarning, match="still referenced past its backward"):
+        same, l2 = run()
+    assert same and next(iter(l2._entries.values())).copy_out
+    monkeypatch.setattr(graphs._Pool, "replay", lambda self, entry, graph: graph.replay())
+    assert not run()[0], "negative control: layer 1's replays did not reach layer 2's output buffer"
+
+
 def test_a_second_backward_through_one_forward_is_refused():
     """A retained graph's second backward would read saved tensors that other layers' replays may have
     overwritten: refused by name, as is a second backward after the first freed the graph."""
