@@ -230,9 +230,13 @@ class _Entry:
         return self.handed is not None and not self.handed.expired()
 
     def keep_copies(self) -> None:
-        """Hand out copies of the output buffer from now on (an output handed out was kept); warns once."""
+        """Hand out copies of the output buffer from now on (an output handed out was kept); warns once, naming
+        the layer by its capture order and input shape (so that Python's default filter, which shows a message
+        once per text and place, shows one per layer)."""
         if not self.copy_out:
-            warnings.warn(OUTPUT_KEPT_WARNING, RuntimeWarning, stacklevel=3)
+            shape = tuple(self.inputs[0].shape) if self.inputs else ()
+            warnings.warn(f"{OUTPUT_KEPT_WARNING} [layer {self.order + 1} in this GPU's capture order, q {shape}]",
+                          RuntimeWarning, stacklevel=3)
             self.copy_out = True
 
     def check_free(self) -> None:

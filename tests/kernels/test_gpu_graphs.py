@@ -88,7 +88,7 @@ def test_no_grad_runs_eagerly_and_a_second_forward_in_flight_is_refused():
     first, first_out = q.grad.clone(), out.detach().clone()
     q.grad = None
     (q2, k2, v2), do2 = _inputs(4)
-    with pytest.warns(RuntimeWarning, match="still referenced at its next forward"):
+    with pytest.warns(RuntimeWarning, match="still referenced past its backward"):
         o2 = runner(q2, k2, v2, softmax_scale=SCALE)          # `out` is still referenced: this call runs eagerly
     o2.backward(do2)
     del o2

@@ -4,6 +4,7 @@ semantics of a CUDA graph replay). The real capture and replay on a GPU: tests/k
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -150,6 +151,36 @@ def test_an_output_kept_past_the_next_forward_is_not_overwritten(monkeypatch):
     kept = out.detach().clone()
     layer(*_inputs(1)).sum().backward()
     assert not torch.equal(out, kept)
+
+
+def test_each_layer_that_keeps_an_output_warns_once_under_the_default_filter(monkeypatch):
+    """Two layers whose outputs are kept past their backward: under Python's default filter (one message per text
+    and place) each layer's warning shows once, naming its capture order. Negative control: one text for every
+    layer shows a single warning."""
+    def run():
+        pool = _pool()
+        layers = [_CPUGraphed(_attn, pool) for _ in range(2)]
+        kept = []
+        for layer in layers:
+            out = layer(*_inputs(0))
+            out.sum().backward()
+            kept.append(out)                       # referenced past its backward
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            for seed in (1, 2):
+                for layer in layers:
+                    layer(*_inputs(seed)).sum().backward()
+        return [str(w.message) for w in seen if "still referenced past its backward" in str(w.message)]
+
+    shown = run()
+    assert len(shown) == 2 and "[layer 1 in" in shown[0] and "[layer 2 in" in shown[1]
+
+    def one_text(self):                            # negative control: the same text for every layer
+        if not self.copy_out:
+            warnings.warn(G.OUTPUT_KEPT_WARNING, RuntimeWarning, stacklevel=3)
+            self.copy_out = True
+    monkeypatch.setattr(G._Entry, "keep_copies", one_text)
+    assert len(run()) == 1
 
 
 def test_a_kept_storage_counts_and_saved_tensor_hooks_get_copies():
