@@ -238,8 +238,8 @@ def test_kernel_summary_names_the_chosen_kernels_once():
 
 def test_cuda_graphs_rules_on_every_path():
     """``cuda_graphs: true``: a bool; refused at cp_size > 1, with document masks, with pipeline parallelism and
-    with Megatron's offloading of the attention output (config, resolve, the front door), and at call time for CPU inputs and packed documents (CUDA capture and
-    replay: tests/kernels/test_gpu_graphs.py)."""
+    with Megatron's offloading of the attention output (config, resolve, the front door), and at call time for CPU
+    inputs and packed documents (CUDA capture and replay: tests/kernels/test_gpu_graphs.py)."""
     from megatron_mtraining.plan import DocumentPacking
 
     sparse = {"pattern": "vertical_slash", "cuda_graphs": True}
