@@ -158,10 +158,10 @@ def test_layers_share_the_pool_in_training_order():
 
 def test_a_kept_output_survives_the_replays_of_a_layer_captured_before_it(monkeypatch):
     """Real CUDA graphs in one fresh pool: layer 1's capture frees transients of the output's size (its forward's
-    intermediate, its backward's gradients), and layer 2's capture, a single op, places its output in one of them,
-    so layer 1's replays (the backward after layer 2's, the next step's forward) write there. Kept past the backward,
-    layer 2's output keeps its values (warned). Negative control: the same replays without the save and restore
-    change it."""
+    intermediate, its backward's gradients), and layer 2's capture, a single op (q + k * v / 2), places its output in
+    one of them, so layer 1's replays (the backward after layer 2's, the next step's forward) write there. Kept past
+    the backward, layer 2's output keeps its values (warned). Negative control: the same replays without the save and
+    restore change it."""
     from megatron_mtraining.ring import graphs
 
     def layer1(q, k, v):
@@ -169,7 +169,7 @@ def test_a_kept_output_survives_the_replays_of_a_layer_captured_before_it(monkey
         return t * 0.5
 
     def layer2(q, k, v):
-        return q + q
+        return torch.addcmul(q, k, v, value=0.5)  # one op; k and v take part, as the capture's gradient asks
 
     def run():
         monkeypatch.setattr(graphs, "_POOLS", {})
