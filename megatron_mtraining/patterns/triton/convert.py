@@ -8,8 +8,8 @@ owns one (sample·head, query block) row: it streams the row's candidates in chu
 compacts the kept ones with an in-register prefix sum and writes them at their final slots; slots past
 the row's count get -1. Per row ``i`` (query block ``i``, keys in local = global order at CP=1):
 
-* blocks: the selected block-diagonal offsets ``d`` (unique, descending, padded with a value > any
-  block) with ``d <= i``, in that order, as key blocks ``i - d`` (ascending);
+* blocks: the key blocks ``j <= i`` whose block-diagonal offset ``i - j`` is selected (the slash mask
+  read at ``i - j``), ascending;
 * columns: the pattern's vertical positions ``t`` (in the pattern's order; -1 = padding) with
   ``t // bs <= i`` whose block ``t // bs`` is not active for ``i`` (offset ``i - t // bs`` not selected);
   optionally also as 64-bit masks over the slots of the row's vertical list (bit ``j % 64`` of word
@@ -31,24 +31,23 @@ CHUNK = 256         # candidates per step of a program's loop (one tl.cumsum)
 
 @triton.jit
 def _convert_rows_kernel(
-    DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
-    NS, NV, WB, WC, NQB, BS, NW,
-    s_dr, s_vr, s_mr,
+    Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
+    NV, WB, WC, NQB, BS, NW,
+    s_vr, s_mr,
     CHUNK: tl.constexpr, WRITE_BITS: tl.constexpr,
 ):
     i = tl.program_id(0)                 # query block = local row
     r = tl.program_id(1)                 # sample * hq + head
     offs = tl.arange(0, CHUNK)
     out_row = (r * NQB + i).to(tl.int64)
-    # --- blocks: offsets d <= i, order kept (descending d = ascending key block)
+    # --- blocks: key blocks j <= i whose offset i - j is selected, ascending (at most WB of them)
     base = i * 0
-    for c0 in range(0, NS, CHUNK):
-        idx = c0 + offs
-        d = tl.load(DDesc + r * s_dr + idx, mask=idx < NS, other=2147483647)
-        ok = (d <= i) & (idx < NS)
+    for c0 in range(0, i + 1, CHUNK):
+        j = c0 + offs
+        ok = (j <= i) & (tl.load(SMask + r * s_mr + (i - j), mask=j <= i, other=0) != 0)
         ok32 = ok.to(tl.int32)
         pos = base + tl.cumsum(ok32, 0) - 1
-        tl.store(BIdx + out_row * WB + pos, (i - d).to(tl.int32), mask=ok)
+        tl.store(BIdx + out_row * WB + pos, j.to(tl.int32), mask=ok & (pos < WB))
         base += tl.sum(ok32, 0)
     tl.store(BCnt + out_row, base)
     for c0 in range(0, WB, CHUNK):
@@ -86,15 +85,16 @@ def _convert_rows_kernel(
         tl.store(CIdx + out_row * WC + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WC))
 
 
-def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int,
+def convert_rows(ns: int, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int,
                  bits: bool = False):
     """Block and column lists of every (sample, head, query block) row at CP=1.
 
     Args:
-        d_desc: ``[b, hq, ns]`` int32, the selected offsets unique and descending, padded with a value
-            larger than any block index.
+        ns: the block lists' width: at least the number of selected offsets of any row (the pattern's
+            slash slots); a row listing more blocks is cut to ``ns``.
         vertical: ``[b, hq, nv]`` int64 (or int32) column positions, -1 = padding.
-        slash_mask: ``[b, hq, nb]`` bool, offset ``d`` selected.
+        slash_mask: ``[b, hq, nb]`` bool or int8 (nonzero: offset ``d`` selected), ``nb >= nqb``; any
+            strides of its first two dimensions, the last contiguous.
         nqb: query blocks (= key blocks = ``S / block_size``); block_size: tokens per block.
         bits: also return the column lists as slot masks over ``vertical`` (below).
 
@@ -105,12 +105,13 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
         ``[b, hq, nqb, ceil(nv / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` is set iff the row lists
         ``vertical[..., j]``.
     """
-    b, hq, ns = d_desc.shape
-    nv = vertical.shape[-1]
-    dev = d_desc.device
-    dd = d_desc.reshape(b * hq, ns).contiguous()
+    b, hq, nv = vertical.shape
+    dev = vertical.device
     vt = vertical.reshape(b * hq, nv).contiguous()
-    sm = slash_mask.reshape(b * hq, slash_mask.shape[-1]).to(torch.int8).contiguous()
+    sm = slash_mask if slash_mask.dtype == torch.int8 else slash_mask.to(torch.int8)
+    sm = sm.reshape(b * hq, sm.shape[-1])
+    if sm.stride(-1) != 1:
+        sm = sm.contiguous()
     bcnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
     ccnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
     wb, wc = max(1, ns), max(1, nv)        # at least one (-1) slot, as the torch path
@@ -122,9 +123,9 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
     if b * hq * nqb == 0:
         return out
     _convert_rows_kernel[(nqb, b * hq)](
-        dd, vt, sm, bcnt, bidx, ccnt, cidx, masks if bits else ccnt,
-        ns, nv, wb, wc, nqb, block_size, nw,
-        dd.stride(0), vt.stride(0), sm.stride(0),
+        vt, sm, bcnt, bidx, ccnt, cidx, masks if bits else ccnt,
+        nv, wb, wc, nqb, block_size, nw,
+        vt.stride(0), sm.stride(0),
         CHUNK=CHUNK, WRITE_BITS=bool(bits), num_warps=4,
     )
     return out
