@@ -866,6 +866,34 @@ def _index_row(bz, g, r, rep, num_rows, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _diagonal_rows_kernel(BI, BC, Last, N, H0, Split, num_h, nqb, width,
+                          s_bb, s_bh, s_bq, s_bw, s_cb, s_ch, s_cq,
+                          BLOCK_W: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """``launch._diagonal_rows`` of a causal diagonal plan and its causal split, one program per index row
+    ``(b', h')`` of ``BI [B', H', nqb, W]`` / ``BC [B', H', nqb]`` (any strides): ``N[row]`` the count of
+    the last query tile, ``Last[row, :W]`` its key blocks with int32 max past the count, ``H0[row]`` 1 iff
+    that list ends with the tile's own block ``nqb - 1`` (offset 0), and ``Split[row, q] = BC[row, q] -
+    H0[row]`` (the diagonal tile is each query tile's one masked slot)."""
+    row = tl.program_id(0)
+    b = row // num_h
+    h = row % num_h
+    last = BI + b * s_bb + h * s_bh + (nqb - 1) * s_bq
+    n = tl.load(BC + b * s_cb + h * s_ch + (nqb - 1) * s_cq)
+    top = tl.load(last + (tl.maximum(n, 1) - 1) * s_bw)
+    h0 = ((n > 0) & (top == nqb - 1)).to(tl.int32)
+    tl.store(N + row, n)
+    tl.store(H0 + row, h0)
+    for w0 in range(0, width, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        v = tl.load(last + w * s_bw, mask=(w < n) & (w < width), other=2147483647)
+        tl.store(Last + row * width + w, v, mask=w < width)
+    for q0 in range(0, nqb, BLOCK_Q):
+        q = q0 + tl.arange(0, BLOCK_Q)
+        c = tl.load(BC + b * s_cb + h * s_ch + q * s_cq, mask=q < nqb, other=0)
+        tl.store(Split + row * nqb + q, c - h0, mask=q < nqb)
+
+
+@triton.jit
 def _kv_csr_diagonal_count_kernel(Last, N, H0, Lo, Total, Unmasked, width, num_kb, rep, num_rows,
                                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr, LOG_W: tl.constexpr):
     """Segment sizes of ``launch._kv_csr_diagonal``, one program per (key block range, KV head, batch

@@ -197,9 +197,9 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     if docs and (doc_hi is None or key_pos is None):
         raise ValueError("packed documents need doc_lo, doc_hi and key_pos together")
     diagonal = bool(diagonal) and not docs and block_index.dim() == 4 and block_index.shape[-2] > 0
-    diag_rows = _diagonal_rows(block_index, block_count, True) if diagonal and causal else None
-    if diag_rows is not None:    # the diagonal tile (offset 0, the last slot) is the only masked one
-        split = block_count - diag_rows[2][..., None]
+    diag_rows = None
+    if diagonal and causal:      # the diagonal tile (offset 0, the last slot) is the only masked one
+        diag_rows, split = _diagonal_split(block_index, block_count)
     elif causal and not docs:
         split = _leading_below(block_index, block_count, 1)
     elif causal or docs:
@@ -423,6 +423,25 @@ def _diagonal_rows(bi: torch.Tensor, bc: torch.Tensor, causal: bool):
         return lastp, n.contiguous(), torch.zeros(n.shape, dtype=torch.int32, device=n.device)
     top = last.gather(-1, (n.long() - 1).clamp(min=0)[..., None])[..., 0]
     return lastp, n.contiguous(), ((n > 0) & (top == nqb - 1)).to(torch.int32).contiguous()
+
+
+def _diagonal_split(bi: torch.Tensor, bc: torch.Tensor):
+    """``(_diagonal_rows(bi, bc, True), split)`` of a causal diagonal plan, ``split = bc - h0[..., None]``
+    (int32 ``[B', H', nqb]``): one kernel launch where Triton runs (:func:`~.kernels._diagonal_rows_kernel`),
+    else torch."""
+    if not triton_runs_on(bi.device):
+        rows = _diagonal_rows(bi, bc, True)
+        return rows, bc - rows[2][..., None]
+    B_, H_, nqb, width = bi.shape
+    dev = bi.device
+    last = torch.empty((B_, H_, width), dtype=torch.int32, device=dev)
+    n = torch.empty((B_, H_), dtype=torch.int32, device=dev)
+    h0 = torch.empty((B_, H_), dtype=torch.int32, device=dev)
+    split = torch.empty((B_, H_, nqb), dtype=torch.int32, device=dev)
+    if B_ * H_:
+        _kernels()._diagonal_rows_kernel[(B_ * H_,)](bi, bc, last, n, h0, split, H_, nqb, width, *bi.stride(),
+                                                     *bc.stride(), BLOCK_W=64, BLOCK_Q=256, num_warps=1)
+    return (last, n, h0), split
 
 
 def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
