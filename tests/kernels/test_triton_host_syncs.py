@@ -475,3 +475,25 @@ def test_diagonal_split_kernel_equals_torch(monkeypatch):
     bi2 = bi.clone()
     bi2[0, 0, -1, 0] = 3
     assert not torch.equal(launch._diagonal_split(bi2, bc)[0][0], last)
+
+
+def test_union_rows_kernel_equals_torch(monkeypatch):
+    """A given column union padded to the plan's width (padding as 0) and its sizes in one kernel launch equal
+    the torch ops, on rows of every size (none to full) and on a strided union; negative control: another
+    union gives other sizes."""
+    gen = torch.Generator().manual_seed(12)
+    B_, H_, nv, upad = 2, 3, 70, 128
+    wide = torch.full((B_, H_ + 1, nv), -1, dtype=torch.int32)
+    for r, n in enumerate((0, 1, 5, 33, 69, 70)):
+        b, h = divmod(r, H_)
+        wide[b, h, :n] = torch.sort(torch.randperm(4 * nv, generator=gen)[:n]).values.to(torch.int32)
+    union = wide[:, :H_]
+    assert not union.is_contiguous()
+    got = launch._union_rows(union, upad)
+    monkeypatch.setattr(launch, "triton_runs_on", lambda device: False)
+    want = launch._union_rows(union, upad)
+    for name, g, w in zip(("col_u", "ucount"), got, want):
+        assert g.dtype == w.dtype == torch.int32 and g.shape == w.shape and torch.equal(g, w), name
+    assert got[1].flatten().tolist() == [0, 1, 5, 33, 69, 70]
+    monkeypatch.undo()
+    assert not torch.equal(launch._union_rows(union[:, :, :40], upad)[1], got[1])

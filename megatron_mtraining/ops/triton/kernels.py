@@ -866,6 +866,24 @@ def _index_row(bz, g, r, rep, num_rows, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _union_pad_kernel(Union, ColU, UCount, nv, upad, s_ub, s_uh, num_h, BLOCK: tl.constexpr):
+    """The column plan's union from a given one (``launch._col_plan`` with a ``ColumnUnion``), one program per
+    row ``(b', h')`` of ``Union [B', H', nv]`` (ascending, -1 padded; any strides of its first two
+    dimensions): ``ColU[row, :upad]`` its entries with padding (-1, and past ``nv``) as 0, ``UCount[row]``
+    the number of entries ``>= 0``."""
+    row = tl.program_id(0)
+    src = Union + (row // num_h) * s_ub + (row % num_h) * s_uh
+    cnt = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    for j0 in range(0, upad, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        u = tl.load(src + j, mask=j < nv, other=-1)
+        ok = u >= 0
+        cnt += tl.sum(ok.to(tl.int32), 0)
+        tl.store(ColU + row * upad + j, tl.where(ok, u, 0), mask=j < upad)
+    tl.store(UCount + row, cnt)
+
+
+@triton.jit
 def _diagonal_rows_kernel(BI, BC, Last, N, H0, Split, num_h, nqb, width,
                           s_bb, s_bh, s_bq, s_bw, s_cb, s_ch, s_cq,
                           BLOCK_W: tl.constexpr, BLOCK_Q: tl.constexpr):

@@ -540,6 +540,23 @@ def _row_ranks(present: torch.Tensor):
     return flat - (base + 1)[..., None], end - base
 
 
+def _union_rows(union: torch.Tensor, upad: int):
+    """``(col_u [B', H', upad], ucount [B', H'])`` int32 of a given column union (``union [B', H', nv]`` int32,
+    ascending, -1 padded, ``nv <= upad``): its entries with the padding as 0, and how many are ``>= 0``. One
+    kernel launch where Triton runs (:func:`~.kernels._union_pad_kernel`), else torch."""
+    B_, H_, nv = union.shape
+    if not triton_runs_on(union.device) or union.stride(-1) != 1:
+        ok = union >= 0
+        return (torch.nn.functional.pad(torch.where(ok, union, 0), (0, upad - nv)),
+                ok.sum(-1, dtype=torch.int32))
+    col_u = torch.empty((B_, H_, upad), dtype=torch.int32, device=union.device)
+    ucount = torch.empty((B_, H_), dtype=torch.int32, device=union.device)
+    if B_ * H_:
+        _kernels()._union_pad_kernel[(B_ * H_,)](union, col_u, ucount, nv, upad, union.stride(0), union.stride(1), H_,
+                                                 BLOCK=1024, num_warps=4)
+    return col_u, ucount
+
+
 def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     """Per-head column union ``U`` and the inverted column index of the deterministic kernel.
 
@@ -560,9 +577,7 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         nv = union.shape[-1]
         upad = BLOCK_C * max(1, math.ceil(nv / BLOCK_C))
         nchunks = upad // BLOCK_C
-        ok = union >= 0
-        col_u = torch.nn.functional.pad(torch.where(ok, union, 0), (0, upad - nv))
-        ucount = ok.sum(-1, dtype=torch.int32)
+        col_u, ucount = _union_rows(_i32(union), upad)
         bits = bits if bits.shape[-1] == nchunks else torch.nn.functional.pad(bits, (0, nchunks - bits.shape[-1]))
         return _col_finish(plan, key, col_u, ucount, bits, upad, nchunks, b, hq, triton_runs_on(dev))
     # where Triton runs, kernels read only the listed slots (present columns, then the tiles' chunk masks)
