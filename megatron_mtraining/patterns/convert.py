@@ -175,8 +175,9 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         sm.scatter_(-1, torch.where(pattern.slash >= 0, pattern.slash, nb), 1)
         # an ascending vertical list is each row's column union: its slot masks come from the same pass
         ascending = pattern.vertical_ascending
-        # ns slots always suffice (every selected offset is an entry of pattern.slash)
-        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(ns, pattern.vertical, sm[..., :nb], nqb, bs,
+        # the offsets sorted descending (padding last): ns slots always suffice
+        d_desc = pattern.slash.sort(dim=-1, descending=True).values
+        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc, pattern.vertical, sm[..., :nb], nqb, bs,
                                                           bits=ascending)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)

@@ -8,8 +8,8 @@ owns one (sample·head, query block) row: it streams the row's candidates in chu
 compacts the kept ones with an in-register prefix sum and writes them at their final slots; slots past
 the row's count get -1. Per row ``i`` (query block ``i``, keys in local = global order at CP=1):
 
-* blocks: the key blocks ``j <= i`` whose block-diagonal offset ``i - j`` is selected (the slash mask
-  read at ``i - j``), ascending;
+* blocks: the selected block-diagonal offsets ``d`` (sorted descending, -1 padding last; a repeated
+  offset is skipped) with ``d <= i``, in that order, as key blocks ``i - d`` (ascending);
 * columns: the pattern's vertical positions ``t`` (in the pattern's order; -1 = padding) with
   ``t // bs <= i`` whose block ``t // bs`` is not active for ``i`` (offset ``i - t // bs`` not selected);
   optionally also as 64-bit masks over the slots of the row's vertical list (bit ``j % 64`` of word
@@ -31,23 +31,26 @@ CHUNK = 256         # candidates per step of a program's loop (one tl.cumsum)
 
 @triton.jit
 def _convert_rows_kernel(
-    Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
-    NV, WB, WC, NQB, BS, NW,
-    s_vr, s_mr,
+    DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
+    NS, NV, WB, WC, NQB, BS, NW,
+    s_dr, s_vr, s_mr,
     CHUNK: tl.constexpr, WRITE_BITS: tl.constexpr,
 ):
     i = tl.program_id(0)                 # query block = local row
     r = tl.program_id(1)                 # sample * hq + head
     offs = tl.arange(0, CHUNK)
     out_row = (r * NQB + i).to(tl.int64)
-    # --- blocks: key blocks j <= i whose offset i - j is selected, ascending (at most WB of them)
+    # --- blocks: offsets d <= i in descending order (ascending key block); the previous slot's offset
+    # equal (a repeated offset) or padding (-1) is skipped, so at most NS = WB of them
     base = i * 0
-    for c0 in range(0, i + 1, CHUNK):
-        j = c0 + offs
-        ok = (j <= i) & (tl.load(SMask + r * s_mr + (i - j), mask=j <= i, other=0) != 0)
+    for c0 in range(0, NS, CHUNK):
+        idx = c0 + offs
+        d = tl.load(DDesc + r * s_dr + idx, mask=idx < NS, other=-1)
+        dp = tl.load(DDesc + r * s_dr + idx - 1, mask=(idx > 0) & (idx < NS), other=-1)
+        ok = (d >= 0) & (d <= i) & (d != dp)
         ok32 = ok.to(tl.int32)
         pos = base + tl.cumsum(ok32, 0) - 1
-        tl.store(BIdx + out_row * WB + pos, j.to(tl.int32), mask=ok & (pos < WB))
+        tl.store(BIdx + out_row * WB + pos, (i - d).to(tl.int32), mask=ok)
         base += tl.sum(ok32, 0)
     tl.store(BCnt + out_row, base)
     for c0 in range(0, WB, CHUNK):
@@ -85,13 +88,13 @@ def _convert_rows_kernel(
         tl.store(CIdx + out_row * WC + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WC))
 
 
-def convert_rows(ns: int, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int,
+def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int,
                  bits: bool = False):
     """Block and column lists of every (sample, head, query block) row at CP=1.
 
     Args:
-        ns: the block lists' width: at least the number of selected offsets of any row (the pattern's
-            slash slots); a row listing more blocks is cut to ``ns``.
+        d_desc: ``[b, hq, ns]`` int64 (or int32) selected offsets sorted descending, padded with -1 (a
+            pattern's ``slash`` sorted descending: repeated offsets are listed once).
         vertical: ``[b, hq, nv]`` int64 (or int32) column positions, -1 = padding.
         slash_mask: ``[b, hq, nb]`` bool or int8 (nonzero: offset ``d`` selected), ``nb >= nqb``; any
             strides of its first two dimensions, the last contiguous.
@@ -106,7 +109,9 @@ def convert_rows(ns: int, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb:
         ``vertical[..., j]``.
     """
     b, hq, nv = vertical.shape
+    ns = d_desc.shape[-1]
     dev = vertical.device
+    dd = d_desc.reshape(b * hq, ns).contiguous()
     vt = vertical.reshape(b * hq, nv).contiguous()
     sm = slash_mask if slash_mask.dtype == torch.int8 else slash_mask.to(torch.int8)
     sm = sm.reshape(b * hq, sm.shape[-1])
@@ -123,9 +128,9 @@ def convert_rows(ns: int, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb:
     if b * hq * nqb == 0:
         return out
     _convert_rows_kernel[(nqb, b * hq)](
-        vt, sm, bcnt, bidx, ccnt, cidx, masks if bits else ccnt,
-        nv, wb, wc, nqb, block_size, nw,
-        vt.stride(0), sm.stride(0),
+        dd, vt, sm, bcnt, bidx, ccnt, cidx, masks if bits else ccnt,
+        ns, nv, wb, wc, nqb, block_size, nw,
+        dd.stride(0), vt.stride(0), sm.stride(0),
         CHUNK=CHUNK, WRITE_BITS=bool(bits), num_warps=4,
     )
     return out
