@@ -445,12 +445,14 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch, scan_block):
     assert n == 10 + 10 + 2
 
 
-def test_diagonal_split_kernel_equals_torch(monkeypatch):
+@pytest.mark.parametrize("nqb", [5, 600])
+def test_diagonal_split_kernel_equals_torch(monkeypatch, nqb):
     """The diagonal rows and causal split in one kernel launch equal the torch ops' on rows with an empty last
-    tile, without and with its own block (offset 0), and on a strided (non-contiguous) index. Negative control:
-    a row's last list changed gives other rows."""
+    tile, without and with its own block (offset 0), and on a strided (non-contiguous) index, with the query
+    tiles in one program or over several (600 > 256 per program). Negative control: a row's last list changed
+    gives other rows."""
     gen = torch.Generator().manual_seed(11)
-    B_, H_, nqb, W = 2, 3, 5, 4
+    B_, H_, W = 2, 3, 4
     wide = torch.full((B_, H_, nqb, W + 2), -1, dtype=torch.int32)
     bc = torch.zeros((B_, H_, nqb), dtype=torch.int32)
     for b in range(B_):

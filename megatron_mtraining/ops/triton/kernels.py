@@ -887,28 +887,34 @@ def _union_pad_kernel(Union, ColU, UCount, nv, upad, s_ub, s_uh, num_h, BLOCK: t
 def _diagonal_rows_kernel(BI, BC, Last, N, H0, Split, num_h, nqb, width,
                           s_bb, s_bh, s_bq, s_bw, s_cb, s_ch, s_cq,
                           BLOCK_W: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """``launch._diagonal_rows`` of a causal diagonal plan and its causal split, one program per index row
-    ``(b', h')`` of ``BI [B', H', nqb, W]`` / ``BC [B', H', nqb]`` (any strides): ``N[row]`` the count of
-    the last query tile, ``Last[row, :W]`` its key blocks with int32 max past the count, ``H0[row]`` 1 iff
-    that list ends with the tile's own block ``nqb - 1`` (offset 0), and ``Split[row, q] = BC[row, q] -
-    H0[row]`` (the diagonal tile is each query tile's one masked slot)."""
+    """``launch._diagonal_rows`` of a causal diagonal plan and its causal split; program ``(row, c)`` for index
+    row ``(b', h')`` of ``BI [B', H', nqb, W]`` / ``BC [B', H', nqb]`` (any strides) and query tiles
+    ``[c * BLOCK_Q, (c + 1) * BLOCK_Q)``: ``Split[row, q] = BC[row, q] - H0[row]`` (the diagonal tile is each
+    query tile's one masked slot); programs ``(row, 0)`` also write ``N[row]`` the count of the last query
+    tile, ``Last[row, :W]`` its key blocks with int32 max past the count and ``H0[row]``, 1 iff that list
+    ends with the tile's own block ``nqb - 1`` (offset 0; 0 for a count past ``W``, which the torch path
+    refuses)."""
     row = tl.program_id(0)
-    b = row // num_h
-    h = row % num_h
-    last = BI + b * s_bb + h * s_bh + (nqb - 1) * s_bq
-    n = tl.load(BC + b * s_cb + h * s_ch + (nqb - 1) * s_cq)
-    top = tl.load(last + (tl.maximum(n, 1) - 1) * s_bw)
-    h0 = ((n > 0) & (top == nqb - 1)).to(tl.int32)
-    tl.store(N + row, n)
-    tl.store(H0 + row, h0)
-    for w0 in range(0, width, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        v = tl.load(last + w * s_bw, mask=(w < n) & (w < width), other=2147483647)
-        tl.store(Last + row * width + w, v, mask=w < width)
-    for q0 in range(0, nqb, BLOCK_Q):
-        q = q0 + tl.arange(0, BLOCK_Q)
-        c = tl.load(BC + b * s_cb + h * s_ch + q * s_cq, mask=q < nqb, other=0)
-        tl.store(Split + row * nqb + q, c - h0, mask=q < nqb)
+    chunk = tl.program_id(1)
+    b = (row // num_h).to(tl.int64)
+    h = (row % num_h).to(tl.int64)
+    bi = BI + b * s_bb + h * s_bh
+    bc = BC + b * s_cb + h * s_ch
+    last = bi + (nqb - 1) * s_bq                  # within one (b', h') row: int32 offsets suffice
+    n = tl.load(bc + (nqb - 1) * s_cq)
+    listed = (n > 0) & (n <= width)
+    top = tl.load(last + (tl.maximum(n, 1) - 1).to(tl.int64) * s_bw, mask=listed, other=-1)
+    h0 = (listed & (top == nqb - 1)).to(tl.int32)
+    q = chunk * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    c = tl.load(bc + q.to(tl.int64) * s_cq, mask=q < nqb, other=0)
+    tl.store(Split + row.to(tl.int64) * nqb + q, c - h0, mask=q < nqb)
+    if chunk == 0:
+        tl.store(N + row, n)
+        tl.store(H0 + row, h0)
+        for w0 in range(0, width, BLOCK_W):
+            w = w0 + tl.arange(0, BLOCK_W)
+            v = tl.load(last + w.to(tl.int64) * s_bw, mask=(w < n) & (w < width), other=2147483647)
+            tl.store(Last + row.to(tl.int64) * width + w, v, mask=w < width)
 
 
 @triton.jit

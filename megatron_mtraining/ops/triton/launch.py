@@ -439,8 +439,9 @@ def _diagonal_split(bi: torch.Tensor, bc: torch.Tensor):
     h0 = torch.empty((B_, H_), dtype=torch.int32, device=dev)
     split = torch.empty((B_, H_, nqb), dtype=torch.int32, device=dev)
     if B_ * H_:
-        _kernels()._diagonal_rows_kernel[(B_ * H_,)](bi, bc, last, n, h0, split, H_, nqb, width, *bi.stride(),
-                                                     *bc.stride(), BLOCK_W=64, BLOCK_Q=256, num_warps=1)
+        _kernels()._diagonal_rows_kernel[(B_ * H_, -(-nqb // 256))](
+            bi, bc, last, n, h0, split, H_, nqb, width, *bi.stride(), *bc.stride(), BLOCK_W=64, BLOCK_Q=256,
+            num_warps=1)
     return (last, n, h0), split
 
 
