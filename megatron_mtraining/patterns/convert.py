@@ -166,20 +166,18 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
     nb, cp = S // bs, layout.cp_size
     i32 = torch.int32
     big = 1 << 30                                                       # > any block index
-    qB = local_block_ids(layout, rank, S, bs, dev)                      # [nqb] ascending
-    nqb = qB.numel()
-    smask = pattern.slash_mask()                                        # [b, hq, nb]
-
-    # --- selected offsets, unique and descending, padded with `big` (entry j of the flipped mask is
-    # offset nb - 1 - j); ns slots always suffice (every selected offset is an entry of pattern.slash)
-    rc = torch.cumsum(smask.flip(-1), -1, dtype=i32)
-    d_desc = _pick(rc, torch.arange(nb - 1, -1, -1, dtype=i32, device=dev), big, ns)[:, :, None, :]
-    if _use_triton(impl, d_desc, cp):      # cp 1: one owner, the rank itself; the same lists in one launch
+    if _use_triton(impl, pattern.slash, cp):   # cp 1: one owner, the rank itself; the same lists in one launch
         from .triton.convert import convert_rows
 
+        nqb = nb                                                        # cp 1: every block is local
+        # the slash mask as int8, straight from the offsets (the padding lands in slot nb, not passed)
+        sm = torch.zeros((b, hq, nb + 1), dtype=torch.int8, device=dev)
+        sm.scatter_(-1, torch.where(pattern.slash >= 0, pattern.slash, nb), 1)
         # an ascending vertical list is each row's column union: its slot masks come from the same pass
         ascending = pattern.vertical_ascending
-        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc[:, :, 0], pattern.vertical, smask, nqb, bs,
+        # the offsets sorted descending (padding last): ns slots always suffice
+        d_desc = pattern.slash.sort(dim=-1, descending=True).values
+        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc, pattern.vertical, sm[..., :nb], nqb, bs,
                                                           bits=ascending)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
@@ -192,6 +190,13 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
                             diagonal=DiagonalBlocks.of(b_cnt, b_idx),
                             column_union=ColumnUnion.of(pattern.vertical.to(i32), masks[0], c_cnt, c_idx)
                             if ascending else None)]
+    qB = local_block_ids(layout, rank, S, bs, dev)                      # [nqb] ascending
+    nqb = qB.numel()
+    smask = pattern.slash_mask()                                        # [b, hq, nb]
+    # --- selected offsets, unique and descending, padded with `big` (entry j of the flipped mask is
+    # offset nb - 1 - j); ns slots always suffice (every selected offset is an entry of pattern.slash)
+    rc = torch.cumsum(smask.flip(-1), -1, dtype=i32)
+    d_desc = _pick(rc, torch.arange(nb - 1, -1, -1, dtype=i32, device=dev), big, ns)[:, :, None, :]
     qB32 = qB.to(i32)[:, None]                                          # [nqb, 1]
     if cp > 1:
         g_owner, g_loc = layout.global_to_local(torch.arange(nb, device=dev) * bs, S)

@@ -1114,15 +1114,16 @@ def _scores(q, k, layout: Layout, group, rank: int, cp: int, S: int, bs: int, L:
     if fused:
         from .triton.estimator import probe_column_sums, probe_softmax_lse, probe_softmax_stats, slash_sums
 
+        kp32 = k_pos.to(torch.int32)          # the kernels' key positions, converted once for both passes
         # --- exact softmax rows of the probes across the CP group: local (m, z) from the kernel
         # (cp 1: the lse itself, merged in the same launch)
         if cp == 1:
-            lse = probe_softmax_lse(probe, k, k_pos, S, scale, bounds=bounds)
+            lse = probe_softmax_lse(probe, k, kp32, S, scale, bounds=bounds)
         else:
-            m, z = probe_softmax_stats(probe, k, k_pos, S, scale, bounds=bounds)
+            m, z = probe_softmax_stats(probe, k, kp32, S, scale, bounds=bounds)
             lse = _global_lse(m, z, group, cp)
         # --- line scores: per-key sums split by probe query block (fp32), cast to fp64
-        colu32 = probe_column_sums(probe, k, k_pos, S, lse, scale, bs, bounds=bounds)   # [b, hq, nu, sl]
+        colu32 = probe_column_sums(probe, k, kp32, S, lse, scale, bs, bounds=bounds)   # [b, hq, nu, sl]
         assert colu32.shape[2] == len(q_blocks)
         if cp == 1 and len(q_blocks) == 1:
             # one query block, every key local in order: the column scores are fp32 values (the

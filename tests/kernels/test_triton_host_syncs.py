@@ -302,6 +302,8 @@ def test_diagonal_plans_equal_the_sorted_ones(heads, hq, hkv, scan_block, monkey
         ref = launch.plan_from_indices(idx.block_count, idx.block_index, idx.column_count, idx.column_index, True,
                                        static=static)
         assert not ref.diagonal and torch.equal(diag.block_split, ref.block_split)
+        rows = launch._diagonal_rows(idx.block_index.to(torch.int32), idx.block_count.to(torch.int32), True)
+        assert all(torch.equal(a, b) for a, b in zip(diag._diag_rows, rows))      # the kernel's, as torch's
         want = _csr(ref, nkb, hq, hkv)
         for name, g, w in zip(("offsets", "mids", "entries"), got, want):
             assert torch.equal(g, w), name
@@ -441,3 +443,59 @@ def test_column_plan_kernels_equal_the_torch_ops(monkeypatch, scan_block):
     ci[0, 0, 0], ci[0, 0, 1, :64], ci[0, 0, 2, :70] = torch.arange(640), torch.arange(0, 640, 10), torch.arange(3, 73)
     n, _ = same_plans(lambda: launch.plan_from_indices(bc, bi, cc, ci, False, static=True), 640, 1, 1)
     assert n == 10 + 10 + 2
+
+
+@pytest.mark.parametrize("nqb", [5, 600])
+def test_diagonal_split_kernel_equals_torch(monkeypatch, nqb):
+    """The diagonal rows and causal split in one kernel launch equal the torch ops' on rows with an empty last
+    tile, without and with its own block (offset 0), and on a strided (non-contiguous) index, with the query
+    tiles in one program or over several (600 > 256 per program). Negative control: a row's last list changed
+    gives other rows."""
+    gen = torch.Generator().manual_seed(11)
+    B_, H_, W = 2, 3, 4
+    wide = torch.full((B_, H_, nqb, W + 2), -1, dtype=torch.int32)
+    bc = torch.zeros((B_, H_, nqb), dtype=torch.int32)
+    for b in range(B_):
+        for h in range(H_):
+            for q in range(nqb):
+                n = int(torch.randint(0, min(W, q + 1) + 1, (1,), generator=gen))
+                ks = sorted(torch.randperm(q + 1, generator=gen)[:n].tolist())
+                wide[b, h, q, :n] = torch.tensor(ks, dtype=torch.int32)
+                bc[b, h, q] = n
+    wide[0, 0, -1, :2], bc[0, 0, -1] = torch.tensor([1, nqb - 1], dtype=torch.int32), 2    # offset 0 listed
+    wide[0, 1, -1, :2], bc[0, 1, -1] = torch.tensor([0, 2], dtype=torch.int32), 2          # offset 0 not listed
+    bc[1, 2, -1] = 0                                                                        # empty last tile
+    bi = wide[..., :W]                                                                      # strided view
+    assert not bi.is_contiguous()
+    (last, n, h0), split = launch._diagonal_split(bi, bc)
+    monkeypatch.setattr(launch, "triton_runs_on", lambda device: False)
+    (t_last, t_n, t_h0), t_split = launch._diagonal_split(bi, bc)
+    for name, g, w in (("last", last, t_last), ("n", n, t_n), ("h0", h0, t_h0), ("split", split, t_split)):
+        assert g.dtype == w.dtype == torch.int32 and torch.equal(g, w), name
+    assert h0[0, 0] == 1 and h0[0, 1] == 0 and h0[1, 2] == 0 and n[1, 2] == 0
+    monkeypatch.undo()
+    bi2 = bi.clone()
+    bi2[0, 0, -1, 0] = 3
+    assert not torch.equal(launch._diagonal_split(bi2, bc)[0][0], last)
+
+
+def test_union_rows_kernel_equals_torch(monkeypatch):
+    """A given column union padded to the plan's width (padding as 0) and its sizes in one kernel launch equal
+    the torch ops, on rows of every size (none to full) and on a strided union; negative control: another
+    union gives other sizes."""
+    gen = torch.Generator().manual_seed(12)
+    B_, H_, nv, upad = 2, 3, 70, 128
+    wide = torch.full((B_, H_ + 1, nv), -1, dtype=torch.int32)
+    for r, n in enumerate((0, 1, 5, 33, 69, 70)):
+        b, h = divmod(r, H_)
+        wide[b, h, :n] = torch.sort(torch.randperm(4 * nv, generator=gen)[:n]).values.to(torch.int32)
+    union = wide[:, :H_]
+    assert not union.is_contiguous()
+    got = launch._union_rows(union, upad)
+    monkeypatch.setattr(launch, "triton_runs_on", lambda device: False)
+    want = launch._union_rows(union, upad)
+    for name, g, w in zip(("col_u", "ucount"), got, want):
+        assert g.dtype == w.dtype == torch.int32 and g.shape == w.shape and torch.equal(g, w), name
+    assert got[1].flatten().tolist() == [0, 1, 5, 33, 69, 70]
+    monkeypatch.undo()
+    assert not torch.equal(launch._union_rows(union[:, :, :40], upad)[1], got[1])

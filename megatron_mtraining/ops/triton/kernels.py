@@ -866,6 +866,58 @@ def _index_row(bz, g, r, rep, num_rows, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _union_pad_kernel(Union, ColU, UCount, nv, upad, s_ub, s_uh, num_h, BLOCK: tl.constexpr):
+    """The column plan's union from a given one (``launch._col_plan`` with a ``ColumnUnion``), one program per
+    row ``(b', h')`` of ``Union [B', H', nv]`` (ascending, -1 padded; any strides of its first two
+    dimensions): ``ColU[row, :upad]`` its entries with padding (-1, and past ``nv``) as 0, ``UCount[row]``
+    the number of entries ``>= 0``."""
+    row = tl.program_id(0)
+    src = Union + (row // num_h) * s_ub + (row % num_h) * s_uh
+    cnt = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    for j0 in range(0, upad, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        u = tl.load(src + j, mask=j < nv, other=-1)
+        ok = u >= 0
+        cnt += tl.sum(ok.to(tl.int32), 0)
+        tl.store(ColU + row * upad + j, tl.where(ok, u, 0), mask=j < upad)
+    tl.store(UCount + row, cnt)
+
+
+@triton.jit
+def _diagonal_rows_kernel(BI, BC, Last, N, H0, Split, num_h, nqb, width,
+                          s_bb, s_bh, s_bq, s_bw, s_cb, s_ch, s_cq,
+                          BLOCK_W: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """``launch._diagonal_rows`` of a causal diagonal plan and its causal split; program ``(row, c)`` for index
+    row ``(b', h')`` of ``BI [B', H', nqb, W]`` / ``BC [B', H', nqb]`` (any strides) and query tiles
+    ``[c * BLOCK_Q, (c + 1) * BLOCK_Q)``: ``Split[row, q] = BC[row, q] - H0[row]`` (the diagonal tile is each
+    query tile's one masked slot); programs ``(row, 0)`` also write ``N[row]`` the count of the last query
+    tile, ``Last[row, :W]`` its key blocks with int32 max past the count and ``H0[row]``, 1 iff that list
+    ends with the tile's own block ``nqb - 1`` (offset 0; 0 for a count past ``W``, which the torch path
+    refuses)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = (row // num_h).to(tl.int64)
+    h = (row % num_h).to(tl.int64)
+    bi = BI + b * s_bb + h * s_bh
+    bc = BC + b * s_cb + h * s_ch
+    last = bi + (nqb - 1) * s_bq                  # within one (b', h') row: int32 offsets suffice
+    n = tl.load(bc + (nqb - 1) * s_cq)
+    listed = (n > 0) & (n <= width)
+    top = tl.load(last + (tl.maximum(n, 1) - 1).to(tl.int64) * s_bw, mask=listed, other=-1)
+    h0 = (listed & (top == nqb - 1)).to(tl.int32)
+    q = chunk * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    c = tl.load(bc + q.to(tl.int64) * s_cq, mask=q < nqb, other=0)
+    tl.store(Split + row.to(tl.int64) * nqb + q, c - h0, mask=q < nqb)
+    if chunk == 0:
+        tl.store(N + row, n)
+        tl.store(H0 + row, h0)
+        for w0 in range(0, width, BLOCK_W):
+            w = w0 + tl.arange(0, BLOCK_W)
+            v = tl.load(last + w.to(tl.int64) * s_bw, mask=(w < n) & (w < width), other=2147483647)
+            tl.store(Last + row.to(tl.int64) * width + w, v, mask=w < width)
+
+
+@triton.jit
 def _kv_csr_diagonal_count_kernel(Last, N, H0, Lo, Total, Unmasked, width, num_kb, rep, num_rows,
                                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr, LOG_W: tl.constexpr):
     """Segment sizes of ``launch._kv_csr_diagonal``, one program per (key block range, KV head, batch

@@ -197,9 +197,9 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     if docs and (doc_hi is None or key_pos is None):
         raise ValueError("packed documents need doc_lo, doc_hi and key_pos together")
     diagonal = bool(diagonal) and not docs and block_index.dim() == 4 and block_index.shape[-2] > 0
-    diag_rows = _diagonal_rows(block_index, block_count, True) if diagonal and causal else None
-    if diag_rows is not None:    # the diagonal tile (offset 0, the last slot) is the only masked one
-        split = block_count - diag_rows[2][..., None]
+    diag_rows = None
+    if diagonal and causal:      # the diagonal tile (offset 0, the last slot) is the only masked one
+        diag_rows, split = _diagonal_split(block_index, block_count)
     elif causal and not docs:
         split = _leading_below(block_index, block_count, 1)
     elif causal or docs:
@@ -425,6 +425,26 @@ def _diagonal_rows(bi: torch.Tensor, bc: torch.Tensor, causal: bool):
     return lastp, n.contiguous(), ((n > 0) & (top == nqb - 1)).to(torch.int32).contiguous()
 
 
+def _diagonal_split(bi: torch.Tensor, bc: torch.Tensor):
+    """``(_diagonal_rows(bi, bc, True), split)`` of a causal diagonal plan, ``split = bc - h0[..., None]``
+    (int32 ``[B', H', nqb]``): one kernel launch where Triton runs (:func:`~.kernels._diagonal_rows_kernel`),
+    else torch."""
+    if not triton_runs_on(bi.device):
+        rows = _diagonal_rows(bi, bc, True)
+        return rows, bc - rows[2][..., None]
+    B_, H_, nqb, width = bi.shape
+    dev = bi.device
+    last = torch.empty((B_, H_, width), dtype=torch.int32, device=dev)
+    n = torch.empty((B_, H_), dtype=torch.int32, device=dev)
+    h0 = torch.empty((B_, H_), dtype=torch.int32, device=dev)
+    split = torch.empty((B_, H_, nqb), dtype=torch.int32, device=dev)
+    if B_ * H_:
+        _kernels()._diagonal_rows_kernel[(B_ * H_, -(-nqb // 256))](
+            bi, bc, last, n, h0, split, H_, nqb, width, *bi.stride(), *bc.stride(), BLOCK_W=64, BLOCK_Q=256,
+            num_warps=1)
+    return (last, n, h0), split
+
+
 def _kv_csr_diagonal(plan: SparsePlan, nkb: int, hq: int, hkv: int):
     """:func:`_kv_csr` of a diagonal plan (``plan.diagonal``): the same offsets, mids and entries (in
     ``entries[:offsets[-1]]``; the buffer is sized by a host bound, nothing is read back) without a
@@ -521,6 +541,23 @@ def _row_ranks(present: torch.Tensor):
     return flat - (base + 1)[..., None], end - base
 
 
+def _union_rows(union: torch.Tensor, upad: int):
+    """``(col_u [B', H', upad], ucount [B', H'])`` int32 of a given column union (``union [B', H', nv]`` int32,
+    ascending, -1 padded, ``nv <= upad``): its entries with the padding as 0, and how many are ``>= 0``. One
+    kernel launch where Triton runs (:func:`~.kernels._union_pad_kernel`), else torch."""
+    B_, H_, nv = union.shape
+    if not triton_runs_on(union.device) or union.stride(-1) != 1:
+        ok = union >= 0
+        return (torch.nn.functional.pad(torch.where(ok, union, 0), (0, upad - nv)),
+                ok.sum(-1, dtype=torch.int32))
+    col_u = torch.empty((B_, H_, upad), dtype=torch.int32, device=union.device)
+    ucount = torch.empty((B_, H_), dtype=torch.int32, device=union.device)
+    if B_ * H_:
+        _kernels()._union_pad_kernel[(B_ * H_,)](union, col_u, ucount, nv, upad, union.stride(0), union.stride(1), H_,
+                                                 BLOCK=1024, num_warps=4)
+    return col_u, ucount
+
+
 def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
     """Per-head column union ``U`` and the inverted column index of the deterministic kernel.
 
@@ -541,9 +578,7 @@ def _col_plan(plan: SparsePlan, sk: int, b: int, hq: int):
         nv = union.shape[-1]
         upad = BLOCK_C * max(1, math.ceil(nv / BLOCK_C))
         nchunks = upad // BLOCK_C
-        ok = union >= 0
-        col_u = torch.nn.functional.pad(torch.where(ok, union, 0), (0, upad - nv))
-        ucount = ok.sum(-1, dtype=torch.int32)
+        col_u, ucount = _union_rows(_i32(union), upad)
         bits = bits if bits.shape[-1] == nchunks else torch.nn.functional.pad(bits, (0, nchunks - bits.shape[-1]))
         return _col_finish(plan, key, col_u, ucount, bits, upad, nchunks, b, hq, triton_runs_on(dev))
     # where Triton runs, kernels read only the listed slots (present columns, then the tiles' chunk masks)

@@ -8,8 +8,8 @@ owns one (sample·head, query block) row: it streams the row's candidates in chu
 compacts the kept ones with an in-register prefix sum and writes them at their final slots; slots past
 the row's count get -1. Per row ``i`` (query block ``i``, keys in local = global order at CP=1):
 
-* blocks: the selected block-diagonal offsets ``d`` (unique, descending, padded with a value > any
-  block) with ``d <= i``, in that order, as key blocks ``i - d`` (ascending);
+* blocks: the selected block-diagonal offsets ``d`` (sorted descending, -1 padding last; a repeated
+  offset is skipped) with ``d <= i``, in that order, as key blocks ``i - d`` (ascending);
 * columns: the pattern's vertical positions ``t`` (in the pattern's order; -1 = padding) with
   ``t // bs <= i`` whose block ``t // bs`` is not active for ``i`` (offset ``i - t // bs`` not selected);
   optionally also as 64-bit masks over the slots of the row's vertical list (bit ``j % 64`` of word
@@ -40,12 +40,14 @@ def _convert_rows_kernel(
     r = tl.program_id(1)                 # sample * hq + head
     offs = tl.arange(0, CHUNK)
     out_row = (r * NQB + i).to(tl.int64)
-    # --- blocks: offsets d <= i, order kept (descending d = ascending key block)
+    # --- blocks: offsets d <= i in descending order (ascending key block); the previous slot's offset
+    # equal (a repeated offset) or padding (-1) is skipped, so at most NS = WB of them
     base = i * 0
     for c0 in range(0, NS, CHUNK):
         idx = c0 + offs
-        d = tl.load(DDesc + r * s_dr + idx, mask=idx < NS, other=2147483647)
-        ok = (d <= i) & (idx < NS)
+        d = tl.load(DDesc + r * s_dr + idx, mask=idx < NS, other=-1)
+        dp = tl.load(DDesc + r * s_dr + idx - 1, mask=(idx > 0) & (idx < NS), other=-1)
+        ok = (d >= 0) & (d <= i) & (d != dp)
         ok32 = ok.to(tl.int32)
         pos = base + tl.cumsum(ok32, 0) - 1
         tl.store(BIdx + out_row * WB + pos, (i - d).to(tl.int32), mask=ok)
@@ -91,10 +93,11 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
     """Block and column lists of every (sample, head, query block) row at CP=1.
 
     Args:
-        d_desc: ``[b, hq, ns]`` int32, the selected offsets unique and descending, padded with a value
-            larger than any block index.
+        d_desc: ``[b, hq, ns]`` int64 (or int32) selected offsets sorted descending, padded with -1 (a
+            pattern's ``slash`` sorted descending: repeated offsets are listed once).
         vertical: ``[b, hq, nv]`` int64 (or int32) column positions, -1 = padding.
-        slash_mask: ``[b, hq, nb]`` bool, offset ``d`` selected.
+        slash_mask: ``[b, hq, nb]`` bool or int8 (nonzero: offset ``d`` selected), ``nb >= nqb``; any
+            strides of its first two dimensions, the last contiguous.
         nqb: query blocks (= key blocks = ``S / block_size``); block_size: tokens per block.
         bits: also return the column lists as slot masks over ``vertical`` (below).
 
@@ -105,12 +108,15 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
         ``[b, hq, nqb, ceil(nv / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` is set iff the row lists
         ``vertical[..., j]``.
     """
-    b, hq, ns = d_desc.shape
-    nv = vertical.shape[-1]
-    dev = d_desc.device
+    b, hq, nv = vertical.shape
+    ns = d_desc.shape[-1]
+    dev = vertical.device
     dd = d_desc.reshape(b * hq, ns).contiguous()
     vt = vertical.reshape(b * hq, nv).contiguous()
-    sm = slash_mask.reshape(b * hq, slash_mask.shape[-1]).to(torch.int8).contiguous()
+    sm = slash_mask if slash_mask.dtype == torch.int8 else slash_mask.to(torch.int8)
+    sm = sm.reshape(b * hq, sm.shape[-1])
+    if sm.stride(-1) != 1:
+        sm = sm.contiguous()
     bcnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
     ccnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
     wb, wc = max(1, ns), max(1, nv)        # at least one (-1) slot, as the torch path
