@@ -170,14 +170,12 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         from .triton.convert import convert_rows
 
         nqb = nb                                                        # cp 1: every block is local
-        # the slash mask as int8, straight from the offsets (the padding lands in slot nb, not passed)
-        sm = torch.zeros((b, hq, nb + 1), dtype=torch.int8, device=dev)
-        sm.scatter_(-1, torch.where(pattern.slash >= 0, pattern.slash, nb), 1)
+        sm = pattern.slash_mask(torch.int8)                             # int8 for the kernel: no bool copy
         # an ascending vertical list is each row's column union: its slot masks come from the same pass
         ascending = pattern.vertical_ascending
         # the offsets sorted descending (padding last): ns slots always suffice
         d_desc = pattern.slash.sort(dim=-1, descending=True).values
-        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc, pattern.vertical, sm[..., :nb], nqb, bs,
+        b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc, pattern.vertical, sm, nqb, bs,
                                                           bits=ascending)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)

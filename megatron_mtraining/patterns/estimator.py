@@ -312,11 +312,12 @@ class VerticalSlashPattern:
                                     mv(self.vertical), mv(self.vertical_count), mv(self.est_slash_mass),
                                     mv(self.est_vertical_mass), self.vertical_ascending)
 
-    def slash_mask(self) -> torch.Tensor:
-        """``[b, hq, S / bs]`` bool: block diagonal ``d`` selected."""
-        m = torch.zeros(self.batch, self.num_heads, self.num_blocks + 1, dtype=torch.bool, device=self.slash.device)
+    def slash_mask(self, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """``[b, hq, S / bs]`` of ``dtype`` (bool, or e.g. int8 for a kernel): block diagonal ``d`` selected
+        (1 / True). A view of a ``[b, hq, S / bs + 1]`` buffer (the padding's slot cut off)."""
+        m = torch.zeros(self.batch, self.num_heads, self.num_blocks + 1, dtype=dtype, device=self.slash.device)
         idx = torch.where(self.slash >= 0, self.slash, self.num_blocks)
-        m.scatter_(-1, idx, True)
+        m.scatter_(-1, idx, 1)
         return m[..., :-1]
 
     def vertical_mask(self) -> torch.Tensor:
