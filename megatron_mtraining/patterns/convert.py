@@ -178,7 +178,8 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         rev = pattern.slash_ascending
         d_desc = pattern.slash if rev else pattern.slash.sort(dim=-1, descending=True).values
         b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc, pattern.vertical, sm, nqb, bs,
-                                                          bits=ascending, reversed_offsets=rev)
+                                                          bits=ascending, reversed_offsets=rev,
+                                                          ascending_columns=ascending)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         b_idx = b_idx[..., :max(1, mb)].contiguous()

@@ -157,6 +157,15 @@ def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
     assert_same_with_maxima(convert_pattern(dataclasses.replace(pat, slash_ascending=False), layout, 0, impl="triton"),
                             ref, "long rows, sorted")
     assert torch.equal(new[0].given_column_union.bits, expected_masks(new[0], pat.vertical))  # over several chunks
+    # ascending columns: each row's loop stops after its last visible chunk (the early rows see few); on
+    # a shuffled list the same early stop drops columns (negative control: the flag is what stops it)
+    from megatron_mtraining.patterns.triton.convert import convert_rows
+    sm = pat.slash_mask().to(torch.int8)
+    perm = torch.randperm(pat.vertical.shape[-1], generator=torch.Generator().manual_seed(3))
+    shuffled = pat.vertical[..., perm]
+    full = convert_rows(pat.slash, shuffled, sm, nb, bs, reversed_offsets=True)
+    cut = convert_rows(pat.slash, shuffled, sm, nb, bs, reversed_offsets=True, ascending_columns=True)
+    assert not torch.equal(full[2], cut[2])
     bad = new[0].column_index.clone()
     bad[0, 0, -1, 0] += 1
     corrupted = [dataclasses.replace(new[0], column_index=bad)]

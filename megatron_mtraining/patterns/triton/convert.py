@@ -35,7 +35,7 @@ def _convert_rows_kernel(
     DDesc, Vert, SMask, BCnt, BIdx, CCnt, CIdx, Bits,
     NS, NV, WB, WC, NQB, BS, NW,
     s_dr, s_vr, s_mr,
-    CHUNK: tl.constexpr, WRITE_BITS: tl.constexpr, REVERSED: tl.constexpr,
+    CHUNK: tl.constexpr, WRITE_BITS: tl.constexpr, REVERSED: tl.constexpr, ASC_COLS: tl.constexpr,
 ):
     i = tl.program_id(0)                 # query block = local row
     r = tl.program_id(1)                 # sample * hq + head
@@ -62,10 +62,14 @@ def _convert_rows_kernel(
         tl.store(BIdx + out_row * WB + idx, tl.full([CHUNK], -1, tl.int32), mask=(idx >= base) & (idx < WB))
     # --- columns: visible (t // bs <= i) and not in an active block, in the pattern's order; a chunk
     # without a visible column (past the tile or padding: most chunks of the early tiles) is skipped
-    # with WRITE_BITS also the chunk's CHUNK // 64 words of slot masks (zero for a skipped chunk)
+    # with WRITE_BITS also the chunk's CHUNK // 64 words of slot masks (zero for a skipped chunk).
+    # ASC_COLS (an ascending list, -1 padding last): the loop stops after the first chunk whose last
+    # slot is not visible (no later slot is), and the remaining mask words are written as zeros
     base = i * 0
     wid = tl.arange(0, CHUNK // 64)
-    for c0 in range(0, NV, CHUNK):
+    c0 = i * 0
+    go = c0 < NV
+    while go:
         idx = c0 + offs
         t = tl.load(Vert + r * s_vr + idx, mask=idx < NV, other=-1)
         valid = t >= 0
@@ -86,6 +90,16 @@ def _convert_rows_kernel(
         if WRITE_BITS:
             w = c0 // 64 + wid
             tl.store(Bits + out_row * NW + w, words, mask=w < NW)
+        c0 += CHUNK
+        if ASC_COLS:
+            last = tl.load(Vert + r * s_vr + c0 - 1, mask=c0 - 1 < NV, other=-1)
+            go = (c0 < NV) & (last >= 0) & (last // BS <= i)
+        else:
+            go = c0 < NV
+    if ASC_COLS and WRITE_BITS:
+        for w0 in range(c0 // 64, NW, CHUNK // 64):
+            w = w0 + wid
+            tl.store(Bits + out_row * NW + w, tl.zeros([CHUNK // 64], dtype=tl.int64), mask=w < NW)
     tl.store(CCnt + out_row, base)
     for c0 in range(0, WC, CHUNK):
         idx = c0 + offs
@@ -93,7 +107,7 @@ def _convert_rows_kernel(
 
 
 def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch.Tensor, nqb: int, block_size: int,
-                 bits: bool = False, reversed_offsets: bool = False):
+                 bits: bool = False, reversed_offsets: bool = False, ascending_columns: bool = False):
     """Block and column lists of every (sample, head, query block) row at CP=1.
 
     Args:
@@ -107,6 +121,8 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
         nqb: query blocks (= key blocks = ``S / block_size``); block_size: tokens per block.
         bits: also return the column lists as slot masks over ``vertical`` (below).
         reversed_offsets: ``d_desc`` holds the offsets ascending (above), not descending.
+        ascending_columns: every row of ``vertical`` is strictly ascending with its -1 padding last
+            (``VerticalSlashPattern.vertical_ascending``): a row's loop stops after its last visible chunk.
 
     Returns:
         ``(block_count [b, hq, nqb] int32, block_index [b, hq, nqb, max(1, ns)] int32, column_count
@@ -138,6 +154,7 @@ def convert_rows(d_desc: torch.Tensor, vertical: torch.Tensor, slash_mask: torch
         dd, vt, sm, bcnt, bidx, ccnt, cidx, masks if bits else ccnt,
         ns, nv, wb, wc, nqb, block_size, nw,
         dd.stride(0), vt.stride(0), sm.stride(0),
-        CHUNK=CHUNK, WRITE_BITS=bool(bits), REVERSED=bool(reversed_offsets), num_warps=4,
+        CHUNK=CHUNK, WRITE_BITS=bool(bits), REVERSED=bool(reversed_offsets),
+        ASC_COLS=bool(ascending_columns), num_warps=4,
     )
     return out
