@@ -230,15 +230,16 @@ class VerticalSlashPattern:
     @classmethod
     def from_lists(cls, seq_len: int, block_size: int, slash, vertical) -> "VerticalSlashPattern":
         """Build from nested Python lists ``slash[b][h]`` (offsets) and ``vertical[b][h]`` (positions); each
-        row is stored sorted ascending without repeats, -1 padded (``slash_ascending``)."""
+        row is stored sorted ascending without repeats, -1 padded (a -1 in a row is padding and is dropped;
+        ``slash_ascending``)."""
         def pad(rows):
             b, h = len(rows), len(rows[0])
-            width = max(1, max(len(set(x)) for r in rows for x in r))
+            width = max(1, max(len(set(int(v) for v in x) - {-1}) for r in rows for x in r))
             out = torch.full((b, h, width), -1, dtype=torch.long)
             cnt = torch.zeros((b, h), dtype=torch.long)
             for i, r in enumerate(rows):
                 for j, x in enumerate(r):
-                    vals = sorted(set(int(v) for v in x))
+                    vals = sorted(set(int(v) for v in x) - {-1})      # -1 is padding, not an entry
                     out[i, j, :len(vals)] = torch.tensor(vals, dtype=torch.long)
                     cnt[i, j] = len(vals)
             return out, cnt

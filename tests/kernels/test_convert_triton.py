@@ -242,3 +242,9 @@ def test_ascending_offsets_are_read_backwards_instead_of_sorted():
     with pytest.raises(ValueError, match="vertical_ascending is set"):
         dataclasses.replace(pat, vertical=pat.vertical.flip(-1)).check()
     pat.check()
+    # from_lists: a -1 written inside a row is padding (dropped, not counted), so its rows stay ascending
+    hand = VerticalSlashPattern.from_lists(128, 16, [[[-1, 3], [0]]], [[[5, -1], [7]]])
+    assert hand.slash.tolist() == [[[3], [0]]] and hand.slash_count.tolist() == [[1, 1]]
+    assert hand.vertical_count.tolist() == [[1, 1]] and hand.slash_ascending
+    lay = Layout("striped", 1, 16)
+    assert_same_steps(convert_pattern(hand, lay, 0, impl="triton"), convert_pattern(hand, lay, 0, impl="torch"), "hand")
