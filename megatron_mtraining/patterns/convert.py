@@ -173,10 +173,13 @@ def _convert(pattern: VerticalSlashPattern, layout: Layout, rank: int, owners, i
         sm = pattern.slash_mask(torch.int8)                             # int8 for the kernel: no bool copy
         # an ascending vertical list is each row's column union: its slot masks come from the same pass
         ascending = pattern.vertical_ascending
-        # the offsets sorted descending (padding last): ns slots always suffice
-        d_desc = pattern.slash.sort(dim=-1, descending=True).values
+        # the offsets in descending order (padding last): ns slots always suffice; an estimated pattern's
+        # (strictly ascending) are read backwards by the kernel instead of sorted
+        rev = pattern.slash_ascending
+        d_desc = pattern.slash if rev else pattern.slash.sort(dim=-1, descending=True).values
         b_cnt, b_idx, c_cnt, c_idx, *masks = convert_rows(d_desc, pattern.vertical, sm, nqb, bs,
-                                                          bits=ascending)
+                                                          bits=ascending, reversed_offsets=rev,
+                                                          ascending_columns=ascending)
         bounds = (min(ns, nqb), min(pattern.vertical.shape[-1], S)) if static_widths else None
         mb, mc = _maxima([b_cnt, c_cnt], bounds)                        # the host sync (unless static)
         b_idx = b_idx[..., :max(1, mb)].contiguous()

@@ -210,6 +210,10 @@ class VerticalSlashPattern:
             ``-1`` padding after the last position (the estimator's patterns; ``False``: not known). The
             Triton conversion at cp 1 then also hands the backward's column plan each row's vertical list
             as its column union (:class:`~megatron_mtraining.patterns.indices.ColumnUnion`).
+        slash_ascending: host record that every row of ``slash`` is strictly ascending with its ``-1``
+            padding after the last offset (the estimator's and :meth:`coarsen`'s patterns; ``False``: not
+            known). The Triton conversion at cp 1 then reads each row backwards for its descending offsets
+            instead of sorting them.
     """
 
     seq_len: int
@@ -221,18 +225,21 @@ class VerticalSlashPattern:
     est_slash_mass: Optional[torch.Tensor] = None
     est_vertical_mass: Optional[torch.Tensor] = None
     vertical_ascending: bool = False
+    slash_ascending: bool = False
 
     @classmethod
     def from_lists(cls, seq_len: int, block_size: int, slash, vertical) -> "VerticalSlashPattern":
-        """Build from nested Python lists ``slash[b][h]`` (offsets) and ``vertical[b][h]`` (positions)."""
+        """Build from nested Python lists ``slash[b][h]`` (offsets) and ``vertical[b][h]`` (positions); each
+        row is stored sorted ascending without repeats, -1 padded (a -1 in a row is padding and is dropped;
+        ``slash_ascending``)."""
         def pad(rows):
             b, h = len(rows), len(rows[0])
-            width = max(1, max(len(set(x)) for r in rows for x in r))
+            width = max(1, max(len(set(int(v) for v in x) - {-1}) for r in rows for x in r))
             out = torch.full((b, h, width), -1, dtype=torch.long)
             cnt = torch.zeros((b, h), dtype=torch.long)
             for i, r in enumerate(rows):
                 for j, x in enumerate(r):
-                    vals = sorted(set(int(v) for v in x))
+                    vals = sorted(set(int(v) for v in x) - {-1})      # -1 is padding, not an entry
                     out[i, j, :len(vals)] = torch.tensor(vals, dtype=torch.long)
                     cnt[i, j] = len(vals)
             return out, cnt
@@ -242,7 +249,7 @@ class VerticalSlashPattern:
         nb = seq_len // block_size
         if ((s >= nb) | ((s < 0) & (s != -1))).any() or ((v >= seq_len) | ((v < 0) & (v != -1))).any():
             raise ValueError("pattern entries out of range (slash offsets in [0, S/bs), vertical in [0, S))")
-        return cls(seq_len, block_size, s, sc, v, vc)
+        return cls(seq_len, block_size, s, sc, v, vc, slash_ascending=True)
 
     @property
     def batch(self) -> int:
@@ -280,14 +287,15 @@ class VerticalSlashPattern:
             hit.scatter_(-1, torch.where(ok, part.clamp(max=nb - 1), torch.full_like(part, nb)), True)
         cnt, slash = packed_index_lists(hit[..., :nb], fill=-1, dtype=torch.int64)
         return VerticalSlashPattern(self.seq_len, block_size, slash, cnt, self.vertical, self.vertical_count,
-                                    vertical_ascending=self.vertical_ascending)
+                                    vertical_ascending=self.vertical_ascending, slash_ascending=True)
 
     def check(self) -> None:
         """Validate a hand-built pattern (one host synchronisation): integer ``[b, hq, n]`` lists, every entry
         ``-1`` (padding) or in range (slash offsets in ``[0, S / bs)``, vertical positions in ``[0, S)``), and
         the vertical positions of each row distinct: the conversion lists a repeated column twice and the
-        kernels would count it twice. Order and repeated slash offsets do not change the mask. The
-        estimator's patterns hold this by construction.
+        kernels would count it twice. Order and repeated slash offsets do not change the mask. A row of a
+        list recorded as ascending (``slash_ascending``, ``vertical_ascending``) must be strictly ascending
+        with its ``-1`` padding after the last entry. The estimator's patterns hold this by construction.
 
         Raises:
             ValueError: naming the list and the rule.
@@ -301,6 +309,12 @@ class VerticalSlashPattern:
                                  f"slash list's b, hq), got {tuple(x.shape)} {x.dtype}")
             if not bool(((x == -1) | ((x >= 0) & (x < hi))).all()):
                 raise ValueError(f"VerticalSlashPattern: {name} entries must be -1 (padding) or in [0, {hi})")
+        for name, x, flag in (("slash", self.slash, self.slash_ascending),
+                              ("vertical", self.vertical, self.vertical_ascending)):
+            ok = x >= 0
+            if flag and bool(((ok[..., 1:] & ~ok[..., :-1]) | (ok[..., 1:] & (x[..., 1:] <= x[..., :-1]))).any()):
+                raise ValueError(f"VerticalSlashPattern: {name}_ascending is set, but a row of {name} is not strictly "
+                                 f"ascending with its -1 padding after the last entry")
         v = self.vertical.sort(dim=-1).values
         if bool(((v[..., 1:] == v[..., :-1]) & (v[..., 1:] >= 0)).any()):
             raise ValueError("VerticalSlashPattern: a vertical position is listed twice in one (sample, head) row; "
@@ -310,7 +324,7 @@ class VerticalSlashPattern:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return VerticalSlashPattern(self.seq_len, self.block_size, mv(self.slash), mv(self.slash_count),
                                     mv(self.vertical), mv(self.vertical_count), mv(self.est_slash_mass),
-                                    mv(self.est_vertical_mass), self.vertical_ascending)
+                                    mv(self.est_vertical_mass), self.vertical_ascending, self.slash_ascending)
 
     def slash_mask(self, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """``[b, hq, S / bs]`` of ``dtype`` (bool, or e.g. int8 for a kernel): block diagonal ``d`` selected
@@ -529,7 +543,8 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
         if layout.cp_size == 1:
             v_sel, v_cnt, v_mass = picked[1]
             return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                        est_slash_mass=s_mass, est_vertical_mass=v_mass, vertical_ascending=True)
+                                        est_slash_mass=s_mass, est_vertical_mass=v_mass, vertical_ascending=True,
+                                        slash_ascending=True)
     else:
         s_score, s_order = floor_first_sort(slash, config.local_blocks)
         s_cnt, s_cov = _budget(s_score, config.local_blocks, config.max_slash, target, take_all)
@@ -551,7 +566,8 @@ def _select(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tensor, layout:
         s_sel, s_mass = _take_sorted(s_order, s_cnt, ws, sentinel=nb), s_cov / L
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_mass, est_vertical_mass=v_mass, vertical_ascending=True)
+                                est_slash_mass=s_mass, est_vertical_mass=v_mass, vertical_ascending=True,
+                                slash_ascending=True)
 
 
 def _document_floors(documents, sink_tokens: int) -> tuple[torch.Tensor, list]:
@@ -623,7 +639,8 @@ def _select_documents(slash: torch.Tensor, col: torch.Tensor, k_pos: torch.Tenso
     s_sel = _take_sorted(s_order, s_cnt, ws, sentinel=nb)
     v_sel = _take_sorted(v_pos, v_cnt, wv, sentinel=S)
     return VerticalSlashPattern(S, config.block_size, s_sel, s_cnt, v_sel, v_cnt,
-                                est_slash_mass=s_cov / norm, est_vertical_mass=v_cov / norm, vertical_ascending=True)
+                                est_slash_mass=s_cov / norm, est_vertical_mass=v_cov / norm, vertical_ascending=True,
+                                slash_ascending=True)
 
 
 def _document_probe_positions(documents, last_q: int) -> list:

@@ -84,6 +84,7 @@ def test_triton_conversion_column_union_masks():
         layout = Layout("striped", 1, bs)
         pat = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="torch")
         assert pat.vertical_ascending and pat.to("cpu").vertical_ascending and pat.coarsen(2 * bs).vertical_ascending
+        assert pat.slash_ascending and pat.to("cpu").slash_ascending and pat.coarsen(2 * bs).slash_ascending
         st = convert_pattern(pat, layout, 0, impl="triton")[0]
         u = st.given_column_union
         assert u is not None and torch.equal(u.union, pat.vertical.to(torch.int32))
@@ -148,11 +149,23 @@ def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
             for _ in range(2)]
     pat = VerticalSlashPattern.from_lists(S, bs, slash, vert)   # ascending lists: the column masks too
     pat = dataclasses.replace(pat, vertical_ascending=True)
+    assert pat.slash_ascending                                  # offsets read backwards over several chunks
     layout = Layout("striped", 1, bs)
     new, ref = convert_pattern(pat, layout, 0, impl="triton"), convert_pattern(pat, layout, 0, impl="torch")
     assert ref[0].block_index.shape[-1] > CHUNK and ref[0].column_index.shape[-1] > CHUNK
     assert_same_with_maxima(new, ref, "long rows")
+    assert_same_with_maxima(convert_pattern(dataclasses.replace(pat, slash_ascending=False), layout, 0, impl="triton"),
+                            ref, "long rows, sorted")
     assert torch.equal(new[0].given_column_union.bits, expected_masks(new[0], pat.vertical))  # over several chunks
+    # ascending columns: each row's loop stops after its last visible chunk (the early rows see few); on
+    # a shuffled list the same early stop drops columns (negative control: the flag is what stops it)
+    from megatron_mtraining.patterns.triton.convert import convert_rows
+    sm = pat.slash_mask().to(torch.int8)
+    perm = torch.randperm(pat.vertical.shape[-1], generator=torch.Generator().manual_seed(3))
+    shuffled = pat.vertical[..., perm]
+    full = convert_rows(pat.slash, shuffled, sm, nb, bs, reversed_offsets=True)
+    cut = convert_rows(pat.slash, shuffled, sm, nb, bs, reversed_offsets=True, ascending_columns=True)
+    assert not torch.equal(full[2], cut[2])
     bad = new[0].column_index.clone()
     bad[0, 0, -1, 0] += 1
     corrupted = [dataclasses.replace(new[0], column_index=bad)]
@@ -198,3 +211,40 @@ def test_impl_errors():
             convert_pattern(pat, Layout("striped", 1, 16), 0, impl="triton")
     finally:
         kc.convert_rows = orig
+
+
+def test_ascending_offsets_are_read_backwards_instead_of_sorted():
+    """A pattern whose offsets are recorded as strictly ascending (``slash_ascending``: the estimator's
+    patterns and those of ``from_lists``): the kernel reads each row backwards, the same lists as the sorted path (flag off) and
+    the torch path, over several kernel chunks too. Negative control: descending rows flagged ascending
+    give other lists (the flag is what the kernel follows), and ``check`` refuses them by rule."""
+    gen, rng = torch.Generator().manual_seed(5), random.Random(5)
+    S, bs = 512, 32
+    q, k = tie_heavy_qkv(gen, rng, 2, S, 4, 2, 16)
+    cfg = VerticalSlashConfig(recall=0.9, last_q=48, block_size=bs, sink_tokens=8, local_blocks=1,
+                              max_vertical=64, max_slash=6)
+    layout = Layout("striped", 1, 64)
+    pat = estimate_vertical_slash(q, k, layout=layout, config=cfg, impl="torch")
+    assert pat.slash_ascending and int(pat.slash_count.min()) >= 2
+    ref = convert_pattern(pat, layout, 0, impl="torch")
+    assert_same_with_maxima(convert_pattern(pat, layout, 0, impl="triton"), ref, "read backwards")
+    assert_same_with_maxima(convert_pattern(dataclasses.replace(pat, slash_ascending=False), layout, 0,
+                                            impl="triton"), ref, "sorted")
+    # descending rows, padding last: a valid pattern (the sorted path lists it right), not an ascending one
+    desc = pat.slash.sort(dim=-1, descending=True).values
+    wrong = dataclasses.replace(pat, slash=desc)
+    assert_same_with_maxima(convert_pattern(dataclasses.replace(wrong, slash_ascending=False), layout, 0,
+                                            impl="triton"), ref, "descending, sorted")
+    with pytest.raises(AssertionError):
+        assert_same_steps(convert_pattern(wrong, layout, 0, impl="triton"), ref, "descending read backwards")
+    with pytest.raises(ValueError, match="slash_ascending is set, but a row of slash is not strictly ascending"):
+        wrong.check()
+    with pytest.raises(ValueError, match="vertical_ascending is set"):
+        dataclasses.replace(pat, vertical=pat.vertical.flip(-1)).check()
+    pat.check()
+    # from_lists: a -1 written inside a row is padding (dropped, not counted), so its rows stay ascending
+    hand = VerticalSlashPattern.from_lists(128, 16, [[[-1, 3], [0]]], [[[5, -1], [7]]])
+    assert hand.slash.tolist() == [[[3], [0]]] and hand.slash_count.tolist() == [[1, 1]]
+    assert hand.vertical_count.tolist() == [[1, 1]] and hand.slash_ascending
+    lay = Layout("striped", 1, 16)
+    assert_same_steps(convert_pattern(hand, lay, 0, impl="triton"), convert_pattern(hand, lay, 0, impl="torch"), "hand")
