@@ -233,13 +233,14 @@ class VerticalSlashPattern:
         row is stored sorted ascending without repeats, -1 padded (a -1 in a row is padding and is dropped;
         ``slash_ascending``)."""
         def pad(rows):
+            # each row's distinct entries, ascending; -1 is padding, not an entry
+            rows = [[sorted(set(int(v) for v in x) - {-1}) for x in r] for r in rows]
             b, h = len(rows), len(rows[0])
-            width = max(1, max(len(set(int(v) for v in x) - {-1}) for r in rows for x in r))
+            width = max(1, max(len(vals) for r in rows for vals in r))
             out = torch.full((b, h, width), -1, dtype=torch.long)
             cnt = torch.zeros((b, h), dtype=torch.long)
             for i, r in enumerate(rows):
-                for j, x in enumerate(r):
-                    vals = sorted(set(int(v) for v in x) - {-1})      # -1 is padding, not an entry
+                for j, vals in enumerate(r):
                     out[i, j, :len(vals)] = torch.tensor(vals, dtype=torch.long)
                     cnt[i, j] = len(vals)
             return out, cnt

@@ -160,7 +160,7 @@ def test_triton_conversion_rows_longer_than_a_chunk(monkeypatch):
     # ascending columns: each row's loop stops after its last visible chunk (the early rows see few); on
     # a shuffled list the same early stop drops columns (negative control: the flag is what stops it)
     from megatron_mtraining.patterns.triton.convert import convert_rows
-    sm = pat.slash_mask().to(torch.int8)
+    sm = pat.slash_mask(torch.int8)
     perm = torch.randperm(pat.vertical.shape[-1], generator=torch.Generator().manual_seed(3))
     shuffled = pat.vertical[..., perm]
     full = convert_rows(pat.slash, shuffled, sm, nb, bs, reversed_offsets=True)
