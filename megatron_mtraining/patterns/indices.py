@@ -59,31 +59,41 @@ __all__ = ["BLOCK_SIZE", "ColumnUnion", "DiagonalBlocks", "KnownMax", "StepIndic
 
 BLOCK_SIZE = 64
 
+#: Extra slots of :func:`packed_index_lists`'s buffer that take the dropped entries.
+_LIST_SPREAD = 64
+
 
 def packed_index_lists(mask: torch.Tensor, width: Optional[int] = None, fill: int = -1,
                        dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise lists of the ``True`` positions of a boolean map, ascending and packed left.
 
     Args:
-        mask: ``[..., C]`` bool (e.g. a tile map: query block x key block).
+        mask: ``[..., C]`` bool (e.g. a tile map: query block x key block); any strides.
         width: the lists' width; ``None``: ``max(1, count.max())`` (one host read), else a bound
             known on the host (no device read; lists longer than ``width`` are cut).
         fill: the value written at positions ``>= count``.
         dtype: dtype of both outputs.
 
     Returns:
-        ``(count, index)``: ``count [...]`` = ``mask.sum(-1)``, ``index [..., width]`` the positions
-        (``0 <= index < C``) at ``< count``, ``fill`` beyond.
+        ``(count, index)``: ``count [...]`` = ``mask.sum(-1)``, ``index [..., width]`` (contiguous) the
+        positions (``0 <= index < C``) at ``< count``, ``fill`` beyond.
+
+    No sort: the slot of each ``True`` entry in its row's list is the running count before it
+    (``cumsum - 1``); its column is scattered there, into a buffer ``_LIST_SPREAD`` slots wider than
+    ``width`` whose extra slots take (and drop) the ``False`` entries and those past ``width`` (spread
+    over several slots: writes to one shared slot would serialise on a GPU).
     """
     count = mask.sum(-1, dtype=dtype)
     if width is None:
         width = max(1, int(count.max()) if count.numel() else 1)
-    # set positions first (ascending), then the rest: a stable sort on "not set"
-    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width].to(dtype)
-    if order.shape[-1] < width:
-        order = torch.nn.functional.pad(order, (0, width - order.shape[-1]), value=fill)
-    keep = torch.arange(width, device=mask.device) < count[..., None]
-    return count, torch.where(keep, order, torch.full_like(order, fill))
+    c = mask.shape[-1]
+    spread = max(1, min(c, _LIST_SPREAD))
+    col = torch.arange(c, device=mask.device)
+    slot = torch.cumsum(mask, -1) - 1                                   # int64: slot in the row's list
+    dst = torch.where(mask.bool() & (slot < width), slot, width + col % spread)
+    out = torch.full((*mask.shape[:-1], width + spread), fill, dtype=dtype, device=mask.device)
+    out.scatter_(-1, dst, col.to(dtype).expand(mask.shape))
+    return count, out[..., :width].contiguous()
 
 
 class _PinnedToPair:

@@ -429,6 +429,50 @@ def test_packed_index_lists_match_nonzero_per_row():
     assert torch.equal(i3[..., 0], torch.where(cnt > 0, idx[..., 0], torch.full_like(cnt, -1)))
 
 
+def _packed_index_lists_by_sort(mask, width=None, fill=-1, dtype=torch.int32):
+    """The algorithm packed_index_lists had before (a stable sort on "not set"), kept as the reference."""
+    count = mask.sum(-1, dtype=dtype)
+    if width is None:
+        width = max(1, int(count.max()) if count.numel() else 1)
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width].to(dtype)
+    if order.shape[-1] < width:
+        order = torch.nn.functional.pad(order, (0, width - order.shape[-1]), value=fill)
+    keep = torch.arange(width, device=mask.device) < count[..., None]
+    return count, torch.where(keep, order, torch.full_like(order, fill))
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 130), (4, 1), (3, 0), (0, 9), (2, 0, 5)])
+def test_packed_index_lists_match_the_sort_algorithm(shape):
+    """cumsum + scatter gives the outputs of the stable sort it replaced, bitwise (values, dtype, shape,
+    contiguity): random maps with all-False and all-True rows, the default width, widths that cut the lists,
+    wider ones, a non-contiguous map and empty maps; a dropped entry is seen (negative control)."""
+    from megatron_mtraining.patterns.indices import packed_index_lists
+
+    g = torch.Generator().manual_seed(sum(shape) + len(shape))
+    for p in (0.1, 0.5, 0.9):
+        m = torch.rand(shape, generator=g) < p
+        if m.numel() and m.dim() >= 2 and m.shape[-2] >= 2:
+            m[..., 0, :] = False                                          # all-False rows
+            m[..., 1, :] = True                                           # all-True rows
+        top = int(m.sum(-1).max()) if m.numel() else 0
+        for width in (None, 1, max(1, top // 2), top + 3, shape[-1] + 70):
+            for fill, dtype in ((-1, torch.int32), (0, torch.int64)):
+                got = packed_index_lists(m, width=width, fill=fill, dtype=dtype)
+                want = _packed_index_lists_by_sort(m, width=width, fill=fill, dtype=dtype)
+                for a, b in zip(got, want):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (p, width, fill)
+                assert got[1].is_contiguous()
+    if m.numel() and m.dim() >= 2 and m.shape[-2] >= 2 and shape[-1] > 2:
+        t = torch.rand(*shape[:-1], 2 * shape[-1], generator=g) < 0.5
+        strided = t[..., ::2]                                             # a map with a stride of 2
+        assert all(torch.equal(a, b) for a, b in zip(packed_index_lists(strided),
+                                                      _packed_index_lists_by_sort(strided)))
+        flipped = m.clone()
+        flipped[..., 1, shape[-1] // 2] = False             # negative control: one entry of a full row dropped
+        assert not torch.equal(packed_index_lists(flipped, width=shape[-1])[1],
+                               _packed_index_lists_by_sort(m, width=shape[-1])[1])
+
+
 def test_hand_built_patterns_with_a_repeated_column_or_out_of_range_entries_are_refused():
     """convert_pattern checks hand-built patterns (VerticalSlashPattern.check): a vertical position listed
     twice in a row would be counted twice by the kernels (a wrong softmax), an entry out of range would index
