@@ -89,10 +89,11 @@ def packed_index_lists(mask: torch.Tensor, width: Optional[int] = None, fill: in
     c = mask.shape[-1]
     spread = max(1, min(c, _LIST_SPREAD))
     col = torch.arange(c, device=mask.device)
-    slot = torch.cumsum(mask, -1) - 1                                   # int64: slot in the row's list
-    dst = torch.where(mask.bool() & (slot < width), slot, width + col % spread)
+    slot = torch.cumsum(mask, -1)                                       # int64: 1 + the slot in the row's list
+    keep = mask.bool() & (slot <= width)
+    slot = torch.where(keep, slot.sub_(1), width + col % spread, out=slot)  # in place: one int64 temporary
     out = torch.full((*mask.shape[:-1], width + spread), fill, dtype=dtype, device=mask.device)
-    out.scatter_(-1, dst, col.to(dtype).expand(mask.shape))
+    out.scatter_(-1, slot, col.to(dtype).expand(mask.shape))
     return count, out[..., :width].contiguous()
 
 
