@@ -54,7 +54,7 @@ import torch
 
 from ..common import acc_dtype, cuda_index
 from ..patterns.indices import packed_index_lists
-from .merge import merge_attention
+from .merge import merge_attention_fast
 from .sparse_reference import SparseStepKernel
 
 __all__ = [
@@ -512,7 +512,8 @@ class FA4SparseStepKernel(SparseStepKernel):
     slash blocks (``StepIndices`` at 128-token blocks) run :func:`fa4_forward` / :func:`fa4_backward`
     with per-head block lists (:func:`sparsity_from_indices`; FA4's causal mask on the rank's own
     step) and the step's token-level columns run ``fallback`` (the Triton sparse kernel); the two are
-    merged by LSE (:func:`~megatron_mtraining.ops.merge.merge_attention`), and their gradients,
+    merged by LSE (:func:`~megatron_mtraining.ops.merge.merge_attention_fast`: one fused Triton launch on
+    CUDA, :func:`~megatron_mtraining.ops.merge.merge_attention` elsewhere), and their gradients,
     which both derive from the ring's final ``lse``/``out``, are summed. Out-of-ring column work
     (:class:`~megatron_mtraining.ring.sparse.ColumnPhase`) runs ``fallback`` entirely.
 
@@ -591,8 +592,9 @@ class FA4SparseStepKernel(SparseStepKernel):
             res = fa4_forward(q, k, v, softmax_scale=scale, causal=bool(idx.causal), sparsity=sp)
         if cols is not None:
             o2, l2 = self.fallback.forward_fn(q, k, v, cols, scale)
-            # the merge reads FA4's half-precision output as it is (promoted to fp32 in the products)
-            res = (o2, l2) if res is None else merge_attention(res[0], res[1], o2, l2)
+            # the merge reads FA4's half-precision output as it is (promoted to fp32 in the products; on CUDA
+            # one fused Triton launch, elsewhere torch)
+            res = (o2, l2) if res is None else merge_attention_fast(res[0], res[1], o2, l2)
         if res is None:
             return self.fallback.forward_fn(q, k, v, idx, scale)
         return res[0].to(acc_dtype(res[0].dtype)), res[1]

@@ -6,7 +6,9 @@
   the kernels' preprocessing (straight from the lists);
 * :func:`oracle`: fp64 masked attention (forward, LSE, and the backward of a step given a global
   ``lse``/``delta``), chunked over query rows, GQA by ``repeat_interleave``;
-* :func:`bf16_reference`: the same masked attention in bf16 torch ops (the error bar).
+* :func:`bf16_reference`: the same masked attention in bf16 torch ops (the error bar);
+* :func:`merge_fp64`: the LSE merge of two partial results in fp64 (``logaddexp`` form, written
+  apart from ``ops.merge``).
 """
 
 from __future__ import annotations
@@ -161,6 +163,21 @@ def bf16_reference(q, k, v, mask_fn, scale, dout, chunk=1024):
     dk = dk.view(b, sk, hkv, rep, d).sum(3).to(bf)
     dv = dv.view(b, sk, hkv, rep, d).sum(3).to(bf)
     return out.float(), lse, dq.float(), dk.float(), dv.float()
+
+
+def merge_fp64(out, lse, out2, lse2):
+    """Attention over the union of two disjoint key sets from the partials ``(out [b, s, h, d], lse [b, h, s])``
+    and ``(out2, lse2)``, in fp64: ``lse = logaddexp(lse, lse2)``, ``out = out exp(lse - l) + out2 exp(lse2 - l)``
+    (an ``-inf`` partial weighs 0; rows where both are ``-inf``: out 0, lse ``-inf``). Independent of
+    :func:`~megatron_mtraining.ops.merge.merge_attention` (which subtracts the maximum instead)."""
+    o1, l1, o2, l2 = (t.double() for t in (out, lse, out2, lse2))
+    new = torch.logaddexp(l1, l2)
+    dead = torch.isneginf(new)
+    safe = torch.where(dead, torch.zeros_like(new), new)
+    w1 = torch.where(torch.isneginf(l1), torch.zeros_like(l1), torch.exp(l1 - safe))
+    w2 = torch.where(torch.isneginf(l2), torch.zeros_like(l2), torch.exp(l2 - safe))
+    res = o1 * w1.transpose(1, 2)[..., None] + o2 * w2.transpose(1, 2)[..., None]
+    return res, torch.where(dead, torch.full_like(new, float("-inf")), new)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -854,6 +854,47 @@ def _delta_kernel(DO, O, Delta, s_db, s_ds, s_dh, s_ob, s_os, s_oh, s_lb, s_lh, 
 
 
 @triton.jit
+def _merge_kernel(O1, L1, O2, L2, Out, Lse,
+                  s_1b, s_1s, s_1h, s_l1b, s_l1h, s_l1s,
+                  s_2b, s_2s, s_2h, s_l2b, s_l2h, s_l2s,
+                  s_ob, s_os, s_oh, s_lb, s_lh,
+                  seqlen, num_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """LSE merge of two partial attention results (``ops.merge.merge_attention``'s formula, in one pass):
+    ``m = max(l1, l2)`` (0 where both are ``-inf``), ``w_i = exp(l_i - m)``, ``lse = m + log(w1 + w2)``,
+    ``out = (o1 w1 + o2 w2) / (w1 + w2)`` (the divisor 1 where it is 0: two empty rows give out 0, lse
+    ``-inf``). ``O1``/``O2`` ``[b, s, h, d]`` read in their own dtype (unit stride in d), the LSEs
+    ``[b, h, s]`` in fp32 with any strides; ``Out`` and ``Lse`` fp32. One program: ``BLOCK_S`` rows of one
+    (batch, head)."""
+    ps = tl.program_id(0)
+    bh = tl.program_id(1)
+    bz = bh // num_heads
+    h = bh % num_heads
+    offs_s = ps * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ms = offs_s < seqlen
+    if BLOCK_D == HEAD_DIM:
+        m2 = ms[:, None]
+    else:
+        m2 = ms[:, None] & (offs_d[None, :] < HEAD_DIM)
+    l1 = tl.load(L1 + bz * s_l1b + h * s_l1h + offs_s * s_l1s, mask=ms, other=float("-inf")).to(tl.float32)
+    l2 = tl.load(L2 + bz * s_l2b + h * s_l2h + offs_s * s_l2s, mask=ms, other=float("-inf")).to(tl.float32)
+    m = tl.maximum(l1, l2)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w1 = tl.exp(l1 - m)
+    w2 = tl.exp(l2 - m)
+    total = w1 + w2
+    lse = m + tl.log(total)
+    total = tl.where(total == 0.0, 1.0, total)
+    w1 = w1 / total
+    w2 = w2 / total
+    o1 = tl.load(O1 + bz * s_1b + h * s_1h + offs_s[:, None] * s_1s + offs_d[None, :], mask=m2, other=0.0)
+    o2 = tl.load(O2 + bz * s_2b + h * s_2h + offs_s[:, None] * s_2s + offs_d[None, :], mask=m2, other=0.0)
+    out = o1.to(tl.float32) * w1[:, None] + o2.to(tl.float32) * w2[:, None]
+    tl.store(Out + bz * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :], out, mask=m2)
+    tl.store(Lse + bz * s_lb + h * s_lh + offs_s, lse, mask=ms)
+
+
+@triton.jit
 def _index_row(bz, g, r, rep, num_rows, ROWS: tl.constexpr):
     """The index row that query head ``r`` of KV head ``g`` (batch entry ``bz``) reads: one row shared by
     every head (``ROWS == 0``), one per group (1) or one per query head (2)."""

@@ -1191,3 +1191,85 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         dout, out, delta, dout.stride(0), dout.stride(1), dout.stride(2), out.stride(0), out.stride(1), out.stride(2),
         delta.stride(0), delta.stride(1), s, h, HEAD_DIM=d, BLOCK_S=block_s, num_warps=4)
     return delta
+
+
+# ----------------------------------------------------------------------------- LSE merge
+_MERGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+MERGE_WARPS = 4
+
+
+def merge_launch_shape(head_dim: int) -> tuple:
+    """``(BLOCK_D, BLOCK_S)`` of :func:`attention_merge`: the head dimension padded to a power of two, and
+    rows per program (about 1024 elements of each tensor per program, 8 to 128 rows: about 64 registers
+    and no spills at head_dim 64 to 128 on sm_90, tests/workers/merge_aot.py; not tuned on a GPU)."""
+    block_d = 1 << (head_dim - 1).bit_length()
+    return block_d, max(8, min(128, 1024 // block_d))
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset a kernel computes into ``t`` (its strides as they are)."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+
+
+def merge_unsupported(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor) -> Optional[str]:
+    """Why :func:`attention_merge` cannot take these tensors (``None``: it can). The rules: ``out``/``out2``
+    ``[b, s, h, d]`` of one shape, bf16/fp16/fp32, ``d >= 1`` with unit stride; ``lse``/``lse2``
+    ``[b, h, s]`` fp32 (any strides); one device; ``b * h < 65536`` (the launch grid's second
+    dimension); every element offset of the inputs and outputs below 2**31 (int32 indexing)."""
+    if out.dim() != 4 or out2.shape != out.shape:
+        return f"out and out2 must both be [b, s, h, d]; got {tuple(out.shape)}, {tuple(out2.shape)}"
+    b, s, h, d = out.shape
+    if tuple(lse.shape) != (b, h, s) or tuple(lse2.shape) != (b, h, s):
+        return f"lse and lse2 must be [b, h, s] = {(b, h, s)}; got {tuple(lse.shape)}, {tuple(lse2.shape)}"
+    if out.dtype not in _MERGE_DTYPES or out2.dtype not in _MERGE_DTYPES:
+        return f"out and out2 must be bf16, fp16 or fp32; got {out.dtype}, {out2.dtype}"
+    if lse.dtype != torch.float32 or lse2.dtype != torch.float32:
+        return f"lse and lse2 must be fp32; got {lse.dtype}, {lse2.dtype}"
+    if len({t.device for t in (out, lse, out2, lse2)}) != 1:
+        return "out, lse, out2 and lse2 must be on one device"
+    if d < 1:
+        return f"head_dim must be >= 1, got {d}"
+    if out.stride(-1) != 1 or out2.stride(-1) != 1:
+        return "out and out2 need a unit stride in their last dimension (head_dim)"
+    if b * h >= 65536:
+        return f"b * h = {b * h} must be below 65536 (the merge kernel's grid has one program row per (batch, head))"
+    if max(out.numel() - 1, *(_max_offset(t) for t in (out, lse, out2, lse2))) >= 2 ** 31:
+        return "element offsets of 2**31 or more are not supported (int32 indexing)"
+    return None
+
+
+def attention_merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor):
+    """Two partial attention results merged by their LSEs in one Triton launch: the values of
+    :func:`~megatron_mtraining.ops.merge.merge_attention` (max-subtracted: any LSE gap is safe, a ``-inf``
+    partial changes nothing, two ``-inf`` give out 0 and lse ``-inf``, no NaN).
+
+    Args:
+        out, out2: ``[b, s, h, d]`` partial outputs, bf16/fp16/fp32 (each read in its own dtype, e.g.
+            FlashAttention-4's bf16 output), unit stride in ``d``, other strides as they are.
+        lse, lse2: ``[b, h, s]`` fp32, their natural-log LSEs, any strides (views allowed).
+
+    Returns:
+        ``(out [b, s, h, d] fp32, lse [b, h, s] fp32)``, new contiguous tensors.
+
+    Raises:
+        ValueError: the rules :func:`merge_unsupported` names (shapes, dtypes, devices, an empty or strided
+            head dimension, ``b * h >= 65536``, element offsets of 2**31 or more).
+    """
+    why = merge_unsupported(out, lse, out2, lse2)
+    if why is not None:
+        raise ValueError(why)
+    b, s, h, d = out.shape
+    res = torch.empty((b, s, h, d), dtype=torch.float32, device=out.device)
+    res_lse = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
+    if res.numel() == 0:
+        return res, res_lse
+    block_d, block_s = merge_launch_shape(d)
+    _kernels()._merge_kernel[(-(-s // block_s), b * h)](
+        out, lse, out2, lse2, res, res_lse,
+        out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
+        out2.stride(0), out2.stride(1), out2.stride(2), *lse2.stride(),
+        res.stride(0), res.stride(1), res.stride(2), res_lse.stride(0), res_lse.stride(1),
+        s, h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=MERGE_WARPS)
+    return res, res_lse
