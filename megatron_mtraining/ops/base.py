@@ -11,7 +11,10 @@ CP rank ``owner``:
 
 Dtypes: inputs bf16/fp16/fp32/fp64; ``out``, ``lse``, ``dq``, ``dk``, ``dv`` in the accumulation
 dtype :func:`~megatron_mtraining.common.acc_dtype` (fp32, fp64 for fp64 inputs), so the ring merges
-partials by LSE (FlashAttention's online softmax) without rounding to the input dtype.
+partials by LSE (FlashAttention's online softmax) without rounding to the input dtype. The one
+exception: a kernel of a one-step ring (CP=1) without a column phase may return ``out``, ``dq``,
+``dk``, ``dv`` in the inputs' dtype, which the ring then takes as they are (the only partial is the
+result; nothing is merged into it or added to it).
 
 The backward of a step takes the final (merged over all steps) ``lse`` and ``delta``, so the
 per-step gradients add up exactly (FlashAttention, Dao et al. 2022, Alg. 2; ring attention, Liu et

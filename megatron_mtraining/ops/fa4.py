@@ -508,7 +508,9 @@ class FA4SparseStepKernel(SparseStepKernel):
 
     The ring's sparse step-kernel protocol (:class:`~megatron_mtraining.ops.sparse_reference.SparseStepKernel`):
     ``forward(q, k, v, owner) -> (out fp32, lse fp32) | None``,
-    ``backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None``. For each step the
+    ``backward(dout, q, k, v, lse, delta, owner) -> (dq, dk, dv) fp32 | None``; a step that runs FA4 alone
+    in a one-step ring without a column phase (CP=1) returns FA4's ``out`` / ``dq, dk, dv`` in q's dtype
+    (``_only_step``: the ring takes them as they are, no fp32 copies). For each step the
     slash blocks (``StepIndices`` at 128-token blocks) run :func:`fa4_forward` / :func:`fa4_backward`
     with per-head block lists (:func:`sparsity_from_indices`; FA4's causal mask on the rank's own
     step) and the step's token-level columns run ``fallback`` (the Triton sparse kernel); the two are
@@ -556,6 +558,15 @@ class FA4SparseStepKernel(SparseStepKernel):
     def expect_backward(self, value: bool) -> None:
         self.fallback.expect_backward = bool(value)
 
+    @property
+    def _only_step(self) -> bool:
+        """The ring has one step (CP=1: one entry in ``steps``) and no column phase: a step's result is the
+        ring's, which takes it as it is (:func:`~megatron_mtraining.ring.merge_partial` with ``keep``,
+        :func:`~megatron_mtraining.ring.ring_pass_backward`), so FA4's outputs and gradients are returned in
+        q's dtype instead of fp32 copies. With a column phase its partial and its dK/dV are added to the
+        step's in fp32, as before."""
+        return len(self.steps) == 1 and self.column_phase is None
+
     def begin_backward(self, out: torch.Tensor) -> None:
         """The ring's final output (``[b, sq, hq, d]``, q's dtype), for the FA4 backward."""
         self._out = out
@@ -597,7 +608,8 @@ class FA4SparseStepKernel(SparseStepKernel):
             res = (o2, l2) if res is None else merge_attention_fast(res[0], res[1], o2, l2)
         if res is None:
             return self.fallback.forward_fn(q, k, v, idx, scale)
-        return res[0].to(acc_dtype(res[0].dtype)), res[1]
+        # FA4's half-precision output alone: in fp32 for the ring's merge, or as it is for a one-step ring
+        return (res[0] if self._only_step else res[0].to(acc_dtype(res[0].dtype))), res[1]
 
     def _backward_step(self, dout, q, k, v, lse, delta, idx, scale: float):
         if id(idx) not in self._ring_ids or self.deterministic or self._out is None:
@@ -615,7 +627,7 @@ class FA4SparseStepKernel(SparseStepKernel):
             grads = g2 if grads is None else tuple(b.add_(a) for a, b in zip(grads, g2))
         if grads is None:
             return self.fallback.backward_fn(dout, q, k, v, lse, delta, idx, scale)
-        return tuple(g.to(acc_dtype(g.dtype)) for g in grads)
+        return grads if self._only_step else tuple(g.to(acc_dtype(g.dtype)) for g in grads)
 
     forward_fn = _forward_step
     backward_fn = _backward_step

@@ -58,20 +58,23 @@ def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, wh
             pending = comm.exchange(kv, [torch.empty_like(kv[0]), torch.empty_like(kv[1])],
                                     f"forward step {step}{where} (K/V exchange for step {step + 1})")
         partial = kernel.forward(q, kv[0], kv[1], owner_of_step(step))
-        if partial is not None:
-            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
+        if partial is not None:      # a one-step ring's only partial is its result: kept in its own dtype
+            out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype), keep=comm.size == 1)
         if pending is not None:
             kv = tuple(pending.wait())
     return out, lse
 
 
-def merge_partial(out, lse, partial, acc: torch.dtype):
+def merge_partial(out, lse, partial, acc: torch.dtype, keep: bool = False):
     """``(out, lse)`` merged with a step's ``partial = (out, lse)`` by LSE
-    (:func:`~megatron_mtraining.ops.merge.merge_attention`); ``out is None`` (nothing merged yet): the
-    partial itself in ``acc`` (``lse`` contiguous), which is what merging it into zeros and ``-inf``
-    gives, without the full-size passes over the output."""
+    (:func:`~megatron_mtraining.ops.merge.merge_attention`; a later merge computes in fp32 or wider whatever
+    the dtype of ``out``); ``out is None`` (nothing merged yet): the partial itself in ``acc`` (``lse``
+    contiguous), which is what merging it into zeros and ``-inf`` gives, without the full-size passes over
+    the output. ``keep``: the partial's ``out`` in its own dtype instead (the only partial of a one-step
+    ring, e.g. FlashAttention-4's bf16 output at CP=1: no fp32 copy, and none back to q's dtype in
+    :func:`finish_forward`); ``lse`` still in ``acc``."""
     if out is None:
-        return partial[0].to(acc), partial[1].to(acc).contiguous()
+        return (partial[0] if keep else partial[0].to(acc)), partial[1].to(acc).contiguous()
     return merge_attention(out, lse, *partial)
 
 
@@ -81,7 +84,9 @@ def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owne
     ``None`` if no step computes), and the dK/dV of the entry ``kv`` summed over every rank of the ring.
 
     The fp32 accumulator of each K/V travels one exchange behind it and, after ``comm.size``
-    hops, arrives back at the rank that put the K/V into the ring. Failures raise
+    hops, arrives back at the rank that put the K/V into the ring. A one-step ring (``comm.size == 1``)
+    takes its step's gradients as they are (a kernel may return them in q's dtype then, e.g.
+    FlashAttention-4's bf16 ones: no fp32 copies); a ``dq`` passed in keeps its dtype. Failures raise
     :class:`~megatron_mtraining.distributed.CommError` naming ``"{ring} ring backward step {j}{where}"``.
     """
     acc = acc_dtype(q.dtype)
@@ -96,7 +101,7 @@ def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owne
         if grads is not None:
             dq_s, dk_s, dv_s = grads
             if dq is None:
-                dq = dq_s.to(acc)
+                dq = dq_s if comm.size == 1 else dq_s.to(acc)
             else:
                 dq += dq_s
         else:
@@ -126,9 +131,10 @@ def _empty_out_lse(q):
 
 def finish_forward(q, out, lse, cols):
     """A ring Function's ``(out, lse)`` after its steps (``out, lse = None, None`` if no step computed):
-    the column phase's partial (``cols``, or ``None``) merged in by LSE, zeros and ``-inf`` where nothing
-    saw a key, ``out`` in ``q``'s dtype and detached (the first partial may be a view of a step kernel's
-    buffer: the output stays a plain tensor that callers may edit in place, without a copy)."""
+    the column phase's partial (``cols``, or ``None``) merged in by LSE (in fp32 or wider, also into a
+    one-step ring's partial kept in q's dtype), zeros and ``-inf`` where nothing saw a key, ``out`` in
+    ``q``'s dtype and detached (the first partial may be a view of a step kernel's buffer, or at CP=1 the
+    kernel's own output: the output stays a plain tensor that callers may edit in place, without a copy)."""
     if cols is not None and (partial := cols.forward(q)) is not None:
         out, lse = merge_partial(out, lse, partial, acc_dtype(q.dtype))
     if out is None:

@@ -15,7 +15,7 @@ from megatron_mtraining.ops.fa4 import FA4_BLOCK, FA4SparseStepKernel, make_fa4_
 from megatron_mtraining.ops.sparse_reference import SparseStepKernel
 from megatron_mtraining.patterns.convert import convert_pattern, refine_indices, step_key_mask
 from tests.helpers.ring_sim import random_pattern, simulate_dense_ring
-from tests.workers.gpu_common import oracle, rel_err
+from tests.workers.gpu_common import bf16_reference, oracle, rel_err
 
 pytestmark = pytest.mark.unit
 
@@ -152,6 +152,62 @@ def test_fa4_sparse_step_kernel_matches_fp64(lay, deterministic, monkeypatch):
     monkeypatch.setattr(FA4SparseStepKernel, "_parts", lambda self, idx: (sparsity_from_indices(idx), None))
     bad = simulate_dense_ring(lay, q, k, v, do, make)
     assert rel_err(bad[0], ref[0]) > 1e-3
+
+
+def _fa4_like_forward(q, k, v, *, softmax_scale, causal=False, sparsity=None):
+    """The emulation computed in fp32 with the output in q's dtype, as FA4 returns it (fp32 LSE)."""
+    out, lse = _fake_forward(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal,
+                             sparsity=sparsity)
+    return out.to(q.dtype), lse
+
+
+def _fa4_like_backward(dout, q, k, v, out, lse, *, softmax_scale, causal=False, sparsity=None, deterministic=False):
+    grads = _fake_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                           softmax_scale=softmax_scale, causal=causal, sparsity=sparsity)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_one_step_ring_passes_fa4_half_precision_results_through(columns, monkeypatch):
+    """CP=1 through the ring Function, bf16: FA4's output is the ring's output itself (no fp32 copy and none
+    back), out / dQ / dK / dV bitwise those of the fp32 copies (``_only_step`` off, the path before), and within
+    2x the error of a bf16 torch attention against fp64. With columns the merge is fp32, as before."""
+    from megatron_mtraining.ring import RingAttentionFunc
+
+    handed = []
+
+    def fwd(*a, **kw):
+        res = _fa4_like_forward(*a, **kw)
+        handed.append(res[0])
+        return res
+    monkeypatch.setattr(fa4_mod, "fa4_forward", fwd)
+    monkeypatch.setattr(fa4_mod, "fa4_backward", _fa4_like_backward)
+    lay = Layout("striped", cp_size=1, granularity=128)
+    seq, b, hq, hkv, d, scale = 512, 1, 4, 2, 16, 0.25
+    pat = random_pattern(seq, 128, b, hq, seed=21, max_vertical=5 if columns else 0)
+    steps = convert_pattern(pat, lay, 0)
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(b, seq, h, d, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv, hq))
+
+    def run():
+        kern = make_fa4_sparse_step(steps, scale, fallback=SparseStepKernel)
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = RingAttentionFunc.apply(*xs, kern, None)
+        out.backward(do)
+        return kern, out.detach(), *(x.grad for x in xs)
+    kern, *new = run()
+    assert kern._only_step and (kern._cache[next(iter(kern._cache))][2] is not None) == columns
+    assert (new[0].data_ptr() == handed[-1].data_ptr()) != columns        # FA4's own buffer unless merged
+    monkeypatch.setattr(FA4SparseStepKernel, "_only_step", property(lambda self: False))
+    _, *old = run()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), new, old):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+    dm = pat.dense_mask()
+    mask = lambda r0, r1: dm[:, :, r0:r1]  # noqa: E731
+    ref = oracle(q, k, v, mask, scale, dout=do)
+    bar = bf16_reference(q, k, v, mask, scale, do)
+    for name, a, r64, r16 in zip(("out", "dq", "dk", "dv"), new, (ref[0], *ref[2:5]), (bar[0], *bar[2:])):
+        assert rel_err(a, r64) <= 2 * rel_err(r16, r64), name
 
 
 def test_fa4_sparse_step_keeps_64_block_patterns_on_the_fallback():

@@ -70,3 +70,49 @@ def test_output_is_not_a_view_of_a_step_buffer():
         assert "modified by an inplace operation" in str(e)
     else:
         raise AssertionError("a backward through an output edited in place must be refused")
+
+
+class _Recording(_Fixed):
+    """:class:`_Fixed` that keeps the tensors it hands out (to see whether the ring copies them)."""
+
+    def forward(self, q, k, v, owner):
+        self.handed = super().forward(q, k, v, owner)
+        return self.handed
+
+    def backward(self, dout, q, k, v, lse, delta, owner):
+        self.handed_grads = super().backward(dout, q, k, v, lse, delta, owner)
+        return self.handed_grads
+
+
+def test_one_step_ring_takes_a_half_precision_partial_as_it_is():
+    """CP=1 (one ring step): a step kernel's bf16 output is the ring's output itself (no fp32 copy, none back to
+    bf16), with the values of the merge into an empty result rounded to bf16, its LSE in fp32; its bf16 dQ / dK /
+    dV are the backward's (no fp32 copies). A column phase's partial merged into such an output is in fp32."""
+    from megatron_mtraining.distributed import RingComm
+    from megatron_mtraining.ring import finish_forward, merge_partial, ring_pass_backward, ring_pass_forward
+
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    q, k, v = torch.randn(1, 64, 4, 16).to(bf), torch.randn(1, 64, 2, 16).to(bf), torch.randn(1, 64, 2, 16).to(bf)
+    kern = _Recording(q, k)
+    comm = RingComm(None)
+    out, lse = ring_pass_forward(kern, comm, q, (k, v), None, None, lambda step: 0)
+    assert out is kern.handed[0] and lse.dtype == torch.float32
+    final, lse = finish_forward(q, out, lse, None)
+    assert final.dtype == bf and final.data_ptr() == kern.handed[0].data_ptr() and not final._is_view()
+    empty = torch.zeros(kern.out.shape), torch.full(kern.lse.shape, float("-inf"))
+    ref_out, ref_lse = merge_attention(*empty, kern.out.float(), kern.lse.float())
+    assert torch.equal(final, ref_out.to(bf)) and torch.equal(lse, ref_lse)
+    dq, (dk, dv) = ring_pass_backward(kern, comm, torch.ones_like(q), q, (k, v), lse, torch.zeros_like(lse), None,
+                                      lambda step: 0)
+    assert all(a is b for a, b in zip((dq, dk, dv), kern.handed_grads))
+    # through the Function: the same values as the fp32 path gave (bf16 -> fp32 -> bf16 is exact)
+    got = _run(_Fixed(q, k), q, k, v)
+    assert all(g.dtype == bf and torch.equal(g, w) for g, w in zip(got, (kern.out, *kern.grads)))
+    # a later merge (the column phase's fp32 partial) computes in fp32
+    cols = (torch.randn(kern.out.shape), torch.randn(kern.lse.shape))
+    merged = merge_partial(kern.out, kern.lse.float(), cols, torch.float32, keep=True)
+    want = merge_attention(kern.out.float(), kern.lse.float(), *cols)
+    assert merged[0].dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(merged, want))
+    # negative control: without keep the partial is copied to fp32
+    assert merge_partial(None, None, kern.handed, torch.float32)[0].dtype == torch.float32
