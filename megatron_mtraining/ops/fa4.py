@@ -469,14 +469,20 @@ def make_fa4_dense_step(layout, rank: int, seq_len: int, softmax_scale: float, c
 
 
 def _without_blocks(idx):
-    """``idx`` with its block (slash) work removed: the vertical columns only."""
+    """``idx`` with its block (slash) work removed: the vertical columns only. Its ``known_max`` records no
+    block (``block == 0``), so the Triton plan of these columns builds no block structures
+    (:attr:`~megatron_mtraining.ops.triton.launch.SparsePlan.no_blocks`): ``idx``'s record with the block
+    bound 0 where it is valid, else the column lists' width as the column bound (``exact=False``; the
+    counts never exceed it)."""
     from ..patterns.indices import KnownMax, StepIndices
 
     b, hq, nqb = idx.block_count.shape
     bc = torch.zeros_like(idx.block_count)
     k = idx.known_max
-    known = (KnownMax.of(bc, idx.column_count, 0, k.column, k.exact, k.union)
-             if k is not None and k.valid_for(idx.block_count, idx.column_count) else None)
+    if k is not None and k.valid_for(idx.block_count, idx.column_count):
+        known = KnownMax.of(bc, idx.column_count, 0, k.column, k.exact, k.union)
+    else:
+        known = KnownMax.of(bc, idx.column_count, 0, idx.column_index.shape[-1], exact=False)
     return StepIndices(bc, torch.full((b, hq, nqb, 1), -1, dtype=idx.block_index.dtype, device=bc.device),
                        idx.column_count, idx.column_index, idx.causal, idx.block_size, known_max=known,
                        column_union=idx.column_union)     # the same column lists: a valid record stays valid

@@ -78,7 +78,9 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
     sequences). The gradients equal those of the data-dependent plans (the same entries in the same
     order; a wider column union only changes the split of the column partials). A valid
     ``indices.column_union`` (:class:`~megatron_mtraining.patterns.indices.ColumnUnion`) is the column plan's
-    union and per-tile masks: no union is built from the lists, and the plan needs no bound for it."""
+    union and per-tile masks: no union is built from the lists, and the plan needs no bound for it.
+    A valid ``known_max`` with ``block == 0`` (a columns-only step) gives a plan without block structures
+    (``SparsePlan.no_blocks``: no block split, no inverted block index; the same outputs)."""
     indices = _tiles(indices)
     k = indices.known_max
     if k is not None and not k.valid_for(indices.block_count, indices.column_count):
@@ -93,7 +95,8 @@ def plan_for(indices: StepIndices, static: Optional[bool] = None) -> SparsePlan:
                              bool(indices.causal), static=static, column_union_max=union,
                              doc_lo=indices.doc_lo, doc_hi=indices.doc_hi, key_pos=indices.key_pos,
                              diagonal=indices.diagonal_blocks,
-                             column_union=(given.union, given.bits) if given is not None else None)
+                             column_union=(given.union, given.bits) if given is not None else None,
+                             no_blocks=k is not None and k.block == 0)
 
 
 def _scale(q, softmax_scale):

@@ -73,6 +73,10 @@ class SparsePlan:
     column_union: Optional[tuple] = None  # (union [B', H', nv] int32 ascending, -1 padded; masks [B', H', nqb,
     #                                       ceil(nv / 64)] int64): the column plan's union, given (ColumnUnion)
     _diag_rows: Optional[tuple] = field(default=None, repr=False)  # their _diagonal_rows (causal plans)
+    no_blocks: bool = False               # every block count is 0 (a columns-only step, known on the host): no
+    #                                       block split, no inverted block index; the backward writes zero dK/dV
+    #                                       instead of running the dK/dV kernel and the dQ kernel skips its block
+    #                                       loops (plan_from_indices(..., no_blocks=True))
 
     @property
     def has_documents(self) -> bool:
@@ -166,7 +170,7 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
                       static: bool = False, column_union_max: Optional[int] = None,
                       doc_lo: Optional[torch.Tensor] = None, doc_hi: Optional[torch.Tensor] = None,
                       key_pos: Optional[torch.Tensor] = None, diagonal: bool = False,
-                      column_union: Optional[tuple] = None) -> SparsePlan:
+                      column_union: Optional[tuple] = None, no_blocks: bool = False) -> SparsePlan:
     """Plan of a :class:`~megatron_mtraining.patterns.indices.StepIndices` (local-index causal mask).
 
     ``static``: the backward plans get sizes known on the host (no device read, the CUDA default of
@@ -191,14 +195,23 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
     columns, strictly ascending and ``-1`` padded, a superset of what its tiles list, and per tile the
     64-bit masks of the slots it lists): the backward's column plan takes them as its union and tile
     masks instead of building them from the lists (:func:`_col_plan`; the same columns, split into
-    chunks of the given union). Ignored with documents."""
+    chunks of the given union). Ignored with documents.
+
+    ``no_blocks``: the caller knows that every block count is 0 (a columns-only step, e.g. from a valid
+    ``known_max`` with ``block == 0``; a wrong flag drops the listed blocks from the backward): the plan
+    builds no block split (``block_split`` is the zero counts) and no diagonal rows, and its backward no
+    inverted block index (:attr:`SparsePlan.no_blocks`). The same outputs."""
     block_count, block_index = _i32(block_count), _i32(block_index)
     docs = doc_lo is not None
     if docs and (doc_hi is None or key_pos is None):
         raise ValueError("packed documents need doc_lo, doc_hi and key_pos together")
-    diagonal = bool(diagonal) and not docs and block_index.dim() == 4 and block_index.shape[-2] > 0
+    no_blocks = bool(no_blocks)
+    diagonal = (bool(diagonal) and not docs and not no_blocks and block_index.dim() == 4
+                and block_index.shape[-2] > 0)
     diag_rows = None
-    if diagonal and causal:      # the diagonal tile (offset 0, the last slot) is the only masked one
+    if no_blocks:                # nothing to split: the kernels' block loops run zero steps
+        split = block_count
+    elif diagonal and causal:    # the diagonal tile (offset 0, the last slot) is the only masked one
         diag_rows, split = _diagonal_split(block_index, block_count)
     elif causal and not docs:
         split = _leading_below(block_index, block_count, 1)
@@ -224,7 +237,7 @@ def plan_from_indices(block_count, block_index, column_count, column_index, caus
                       1 if causal else 0, k_pos=bound(key_pos), static=bool(static),
                       column_union_max=column_union_max, doc_lo=bound(doc_lo), doc_hi=bound(doc_hi),
                       diagonal=diagonal, _diag_rows=diag_rows,
-                      column_union=column_union if has_cols and not docs else None)
+                      column_union=column_union if has_cols and not docs else None, no_blocks=no_blocks)
 
 
 def dense_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, row_block: int = BLOCK
@@ -786,7 +799,8 @@ def prebuild_backward_plans(plan: SparsePlan, q_shape, k_shape, deterministic: b
     need_col = plan.has_columns and not plan.columns_by_atomics(deterministic, cfg) and plan.mask_mode < 2
 
     def build():
-        _kv_csr(kv_src, sk // BLOCK, hq, hkv)
+        if not kv_src.no_blocks:
+            _kv_csr(kv_src, sk // BLOCK, hq, hkv)
         if need_col:
             _col_plan(plan, sk, b, hq)
 
@@ -1077,23 +1091,27 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     kv_src = plan.kv_source
     if dq_atomic and kv_src is not plan:
         raise ValueError("dq_atomic_fast needs a plan with 64-row tiles")
-    offsets, mids, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
-    qp = plan.q_pos if plan.q_pos is not None else offsets
-    kp = plan.k_pos if plan.k_pos is not None else offsets
-    dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
-    dq_tma = dq_atomic and cfg.dq_tma and dq.is_cuda
-    dq_arg = _dq_descriptor(dq, BLOCK) if dq_tma else dq
-    qd, dod = _tma_args(cfg, q, dout)
-    _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
-        q, k, v, dout, lse, delta, dq_arg, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
-        scale_log2, softmax_scale, *common,
-        (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0, s_dlb,
-        hkv, nqb, rep,
-        MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32, DOC=kv_src.has_documents,
-        HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, PAIR=cfg.dkdv_pair, DQ_TMA=dq_tma,
-        TMA=qd is not None, QD=qd, DOD=dod,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-    ))
+    if kv_src.no_blocks:     # no block: what the kernel would store (zeros), without its inverted index
+        dk.zero_()
+        dv.zero_()
+    else:
+        offsets, mids, entries, B_, G_ = _kv_csr(kv_src, nkb, hq, hkv)
+        qp = plan.q_pos if plan.q_pos is not None else offsets
+        kp = plan.k_pos if plan.k_pos is not None else offsets
+        dlo, dhi, s_dlb = _doc_args(kv_src, b, sq, offsets)
+        dq_tma = dq_atomic and cfg.dq_tma and dq.is_cuda
+        dq_arg = _dq_descriptor(dq, BLOCK) if dq_tma else dq
+        qd, dod = _tma_args(cfg, q, dout)
+        _record(stats, "_sparse_bwd_dkdv_kernel", K._sparse_bwd_dkdv_kernel[(nkb * hkv, b)](
+            q, k, v, dout, lse, delta, dq_arg, dk, dv, offsets, mids, entries, qp, kp, dlo, dhi,
+            scale_log2, softmax_scale, *common,
+            (G_ * nkb) if B_ > 1 else 0, nkb if G_ > 1 else 0, s_dlb,
+            hkv, nqb, rep,
+            MASK_MODE=kv_src.mask_mode, DQ_ATOMIC=dq_atomic, FP32=fp32, DOC=kv_src.has_documents,
+            HEAD_DIM=d, BLOCK_M=BLOCK, BLOCK_N=BLOCK, PAIR=cfg.dkdv_pair, DQ_TMA=dq_tma,
+            TMA=qd is not None, QD=qd, DOD=dod,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        ))
 
     # 2) dQ (row-parallel); with col_atomic_fast the fast mode also adds the columns' dK/dV with atomics
     bm = plan.row_block
@@ -1102,13 +1120,16 @@ def sparse_backward(dout, q, k, v, lse, delta, plan: SparsePlan, softmax_scale: 
     hd = _heads(plan, hq, hkv, cfg, cfg.pack_gqa_dq_rows)
     tile = hd.hpp * bm
     tensors, istr, col_split = _idx_args(plan, b, hd.index_heads, nqt, cfg.column_split and not col_atomic)
-    if (not dq_atomic) or plan.has_columns:
+    do_blocks = not (dq_atomic or plan.no_blocks)      # the blocks' dQ here (else by atomics, or none)
+    if not (do_blocks or plan.has_columns or dq_atomic):
+        dq.zero_()                                     # no block, no column: a zero dQ (no kernel)
+    if do_blocks or plan.has_columns:
         kd, vd = _tma_args(cfg, k, v)
         _record(stats, "_sparse_bwd_dq_kernel", K._sparse_bwd_dq_kernel[(nqt * hd.num_hp, b)](
             q, k, v, dout, lse, delta, dq, dk, dv, *tensors,
             scale_log2, softmax_scale, *common, *istr,
             hd.num_hp, nqt, rep, hd.hchunks, hd.idx_rep,
-            MASK_MODE=plan.mask_mode, DO_BLOCKS=not dq_atomic, HAS_COLS=plan.has_columns,
+            MASK_MODE=plan.mask_mode, DO_BLOCKS=do_blocks, HAS_COLS=plan.has_columns,
             COL_SPLIT=col_split, COL_ATOMIC=col_atomic, ACCUM_DQ=dq_atomic, FP32=fp32,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK, BLOCK_C=cfg.col_chunk,
             HPP=hd.hpp, TILE_M=tile, HEAD_MASK=rep % hd.hpp != 0, DOC=plan.has_documents, PAIR=cfg.dq_pair,
