@@ -11,7 +11,7 @@ A :class:`SparsePlan` holds, for one ring step, everything the kernels read besi
   (``kv_offsets``, ``kv_entries``: for each (batch, KV head, key block) the ascending list of
   ``r * nqb + qb`` — query head ``g * rep + r`` and query tile ``qb`` that list the block), sorted
   from the block lists, or for block diagonals (``diagonal``: the slash blocks of most layouts) written from
-  each row's offsets by one kernel;
+  each row's offsets by one kernel; none for a plan whose indices list no block (``no_blocks``);
 * vertical-column side (built on the first backward that adds the columns by the column kernel, i.e.
   unless ``KernelConfig.col_atomic_fast`` in the fast mode): per query head
   the union ``U`` of its columns (ascending), and per (query tile, 64-column chunk of ``U``) a
@@ -22,6 +22,10 @@ they are broadcast through zero strides, never copied. Their head dimension is `
 per query head), 1, or ``hkv`` (a pattern per GQA group): then query head ``h`` reads row
 ``h // (hq / hkv)``, the forward (and optionally the dQ) kernel packs several of a group's heads
 into one tile (``KernelConfig.pack_gqa``, :func:`_heads`) and the column plan holds one union per group.
+
+Besides the sparse kernels: :func:`attention_delta` (the backward's ``rowsum(dout * out)``) and
+:func:`attention_merge` (the LSE merge of two partial results in one pass, e.g. FlashAttention-4's
+slash blocks with the Triton columns).
 """
 
 from __future__ import annotations
@@ -1216,9 +1220,7 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- LSE merge
 _MERGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-MERGE_WARPS = 4
+MERGE_WARPS = 4     # warps per program of the merge kernel
 
 
 def merge_launch_shape(head_dim: int) -> tuple:
