@@ -32,7 +32,7 @@ from ..layout import LAYOUT_KINDS, Layout
 from ..layout.documents import documents_agreement_key
 from ..ops.backends import KernelBackend, select_backend, triton_unsupported
 from ..ops.base import DeltaFunction
-from ..ops.merge import merge_attention
+from ..ops.merge import merge_attention_fast
 from ..ops.reference import DenseStepKernel, attention_delta_torch
 
 __all__ = ["ring_attention", "RingAttentionFunc", "DenseStepKernel", "check_ring_inputs", "ring_input_error",
@@ -67,15 +67,15 @@ def ring_pass_forward(kernel, comm: RingComm, q, kv, out, lse, owner_of_step, wh
 
 def merge_partial(out, lse, partial, acc: torch.dtype, keep: bool = False):
     """``(out, lse)`` merged with a step's ``partial = (out, lse)`` by LSE
-    (:func:`~megatron_mtraining.ops.merge.merge_attention`; a later merge computes in fp32 or wider whatever
-    the dtype of ``out``); ``out is None`` (nothing merged yet): the partial itself in ``acc`` (``lse``
-    contiguous), which is what merging it into zeros and ``-inf`` gives, without the full-size passes over
-    the output. ``keep``: the partial's ``out`` in its own dtype instead (the only partial of a one-step
+    (:func:`~megatron_mtraining.ops.merge.merge_attention_fast`: one fused Triton launch on CUDA, the torch
+    merge elsewhere; a later merge computes in fp32 or wider whatever the dtype of ``out``); ``out is None``
+    (nothing merged yet): the partial itself in ``acc`` (``lse`` contiguous), which is what merging it into
+    zeros and ``-inf`` gives, without the full-size passes over the output. ``keep``: the partial's ``out`` in its own dtype instead (the only partial of a one-step
     ring, e.g. FlashAttention-4's bf16 output at CP=1: no fp32 copy, and none back to q's dtype in
     :func:`finish_forward`); ``lse`` still in ``acc``."""
     if out is None:
         return (partial[0] if keep else partial[0].to(acc)), partial[1].to(acc).contiguous()
-    return merge_attention(out, lse, *partial)
+    return merge_attention_fast(out, lse, *partial)
 
 
 def ring_pass_backward(kernel, comm: RingComm, dout, q, kv, lse, delta, dq, owner_of_step, where: str = ""):
