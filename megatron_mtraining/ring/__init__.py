@@ -70,9 +70,10 @@ def merge_partial(out, lse, partial, acc: torch.dtype, keep: bool = False):
     (:func:`~megatron_mtraining.ops.merge.merge_attention_fast`: one fused Triton launch on CUDA, the torch
     merge elsewhere; a later merge computes in fp32 or wider whatever the dtype of ``out``); ``out is None``
     (nothing merged yet): the partial itself in ``acc`` (``lse`` contiguous), which is what merging it into
-    zeros and ``-inf`` gives, without the full-size passes over the output. ``keep``: the partial's ``out`` in its own dtype instead (the only partial of a one-step
-    ring, e.g. FlashAttention-4's bf16 output at CP=1: no fp32 copy, and none back to q's dtype in
-    :func:`finish_forward`); ``lse`` still in ``acc``."""
+    zeros and ``-inf`` gives, without the full-size passes over the output. ``keep``: the partial's
+    ``out`` in its own dtype instead (the only partial of a one-step ring, e.g. FlashAttention-4's bf16
+    output at CP=1: no fp32 copy, and none back to q's dtype in :func:`finish_forward`); ``lse`` still in
+    ``acc``."""
     if out is None:
         return (partial[0] if keep else partial[0].to(acc)), partial[1].to(acc).contiguous()
     return merge_attention_fast(out, lse, *partial)
